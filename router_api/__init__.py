@@ -1,0 +1,1 @@
+"""HTTP service and command-line entry points around the indexer."""

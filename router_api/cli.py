@@ -1,0 +1,53 @@
+"""`kvatlas` command line. Each subcommand lives in its own module, which exposes
+`add_arguments(parser)` and `run(args) -> int`; this file only dispatches, so subcommands can be
+added without touching each other."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> (module, one-line help). Modules keep heavy imports (FastAPI, torch) inside run(), so
+# `kvatlas record` never pays for FastAPI and nothing here imports torch.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("router_api.cmd_demo", "run the end-to-end demo on embedded defaults"),
+    "record": ("router_api.cmd_record", "record live publishers into an event log"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvatlas", description="Exact, tier-aware KV-cache placement.")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.set_defaults(_module=module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:  # a missing optional extra must not break other subcommands
+            sp.set_defaults(_import_error=exc)
+            continue
+        module.add_arguments(sp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    err = getattr(args, "_import_error", None)
+    if err is not None:
+        print(f"kvatlas {args.command}: cannot load ({err}); is the right extra installed?", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# System packages the test suite uses beyond Python: redis-server (real server for snapshot and
+# L3 tests) and chromium (headless dashboard test). Installs them when it can (root + apt-get),
+# otherwise says exactly what is missing; tests that need a missing one are skipped with that reason.
+set -u
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing system packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  if apt-get update -qq >/dev/null && apt-get install -y -qq "${missing[@]}" >/dev/null; then
+    exit 0
+  fi
+  echo "WARNING: apt-get could not install: ${missing[*]}"
+else
+  echo "WARNING: missing system packages: ${missing[*]} (install with: sudo apt-get install ${missing[*]})"
+fi
+echo "         tests that need them will be skipped and say so."
+exit 0
