@@ -100,7 +100,8 @@ def _from_array_form(arr: KVEventBatchArr) -> KVEventBatch:
 
 def _classify(exc: Exception) -> DecodeError:
     msg = str(exc)
-    if msg.startswith("Invalid value") and msg.endswith(".type`"):
+    # Tag value rejected: map form at `...type`, positional form at element 0 of the event array.
+    if msg.startswith("Invalid value") and (msg.endswith(".type`") or msg.endswith("][0]`")):
         return DecodeError("unknown_tag", msg)
     if isinstance(exc, msgspec.ValidationError):
         return DecodeError("invalid", msg)
@@ -118,8 +119,10 @@ def decode_batch(
     except msgspec.ValidationError as map_exc:
         try:
             batch = _from_array_form(_arr_decoder.decode(payload))
-        except msgspec.ValidationError:
-            return _classify(map_exc)
+        except msgspec.ValidationError as arr_exc:
+            # Report the error of the form the payload is actually in: when events are arrays,
+            # the map decoder's complaint ("expected object, got array") hides the real problem.
+            return _classify(arr_exc if "got `array`" in str(map_exc) else map_exc)
         except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
             return DecodeError("malformed", str(exc))
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:

@@ -1,0 +1,286 @@
+"""Index benchmark: kvatlas KVIndex vs Dynamo's in-process RadixTree on one deterministic workload.
+
+    bash bench/setup_bench_env.sh && .venv-bench/bin/python bench/bench_index.py [--scale 1.0]
+
+Workload (deterministic, seed 0): 32 workers, block size 16, ~1M stored blocks: 500 shared system
+prefixes (8-64 blocks, Zipf popularity) + 8 long documents (2048 blocks) + unique suffixes; per worker
+a GPU capacity with FIFO eviction, evicted blocks demoted to host first (placeholder stores), host
+evictions. Dynamo gets the same history's device-tier events as JSON (its format; it drops other
+tiers), pre-built before timing (its token hashing is excluded, ours is included).
+Each engine runs in its own subprocess so resident-memory deltas are not polluted by the other.
+Prints blocks/s applied, lookup µs at 1k/8k/32k tokens (p50, p99), bytes per (worker, block)
+entry, and ratios kvatlas/Dynamo measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BS = 16
+W = 32
+MASK = (1 << 64) - 1
+
+
+class Workload(msgspec.Struct):
+    batches: list[tuple[int, bytes]]  # (worker, msgpack payload)
+    dynamo: list[tuple[int, list[bytes]]]  # (worker, JSON events) — device tier only
+    stored_blocks: int
+    dynamo_blocks: int
+    queries: dict[str, list[list[int]]]
+
+
+def _ext(kind: int, a: int, b: int) -> int:
+    return ((kind * 0x9E3779B97F4A7C15) ^ (a * 0xBF58476D1CE4E5B9) ^ (b * 0x94D049BB133111EB)) & MASK
+
+
+def build(scale: float) -> Workload:
+    from schemas.codec import encode_batch
+    from schemas.events import BlockRemoved, BlockStored, KVEventBatch
+
+    rng = np.random.default_rng(0)
+    n_pref = 500
+    pref_len = rng.integers(8, 65, n_pref)
+    pref_tok = [rng.integers(0, 150_000, int(n) * BS) for n in pref_len]
+    n_long = 8
+    long_tok = [rng.integers(0, 150_000, 2048 * BS) for _ in range(n_long)]
+    zipf = 1.0 / np.arange(1, n_pref + 1) ** 1.1
+    zipf /= zipf.sum()
+    reqs_per_worker = int(1400 * scale)
+    gpu_cap, host_cap = 12_000, 24_000
+    batches: list[tuple[int, bytes]] = []
+    dyn: list[tuple[int, list[bytes]]] = []
+    stored = dyn_blocks = 0
+    uid = 0
+    evid = [0] * W
+    for w in range(W):
+        held_pref: set[int] = set()
+        fifo: list[list[int]] = []  # suffix ext hashes on GPU, oldest first
+        host_fifo: list[list[int]] = []
+        n_gpu = n_host = 0
+        long_ids = [d for d in range(n_long) if (d + w) % 8 < 4 and w < int(32 * min(1.0, scale * 2))]
+        plan = [("long", d) for d in long_ids] + [("req", None)] * reqs_per_worker
+        for kind, d in plan:
+            events, dev = [], []
+            if kind == "long":
+                toks = long_tok[d]
+                hashes = [_ext(2, d, i) for i in range(2048)]
+                events.append(BlockStored(hashes, None, toks.tolist(), BS, medium="GPU"))
+                dev.append(("s", hashes, None, toks))
+                stored += 2048
+                n_gpu += 2048
+            else:
+                p = int(rng.choice(n_pref, p=zipf))
+                parent = _ext(1, p, int(pref_len[p]) - 1)
+                if p not in held_pref:
+                    held_pref.add(p)
+                    hashes = [_ext(1, p, i) for i in range(int(pref_len[p]))]
+                    events.append(BlockStored(hashes, None, pref_tok[p].tolist(), BS, medium="GPU"))
+                    dev.append(("s", hashes, None, pref_tok[p]))
+                    stored += len(hashes)
+                    n_gpu += len(hashes)
+                n_suf = int(rng.integers(4, 25))
+                toks = rng.integers(0, 150_000, n_suf * BS)
+                hashes = [_ext(3, uid + i, 0) for i in range(n_suf)]
+                uid += n_suf
+                events.append(BlockStored(hashes, parent, toks.tolist(), BS, medium="GPU"))
+                dev.append(("s", hashes, parent, toks))
+                stored += n_suf
+                n_gpu += n_suf
+                fifo.append(hashes)
+                while n_gpu > gpu_cap and fifo:
+                    old = fifo.pop(0)
+                    events.append(BlockStored(old, None, [], 0, medium="CPU_PINNED"))  # demote first
+                    events.append(BlockRemoved(old, medium="GPU"))
+                    dev.append(("r", old, None, None))
+                    n_gpu -= len(old)
+                    host_fifo.append(old)
+                    n_host += len(old)
+                while n_host > host_cap and host_fifo:
+                    old = host_fifo.pop(0)
+                    events.append(BlockRemoved(old, medium="CPU_PINNED"))
+                    n_host -= len(old)
+            batches.append((w, encode_batch(KVEventBatch(0.0, events))))
+            jevs = []
+            for op, hashes, parent, toks in dev:
+                if op == "s":
+                    th = _dyn_local_hashes(toks)
+                    data = {"stored": {"parent_hash": parent, "blocks": [
+                        {"block_hash": h, "tokens_hash": t} for h, t in zip(hashes, th)]}}
+                    dyn_blocks += len(hashes)
+                else:
+                    data = {"removed": {"block_hashes": hashes}}
+                jevs.append(json.dumps({"event_id": evid[w], "data": data, "dp_rank": 0}).encode())
+                evid[w] += 1
+            dyn.append((w, jevs))
+    qrng = np.random.default_rng(1)
+    queries: dict[str, list[list[int]]] = {}
+    for n_tok in (1024, 8192, 32768):
+        qs = []
+        for i in range(100):
+            if n_tok == 1024 and i % 2:
+                p = int(qrng.choice(n_pref, p=zipf))
+                base = pref_tok[p]
+            else:
+                base = long_tok[int(qrng.integers(0, n_long))]
+            q = base[:n_tok]
+            if len(q) < n_tok:
+                q = np.concatenate([q, qrng.integers(0, 150_000, n_tok - len(q))])
+            qs.append(q.tolist())
+        queries[str(n_tok)] = qs
+    return Workload(batches, dyn, stored, dyn_blocks, queries)
+
+
+_DYN_HASH = None
+
+
+def _dyn_local_hashes(toks: np.ndarray) -> list[int]:
+    # Dynamo's own per-block token hash, so its queries (hashed the same way) match its events.
+    if _DYN_HASH is None:
+        return [0] * (len(toks) // BS)
+    return _DYN_HASH(toks.tolist(), BS)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def run_kvatlas(wl: Workload, trust: bool) -> dict:
+    from indexer.index import KVIndex
+
+    ix = KVIndex(trust_engine_hashes=trust)
+    ix.ensure_model("m", BS)
+    gc.collect()
+    gc.disable()  # the index makes no reference cycles; a collector pass mid-run only adds noise
+    r0 = rss_bytes()
+    t0 = time.perf_counter()
+    drops = 0
+    for w, payload in wl.batches:
+        st = ix.apply_payload("m", f"w{w}", 0, payload)
+        drops += st.orphans_dropped
+    dt = time.perf_counter() - t0
+    r1 = rss_bytes()
+    gc.enable()
+    entries = sum(sum(v.values()) for v in ix.worker_stats("m").values())
+    mappings = sum(len(w.ext) for w in ix._models["m"].workers if w is not None)
+    lat = {}
+    for n, qs in wl.queries.items():
+        ts = []
+        for q in qs:
+            s = time.perf_counter()
+            ix.score("m", q)
+            ts.append((time.perf_counter() - s) * 1e6)
+        lat[n] = (pct(ts, 50), pct(ts, 99))
+    return {"blocks_per_s": wl.stored_blocks / dt, "apply_s": dt, "bytes_per_entry": (r1 - r0) / max(1, mappings),
+            "entries": entries, "mappings": mappings, "nodes": ix.num_nodes("m"), "lookup_us": lat,
+            "orphans_dropped": drops}
+
+
+def run_dynamo(wl: Workload) -> dict:
+    from dynamo._core import RadixTree, compute_block_hash_for_seq
+
+    tree = RadixTree()
+    gc.collect()
+    r0 = rss_bytes()
+    t0 = time.perf_counter()
+    for w, evs in wl.dynamo:
+        for e in evs:
+            tree.apply_event(w, e)
+    tree.find_matches([0])  # its apply runs on a background thread: this waits for the queue
+    dt = time.perf_counter() - t0
+    r1 = rss_bytes()
+    entries = sum(1 for _ in tree.dump_tree_as_events())  # events, one per stored run
+    lat = {}
+    for n, qs in wl.queries.items():
+        ts = []
+        for q in qs:
+            s = time.perf_counter()
+            tree.find_matches(compute_block_hash_for_seq(q, BS))
+            ts.append((time.perf_counter() - s) * 1e6)
+        lat[n] = (pct(ts, 50), pct(ts, 99))
+    return {"blocks_per_s": wl.dynamo_blocks / dt, "apply_s": dt, "rss_delta": r1 - r0,
+            "dump_events": entries, "lookup_us": lat}
+
+
+def child(kind: str, path: str, out: str) -> None:
+    wl = msgspec.msgpack.decode(Path(path).read_bytes(), type=Workload)
+    if kind == "dynamo":
+        res = run_dynamo(wl)
+    else:
+        res = run_kvatlas(wl, trust=(kind == "kvatlas-trust"))
+    Path(out).write_text(json.dumps(res))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of the ~1M-block workload")
+    ap.add_argument("--child", nargs=3, metavar=("KIND", "WORKLOAD", "OUT"))
+    args = ap.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    global _DYN_HASH
+    dyn_reason = None
+    try:
+        from dynamo._core import compute_block_hash_for_seq
+
+        _DYN_HASH = compute_block_hash_for_seq
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported, ours still runs
+        dyn_reason = f"cannot import dynamo._core ({exc!r}); run bench/setup_bench_env.sh and use .venv-bench/bin/python"
+        failed = ROOT / ".venv-bench" / ".dynamo-install-failed"
+        if failed.exists():
+            dyn_reason += f"; setup said: {failed.read_text().strip()}"
+    t = time.perf_counter()
+    wl = build(args.scale)
+    print(f"workload: {W} workers, block size {BS}, {len(wl.batches)} batches, {wl.stored_blocks} stored blocks "
+          f"({wl.dynamo_blocks} device-tier for Dynamo), built in {time.perf_counter() - t:.1f}s")
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "wl.msgpack")
+        Path(path).write_bytes(msgspec.msgpack.encode(wl))
+        del wl
+        kinds = ["kvatlas", "kvatlas-trust"] + ([] if dyn_reason else ["dynamo"])
+        for kind in kinds:
+            out = os.path.join(tmp, kind + ".json")
+            subprocess.run([sys.executable, __file__, "--child", kind, path, out], check=True)
+            res[kind] = json.loads(Path(out).read_text())
+    for kind, r in res.items():
+        lat = " ".join(f"{int(n) // 1024}k p50 {v[0]:.0f} p99 {v[1]:.0f}" for n, v in r["lookup_us"].items())
+        extra = (f"bytes/entry {r['bytes_per_entry']:.0f} ({r['mappings']} (worker,block) mappings, {r['nodes']} nodes)"
+                 if "bytes_per_entry" in r else f"rss delta {r['rss_delta'] / 1e6:.0f} MB")
+        print(f"{kind:14s} apply {r['blocks_per_s'] / 1e3:7.0f}k blocks/s ({r['apply_s']:.2f}s) | lookup µs {lat} | {extra}")
+    if dyn_reason:
+        print(f"Dynamo not measured: {dyn_reason}")
+        return
+    d = res["dynamo"]
+    # Dynamo's entries: one per (worker, device block) live at the end = our GPU-tier mappings.
+    d_entries = None
+    for kind in ("kvatlas", "kvatlas-trust"):
+        r = res[kind]
+        print(f"ratios {kind} / dynamo: apply {r['blocks_per_s'] / d['blocks_per_s']:.2f}x (target >= 1.0)", end="")
+        for n in r["lookup_us"]:
+            print(f" | lookup p50 {int(n) // 1024}k {r['lookup_us'][n][0] / d['lookup_us'][n][0]:.2f}x", end="")
+        print(" (target <= 1.0)")
+    print(f"dynamo rss delta {d['rss_delta'] / 1e6:.0f} MB vs kvatlas "
+          f"{res['kvatlas']['bytes_per_entry'] * res['kvatlas']['mappings'] / 1e6:.0f} MB; see README for per-entry figures")
+
+
+if __name__ == "__main__":
+    main()

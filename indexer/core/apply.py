@@ -1,0 +1,320 @@
+"""Applying event batches to one model namespace (design §4). Pure functions over ModelState.
+
+Hot path shape: one pre-pass hashes the token ids of every store in the batch whose engine hashes
+are not yet known, in a single vectorised call (`block_digests`); the ordered pass then only does a
+scalar chain step (`s*P + b`) and dict/bit updates per new block. Known hashes (tier changes,
+load-backs, placeholders, and in trust mode hashes already seen on another worker) skip hashing.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from indexer.core.state import NIBBLE, ModelState, PendingOrphan, WorkerState
+from indexer.core.types import MEDIUM_NAMES, ApplyStats
+from indexer.hashing import MASK64, block_digest_py, block_digests, extra_digest
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from schemas.media import parse_medium
+
+_P = 0x9E3779B97F4A7C15
+KNOWN_EXT_LIMIT = 4_000_000  # trust-mode cache of engine hash -> key; cleared when it grows past this
+
+_FULL_KINDS = ("full", "mla")
+
+
+def _is_full_attention(kind: str | None) -> bool:
+    if kind is None:
+        return True
+    k = kind.lower()
+    return any(f in k for f in _FULL_KINDS) and "sliding" not in k
+
+
+def _extras_for(ev: BlockStored, n: int) -> list[int] | None:
+    """Per-block extra-key digests (vLLM: one entry per block, None where the block has none)."""
+    xk = ev.extra_keys
+    if not xk:
+        return None
+    if len(xk) == n:
+        return [extra_digest(x) for x in xk]
+    d = extra_digest(xk)  # not per block: the whole list qualifies every block of the event
+    return [d] * n
+
+
+def _precompute(m: ModelState, w: WorkerState, events: list) -> dict[int, list[int]]:
+    """Digests for stores that (as far as the pre-batch state tells) contain unknown hashes."""
+    bs = m.block_size
+    ext = w.ext
+    known = m.known_ext if m.trust else None
+    toks: list[int] = []
+    extras: list[int] = []
+    any_extra = False
+    spans: list[tuple[int, int, int]] = []
+    for i, ev in enumerate(events):
+        if type(ev) is not BlockStored or ev.block_size != bs or not ev.token_ids:
+            continue
+        hashes = ev.block_hashes
+        nfull = min(len(hashes), len(ev.token_ids) // bs)
+        if nfull == 0:
+            continue
+        for h in hashes[:nfull]:
+            if h not in ext and (known is None or h not in known):
+                break
+        else:
+            continue
+        start = len(toks) // bs
+        toks.extend(ev.token_ids[: nfull * bs])
+        ex = _extras_for(ev, len(hashes))
+        if ex is None:
+            extras.extend([0] * nfull)
+        else:
+            extras.extend(ex[:nfull])
+            any_extra = True
+        spans.append((i, start, nfull))
+    if not spans:
+        return {}
+    try:
+        mat = np.asarray(toks, dtype=np.int64).reshape(-1, bs)
+    except (OverflowError, ValueError, TypeError):
+        return {}  # bad token values: the ordered pass hashes per event and counts the bad one
+    d = block_digests(mat, extras if any_extra else None).tolist()
+    return {i: d[s : s + n] for i, s, n in spans}
+
+
+def _digests_scalar(ev: BlockStored, bs: int, nfull: int) -> list[int] | None:
+    ex = _extras_for(ev, len(ev.block_hashes))
+    toks = ev.token_ids
+    try:
+        return [
+            block_digest_py([int(t) for t in toks[j * bs : (j + 1) * bs]], ex[j] if ex else 0)
+            for j in range(nfull)
+        ]
+    except (TypeError, ValueError):
+        return None
+
+
+def _attach(
+    m: ModelState, w: WorkerState, hashes: list, state: int, digests: list[int] | None,
+    ev: BlockStored | None, tier: int, cancelled: set | None,
+) -> tuple[int, int, int] | None:
+    """Store a chain of blocks starting from `state`. Returns (new, duplicate, tier_added)."""
+    nodes = m.nodes
+    ext = w.ext
+    known = m.known_ext if m.trust else None
+    bit = 1 << (w.shift + tier)
+    new = dup = added = 0
+    for j, h in enumerate(hashes):
+        key = ext.get(h)
+        if key is None:
+            if known is not None:
+                key = known.get(h)
+            if key is None:
+                if digests is None:
+                    digests = _digests_scalar(ev, m.block_size, len(hashes)) if ev is not None else None
+                    if digests is None:
+                        return None
+                key = (state * _P + digests[j]) & MASK64
+                if known is not None:
+                    if len(known) >= KNOWN_EXT_LIMIT:
+                        known.clear()
+                    known[h] = key
+            state = key
+            if cancelled is not None and h in cancelled:
+                continue  # stored and removed again while it waited for its parent
+            ext[h] = key
+            r = nodes.get(key, 0)
+            nodes[key] = r | bit
+            if r & bit:
+                dup += 1
+            else:
+                new += 1
+        else:
+            state = key
+            if cancelled is not None and h in cancelled:
+                continue
+            r = nodes.get(key, 0)
+            if r & bit:
+                dup += 1
+            else:
+                nodes[key] = r | bit
+                added += 1
+    return new, dup, added
+
+
+def _store(m: ModelState, w: WorkerState, ev: BlockStored, digests: list[int] | None, stats: ApplyStats) -> None:
+    hashes = ev.block_hashes
+    n = len(hashes)
+    medium = parse_medium(ev.medium)
+    if medium is None:
+        stats.drop("unknown_medium", n)
+        return
+    mname = MEDIUM_NAMES[medium]
+    if not _is_full_attention(ev.kv_cache_spec_kind):
+        stats.drop("non_full_attention", n)
+        return
+    tier = int(medium)
+    bs = m.block_size
+    ext = w.ext
+    if ev.block_size == 0 or not ev.token_ids:
+        # Placeholder: only records a new tier on blocks this worker already maps.
+        for h in hashes:
+            if h not in ext:
+                stats.drop("placeholder_unknown", n)
+                return
+        res = _attach(m, w, hashes, 0, None, None, tier, None)
+        assert res is not None
+        _count_store(stats, mname, res)
+        return
+    if ev.block_size != bs:
+        stats.drop("block_size_mismatch", n)
+        return
+    nfull = min(n, len(ev.token_ids) // bs)
+    if nfull < n:
+        stats.drop("partial_block", n - nfull)
+        hashes = hashes[:nfull]
+        if not hashes:
+            return
+    parent = ev.parent_block_hash
+    if parent is None:
+        state = m.seed(ev.lora_name, ev.cache_salt)
+    else:
+        state = ext.get(parent)
+        if state is None and hashes[0] in ext:
+            state = 0  # the first block is already mapped: its key, not the parent, starts the chain
+        if state is None:
+            if digests is None:
+                digests = _digests_scalar(ev, bs, nfull)
+                if digests is None:
+                    stats.drop("bad_tokens", nfull)
+                    return
+            w.pending.append(PendingOrphan(list(hashes), parent, digests, tier, mname))
+            stats.count("stored", mname, "orphan_held", nfull)
+            return
+    res = _attach(m, w, hashes, state, digests, ev, tier, None)
+    if res is None:
+        stats.drop("bad_tokens", nfull)
+        return
+    _count_store(stats, mname, res)
+
+
+def _count_store(stats: ApplyStats, mname: str, res: tuple[int, int, int]) -> None:
+    new, dup, added = res
+    if new:
+        stats.count("stored", mname, "new", new)
+    if dup:
+        stats.count("stored", mname, "duplicate", dup)
+    if added:
+        stats.count("stored", mname, "tier_added", added)
+
+
+def _remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplyStats) -> None:
+    hashes = ev.block_hashes
+    medium = parse_medium(ev.medium)
+    if medium is None:
+        stats.drop("unknown_medium", len(hashes))
+        return
+    mname = MEDIUM_NAMES[medium]
+    tier = int(medium)
+    nodes = m.nodes
+    ext = w.ext
+    sh = w.shift
+    bit = 1 << (sh + tier)
+    removed = absent = cancelled = 0
+    for h in hashes:
+        key = ext.get(h)
+        if key is None:
+            if w.pending and _cancel_pending(w, h, tier):
+                cancelled += 1
+            else:
+                absent += 1
+            continue
+        r = nodes.get(key, 0)
+        if r & bit:
+            r ^= bit
+            removed += 1
+        else:
+            absent += 1
+        if not (r >> sh) & NIBBLE:
+            del ext[h]  # no tier left for this worker: its mapping goes
+        if r:
+            nodes[key] = r
+        elif key in nodes:
+            del nodes[key]
+    if removed:
+        stats.count("removed", mname, "removed", removed)
+    if absent:
+        stats.count("removed", mname, "absent", absent)
+    if cancelled:
+        stats.count("removed", mname, "pending_cancelled", cancelled)
+
+
+def _cancel_pending(w: WorkerState, h: Any, tier: int) -> bool:
+    for p in w.pending:
+        if p.tier == tier and h in p.hashes:
+            if p.cancelled is None:
+                p.cancelled = set()
+            if h in p.cancelled:
+                return False
+            p.cancelled.add(h)
+            return True
+    return False
+
+
+def _resolve_orphans(m: ModelState, w: WorkerState, grace: int, stats: ApplyStats) -> None:
+    progress = True
+    while progress and w.pending:
+        progress = False
+        still = []
+        for p in w.pending:
+            state = w.ext.get(p.parent)
+            if state is None:
+                still.append(p)
+                continue
+            progress = True
+            res = _attach(m, w, p.hashes, state, p.digests, None, p.tier, p.cancelled)
+            assert res is not None
+            stats.count("stored", p.medium, "orphan_attached", len(p.hashes))
+            _count_store(stats, p.medium, res)
+        w.pending = still
+    if not w.pending:
+        stats.orphans_pending = 0
+        return
+    keep = []
+    for p in w.pending:
+        p.age += 1
+        if p.age > grace:
+            n = len(p.hashes)
+            stats.orphans_dropped += n
+            stats.drop("orphan_expired", n)
+            stats.resync_needed = True
+        else:
+            keep.append(p)
+    w.pending = keep
+    stats.orphans_pending = sum(len(p.hashes) for p in keep)
+
+
+def apply_events(
+    m: ModelState, w: WorkerState, events: list, orphan_grace: int, stats: ApplyStats
+) -> ApplyStats:
+    """Apply one batch of one worker, in order. Never raises for bad data: it counts it."""
+    try:
+        digests = _precompute(m, w, events)
+    except (TypeError, ValueError, AttributeError):
+        digests = {}  # odd events in the batch: each is hashed (and judged) on its own below
+    for i, ev in enumerate(events):
+        cls = type(ev)
+        try:
+            if cls is BlockStored:
+                _store(m, w, ev, digests.get(i), stats)
+            elif cls is BlockRemoved:
+                _remove(m, w, ev, stats)
+            elif cls is AllBlocksCleared or isinstance(ev, AllBlocksCleared):
+                m.clear(w)
+                stats.count("cleared", "ALL", "cleared")
+            else:
+                stats.drop("bad_event")
+        except (TypeError, ValueError, OverflowError, AttributeError):
+            # A structurally odd event (wrong field types from a hand-built batch): count, go on.
+            stats.drop("bad_event")
+    _resolve_orphans(m, w, orphan_grace, stats)
+    return stats

@@ -1,0 +1,131 @@
+"""In-memory state of one model namespace: the content-keyed tree and per-worker maps.
+
+Layout (chosen for speed and size in pure Python):
+- `nodes: dict[key -> residency]`. `key` is the chained content state of a block (see
+  `indexer.hashing`), which identifies the block *and its whole prefix*, so the tree needs no child
+  or parent pointers: a query walks by computing the chain of its own keys and looking each up.
+  A node exists exactly while some worker holds it on some tier; a node whose holders are all gone
+  is deleted at once (its descendants stay, unreachable until the prefix is stored again, which is
+  exactly prefix-match semantics).
+- `residency` is one int with 4 bits per worker slot: bit `4*slot + tier` (tier = Medium value:
+  GPU 0, CPU_PINNED 1, DISK 2, EXTERNAL 3). The shared pool of a block is the OR of every worker's
+  EXTERNAL bit: a pool block is usable by every worker of the model, and it stays in the pool while
+  any worker's events still claim it (a claim lives and dies with that worker's ext-hash mapping).
+- Per worker `ext: dict[engine hash -> key]`, for parents and removes (engine hashes are scoped
+  per (worker, dp_rank)).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from indexer.hashing import namespace_seed
+
+NIBBLE = 0xF
+
+
+class PendingOrphan:
+    """A store whose parent is not (yet) known for its worker, waiting a few batches."""
+
+    __slots__ = ("hashes", "parent", "digests", "tier", "medium", "age", "cancelled")
+
+    def __init__(self, hashes: list, parent: Any, digests: list[int], tier: int, medium: str) -> None:
+        self.hashes = hashes
+        self.parent = parent
+        self.digests = digests
+        self.tier = tier
+        self.medium = medium
+        self.age = 0
+        self.cancelled: set | None = None
+
+
+class WorkerState:
+    __slots__ = ("worker_id", "dp_rank", "slot", "shift", "ext", "pending")
+
+    def __init__(self, worker_id: str, dp_rank: int, slot: int) -> None:
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.slot = slot
+        self.shift = 4 * slot
+        self.ext: dict[Any, int] = {}
+        self.pending: list[PendingOrphan] = []
+
+
+class ModelState:
+    __slots__ = (
+        "name", "block_size", "trust", "nodes", "workers", "by_id", "free_slots",
+        "slot_mask", "live_gpu", "seeds", "known_ext",
+    )
+
+    def __init__(self, name: str, block_size: int, trust: bool) -> None:
+        self.name = name
+        self.block_size = block_size
+        self.trust = trust
+        self.nodes: dict[int, int] = {}
+        self.workers: list[WorkerState | None] = []
+        self.by_id: dict[tuple[str, int], WorkerState] = {}
+        self.free_slots: list[int] = []
+        self.slot_mask = 0  # bit 4*s set for every allocated slot s (live or free)
+        self.live_gpu = 0  # bit 4*s set for every live slot s
+        self.seeds: dict[tuple[str | None, str | None], int] = {}
+        # trust mode: first-seen engine hash -> key, shared by all workers of the model
+        self.known_ext: dict[Any, int] = {}
+
+    def seed(self, lora_name: str | None, cache_salt: str | None) -> int:
+        k = (lora_name, cache_salt)
+        s = self.seeds.get(k)
+        if s is None:
+            s = self.seeds[k] = namespace_seed(self.block_size, lora_name, cache_salt)
+        return s
+
+    def worker(self, worker_id: str, dp_rank: int) -> WorkerState:
+        w = self.by_id.get((worker_id, dp_rank))
+        if w is None:
+            if self.free_slots:
+                slot = min(self.free_slots)
+                self.free_slots.remove(slot)
+            else:
+                slot = len(self.workers)
+                self.workers.append(None)
+                self.slot_mask |= 1 << (4 * slot)
+            w = WorkerState(worker_id, dp_rank, slot)
+            self.workers[slot] = w
+            self.by_id[(worker_id, dp_rank)] = w
+            self.live_gpu |= 1 << (4 * slot)
+        return w
+
+    def clear(self, w: WorkerState) -> int:
+        """Drop every block of one worker on every tier; returns how many mappings went."""
+        nodes = self.nodes
+        keep = ~(NIBBLE << w.shift)
+        for key in set(w.ext.values()):
+            r = nodes.get(key)
+            if r is None:
+                continue
+            r &= keep
+            if r:
+                nodes[key] = r
+            else:
+                del nodes[key]
+        n = len(w.ext)
+        w.ext = {}
+        w.pending = []
+        return n
+
+    def remove(self, w: WorkerState) -> None:
+        self.clear(w)
+        del self.by_id[(w.worker_id, w.dp_rank)]
+        self.workers[w.slot] = None
+        self.free_slots.append(w.slot)
+        self.live_gpu &= ~(1 << w.shift)
+
+    def tier_counts(self, w: WorkerState) -> list[int]:
+        """Blocks per tier (gpu, host, disk, shared-claims) held by one worker."""
+        counts = [0, 0, 0, 0]
+        nodes = self.nodes
+        sh = w.shift
+        for key in set(w.ext.values()):
+            bits = (nodes.get(key, 0) >> sh) & NIBBLE
+            for t in range(4):
+                if bits >> t & 1:
+                    counts[t] += 1
+        return counts

@@ -1,0 +1,71 @@
+"""Result and configuration types of the index core (no logic beyond small helpers)."""
+from __future__ import annotations
+
+import msgspec
+
+TIER_NAMES: tuple[str, str, str, str] = ("gpu", "host", "disk", "shared")
+MEDIUM_NAMES: tuple[str, str, str, str] = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
+
+
+class BlockSizeConflict(ValueError):
+    """A model namespace was asked for with a block size different from the one it has."""
+
+
+class TierWeights(msgspec.Struct, frozen=True):
+    """Weight of one cached token per tier, used by `score` (defaults favour GPU > host > disk > shared)."""
+
+    gpu: float = 1.0
+    host: float = 0.8
+    disk: float = 0.5
+    shared: float = 0.4
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return (self.gpu, self.host, self.disk, self.shared)
+
+
+class ApplyStats(msgspec.Struct):
+    """What one `apply` did, in blocks.
+
+    counts: (event type, canonical medium, outcome) -> blocks. Outcomes: stored `new`,
+    `duplicate`, `tier_added` (placeholder or re-store of a known hash), `orphan_held`,
+    `orphan_attached`; removed `removed`, `absent`, `pending_cancelled`; cleared `cleared` (events).
+    drops: reason -> blocks (or events for whole-event drops).
+    resync_needed: orphans expired, so the worker's view is incomplete and it should be resynced.
+    """
+
+    counts: dict[tuple[str, str, str], int] = msgspec.field(default_factory=dict)
+    drops: dict[str, int] = msgspec.field(default_factory=dict)
+    orphans_pending: int = 0
+    orphans_dropped: int = 0
+    resync_needed: bool = False
+
+    def count(self, etype: str, medium: str, outcome: str, n: int = 1) -> None:
+        key = (etype, medium, outcome)
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + n
+
+    def merge(self, other: "ApplyStats") -> None:
+        for k, v in other.counts.items():
+            self.counts[k] = self.counts.get(k, 0) + v
+        for k, v in other.drops.items():
+            self.drops[k] = self.drops.get(k, 0) + v
+        self.orphans_pending = other.orphans_pending
+        self.orphans_dropped += other.orphans_dropped
+        self.resync_needed = self.resync_needed or other.resync_needed
+
+
+class WorkerScore(msgspec.Struct):
+    worker_id: str
+    dp_rank: int
+    device_blocks: int
+    cached_blocks: int
+    tiers: dict[str, int]
+    score: float
+
+
+class ScoreResult(msgspec.Struct):
+    query_blocks: int
+    block_size: int
+    workers: list[WorkerScore]

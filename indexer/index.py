@@ -1,0 +1,175 @@
+"""The global KV index: per model namespace, a content-keyed radix tree with per-worker tier residency.
+
+Semantics (design §4/§5; details decided here):
+- Namespaces: one per model name, with one block size. LoRA name and cache salt seed the content
+  hash, so their blocks never match another namespace's queries. vLLM `extra_keys` are part of a
+  block's identity: such blocks are only matched by a query that passes the same extra keys.
+- Content key: our own chained hash of each block's token ids (`indexer.hashing`, the single
+  function used for stores and queries). `parent_block_hash` is an engine hash of the same
+  (worker, dp_rank); the new block's chain continues from that parent's key.
+- Unknown parent: the store is held as an orphan for `orphan_grace_batches` further batches of that
+  worker (it attaches if the parent arrives, e.g. reordered delivery), then it is dropped, counted in
+  `ApplyStats.orphans_dropped` and `resync_needed` is set — never attached to the wrong place.
+- A store on tier T for an engine hash already mapped for the worker adds tier T to that block
+  (placeholder stores — block_size 0 or no tokens — rely on it; a placeholder naming any unknown
+  hash is skipped and counted). Stores and removes are idempotent per (worker, tier); removing an
+  absent block is counted. When a worker holds a block on no tier any more, its ext-hash mapping
+  goes; a block no worker holds is pruned.
+- EXTERNAL stores put the block in the model's shared pool (usable by every worker of the model) for
+  as long as any worker's events still claim it; the claiming worker's ext mapping is per worker.
+- Non-full-attention vLLM groups are skipped and counted; partial trailing blocks are ignored.
+- trust_engine_hashes (per model): engines whose hashes are content-deterministic (SGLang, vLLM with
+  a fixed seed) repeat the same engine hash for the same prefix on every worker; with trust on, a hash
+  first seen (and hashed from its tokens) on one worker is reused for the others without re-hashing.
+- Scoring: `device_blocks` = leading blocks on the worker's GPU; `cached_blocks` = leading blocks
+  on any of its tiers or in the shared pool; the split assigns each cached block to the cheapest
+  tier holding it (gpu < host < disk < shared); score = block_size * sum(weight[tier]).
+No I/O, threads or clocks here; callers serialise access.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from indexer.core.apply import apply_events
+from indexer.core.dump import dump_model, load_model_dump
+from indexer.core.scoring import score_keys
+from indexer.core.state import ModelState
+from indexer.core.types import (
+    TIER_NAMES, ApplyStats, BlockSizeConflict, ScoreResult, TierWeights, WorkerScore,
+)
+from indexer.hashing import extra_digest, query_keys
+from schemas.codec import DecodeError, decode_batch
+from schemas.events import KVEvent, KVEventBatch
+
+__all__ = [
+    "ApplyStats", "BlockSizeConflict", "KVIndex", "ScoreResult", "TierWeights", "WorkerScore",
+]
+
+
+class KVIndex:
+    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "_models")
+
+    def __init__(
+        self,
+        weights: TierWeights | None = None,
+        trust_engine_hashes: bool = False,
+        orphan_grace_batches: int = 4,
+    ) -> None:
+        self.weights = weights or TierWeights()
+        self.trust_engine_hashes = trust_engine_hashes
+        self.orphan_grace_batches = orphan_grace_batches
+        self._models: dict[str, ModelState] = {}
+
+    # --- namespaces -------------------------------------------------------------------------
+    def ensure_model(self, model: str, block_size: int, trust_engine_hashes: bool | None = None) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        m = self._models.get(model)
+        if m is None:
+            trust = self.trust_engine_hashes if trust_engine_hashes is None else trust_engine_hashes
+            self._models[model] = ModelState(model, block_size, trust)
+        elif m.block_size != block_size:
+            raise BlockSizeConflict(f"model {model!r} has block size {m.block_size}, not {block_size}")
+        elif trust_engine_hashes is not None:
+            m.trust = trust_engine_hashes
+
+    def models(self) -> dict[str, int]:
+        return {name: m.block_size for name, m in self._models.items()}
+
+    def _model(self, model: str) -> ModelState:
+        m = self._models.get(model)
+        if m is None:
+            raise KeyError(f"unknown model {model!r}; call ensure_model first")
+        return m
+
+    # --- events -----------------------------------------------------------------------------
+    def apply(self, model: str, worker_id: str, dp_rank: int, batch: KVEventBatch) -> ApplyStats:
+        """Apply one whole batch of one worker. Unknown model -> KeyError (a caller bug, not bad data)."""
+        m = self._model(model)
+        w = m.worker(worker_id, int(dp_rank or 0))
+        stats = ApplyStats()
+        events = batch.events if isinstance(batch, KVEventBatch) else None
+        if not isinstance(events, list):
+            stats.drop("bad_batch")
+            return stats
+        return apply_events(m, w, events, self.orphan_grace_batches, stats)
+
+    def apply_payload(self, model: str, worker_id: str, dp_rank: int, payload: bytes) -> ApplyStats:
+        batch = decode_batch(payload)
+        if isinstance(batch, DecodeError):
+            stats = ApplyStats()
+            stats.drop(f"decode_{batch.reason}")
+            return stats
+        return self.apply(model, worker_id, dp_rank, batch)
+
+    # --- worker lifecycle -------------------------------------------------------------------
+    def _select(self, m: ModelState, worker_id: str, dp_rank: int | None) -> list:
+        return [w for (wid, r), w in list(m.by_id.items()) if wid == worker_id and (dp_rank is None or r == dp_rank)]
+
+    def register_worker(self, model: str, worker_id: str, dp_rank: int = 0) -> None:
+        """Make a worker known (scored, listed) before its first event."""
+        self._model(model).worker(worker_id, int(dp_rank))
+
+    def clear_worker(self, model: str, worker_id: str, dp_rank: int | None = None) -> int:
+        m = self._model(model)
+        return sum(m.clear(w) for w in self._select(m, worker_id, dp_rank))
+
+    def remove_worker(self, model: str, worker_id: str, dp_rank: int | None = None) -> int:
+        m = self._model(model)
+        n = 0
+        for w in self._select(m, worker_id, dp_rank):
+            n += len(w.ext)
+            m.remove(w)
+        return n
+
+    def workers(self, model: str) -> list[tuple[str, int]]:
+        return list(self._model(model).by_id)
+
+    def worker_stats(self, model: str) -> dict[tuple[str, int], dict[str, int]]:
+        m = self._model(model)
+        return {k: dict(zip(TIER_NAMES, m.tier_counts(w))) for k, w in m.by_id.items()}
+
+    # --- scoring ----------------------------------------------------------------------------
+    def score(
+        self,
+        model: str,
+        token_ids: Sequence[int] | np.ndarray,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        workers: Iterable[tuple[str, int]] | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> ScoreResult:
+        """Score a token sequence. `extra_keys`: per full block, that block's vLLM extra keys or None."""
+        m = self._model(model)
+        extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
+        keys = query_keys(token_ids, m.block_size, m.seed(lora_name, cache_salt), extras)
+        return score_keys(m, keys, self.weights, list(workers) if workers is not None else None)
+
+    def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
+        """Score pre-hashed blocks (keys from `indexer.hashing.query_keys`)."""
+        m = self._model(model)
+        return score_keys(m, keys, self.weights, list(workers) if workers is not None else None)
+
+    def query_keys(
+        self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int]:
+        m = self._model(model)
+        return query_keys(token_ids, m.block_size, m.seed(lora_name, cache_salt))
+
+    # --- snapshots --------------------------------------------------------------------------
+    def dump(self, model: str) -> list[tuple[str, int, list[KVEvent]]]:
+        return dump_model(self._model(model))
+
+    def load_dump(self, model: str, block_size: int, dump: list[tuple[str, int, list[KVEvent]]]) -> int:
+        """Rebuild a model from `dump` output (replaces whatever the model held)."""
+        m = self._models.get(model)
+        trust = m.trust if m is not None else self.trust_engine_hashes
+        self._models[model] = fresh = ModelState(model, block_size, trust)
+        return load_model_dump(fresh, dump)
+
+    def num_nodes(self, model: str) -> int:
+        return len(self._model(model).nodes)

@@ -1,0 +1,198 @@
+"""Brute-force reference model of the index, for tests (ours and other engineers').
+
+Same public surface as `indexer.index.KVIndex` for what it models (ensure_model, apply, clear_worker,
+remove_worker, score, worker_stats), same semantics, no cleverness: a block's identity is the full
+tuple of (namespace, every block's tokens and extra keys from the root), kept per worker as
+`ext hash -> identity` plus `identity -> set of tiers`. It does not hash, does not hold orphans
+(a store whose parent the worker does not hold is dropped at once) and has no trust mode; tests feed it
+histories in their true order.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from indexer.core.types import MEDIUM_NAMES, TIER_NAMES, ScoreResult, TierWeights, WorkerScore
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from schemas.media import parse_medium
+
+
+def _extra_id(x: Any) -> bytes | None:
+    return None if x is None else msgspec.msgpack.encode(x)
+
+
+def _full_attention(kind: str | None) -> bool:
+    if kind is None:
+        return True
+    k = kind.lower()
+    return ("full" in k or "mla" in k) and "sliding" not in k
+
+
+class _RefWorker:
+    __slots__ = ("ext", "tiers")
+
+    def __init__(self) -> None:
+        self.ext: dict[Any, tuple] = {}
+        self.tiers: dict[tuple, set[int]] = {}
+
+
+class _RefModel:
+    __slots__ = ("block_size", "workers")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.workers: dict[tuple[str, int], _RefWorker] = {}
+
+
+class ReferenceIndex:
+    def __init__(self, weights: TierWeights | None = None) -> None:
+        self.weights = weights or TierWeights()
+        self.models: dict[str, _RefModel] = {}
+
+    def ensure_model(self, model: str, block_size: int) -> None:
+        self.models.setdefault(model, _RefModel(block_size))
+
+    def register_worker(self, model: str, worker_id: str, dp_rank: int = 0) -> None:
+        self.models[model].workers.setdefault((worker_id, dp_rank), _RefWorker())
+
+    def apply(self, model: str, worker_id: str, dp_rank: int, batch: KVEventBatch) -> None:
+        m = self.models[model]
+        w = m.workers.setdefault((worker_id, dp_rank), _RefWorker())
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self._store(m, w, ev)
+            elif isinstance(ev, BlockRemoved):
+                medium = parse_medium(ev.medium)
+                if medium is None:
+                    continue
+                for h in ev.block_hashes:
+                    ident = w.ext.get(h)
+                    if ident is None:
+                        continue
+                    ts = w.tiers.get(ident, set())
+                    ts.discard(int(medium))
+                    if not ts:
+                        w.tiers.pop(ident, None)
+                        del w.ext[h]
+            elif isinstance(ev, AllBlocksCleared):
+                w.ext.clear()
+                w.tiers.clear()
+
+    def _store(self, m: _RefModel, w: _RefWorker, ev: BlockStored) -> None:
+        medium = parse_medium(ev.medium)
+        if medium is None or not _full_attention(ev.kv_cache_spec_kind):
+            return
+        tier = int(medium)
+        hashes = ev.block_hashes
+        if ev.block_size == 0 or not ev.token_ids:
+            if all(h in w.ext for h in hashes):
+                for h in hashes:
+                    w.tiers.setdefault(w.ext[h], set()).add(tier)
+            return
+        bs = m.block_size
+        if ev.block_size != bs:
+            return
+        nfull = min(len(hashes), len(ev.token_ids) // bs)
+        xk = ev.extra_keys
+        if xk and len(xk) == len(hashes):
+            extras = [_extra_id(x) for x in xk]
+        elif xk:
+            extras = [_extra_id(xk)] * len(hashes)
+        else:
+            extras = [None] * len(hashes)
+        if ev.parent_block_hash is None:
+            prefix: tuple = ((ev.lora_name, ev.cache_salt),)
+        else:
+            p = w.ext.get(ev.parent_block_hash)
+            if p is None and (nfull == 0 or hashes[0] not in w.ext):
+                return  # orphan: dropped
+            prefix = p if p is not None else ()  # else the first block is mapped and starts the chain
+        for j in range(nfull):
+            h = hashes[j]
+            ident = w.ext.get(h)
+            if ident is None:
+                block = (tuple(int(t) for t in ev.token_ids[j * bs : (j + 1) * bs]), extras[j])
+                ident = prefix + (block,)
+                w.ext[h] = ident
+            w.tiers.setdefault(ident, set()).add(tier)
+            prefix = ident
+
+    def clear_worker(self, model: str, worker_id: str, dp_rank: int | None = None) -> None:
+        for (wid, r), w in self.models[model].workers.items():
+            if wid == worker_id and (dp_rank is None or r == dp_rank):
+                w.ext.clear()
+                w.tiers.clear()
+
+    def remove_worker(self, model: str, worker_id: str, dp_rank: int | None = None) -> None:
+        ws = self.models[model].workers
+        for k in [k for k in ws if k[0] == worker_id and (dp_rank is None or k[1] == dp_rank)]:
+            del ws[k]
+
+    def worker_stats(self, model: str) -> dict[tuple[str, int], dict[str, int]]:
+        out = {}
+        for k, w in self.models[model].workers.items():
+            counts = [0, 0, 0, 0]
+            for ts in w.tiers.values():
+                for t in ts:
+                    counts[t] += 1
+            out[k] = dict(zip(TIER_NAMES, counts))
+        return out
+
+    def score(
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        workers: Iterable[tuple[str, int]] | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> ScoreResult:
+        m = self.models[model]
+        bs = m.block_size
+        tokens = [int(t) for t in token_ids]
+        nq = len(tokens) // bs
+        idents = []
+        prefix: tuple = ((lora_name, cache_salt),)
+        for i in range(nq):
+            x = extra_keys[i] if extra_keys and i < len(extra_keys) else None
+            prefix = prefix + ((tuple(tokens[i * bs : (i + 1) * bs]), _extra_id(x)),)
+            idents.append(prefix)
+        keys = list(m.workers) if workers is None else [k for k in workers if k in m.workers]
+        pool = set()
+        for w in m.workers.values():
+            for ident, ts in w.tiers.items():
+                if 3 in ts:
+                    pool.add(ident)
+        wt = self.weights.as_tuple()
+        out = []
+        for k in keys:
+            w = m.workers[k]
+            device = 0
+            while device < nq and 0 in w.tiers.get(idents[device], ()):
+                device += 1
+            split = [0, 0, 0, 0]
+            cached = 0
+            for ident in idents:
+                ts = w.tiers.get(ident, set())
+                own = [t for t in (0, 1, 2) if t in ts]
+                if own:
+                    split[own[0]] += 1
+                elif ident in pool:
+                    split[3] += 1
+                else:
+                    break
+                cached += 1
+            out.append(
+                WorkerScore(
+                    worker_id=k[0], dp_rank=k[1], device_blocks=device, cached_blocks=cached,
+                    tiers=dict(zip(TIER_NAMES, split)),
+                    score=float(bs * (split[0] * wt[0] + split[1] * wt[1] + split[2] * wt[2] + split[3] * wt[3])),
+                )
+            )
+        out.sort(key=lambda s: (-s.score, -s.cached_blocks, s.worker_id, s.dp_rank))
+        return ScoreResult(query_blocks=nq, block_size=bs, workers=out)
+
+
+__all__ = ["ReferenceIndex", "MEDIUM_NAMES"]

@@ -1,0 +1,72 @@
+"""Byte-capacity LRU bookkeeping for a store — pure data, no I/O, no clock."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class LruLedger:
+    """Tracks key sizes in LRU order and decides what to evict to honour a byte limit.
+
+    The owning backend performs the actual deletions; the ledger only keeps the accounts.
+    """
+
+    __slots__ = ("limit_bytes", "used_bytes", "_sizes")
+
+    def __init__(self, limit_bytes: int | None = None) -> None:
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ValueError("capacity must be >= 0 bytes (or None for unlimited)")
+        self.limit_bytes = limit_bytes
+        self.used_bytes = 0
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def keys(self) -> list[str]:
+        """Oldest first."""
+        return list(self._sizes)
+
+    def fits(self, size: int) -> bool:
+        return self.limit_bytes is None or size <= self.limit_bytes
+
+    def touch(self, key: str) -> None:
+        if key in self._sizes:
+            self._sizes.move_to_end(key)
+
+    def put(self, key: str, size: int) -> None:
+        old = self._sizes.pop(key, None)
+        if old is not None:
+            self.used_bytes -= old
+        self._sizes[key] = size
+        self.used_bytes += size
+
+    def remove(self, key: str) -> int | None:
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self.used_bytes -= size
+        return size
+
+    def victims(self, incoming: int, protect: Iterable[str] = ()) -> list[str]:
+        """Least-recently-used keys to drop so `incoming` more bytes fit (not removed yet).
+
+        Keys in `protect` (e.g. the rest of the batch being written) are skipped.
+        """
+        if self.limit_bytes is None:
+            return []
+        need = self.used_bytes + incoming - self.limit_bytes
+        if need <= 0:
+            return []
+        guard = set(protect)
+        out: list[str] = []
+        for key, size in self._sizes.items():
+            if key in guard:
+                continue
+            out.append(key)
+            need -= size
+            if need <= 0:
+                break
+        return out

@@ -1,0 +1,203 @@
+"""`kvatlas indexer`: ingestion from every registered worker plus the HTTP API, in one process.
+
+Settings come from flags, else from `--config FILE` (.json/.toml; keys are the long flag names
+with underscores, plus `workers: [{worker_id, endpoint, ...}]`), else from the defaults below.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "port": 8700,
+    "model": "default",
+    "block_size": 16,
+    "snapshot": None,
+    "snapshot_key": "kvatlas:snapshot",
+    "snapshot_interval": 30.0,
+    "auth_token": None,
+    "tier_weights": None,
+    "stale_after": 10.0,
+    "remove_after": 300.0,
+    "silent_factor": 6.0,
+    "resync_hold": 30.0,
+    "max_body_mb": 8.0,
+    "replay_timeout": 2.0,
+    "log_format": "text",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="JSON or TOML file with any of these settings (flags win)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8700; 0 picks a free one)")
+    p.add_argument("--model", help="default model namespace (default 'default')")
+    p.add_argument("--block-size", type=int, help="block size of the default model (default 16)")
+    p.add_argument("--worker", action="append", default=[], metavar="SPEC",
+                   help="static worker: ID=tcp://h:p[,replay=tcp://h:p][,dp=N][,topic=T][,model=M]"
+                        "[,block_size=B] (repeatable)")
+    p.add_argument("--snapshot", help="snapshot target: redis://host:port/db or a file path (default: none, in-memory)")
+    p.add_argument("--snapshot-key", help="Redis key of the snapshot (default kvatlas:snapshot)")
+    p.add_argument("--snapshot-interval", type=float, help="seconds between snapshots (default 30)")
+    p.add_argument("--auth-token", help="require 'Authorization: Bearer TOKEN' on every endpoint but /health "
+                                        "(default: $KVATLAS_AUTH_TOKEN, else none)")
+    p.add_argument("--tier-weights", help="score weight per tier, e.g. gpu=1,host=0.8,disk=0.5,shared=0.3")
+    p.add_argument("--stale-after", type=float, help="seconds of silence before a heartbeating worker is stale (default 10)")
+    p.add_argument("--remove-after", type=float, help="seconds of silence before it is removed (default 300)")
+    p.add_argument("--silent-factor", type=float,
+                   help="engines that never heartbeat are stale after stale-after × this, never removed (default 6)")
+    p.add_argument("--resync-hold", type=float, help="seconds a resynced worker is reported 'resyncing' (default 30)")
+    p.add_argument("--max-body-mb", type=float, help="request body limit in MiB; larger bodies get 413 (default 8)")
+    p.add_argument("--replay-timeout", type=float, help="seconds to wait for a publisher's replay (default 2)")
+    p.add_argument("--log-format", choices=("text", "json"), help="log line format (default text)")
+
+
+def parse_worker_spec(spec: str) -> dict[str, Any]:
+    """`w1=tcp://h:p,replay=tcp://h:q,dp=0` -> registration fields."""
+    head, _, rest = spec.partition(",")
+    wid, sep, endpoint = head.partition("=")
+    if not sep or not wid or not endpoint:
+        raise ValueError(f"worker spec {spec!r}: expected ID=ENDPOINT[,key=value...]")
+    out: dict[str, Any] = {"worker_id": wid.strip(), "endpoint": endpoint.strip()}
+    names = {"replay": "replay_endpoint", "replay_endpoint": "replay_endpoint", "dp": "dp_rank",
+             "dp_rank": "dp_rank", "topic": "topic", "model": "model", "block_size": "block_size"}
+    for item in filter(None, rest.split(",")):
+        k, sep, v = item.partition("=")
+        key = names.get(k.strip())
+        if not sep or key is None:
+            raise ValueError(f"worker spec {spec!r}: unknown option {k!r} (known: {sorted(names)})")
+        out[key] = int(v) if key in ("dp_rank", "block_size") else v.strip()
+    return out
+
+
+def parse_tier_weights(text: str | dict | None) -> dict[str, float] | None:
+    if not text:
+        return None
+    if isinstance(text, dict):
+        return {str(k): float(v) for k, v in text.items()}
+    out: dict[str, float] = {}
+    for item in text.split(","):
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise ValueError(f"tier weights {text!r}: expected tier=weight,...")
+        out[k.strip()] = float(v)
+    return out
+
+
+def load_config(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    with open(path, "rb") as f:
+        raw = f.read()
+    if path.endswith(".toml"):
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            import tomli as tomllib
+        data = tomllib.loads(raw.decode())
+    else:
+        data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path}: top level must be a table/object")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line; `event=x key=y` messages are split into fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        out: dict[str, Any] = {"ts": round(record.created, 6), "level": record.levelname, "logger": record.name}
+        fields = {}
+        for tok in msg.split(" "):
+            k, sep, v = tok.partition("=")
+            if not sep or not k.isidentifier():
+                fields = {}
+                break
+            fields[k] = v
+        if fields:
+            out.update(fields)
+        else:
+            out["msg"] = msg
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from router_api.service import ServiceConfig
+    from schemas.api import RegisterWorker
+    import msgspec
+
+    file_cfg = load_config(getattr(args, "config", None))
+
+    def get(name: str) -> Any:
+        v = getattr(args, name, None)
+        if v is not None:
+            return v
+        return file_cfg.get(name, DEFAULTS.get(name))
+
+    specs = [parse_worker_spec(s) for s in (getattr(args, "worker", None) or [])]
+    specs += list(file_cfg.get("workers", []))
+    model = get("model")
+    block_size = int(get("block_size"))
+    workers = []
+    for s in specs:
+        s = dict(s)
+        s.setdefault("model", model)
+        s.setdefault("block_size", block_size if s["model"] == model else 16)
+        workers.append(msgspec.convert(s, RegisterWorker))
+    token = get("auth_token") or os.environ.get("KVATLAS_AUTH_TOKEN") or None
+    return ServiceConfig(
+        host=get("host"), port=int(get("port")), model=model, block_size=block_size,
+        static_workers=workers, snapshot_target=get("snapshot"), snapshot_key=get("snapshot_key"),
+        snapshot_interval_s=float(get("snapshot_interval")), auth_token=token,
+        tier_weights=parse_tier_weights(get("tier_weights")), stale_after_s=float(get("stale_after")),
+        remove_after_s=float(get("remove_after")), silent_engine_factor=float(get("silent_factor")),
+        resync_hold_s=float(get("resync_hold")), max_body_bytes=int(float(get("max_body_mb")) * 1024 * 1024),
+        replay_timeout_s=float(get("replay_timeout")),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router_api.app import create_app
+    from router_api.service import IndexerService
+
+    try:
+        config = build_config(args)
+    except (ValueError, OSError, TypeError) as exc:
+        print(f"kvatlas indexer: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # msgspec.ValidationError for a bad static worker
+        print(f"kvatlas indexer: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    fmt = getattr(args, "log_format", None) or DEFAULTS["log_format"]
+    if fmt == "json":
+        for h in logging.getLogger().handlers:
+            h.setFormatter(JsonLogFormatter())
+    log = logging.getLogger("kvatlas.indexer")
+    # Short GIL slices keep /score latency low while the ingest thread is busy.
+    sys.setswitchinterval(0.001)
+    service = IndexerService(config)
+    service.start()
+    app = create_app(service)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level="warning", access_log=False,
+        lifespan="off", timeout_keep_alive=30,
+    ))
+    t0 = time.monotonic()
+    log.info("event=listening url=http://%s:%d", config.host, config.port)
+    try:
+        server.run()  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
+    finally:
+        log.info("event=shutting_down served_s=%.1f", time.monotonic() - t0)
+        service.stop()
+    return 0

@@ -1,0 +1,294 @@
+"""The ingestion thread: owns the ZMQ Subscriber, applies its Deliveries to the KVIndex in order
+per worker, and turns gaps, restarts and silence into index/registry updates and metrics.
+
+Threading: the Subscriber's sockets are touched only by this thread; the HTTP side asks for
+subscription changes through a command queue. The shared `lock` guards the index and the registry
+together and is held for one batch at a time, so /score never waits for more than one batch and
+ingestion never waits for more than one query.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from router_api.metrics import ServiceMetrics
+from router_api.registry import Registry
+from schemas.api import RegisterWorker
+from schemas.codec import DecodeError, decode_batch
+
+log = logging.getLogger("kvatlas.ingest")
+
+# How many of each kind of bad input are logged in full before we only count them.
+_LOG_FIRST = 20
+
+
+class ApplyAdapter:
+    """How a decoded batch reaches the index and how its outcome is counted. Isolated here so the
+    ingest loop does not depend on ApplyStats' exact shape (adapter over the issue-3 contract)."""
+
+    __slots__ = ("index", "metrics")
+
+    def __init__(self, index: Any, metrics: ServiceMetrics) -> None:
+        self.index = index
+        self.metrics = metrics
+
+    def apply(self, model: str, worker_id: str, dp_rank: int, batch: Any) -> Any:
+        return self.index.apply(model, worker_id, dp_rank, batch)
+
+    def record(self, stats: Any) -> tuple[bool, bool]:
+        """Feed ApplyStats into metrics; returns (orphans expired, batch held AllBlocksCleared)."""
+        return record_apply_stats(self.metrics, stats)
+
+
+def record_apply_stats(metrics: ServiceMetrics, stats: Any) -> tuple[bool, bool]:
+    """ApplyStats (indexer.core.types) -> metrics. Returns (expired orphans — a parent never
+    arrived, so the worker's view is incomplete —, the batch held an AllBlocksCleared)."""
+    if stats is None:
+        return False, False
+    cleared = False
+    for (typ, medium, outcome), n in stats.counts.items():
+        if n:
+            metrics.events.inc(typ, medium, outcome, amount=n)
+            cleared = cleared or typ == "cleared"
+    for reason, n in stats.drops.items():
+        if n:
+            metrics.drops.inc(reason, amount=n)
+    return bool(stats.resync_needed), cleared
+
+
+class _Cmd:
+    __slots__ = ("kind", "reg", "last_seq", "worker_id", "done")
+
+    def __init__(self, kind: str, *, reg: RegisterWorker | None = None, last_seq: int | None = None,
+                 worker_id: str = "", done: threading.Event | None = None) -> None:
+        self.kind = kind
+        self.reg = reg
+        self.last_seq = last_seq
+        self.worker_id = worker_id
+        self.done = done
+
+
+class IngestLoop:
+    """Runs `Subscriber.poll` in its own thread and applies everything it delivers."""
+
+    def __init__(
+        self,
+        *,
+        index: Any,
+        registry: Registry,
+        lock: threading.Lock,
+        metrics: ServiceMetrics,
+        subscriber_factory: Callable[[], Any],
+        on_expired: Callable[[str], None] | None = None,
+        poll_ms: int = 20,
+        tick_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.index = index
+        self.registry = registry
+        self.lock = lock
+        self.metrics = metrics
+        self.adapter = ApplyAdapter(index, metrics)
+        self._subscriber_factory = subscriber_factory
+        self._on_expired = on_expired
+        self._poll_ms = poll_ms
+        self._tick_s = tick_s
+        self._clock = clock
+        self._wall = wall
+        self._cmds: queue.SimpleQueue[_Cmd] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._logged: dict[str, int] = {}
+        self.applied_batches = 0  # read by /health and the dashboard
+        self.last_error: str | None = None
+
+    # -- control (any thread) ----------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("ingest loop already started")
+        self._thread = threading.Thread(target=self._run, name="kvatlas-ingest", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def subscribe(self, reg: RegisterWorker, last_seq: int | None = None) -> threading.Event:
+        done = threading.Event()
+        self._cmds.put(_Cmd("add", reg=reg, last_seq=last_seq, done=done))
+        return done
+
+    def unsubscribe(self, worker_id: str) -> threading.Event:
+        done = threading.Event()
+        self._cmds.put(_Cmd("remove", worker_id=worker_id, done=done))
+        return done
+
+    # -- the thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        sub = self._subscriber_factory()
+        next_tick = self._clock()
+        log.info("event=ingest_started poll_ms=%d", self._poll_ms)
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(sub)
+                try:
+                    deliveries = sub.poll(self._poll_ms)
+                except Exception as exc:  # a subscriber bug must not kill ingestion silently
+                    self.last_error = repr(exc)
+                    self.metrics.drops.inc("subscriber_error")
+                    log.exception("event=subscriber_error")
+                    self._stop.wait(0.05)  # back off briefly instead of spinning on a broken poll
+                    continue
+                for d in deliveries:
+                    self._handle(d)
+                now = self._clock()
+                if now >= next_tick:
+                    next_tick = now + self._tick_s
+                    self._tick(now)
+        finally:
+            self._drain_commands(sub)
+            try:
+                sub.close()
+            except Exception:
+                log.exception("event=subscriber_close_failed")
+            log.info("event=ingest_stopped batches=%d", self.applied_batches)
+
+    def _drain_commands(self, sub: Any) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if cmd.kind == "add" and cmd.reg is not None:
+                    r = cmd.reg
+                    sub.add(r.worker_id, r.endpoint, replay_endpoint=r.replay_endpoint, topic=r.topic,
+                            last_seq=cmd.last_seq)
+                    log.info("event=subscribed worker=%s endpoint=%s replay=%s from_seq=%s",
+                             r.worker_id, r.endpoint, r.replay_endpoint,
+                             0 if cmd.last_seq is None else cmd.last_seq + 1)
+                elif cmd.kind == "remove":
+                    sub.remove(cmd.worker_id)
+                    log.info("event=unsubscribed worker=%s", cmd.worker_id)
+            except Exception as exc:
+                self.metrics.drops.inc("subscribe_error")
+                log.error("event=subscribe_error kind=%s worker=%s error=%r", cmd.kind,
+                          cmd.reg.worker_id if cmd.reg else cmd.worker_id, exc)
+            finally:
+                if cmd.done is not None:
+                    cmd.done.set()
+
+    def _handle(self, d: Any) -> None:
+        kind = type(d).__name__
+        if kind == "Batch":
+            self._on_batch(d)
+        elif kind == "Gap":
+            self._on_gap(d)
+        elif kind == "Restart":
+            self._on_restart(d)
+        else:
+            self._count_bad("unknown_delivery", f"unknown delivery {kind}")
+
+    def _count_bad(self, reason: str, message: str) -> None:
+        self.metrics.drops.inc(reason)
+        n = self._logged.get(reason, 0) + 1
+        self._logged[reason] = n
+        if n <= _LOG_FIRST or n % 1000 == 0:
+            log.warning("event=dropped reason=%s count=%d detail=%s", reason, n, message)
+
+    def _on_batch(self, d: Any) -> None:
+        wid = d.worker_id
+        batch = decode_batch(d.payload)
+        if isinstance(batch, DecodeError):
+            self._count_bad("decode_" + batch.reason, f"worker={wid} seq={d.seq}: {batch.message}")
+        now = self._clock()
+        wall = self._wall()
+        resync = orphans = False
+        with self.lock:
+            state = self.registry.get(wid)
+            if state is None:  # removed while its messages were in flight
+                self.metrics.drops.inc("unregistered_worker")
+                return
+            reg = state.reg
+            dp_rank: int | None = None
+            lag = None
+            heartbeat = False
+            if not isinstance(batch, DecodeError):
+                dp_rank = batch.data_parallel_rank
+                if dp_rank is None or dp_rank < 0:
+                    dp_rank = reg.dp_rank
+                heartbeat = not batch.events
+                lag = wall - batch.ts if batch.ts > 0 else None
+                if batch.events:
+                    try:
+                        stats = self.adapter.apply(reg.model, wid, dp_rank, batch)
+                    except Exception as exc:  # the index promises not to raise; never trust it blindly
+                        self._count_bad("apply_error", f"worker={wid} seq={d.seq}: {exc!r}")
+                        stats = None
+                    orphans, cleared = self.adapter.record(stats)
+                    if cleared:
+                        self.registry.on_reset(wid)
+            self.registry.on_batch(wid, d.seq, now, heartbeat=heartbeat, dp_rank=dp_rank, lag=lag)
+            if orphans and self.registry.on_orphans(wid, now):
+                # First sign of loss on a clean stream: same path as an unrecoverable gap.
+                self.index.clear_worker(reg.model, wid)
+                resync = True
+        self.applied_batches += 1
+        self.metrics.batches.inc(wid, "replayed" if d.replayed else ("heartbeat" if heartbeat else "live"))
+        if lag is not None:
+            self.metrics.worker_lag.set(wid, value=max(0.0, lag))
+        if resync:
+            self.metrics.resyncs.inc(wid)
+            log.warning("event=resync worker=%s reason=orphans_expired seq=%d", wid, d.seq)
+        elif orphans:
+            self._count_bad("orphans_after_resync", f"worker={wid} seq={d.seq}: parents lost in an earlier resync")
+
+    def _on_gap(self, d: Any) -> None:
+        wid = d.worker_id
+        now = self._clock()
+        with self.lock:
+            state = self.registry.get(wid)
+            if state is None:
+                return
+            if not d.recovered:
+                self.index.clear_worker(state.reg.model, wid)
+            self.registry.on_gap(wid, now, recovered=d.recovered)
+        self.metrics.gaps.inc(wid)
+        if d.recovered:
+            self.metrics.replays.inc(wid)
+            log.info("event=gap_replayed worker=%s first=%d last=%d", wid, d.first, d.last)
+        else:
+            self.metrics.resyncs.inc(wid)
+            log.warning("event=resync worker=%s reason=replay_cannot_cover first=%d last=%d",
+                        wid, d.first, d.last)
+
+    def _on_restart(self, d: Any) -> None:
+        wid = d.worker_id
+        now = self._clock()
+        with self.lock:
+            state = self.registry.get(wid)
+            if state is None:
+                return
+            self.index.clear_worker(state.reg.model, wid)
+            self.registry.on_restart(wid, now)
+        self.metrics.restarts.inc(wid)
+        log.warning("event=publisher_restart worker=%s old_seq=%d new_seq=%d", wid, d.old_seq, d.new_seq)
+
+    def _tick(self, now: float) -> None:
+        with self.lock:
+            changes, expired = self.registry.tick(now)
+        for wid, old, new in changes:
+            log.info("event=status worker=%s from=%s to=%s", wid, old, new)
+        for wid in expired:
+            log.warning("event=expired worker=%s reason=silent_past_remove_deadline", wid)
+            if self._on_expired is not None:
+                self._on_expired(wid)

@@ -1,0 +1,204 @@
+"""A small Prometheus text-exposition of our own counters, gauges and histograms.
+
+Data structures only: no clock, no I/O. Each metric has its own lock because the ingestion thread
+and the HTTP thread both write (dict read-modify-write is not atomic across threads).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections import deque
+from typing import Iterable, Sequence
+
+LabelValues = tuple[str, ...]
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _fmt(v: float) -> str:
+    if v == math.inf:
+        return "+Inf"
+    if float(v).is_integer():
+        return str(int(v))
+    return repr(float(v))
+
+
+def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
+    parts = [f'{n}="{_escape(str(v))}"' for n, v in zip(names, values)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+class _Metric:
+    __slots__ = ("name", "help", "labelnames", "_lock")
+    kind = "untyped"
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
+        self.name = name
+        self.help = help
+        self.labelnames = tuple(labelnames)
+        self._lock = threading.Lock()
+
+    def _check(self, labels: LabelValues) -> None:
+        if len(labels) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {labels}")
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+
+class Counter(_Metric):
+    __slots__ = ("_values",)
+    kind = "counter"
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
+        super().__init__(name, help, labelnames)
+        self._values: dict[LabelValues, float] = {}
+
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        self._check(labels)
+        with self._lock:
+            self._values[labels] = self._values.get(labels, 0.0) + amount
+
+    def get(self, *labels: str) -> float:
+        return self._values.get(labels, 0.0)
+
+    def total(self) -> float:
+        with self._lock:
+            return sum(self._values.values())
+
+    def items(self) -> list[tuple[LabelValues, float]]:
+        with self._lock:
+            return sorted(self._values.items())
+
+    def render(self) -> list[str]:
+        out = self.header()
+        for labels, v in self.items():
+            out.append(f"{self.name}{_labels(self.labelnames, labels)} {_fmt(v)}")
+        return out
+
+
+class Gauge(Counter):
+    __slots__ = ()
+    kind = "gauge"
+
+    def set(self, *labels: str, value: float) -> None:
+        self._check(labels)
+        with self._lock:
+            self._values[labels] = value
+
+    def replace(self, values: dict[LabelValues, float]) -> None:
+        """Swap in a fresh set of samples (e.g. per-worker gauges after a removal)."""
+        with self._lock:
+            self._values = dict(values)
+
+
+class Histogram(_Metric):
+    __slots__ = ("buckets", "_counts", "_sums")
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = (),
+                 buckets: Iterable[float] = ()) -> None:
+        super().__init__(name, help, labelnames)
+        self.buckets = tuple(sorted(buckets)) + (math.inf,)
+        self._counts: dict[LabelValues, list[int]] = {}
+        self._sums: dict[LabelValues, float] = {}
+
+    def observe(self, value: float, *labels: str) -> None:
+        self._check(labels)
+        i = bisect.bisect_left(self.buckets, value)
+        with self._lock:
+            counts = self._counts.get(labels)
+            if counts is None:
+                counts = self._counts[labels] = [0] * len(self.buckets)
+                self._sums[labels] = 0.0
+            counts[i] += 1
+            self._sums[labels] += value
+
+    def count(self, *labels: str) -> int:
+        return sum(self._counts.get(labels, ()))
+
+    def render(self) -> list[str]:
+        out = self.header()
+        with self._lock:
+            snap = sorted((k, list(v), self._sums[k]) for k, v in self._counts.items())
+        for labels, counts, total in snap:
+            acc = 0
+            for bound, c in zip(self.buckets, counts):
+                acc += c
+                le = f'le="{_fmt(bound)}"'
+                out.append(f"{self.name}_bucket{_labels(self.labelnames, labels, le)} {acc}")
+            out.append(f"{self.name}_sum{_labels(self.labelnames, labels)} {_fmt(total)}")
+            out.append(f"{self.name}_count{_labels(self.labelnames, labels)} {acc}")
+        return out
+
+
+class RecentWindow:
+    """The last `maxlen` observations, for the dashboard's recent p50/p99 (not a Prometheus type)."""
+
+    __slots__ = ("_values", "_lock")
+
+    def __init__(self, maxlen: int = 1024) -> None:
+        self._values: deque[float] = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def add(self, v: float) -> None:
+        self._values.append(v)  # deque.append is atomic under the GIL
+
+    def quantiles(self, qs: Sequence[float]) -> list[float | None]:
+        with self._lock:
+            vals = sorted(self._values)
+        if not vals:
+            return [None for _ in qs]
+        return [vals[min(len(vals) - 1, int(q * len(vals)))] for q in qs]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
+
+
+class ServiceMetrics:
+    """Every metric the indexer service exposes, in one place."""
+
+    __slots__ = (
+        "events", "drops", "batches", "gaps", "replays", "resyncs", "restarts", "worker_lag",
+        "worker_blocks", "request_latency", "http_rejects", "snapshots", "recent_score", "_all",
+    )
+
+    def __init__(self) -> None:
+        p = "kvatlas_"
+        self.events = Counter(p + "events_applied_total", "KV events applied, by type, tier and outcome",
+                              ("type", "tier", "outcome"))
+        self.drops = Counter(p + "drops_total", "Events, batches or requests dropped, by reason", ("reason",))
+        self.batches = Counter(p + "batches_total", "Batches received, by worker and kind", ("worker", "kind"))
+        self.gaps = Counter(p + "gaps_total", "Sequence gaps detected, by worker", ("worker",))
+        self.replays = Counter(p + "replays_total", "Gaps recovered by replay, by worker", ("worker",))
+        self.resyncs = Counter(p + "resyncs_total", "Gaps replay could not cover (worker resynced)", ("worker",))
+        self.restarts = Counter(p + "restarts_detected_total", "Publisher restarts detected", ("worker",))
+        self.worker_lag = Gauge(p + "worker_lag_seconds", "Apply time minus publish time, last batch", ("worker",))
+        self.worker_blocks = Gauge(p + "worker_blocks", "Blocks indexed per worker and tier", ("worker", "tier"))
+        self.request_latency = Histogram(p + "request_seconds", "HTTP request latency by endpoint",
+                                         ("endpoint",), LATENCY_BUCKETS)
+        self.http_rejects = Counter(p + "http_rejects_total", "Rejected HTTP requests by endpoint and reason",
+                                    ("endpoint", "reason"))
+        self.snapshots = Counter(p + "snapshots_total", "Snapshots written or loaded, by outcome", ("outcome",))
+        self.recent_score = RecentWindow(2048)
+        self._all: tuple[_Metric, ...] = (
+            self.events, self.drops, self.batches, self.gaps, self.replays, self.resyncs,
+            self.restarts, self.worker_lag, self.worker_blocks, self.request_latency,
+            self.http_rejects, self.snapshots,
+        )
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for m in self._all:
+            lines.extend(m.render())
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,448 @@
+"""The indexer service: wires the KVIndex, the ingestion thread, the worker registry, metrics and
+snapshots together, and offers the operations the HTTP app exposes. start()/stop() own every
+thread; nothing here is global, so tests can run several services in one process.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from indexer.snapshot import (
+    SNAPSHOT_VERSION,
+    ModelSnapshot,
+    Snapshot,
+    SnapshotError,
+    SnapshotStore,
+    WorkerSnapshot,
+    decode_snapshot,
+    encode_snapshot,
+    make_snapshot_store,
+)
+from indexer.core.types import WorkerScore
+from router_api.ingest import IngestLoop
+from router_api.metrics import ServiceMetrics
+from router_api.registry import LivenessPolicy, Registry, RegistryError, UnknownWorker, InvalidRegistration
+from schemas.api import (
+    BestWorker,
+    HealthResponse,
+    QueryInstance,
+    QueryResponse,
+    RegisterWorker,
+    ScoreResponse,
+    TierBlocks,
+    WorkerScoreOut,
+    WorkersResponse,
+    WorkerStatus,
+)
+
+log = logging.getLogger("kvatlas.service")
+
+TIER_KEYS = ("gpu", "host", "disk", "shared")
+
+
+class UnknownModel(Exception):
+    """Scored a model no worker is registered for (HTTP 404)."""
+
+
+class ServiceConfig:
+    __slots__ = (
+        "host", "port", "model", "block_size", "static_workers", "snapshot_target", "snapshot_key",
+        "snapshot_interval_s", "auth_token", "tier_weights", "stale_after_s", "remove_after_s",
+        "silent_engine_factor", "resync_hold_s", "max_body_bytes", "replay_timeout_s", "poll_ms",
+        "trust_engine_hashes", "stats_ttl_s",
+    )
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8700,
+        model: str = "default",
+        block_size: int = 16,
+        static_workers: Sequence[RegisterWorker] = (),
+        snapshot_target: str | None = None,
+        snapshot_key: str = "kvatlas:snapshot",
+        snapshot_interval_s: float = 30.0,
+        auth_token: str | None = None,
+        tier_weights: dict[str, float] | None = None,
+        stale_after_s: float = 10.0,
+        remove_after_s: float = 300.0,
+        silent_engine_factor: float = 6.0,
+        resync_hold_s: float = 30.0,
+        max_body_bytes: int = 8 * 1024 * 1024,
+        replay_timeout_s: float = 2.0,
+        poll_ms: int = 20,
+        trust_engine_hashes: bool = False,
+        stats_ttl_s: float = 1.0,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if snapshot_interval_s <= 0:
+            raise ValueError("snapshot_interval_s must be > 0")
+        if tier_weights:
+            bad = set(tier_weights) - set(TIER_KEYS)
+            if bad:
+                raise ValueError(f"unknown tier weight(s) {sorted(bad)}; tiers are {TIER_KEYS}")
+        self.host = host
+        self.port = port
+        self.model = model
+        self.block_size = block_size
+        self.static_workers = list(static_workers)
+        self.snapshot_target = snapshot_target
+        self.snapshot_key = snapshot_key
+        self.snapshot_interval_s = snapshot_interval_s
+        self.auth_token = auth_token or None
+        self.tier_weights = dict(tier_weights) if tier_weights else None
+        self.stale_after_s = stale_after_s
+        self.remove_after_s = remove_after_s
+        self.silent_engine_factor = silent_engine_factor
+        self.resync_hold_s = resync_hold_s
+        self.max_body_bytes = max_body_bytes
+        self.replay_timeout_s = replay_timeout_s
+        self.poll_ms = poll_ms
+        self.trust_engine_hashes = trust_engine_hashes
+        self.stats_ttl_s = stats_ttl_s  # how stale /workers block counts may be (they cost O(blocks))
+
+
+def _default_index(config: ServiceConfig) -> Any:
+    from indexer.index import KVIndex
+
+    weights = None
+    if config.tier_weights:
+        from indexer.index import TierWeights
+
+        weights = TierWeights(**config.tier_weights)
+    return KVIndex(weights=weights, trust_engine_hashes=config.trust_engine_hashes)
+
+
+def _default_subscriber(config: ServiceConfig) -> Callable[[], Any]:
+    def factory() -> Any:
+        from indexer.subscriber import Subscriber
+
+        return Subscriber(replay_timeout=config.replay_timeout_s)
+
+    return factory
+
+
+def _tiers(d: dict[str, int] | None) -> TierBlocks:
+    if not d:
+        return TierBlocks()
+    return TierBlocks(gpu=int(d.get("gpu", 0)), host=int(d.get("host", 0)),
+                      disk=int(d.get("disk", 0)), shared=int(d.get("shared", 0)))
+
+
+class IndexerService:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        *,
+        index: Any | None = None,
+        subscriber_factory: Callable[[], Any] | None = None,
+        snapshot_store: SnapshotStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.index = index if index is not None else _default_index(config)
+        self.registry = Registry(LivenessPolicy(
+            stale_after_s=config.stale_after_s, remove_after_s=config.remove_after_s,
+            silent_engine_factor=config.silent_engine_factor, resync_hold_s=config.resync_hold_s,
+        ))
+        self.metrics = ServiceMetrics()
+        self.lock = threading.Lock()
+        self.store = snapshot_store if snapshot_store is not None else make_snapshot_store(
+            config.snapshot_target, key=config.snapshot_key)
+        self.ingest = IngestLoop(
+            index=self.index, registry=self.registry, lock=self.lock, metrics=self.metrics,
+            subscriber_factory=subscriber_factory or _default_subscriber(config),
+            on_expired=self._expire, poll_ms=config.poll_ms, clock=clock,
+        )
+        self.generation = 0
+        self.started_at = clock()
+        self.restored_from: int | None = None  # generation of the snapshot we started from
+        self._snap_stop = threading.Event()
+        self._snap_thread: threading.Thread | None = None
+        self._snap_lock = threading.Lock()  # one snapshot write at a time
+        self._started = False
+        self._blocks_cache: tuple[float, dict[tuple[str, int], dict[str, int]]] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._started:
+            raise RuntimeError("service already started")
+        self._started = True
+        self.index.ensure_model(self.config.model, self.config.block_size)
+        self._restore()
+        for reg in self.config.static_workers:
+            if reg.worker_id in self.registry:
+                continue  # already restored from the snapshot, with its watermark
+            try:
+                self.register(reg)
+            except RegistryError as exc:
+                log.error("event=static_worker_rejected worker=%s error=%s", reg.worker_id, exc)
+        self.ingest.start()
+        if self.store is not None:
+            self._snap_thread = threading.Thread(target=self._snapshot_loop, name="kvatlas-snapshot",
+                                                 daemon=True)
+            self._snap_thread.start()
+        log.info("event=service_started model=%s block_size=%d workers=%d snapshot=%s auth=%s",
+                 self.config.model, self.config.block_size, len(self.registry),
+                 self.store.description if self.store else "none",
+                 "on" if self.config.auth_token else "off")
+
+    def stop(self, final_snapshot: bool = True) -> None:
+        self._snap_stop.set()
+        if self._snap_thread is not None:
+            self._snap_thread.join(30)
+        self.ingest.stop()
+        if final_snapshot and self.store is not None:
+            self.snapshot_now()
+        if self.store is not None:
+            self.store.close()
+        log.info("event=service_stopped")
+
+    # -- registration ------------------------------------------------------------------------
+    def register(self, reg: RegisterWorker, last_seq: int | None = None) -> WorkerStatus:
+        with self.lock:
+            known = self.index.models()
+            self.registry.add(reg, self.clock(), model_block_sizes=known, last_seq=last_seq)
+            try:
+                self.index.ensure_model(reg.model, reg.block_size)
+            except Exception as exc:  # BlockSizeConflict: keep registry and index consistent
+                self.registry.remove(reg.worker_id)
+                raise InvalidRegistration(str(exc)) from exc
+            # Known to the index before its first event, so /score lists it from the start.
+            self.index.register_worker(reg.model, reg.worker_id, reg.dp_rank)
+            status = self._status_of(reg.worker_id, self.clock())
+        self.ingest.subscribe(reg, last_seq)
+        log.info("event=registered worker=%s model=%s block_size=%d endpoint=%s replay=%s dp_rank=%d",
+                 reg.worker_id, reg.model, reg.block_size, reg.endpoint, reg.replay_endpoint, reg.dp_rank)
+        return status
+
+    def unregister(self, worker_id: str, reason: str = "request") -> None:
+        with self.lock:
+            state = self.registry.remove(worker_id)
+            self.index.remove_worker(state.reg.model, worker_id)
+        self.ingest.unsubscribe(worker_id)
+        self.metrics.worker_lag.replace({k: v for k, v in self.metrics.worker_lag.items() if k[0] != worker_id})
+        log.info("event=unregistered worker=%s reason=%s", worker_id, reason)
+
+    def _expire(self, worker_id: str) -> None:
+        try:
+            self.unregister(worker_id, reason="expired")
+        except UnknownWorker:
+            pass
+
+    # -- queries -----------------------------------------------------------------------------
+    def _status_of(self, worker_id: str, now: float, blocks: dict[tuple[str, int], dict[str, int]] | None = None
+                   ) -> WorkerStatus:
+        w = self.registry.get(worker_id)
+        if w is None:
+            raise UnknownWorker(f"worker {worker_id!r} is not registered")
+        r = w.reg
+        totals = {k: 0 for k in TIER_KEYS}
+        if blocks:
+            for rank in w.dp_ranks:
+                for k, n in (blocks.get((worker_id, rank)) or {}).items():
+                    if k in totals:
+                        totals[k] += int(n)
+        return WorkerStatus(
+            worker_id=r.worker_id, endpoint=r.endpoint, replay_endpoint=r.replay_endpoint, model=r.model,
+            block_size=r.block_size, dp_rank=r.dp_rank, topic=r.topic,
+            status=w.status(now, self.registry.policy), last_seq=w.last_seq, lag=w.lag,
+            silent_s=None if w.last_msg_at is None else max(0.0, now - w.last_msg_at),
+            blocks=_tiers(totals), dp_ranks=sorted(w.dp_ranks), batches=w.batches, gaps=w.gaps,
+            replays=w.replays, resyncs=w.resyncs, restarts=w.restarts,
+        )
+
+    def workers(self) -> WorkersResponse:
+        now = self.clock()
+        cached = self._blocks_cache
+        if cached is not None and now - cached[0] < self.config.stats_ttl_s:
+            stats = cached[1]
+        else:
+            stats = {}
+            with self.lock:
+                models = {w.reg.model for w in self.registry}
+            for model in models:  # one model at a time: ingestion waits for one model's count only
+                with self.lock:
+                    if model in self.index.models():
+                        stats.update(self.index.worker_stats(model))
+            self._blocks_cache = (now, stats)
+        with self.lock:
+            rows = [self._status_of(w.worker_id, now, stats) for w in self.registry]
+        rows.sort(key=lambda s: s.worker_id)
+        gauge: dict[tuple[str, ...], float] = {}
+        for s in rows:
+            for k in TIER_KEYS:
+                gauge[(s.worker_id, k)] = getattr(s.blocks, k)
+        self.metrics.worker_blocks.replace(gauge)
+        return WorkersResponse(workers=rows)
+
+    def score(self, model: str, token_ids: Any, lora_name: str | None = None,
+              cache_salt: str | None = None) -> ScoreResponse:
+        now = self.clock()
+        policy = self.registry.policy
+        with self.lock:
+            block_size = self.index.models().get(model)
+            if block_size is None:
+                raise UnknownModel(f"unknown model {model!r}")
+            states = {w.worker_id: w for w in self.registry.of_model(model)}
+            pairs = [(wid, rank) for wid, w in states.items() for rank in sorted(w.dp_ranks)]
+            result = self.index.score(model, token_ids, lora_name=lora_name, cache_salt=cache_salt,
+                                      workers=pairs)
+            out: list[WorkerScoreOut] = []
+            scored = {(ws.worker_id, ws.dp_rank) for ws in result.workers}
+            # Every registered worker is listed, even a rank the index has not seen yet.
+            missing = [WorkerScore(wid, rank, 0, 0, {}, 0.0) for wid, rank in pairs if (wid, rank) not in scored]
+            for ws in list(result.workers) + missing:
+                w = states.get(ws.worker_id)
+                if w is None:
+                    continue
+                status = w.status(now, policy)
+                out.append(WorkerScoreOut(
+                    worker_id=ws.worker_id, dp_rank=ws.dp_rank, device_blocks=ws.device_blocks,
+                    cached_blocks=ws.cached_blocks, tiers=_tiers(ws.tiers), score=float(ws.score),
+                    stale=status == "stale", last_seq=w.last_seq, status=status,
+                ))
+            query_blocks = result.query_blocks
+        # Best first; a stale worker may be gone, so it sorts after every fresh one (stable).
+        out.sort(key=lambda s: (s.stale, -s.score))
+        best = next((BestWorker(s.worker_id, s.dp_rank) for s in out if not s.stale and s.score > 0), None)
+        return ScoreResponse(model=model, block_size=block_size, query_blocks=query_blocks,
+                             workers=out, best=best)
+
+    def query_compat(self, model: str, token_ids: Any, lora_name: str | None,
+                     cache_salt: str | None) -> QueryResponse:
+        """Dynamo / Mooncake-RFC shape, in tokens; per worker the best dp rank's tiers."""
+        res = self.score(model, token_ids, lora_name, cache_salt)
+        bs = res.block_size
+        inst: dict[str, QueryInstance] = {}
+        for s in res.workers:
+            tokens = s.cached_blocks * bs
+            cur = inst.get(s.worker_id)
+            if cur is None:
+                cur = inst[s.worker_id] = QueryInstance(0, 0, 0, 0, {})
+            cur.dp[str(s.dp_rank)] = tokens
+            if tokens > cur.longest_matched or (tokens == cur.longest_matched and not cur.dp):
+                cur.longest_matched = tokens
+                cur.gpu = s.tiers.gpu * bs
+                cur.cpu = s.tiers.host * bs
+                cur.disk = (s.tiers.disk + s.tiers.shared) * bs
+        return QueryResponse(instances=inst)
+
+    def dump(self) -> dict[str, Any]:
+        with self.lock:
+            models = self.index.models()
+            out = {
+                m: {"block_size": bs, "workers": [
+                    {"worker_id": wid, "dp_rank": rank, "events": events}
+                    for wid, rank, events in self.index.dump(m)
+                ]} for m, bs in models.items()
+            }
+            marks = self.registry.watermarks()
+        return {"generation": self.generation, "models": out, "watermarks": marks}
+
+    def health(self) -> HealthResponse:
+        with self.lock:
+            n = len(self.registry)
+            models = dict(self.index.models())
+        alive = self.ingest.alive
+        return HealthResponse(status="ok" if alive else "degraded", workers=n, ingest_alive=alive,
+                              uptime_s=self.clock() - self.started_at, models=models)
+
+    def stats(self) -> dict[str, Any]:
+        """Numbers the dashboard polls; rates are computed client-side from these totals."""
+        m = self.metrics
+        by_type: dict[str, float] = {}
+        for (typ, _tier, _outcome), n in m.events.items():
+            by_type[typ] = by_type.get(typ, 0) + n
+        p50, p99 = m.recent_score.quantiles((0.5, 0.99))
+        return {
+            "uptime_s": self.clock() - self.started_at,
+            "events_total": m.events.total(),
+            "events_by_type": by_type,
+            "batches_total": m.batches.total(),
+            "drops": {labels[0]: n for labels, n in m.drops.items()},
+            "gaps": m.gaps.total(), "replays": m.replays.total(), "resyncs": m.resyncs.total(),
+            "restarts": m.restarts.total(),
+            "score": {"count": m.request_latency.count("score"),
+                      "p50_ms": None if p50 is None else p50 * 1e3,
+                      "p99_ms": None if p99 is None else p99 * 1e3},
+            "snapshot_generation": self.generation,
+            "workers": self.workers().workers,
+        }
+
+    def metrics_text(self) -> str:
+        self.workers()  # refresh per-worker block gauges
+        return self.metrics.render()
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def build_snapshot(self) -> Snapshot:
+        with self.lock:  # index state and watermarks from the same instant (between two batches)
+            models = [ModelSnapshot(m, bs, list(self.index.dump(m))) for m, bs in self.index.models().items()]
+            workers = [WorkerSnapshot(w.reg, w.last_seq, sorted(w.dp_ranks)) for w in self.registry]
+        self.generation += 1
+        return Snapshot(SNAPSHOT_VERSION, self.generation, time.time(), workers, models)
+
+    def snapshot_now(self) -> bool:
+        if self.store is None:
+            return False
+        with self._snap_lock:
+            t0 = self.clock()
+            try:
+                snap = self.build_snapshot()
+                data = encode_snapshot(snap)
+                self.store.save(data)
+            except (SnapshotError, Exception) as exc:  # never let a snapshot failure kill the service
+                self.metrics.snapshots.inc("save_failed")
+                log.error("event=snapshot_failed target=%s error=%s", self.store.description, exc)
+                return False
+            self.metrics.snapshots.inc("saved")
+            log.info("event=snapshot_saved generation=%d workers=%d bytes=%d ms=%.1f",
+                     snap.generation, len(snap.workers), len(data), (self.clock() - t0) * 1e3)
+            return True
+
+    def _snapshot_loop(self) -> None:
+        while not self._snap_stop.wait(self.config.snapshot_interval_s):
+            self.snapshot_now()
+
+    def _restore(self) -> None:
+        if self.store is None:
+            return
+        try:
+            data = self.store.load()
+            if data is None:
+                log.info("event=snapshot_absent target=%s", self.store.description)
+                return
+            snap = decode_snapshot(data)
+        except SnapshotError as exc:
+            self.metrics.snapshots.inc("load_failed")
+            log.error("event=snapshot_load_failed target=%s error=%s (starting empty)", self.store.description, exc)
+            return
+        for ms in snap.models:
+            try:
+                self.index.ensure_model(ms.model, ms.block_size)
+                self.index.load_dump(ms.model, ms.block_size, list(ms.workers))
+            except Exception as exc:
+                self.metrics.snapshots.inc("load_failed")
+                log.error("event=snapshot_model_failed model=%s error=%r", ms.model, exc)
+        for ws in snap.workers:
+            try:
+                self.register(ws.reg, last_seq=ws.last_seq)
+            except RegistryError as exc:
+                log.error("event=snapshot_worker_rejected worker=%s error=%s", ws.reg.worker_id, exc)
+                continue
+            w = self.registry.get(ws.reg.worker_id)
+            if w is not None:
+                w.dp_ranks.update(ws.dp_ranks)
+                for rank in ws.dp_ranks:
+                    self.index.register_worker(ws.reg.model, ws.reg.worker_id, rank)
+        self.generation = snap.generation
+        self.restored_from = snap.generation
+        self.metrics.snapshots.inc("loaded")
+        log.info("event=snapshot_loaded generation=%d workers=%d models=%d", snap.generation,
+                 len(snap.workers), len(snap.models))
+

@@ -1,0 +1,147 @@
+"""HTTP API request/response types of the indexer service (msgspec, no logic, no torch).
+
+The field names are the public contract: routers and tests depend on them. Requests are decoded
+with msgspec straight from the raw body (JSON or msgpack), so large token lists never go through
+pydantic. Token ids are u32; list lengths are bounded so absurd bodies fail validation (422).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Optional
+
+import msgspec
+from msgspec import Meta, Struct
+
+U32_MAX: Final = (1 << 32) - 1
+# An upper bound on query length: far above any real context, low enough to bound CPU per request.
+MAX_QUERY_TOKENS: Final = 2_000_000
+
+TokenId = Annotated[int, Meta(ge=0, le=U32_MAX)]
+TokenList = Annotated[list[TokenId], Meta(max_length=MAX_QUERY_TOKENS)]
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+OptName = Optional[Annotated[str, Meta(max_length=256)]]
+
+TIER_NAMES: Final = ("gpu", "host", "disk", "shared")
+WORKER_STATUSES: Final = ("connecting", "live", "stale", "resyncing")
+
+
+# --- registration ------------------------------------------------------------------------------
+
+class RegisterWorker(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """`POST /workers` body; also what a snapshot stores per registered worker."""
+
+    worker_id: Name
+    endpoint: Annotated[str, Meta(min_length=1, max_length=512)]
+    replay_endpoint: Optional[Annotated[str, Meta(min_length=1, max_length=512)]] = None
+    model: Name = "default"
+    block_size: Annotated[int, Meta(ge=1, le=1 << 20)] = 16
+    dp_rank: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    topic: Annotated[str, Meta(max_length=256)] = ""
+
+
+class TierBlocks(Struct):
+    gpu: int = 0
+    host: int = 0
+    disk: int = 0
+    shared: int = 0
+
+
+class WorkerStatus(Struct):
+    """One row of `GET /workers`."""
+
+    worker_id: str
+    endpoint: str
+    replay_endpoint: Optional[str]
+    model: str
+    block_size: int
+    dp_rank: int
+    topic: str
+    status: str  # one of WORKER_STATUSES
+    last_seq: Optional[int]
+    lag: Optional[float]  # seconds between publish ts and our apply, last batch
+    silent_s: Optional[float]  # seconds since the last message (None before the first)
+    blocks: TierBlocks
+    dp_ranks: list[int]
+    batches: int
+    gaps: int
+    replays: int
+    resyncs: int
+    restarts: int
+
+
+class WorkersResponse(Struct):
+    workers: list[WorkerStatus]
+
+
+# --- scoring -----------------------------------------------------------------------------------
+
+class ScoreRequest(Struct, omit_defaults=True):
+    token_ids: TokenList
+    model: Name = "default"
+    lora_name: OptName = None
+    cache_salt: OptName = None
+
+
+class WorkerScoreOut(Struct):
+    worker_id: str
+    dp_rank: int
+    device_blocks: int
+    cached_blocks: int
+    tiers: TierBlocks
+    score: float
+    stale: bool
+    last_seq: Optional[int]
+    status: str
+
+
+class BestWorker(Struct):
+    worker_id: str
+    dp_rank: int
+
+
+class ScoreResponse(Struct):
+    model: str
+    block_size: int
+    query_blocks: int
+    workers: list[WorkerScoreOut]
+    best: Optional[BestWorker]
+
+
+class QueryRequest(Struct):
+    """`POST /query`, the Dynamo / Mooncake-RFC shape. `model` is accepted as an alias."""
+
+    token_ids: TokenList
+    model_name: OptName = None
+    model: OptName = None
+    lora_name: OptName = None
+    cache_salt: OptName = None
+
+
+class QueryInstance(Struct):
+    longest_matched: int  # tokens
+    gpu: int
+    cpu: int
+    disk: int
+    dp: dict[str, int]
+
+
+class QueryResponse(Struct):
+    instances: dict[str, QueryInstance]
+
+
+# --- misc --------------------------------------------------------------------------------------
+
+class ErrorResponse(Struct):
+    error: str
+    detail: Any = None
+
+
+class HealthResponse(Struct):
+    status: str
+    workers: int
+    ingest_alive: bool
+    uptime_s: float
+    models: dict[str, int]
+
+
+json_encoder: Final = msgspec.json.Encoder()
+msgpack_encoder: Final = msgspec.msgpack.Encoder()
