@@ -84,7 +84,7 @@ class EventLogWriter:
 class EventLogReader:
     """Iterates the frames of a log, streaming. Single pass."""
 
-    __slots__ = ("path", "truncated", "corrupt_frames", "frames", "_f", "_decoder")
+    __slots__ = ("path", "truncated", "corrupt_frames", "frames", "_f", "_decoder", "_gen")
 
     def __init__(self, path: str | os.PathLike[str], buffer_size: int = 1 << 20) -> None:
         self.path = os.fspath(path)
@@ -92,6 +92,7 @@ class EventLogReader:
         self.corrupt_frames = 0
         self.frames = 0
         self._decoder = msgspec.msgpack.Decoder(LogFrame)
+        self._gen: Iterator[LogFrame] | None = None
         try:
             self._f: BinaryIO | None = open(self.path, "rb", buffering=buffer_size)  # noqa: SIM115
         except OSError as exc:
@@ -104,6 +105,14 @@ class EventLogReader:
                                 f"expected {MAGIC!r})")
 
     def __iter__(self) -> Iterator[LogFrame]:
+        return self
+
+    def __next__(self) -> LogFrame:
+        if self._gen is None:
+            self._gen = self._frames()
+        return next(self._gen)
+
+    def _frames(self) -> Iterator[LogFrame]:
         f = self._f
         if f is None:
             return

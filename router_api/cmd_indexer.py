@@ -165,6 +165,30 @@ def build_config(args: argparse.Namespace) -> Any:
     )
 
 
+def _make_server(uvicorn: Any, config: Any) -> Any:
+    import contextlib
+    import signal
+    import threading
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT once it has stopped serving, which would kill us before
+        the final snapshot; we take the same signals, stop serving, and return normally instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    return Server(config)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -189,14 +213,14 @@ def run(args: argparse.Namespace) -> int:
     service = IndexerService(config)
     service.start()
     app = create_app(service)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _make_server(uvicorn, uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning", access_log=False,
         lifespan="off", timeout_keep_alive=30,
     ))
     t0 = time.monotonic()
     log.info("event=listening url=http://%s:%d", config.host, config.port)
     try:
-        server.run()  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
+        server.run()  # returns on SIGINT/SIGTERM
     finally:
         log.info("event=shutting_down served_s=%.1f", time.monotonic() - t0)
         service.stop()

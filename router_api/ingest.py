@@ -104,6 +104,7 @@ class IngestLoop:
         self._thread: threading.Thread | None = None
         self._logged: dict[str, int] = {}
         self.applied_batches = 0  # read by /health and the dashboard
+        self.deliveries = 0  # every Batch/Gap/Restart handled (snapshots skip when unchanged)
         self.last_error: str | None = None
 
     # -- control (any thread) ----------------------------------------------------------------
@@ -188,6 +189,7 @@ class IngestLoop:
                     cmd.done.set()
 
     def _handle(self, d: Any) -> None:
+        self.deliveries += 1
         kind = type(d).__name__
         if kind == "Batch":
             self._on_batch(d)

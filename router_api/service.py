@@ -167,6 +167,8 @@ class IndexerService:
         self._snap_lock = threading.Lock()  # one snapshot write at a time
         self._started = False
         self._blocks_cache: tuple[float, dict[tuple[str, int], dict[str, int]]] | None = None
+        self._membership = 0  # bumped on (un)registration: a snapshot with nothing new is skipped
+        self._saved_mark: tuple[int, int] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -216,6 +218,7 @@ class IndexerService:
             # Known to the index before its first event, so /score lists it from the start.
             self.index.register_worker(reg.model, reg.worker_id, reg.dp_rank)
             status = self._status_of(reg.worker_id, self.clock())
+        self._membership += 1
         self.ingest.subscribe(reg, last_seq)
         log.info("event=registered worker=%s model=%s block_size=%d endpoint=%s replay=%s dp_rank=%d",
                  reg.worker_id, reg.model, reg.block_size, reg.endpoint, reg.replay_endpoint, reg.dp_rank)
@@ -225,6 +228,7 @@ class IndexerService:
         with self.lock:
             state = self.registry.remove(worker_id)
             self.index.remove_worker(state.reg.model, worker_id)
+        self._membership += 1
         self.ingest.unsubscribe(worker_id)
         self.metrics.worker_lag.replace({k: v for k, v in self.metrics.worker_lag.items() if k[0] != worker_id})
         log.info("event=unregistered worker=%s reason=%s", worker_id, reason)
@@ -387,11 +391,15 @@ class IndexerService:
         self.generation += 1
         return Snapshot(SNAPSHOT_VERSION, self.generation, time.time(), workers, models)
 
-    def snapshot_now(self) -> bool:
+    def snapshot_now(self, only_if_changed: bool = False) -> bool:
         if self.store is None:
             return False
         with self._snap_lock:
             t0 = self.clock()
+            # Every state change comes through a delivered batch or a (un)registration.
+            mark = (self.ingest.deliveries, self._membership)
+            if only_if_changed and mark == self._saved_mark:
+                return False
             try:
                 snap = self.build_snapshot()
                 data = encode_snapshot(snap)
@@ -400,6 +408,7 @@ class IndexerService:
                 self.metrics.snapshots.inc("save_failed")
                 log.error("event=snapshot_failed target=%s error=%s", self.store.description, exc)
                 return False
+            self._saved_mark = mark
             self.metrics.snapshots.inc("saved")
             log.info("event=snapshot_saved generation=%d workers=%d bytes=%d ms=%.1f",
                      snap.generation, len(snap.workers), len(data), (self.clock() - t0) * 1e3)
@@ -407,7 +416,7 @@ class IndexerService:
 
     def _snapshot_loop(self) -> None:
         while not self._snap_stop.wait(self.config.snapshot_interval_s):
-            self.snapshot_now()
+            self.snapshot_now(only_if_changed=True)
 
     def _restore(self) -> None:
         if self.store is None:

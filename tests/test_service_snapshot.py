@@ -107,9 +107,13 @@ def test_kill_and_restart_from_redis_mid_stream(redis_server: RedisServer, tmp_p
     try:
         marks = fleet.run(60, rng)
         fleet.settle(marks)
-        # A snapshot that includes this state exists (generation moves on every 0.2 s).
-        gen = int(rds.get("kv:test:generation") or 0)
-        wait_until(lambda: int(rds.get("kv:test:generation") or 0) >= gen + 2, timeout=10, interval=0.05)
+        # Wait for a periodic snapshot (every 0.2 s when something changed) that holds this state.
+        def snapshotted() -> bool:
+            raw = rds.get("kv:test")
+            snap = decode_snapshot(raw) if raw else None
+            return snap is not None and all((w.last_seq or -1) >= marks[w.reg.worker_id] for w in snap.workers) \
+                and len(snap.workers) == 4
+        wait_until(snapshotted, timeout=10, interval=0.05)
 
         # Mid-stream: a publisher thread keeps sending while the indexer is SIGKILLed.
         sent = threading.Event()

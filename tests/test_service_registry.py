@@ -1,0 +1,131 @@
+"""Pure parts of the service: the registry's liveness state machine (time passed in), the
+Prometheus exposition, and the CLI's config parsing."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router_api.cmd_indexer import add_arguments, build_config, parse_tier_weights, parse_worker_spec
+from router_api.metrics import Counter, Histogram, ServiceMetrics
+from router_api.registry import (
+    DuplicateWorker,
+    InvalidRegistration,
+    LivenessPolicy,
+    Registry,
+    UnknownWorker,
+    validate_endpoint,
+)
+from schemas.api import RegisterWorker
+
+
+def _reg(wid: str, port: int = 5000, **kw: object) -> RegisterWorker:
+    return RegisterWorker(worker_id=wid, endpoint=f"tcp://127.0.0.1:{port}", **kw)  # type: ignore[arg-type]
+
+
+def test_status_machine_with_heartbeats() -> None:
+    r = Registry(LivenessPolicy(stale_after_s=10, remove_after_s=100, silent_engine_factor=3, resync_hold_s=5))
+    r.add(_reg("a"), now=0.0)
+    w = r.get("a")
+    assert w is not None and w.status(1.0, r.policy) == "connecting"
+    # No heartbeat seen yet: judged by the looser deadline (10 * 3).
+    assert w.status(25.0, r.policy) == "connecting" and w.status(31.0, r.policy) == "stale"
+    r.on_batch("a", 0, 2.0, heartbeat=True, dp_rank=None, lag=0.01)
+    assert w.status(2.0, r.policy) == "live" and w.status(12.5, r.policy) == "stale"
+    r.on_gap("a", 3.0, recovered=False)
+    assert w.status(4.0, r.policy) == "resyncing" and w.status(8.1, r.policy) == "live"
+    changes, expired = r.tick(4.0)
+    assert changes == [("a", "connecting", "resyncing")] and expired == []
+    assert r.tick(4.5) == ([], [])
+    assert r.tick(104.0)[1] == ["a"]  # silent past remove_after, and known to heartbeat
+
+
+def test_engines_without_heartbeats_are_never_expired() -> None:
+    r = Registry(LivenessPolicy(stale_after_s=1, remove_after_s=2))
+    r.add(_reg("vllm"), now=0.0)
+    r.on_batch("vllm", 0, 0.0, heartbeat=False, dp_rank=3, lag=None)
+    assert r.get("vllm").dp_ranks == {0, 3}
+    changes, expired = r.tick(1e6)
+    assert expired == [] and changes == [("vllm", "connecting", "stale")]
+
+
+def test_orphans_clear_once_then_only_extend_resyncing() -> None:
+    r = Registry(LivenessPolicy(resync_hold_s=5))
+    r.add(_reg("a"), now=0.0)
+    assert r.on_orphans("a", 1.0) is True  # clean stream: clear
+    assert r.on_orphans("a", 2.0) is False  # echo of the same loss: keep what was rebuilt
+    assert r.get("a").resyncs == 1 and r.get("a").status(6.5, r.policy) == "resyncing"
+    r.on_reset("a")
+    assert r.on_orphans("a", 7.0) is True
+    r.on_restart("a", 8.0)
+    assert r.get("a").clean and r.get("a").last_seq is None and r.get("a").restarts == 1
+
+
+def test_registration_errors() -> None:
+    r = Registry()
+    r.add(_reg("a", 1), now=0)
+    with pytest.raises(DuplicateWorker):
+        r.add(_reg("a", 2), now=0)
+    with pytest.raises(DuplicateWorker):
+        r.add(_reg("b", 1), now=0)  # same endpoint and topic
+    r.add(_reg("b", 1, topic="other"), now=0)  # same PUB, another topic: fine
+    with pytest.raises(InvalidRegistration, match="conflicts"):
+        r.add(_reg("c", 3, block_size=32), now=0)
+    with pytest.raises(InvalidRegistration, match="conflicts"):
+        Registry().add(_reg("c", 3, model="m", block_size=32), now=0, model_block_sizes={"m": 16})
+    with pytest.raises(InvalidRegistration, match="replay_endpoint must differ"):
+        r.add(RegisterWorker("d", "tcp://h:1", replay_endpoint="tcp://h:1"), now=0)
+    with pytest.raises(UnknownWorker):
+        r.remove("zzz")
+    assert [w.worker_id for w in r] == ["a", "b"] and r.watermarks() == {}
+
+
+@given(st.text(max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_endpoint_validation_never_crashes(text: str) -> None:
+    try:
+        validate_endpoint(text)
+    except InvalidRegistration as exc:
+        assert text[:10] in str(exc) or "port" in str(exc)
+    else:
+        assert text.startswith(("tcp://", "ipc://", "inproc://"))
+
+
+def test_prometheus_exposition() -> None:
+    c = Counter("x_total", "help", ("reason",))
+    c.inc('quo"te\n')
+    c.inc("a", amount=2)
+    h = Histogram("lat_seconds", "latency", ("endpoint",), (0.001, 0.01))
+    h.observe(0.0005, "score")
+    h.observe(0.005, "score")
+    h.observe(5, "score")
+    text = "\n".join(c.render() + h.render())
+    assert 'x_total{reason="a"} 2' in text and 'x_total{reason="quo\\"te\\n"} 1' in text
+    assert 'lat_seconds_bucket{endpoint="score",le="0.001"} 1' in text
+    assert 'lat_seconds_bucket{endpoint="score",le="0.01"} 2' in text
+    assert 'lat_seconds_bucket{endpoint="score",le="+Inf"} 3' in text
+    assert 'lat_seconds_count{endpoint="score"} 3' in text
+    with pytest.raises(ValueError):
+        c.inc()
+    assert "# TYPE kvatlas_drops_total counter" in ServiceMetrics().render()
+
+
+def test_cli_config(tmp_path) -> None:
+    assert parse_worker_spec("w1=tcp://h:1,replay=tcp://h:2,dp=3") == {
+        "worker_id": "w1", "endpoint": "tcp://h:1", "replay_endpoint": "tcp://h:2", "dp_rank": 3}
+    with pytest.raises(ValueError, match="unknown option"):
+        parse_worker_spec("w1=tcp://h:1,colour=red")
+    assert parse_tier_weights("gpu=1,host=0.5") == {"gpu": 1.0, "host": 0.5}
+    cfg_file = tmp_path / "indexer.json"
+    cfg_file.write_text(json.dumps({"port": 9999, "block_size": 32, "stale_after": 3,
+                                    "workers": [{"worker_id": "f1", "endpoint": "tcp://h:7"}]}))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = build_config(p.parse_args(["--config", str(cfg_file), "--port", "1234", "--worker", "w2=tcp://h:8"]))
+    assert cfg.port == 1234 and cfg.block_size == 32 and cfg.stale_after_s == 3 and cfg.host == "127.0.0.1"
+    assert [(w.worker_id, w.block_size) for w in cfg.static_workers] == [("w2", 32), ("f1", 32)]
+    with pytest.raises(ValueError, match="unknown tier weight"):
+        build_config(p.parse_args(["--tier-weights", "gpu=1,vram=2"]))
