@@ -288,12 +288,18 @@ class TieredCache:
             total += len(x.host_value)  # type: ignore[arg-type]
         if not chosen:
             return self.device_pages_of(anchor), anchor
-        self.tree.inc_lock(chosen[-1])  # keep the path (and the host run) out of device eviction
+        # Pin the path on the device and the host run on the host: the device eviction below may
+        # write back (allocating host pages, evicting host copies) under write-back.
+        self.tree.inc_lock(chosen[-1])
+        for x in chosen:
+            x.host_ref += 1
         try:
             pages = self.alloc_device(total)
         except PoolExhausted as exc:
             self._count("load_back_no_device_memory")
             log.debug("load-back skipped: %s", exc)
+            for x in chosen:
+                x.host_ref -= 1
             self.tree.dec_lock(chosen[-1])
             return self.device_pages_of(anchor), anchor
         off = 0
@@ -302,8 +308,7 @@ class TieredCache:
             pg = pages[off:off + k]
             off += k
             x.value = pg
-            x.device_ready = False
-            x.host_ref += 1
+            x.device_ready = False  # keeps the host_ref taken above until the copy lands
             f = Flight("h2d", pg)
             f.attach(x)
             f.lock_node = x
@@ -660,14 +665,7 @@ class TieredCache:
         """Observe finished copies and storage results, expire prefetches, send events."""
         now = self.clock() if now is None else now
         if self.transfer is not None:
-            for op, _tag in self.transfer.poll():
-                f = self._ops.pop(op, None)
-                if f is not None:
-                    self._finish_copy(f)
-            for op, _tag, reason in self.transfer.poll_failed():
-                f = self._ops.pop(op, None)
-                if f is not None:
-                    self._fail_copy(f, reason)
+            self._apply_completions(self.transfer.poll())
         if self.storage is not None:
             # Evictions first, results second, applied results-then-evictions: a key's set result
             # always precedes its eviction notice, so no eviction is applied before its store.
@@ -692,6 +690,22 @@ class TieredCache:
                 node = self._backup_retry.popleft()
                 self._backup_to_storage(node)
         self.recorder.flush(now)
+
+    def _apply_completions(self, done: list[tuple[int, object]]) -> None:
+        for op, _tag in done:
+            f = self._ops.pop(op, None)
+            if f is not None:
+                self._finish_copy(f)
+        for op, _tag, reason in self.transfer.poll_failed():
+            f = self._ops.pop(op, None)
+            if f is not None:
+                self._fail_copy(f, reason)
+
+    def wait_transfers(self, timeout: float | None = None) -> None:
+        """Block until in-flight copies land and apply their acks (write-back under memory
+        pressure, shutdown). Events for them go out at the next `step`."""
+        if self.transfer is not None and self._ops:
+            self._apply_completions(self.transfer.wait_all(timeout))
 
     # SGLang's names for the ack polling done by step()
     writing_check = step

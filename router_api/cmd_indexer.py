@@ -210,7 +210,11 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("kvatlas.indexer")
     # Short GIL slices keep /score latency low while the ingest thread is busy.
     sys.setswitchinterval(0.001)
-    service = IndexerService(config)
+    try:
+        service = IndexerService(config)
+    except ValueError as exc:  # e.g. stale-after > remove-after, bad snapshot target
+        print(f"kvatlas indexer: bad configuration: {exc}", file=sys.stderr)
+        return 2
     service.start()
     app = create_app(service)
     server = _make_server(uvicorn, uvicorn.Config(

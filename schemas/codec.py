@@ -46,42 +46,37 @@ def normalize_hash(h: int | bytes) -> int | bytes:
     return h & U64_MASK if type(h) is int else h
 
 
-def _normalize_hashes(hashes: list) -> list:
-    # Fast path: every hash already an unsigned int (vLLM int mode) or bytes.
-    for h in hashes:
-        if type(h) is int and h < 0:
-            return [x & U64_MASK if type(x) is int else x for x in hashes]
-    return hashes
-
-
-def _check_hashes(hashes: list) -> str | None:
-    for h in hashes:
-        if type(h) is int:
-            if h > U64_MASK or h < -(1 << 63):
-                return f"hash {h} outside int64/u64"
-        elif not h:
-            return "empty bytes hash"
-    return None
+def _normalize_hashes(hashes: list) -> list | None:
+    """Unsigned ints, bytes kept; None when a hash is empty bytes. msgpack ints always lie in
+    [-2**63, 2**64-1], so masking is the only int work needed."""
+    try:
+        # C-level fast path: all ints (SGLang signed, vLLM unsigned). Raises TypeError for bytes.
+        if not hashes or min(hashes) >= 0:
+            return hashes
+        return [h & U64_MASK for h in hashes]
+    except TypeError:  # bytes hashes (vLLM sha256 mode), possibly mixed with ints
+        if b"" in hashes:
+            return None
+        return [h & U64_MASK if type(h) is int else h for h in hashes]
 
 
 def _normalize(batch: KVEventBatch) -> KVEventBatch | DecodeError:
     for ev in batch.events:
-        cls = type(ev)
-        if cls is AllBlocksCleared or cls.__name__ == "AllBlocksClearedArr":
+        if type(ev) is AllBlocksCleared:  # array-form twins were re-homed by _from_array_form
             continue
-        problem = _check_hashes(ev.block_hashes)
-        if problem:
-            return DecodeError("bad_hash", problem)
-        ev.block_hashes = _normalize_hashes(ev.block_hashes)
+        hashes = _normalize_hashes(ev.block_hashes)
+        if hashes is None:
+            return DecodeError("bad_hash", "empty bytes hash")
+        ev.block_hashes = hashes
         medium = parse_medium(ev.medium)
         if medium is not None:
             ev.medium = medium.name
-        if isinstance(ev, BlockStored):
+        if type(ev) is BlockStored:
             p = ev.parent_block_hash
-            if p is not None:
-                if type(p) is int and (p > U64_MASK or p < -(1 << 63)):
-                    return DecodeError("bad_hash", f"parent hash {p} outside int64/u64")
-                ev.parent_block_hash = p & U64_MASK if type(p) is int else p
+            if type(p) is int:
+                ev.parent_block_hash = p & U64_MASK
+            elif p == b"":
+                return DecodeError("bad_hash", "empty bytes parent hash")
     return batch
 
 

@@ -129,6 +129,11 @@ def test_unknown_medium_kept_verbatim_and_normalize_off_keeps_wire_values() -> N
     assert raw.events[0].block_hashes == SIGNED and raw.events[0].medium == "CPU"
 
 
+def test_mixed_int_and_bytes_hashes_normalise_each() -> None:
+    batch = ok(enc([0.0, [{"type": "BlockRemoved", "block_hashes": [-1, b"\x01" * 32, 5]}]]))
+    assert batch.events[0].block_hashes == [U64, b"\x01" * 32, 5]
+
+
 def test_batch_without_dp_rank_and_empty_batch() -> None:
     assert ok(enc([1.5, []])).data_parallel_rank is None
     assert ok(enc([1, [], None])) == KVEventBatch(1.0, [], None)
@@ -195,6 +200,8 @@ GOOD = sglang_payload(SIGNED, "GPU")
     (enc([0.0, [["BlockRemoved", "x"]]]), "invalid"),                # positional wrong type
     (enc([0.0, [{"type": "BlockRemoved", "block_hashes": [b""]}]]), "bad_hash"),
     (b"\x91" * 200_000, "invalid"),                                   # deep nesting bomb
+    (enc([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": b"",
+                 "token_ids": [], "block_size": 16}]]), "bad_hash"),
 ])
 def test_malformed_payloads_give_typed_errors(payload: bytes, reason: str) -> None:
     res = decode_batch(payload)
