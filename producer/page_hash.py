@@ -6,14 +6,22 @@ hex digest is the L3 storage key. Pure functions, no state.
 """
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Sequence
-from typing import Final
 
 import numpy as np
 
-_SIGN: Final = 1 << 63
-_WRAP: Final = 1 << 64
+# array('I') is the fastest tokens -> u32 bytes path; only valid where it is 4-byte little-endian.
+_FAST_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
+
+
+def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as consecutive u32 little-endian (ids outside u32 raise OverflowError)."""
+    if _FAST_U32:
+        return array.array("I", tokens).tobytes()
+    return np.asarray(tokens, dtype="<u4").tobytes()
 
 
 def page_digest(tokens: Sequence[int], prior: bytes | None) -> bytes:
@@ -22,14 +30,13 @@ def page_digest(tokens: Sequence[int], prior: bytes | None) -> bytes:
     if prior:
         h.update(prior)
     # One buffer instead of one update per token; the bytes are identical.
-    h.update(np.asarray(tokens, dtype="<u4").tobytes())
+    h.update(tokens_to_bytes(tokens))
     return h.digest()
 
 
 def digest_to_id(digest: bytes) -> int:
     """First 8 bytes as a signed int64: SGLang's event block id."""
-    v = int.from_bytes(digest[:8], "big")
-    return v - _WRAP if v >= _SIGN else v
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def chain_digests(tokens: Sequence[int], page_size: int, prior: bytes | None = None) -> list[bytes]:
@@ -40,13 +47,11 @@ def chain_digests(tokens: Sequence[int], page_size: int, prior: bytes | None = N
     n_full = len(tokens) - len(tokens) % page_size
     if n_full == 0:
         return out
-    raw = np.asarray(tokens[:n_full], dtype="<u4").tobytes()
+    raw = tokens_to_bytes(tokens[:n_full])
     step = 4 * page_size
     sha = hashlib.sha256
     for off in range(0, len(raw), step):
-        h = sha(prior) if prior else sha()
-        h.update(raw[off:off + step])
-        prior = h.digest()
+        prior = sha(prior + raw[off:off + step] if prior else raw[off:off + step]).digest()
         out.append(prior)
     return out
 

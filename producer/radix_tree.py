@@ -13,7 +13,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 
-from producer.page_hash import chain_digests, digest_to_id
+from producer.page_hash import chain_digests
 
 
 class TreeNode:
@@ -240,9 +240,10 @@ class RadixTree:
             todo.append(n)
             n = n.parent  # type: ignore[assignment]
         prior = n.digests[-1] if n is not self.root and n.digests else None
+        from_bytes = int.from_bytes
         for m in reversed(todo):
             m.digests = chain_digests(m.key, self.page_size, prior)
-            m.ids = [digest_to_id(d) for d in m.digests]
+            m.ids = [from_bytes(d[:8], "big", signed=True) for d in m.digests]  # == digest_to_id
             prior = m.digests[-1]
         return node.ids  # type: ignore[return-value]
 
