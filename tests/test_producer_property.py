@@ -63,7 +63,7 @@ ops = st.tuples(
 )
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(
     data=st.data(),
     page_size=st.sampled_from([1, 2, 4]),

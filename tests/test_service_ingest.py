@@ -139,8 +139,8 @@ def test_eight_publishers_match_the_reference(live: LiveIndexer) -> None:
 
 
 def test_lost_batches_are_replayed() -> None:
-    lost = {("w0", s) for s in range(10, 15)} | {("w2", 30)}
-    seen: set[tuple[str, int]] = set()
+    lost: set[tuple[str, int]] = set()  # chosen once subscriptions are up: connect() heartbeats
+    seen: set[tuple[str, int]] = set()   # for as long as the slow joiner takes, consuming seqs
 
     def drop(wid: str, seq: int) -> bool:
         if (wid, seq) in lost and (wid, seq) not in seen:
@@ -152,6 +152,8 @@ def test_lost_batches_are_replayed() -> None:
     fleet = Fleet(li.client, 3, seed=2)
     try:
         base = fleet.connect()
+        n0, n2 = fleet.pubs["w0"].next_seq, fleet.pubs["w2"].next_seq
+        lost.update({("w0", n0 + s) for s in range(10, 15)} | {("w2", n2 + 30)})
         marks = fleet.run(60, random.Random(2))
         fleet.settle(marks)
         assert seen == lost  # the losses really happened on the live stream

@@ -1,0 +1,1 @@
+"""Optional C accelerator of the index core (`_kvnative`, built from kvnative.c by setup.py)."""

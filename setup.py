@@ -1,0 +1,18 @@
+"""Build hook for the optional native accelerator of the index core; all metadata lives in pyproject.toml.
+
+`pip install -e .` compiles `indexer._native._kvnative` from plain C (CPython API only). If the
+compiler or headers are missing the build goes on without it (optional=True) and the index falls back
+to its pure-Python core, saying so in a warning at import.
+"""
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "indexer._native._kvnative",
+            sources=["indexer/_native/kvnative.c"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter"],
+            optional=True,
+        )
+    ]
+)
