@@ -25,6 +25,10 @@ Semantics (design §4/§5; details decided here):
   on any of its tiers or in the shared pool; the split assigns each cached block to the cheapest
   tier holding it (gpu < host < disk < shared); score = block_size * sum(weight[tier]).
 No I/O, threads or clocks here; callers serialise access.
+
+Implementation: the hot loops run in the optional C accelerator when it is built (`native=None`,
+the default, unless KVATLAS_PURE_PYTHON=1); `native=False` forces the pure-Python core, which is
+the reference — both give identical keys, scores and stats (tests/test_index_property.py).
 """
 from __future__ import annotations
 
@@ -33,9 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from indexer.core.apply import apply_events
+from indexer.core import native as _native
+from indexer.core.apply import apply_events, prepare_raw
 from indexer.core.dump import dump_model, load_model_dump
 from indexer.core.scoring import score_keys
+from indexer.core.rawdecode import decode_raw
 from indexer.core.state import ModelState
 from indexer.core.types import (
     TIER_NAMES, ApplyStats, BlockSizeConflict, ScoreResult, TierWeights, WorkerScore,
@@ -50,18 +56,25 @@ __all__ = [
 
 
 class KVIndex:
-    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "_models")
+    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "_models", "_nat")
 
     def __init__(
         self,
         weights: TierWeights | None = None,
         trust_engine_hashes: bool = False,
         orphan_grace_batches: int = 4,
+        native: bool | None = None,
     ) -> None:
         self.weights = weights or TierWeights()
         self.trust_engine_hashes = trust_engine_hashes
         self.orphan_grace_batches = orphan_grace_batches
         self._models: dict[str, ModelState] = {}
+        self._nat = _native.select(native)
+
+    @property
+    def native(self) -> bool:
+        """True when this index runs on the C accelerator, False on the pure-Python reference core."""
+        return self._nat is not None
 
     # --- namespaces -------------------------------------------------------------------------
     def ensure_model(self, model: str, block_size: int, trust_engine_hashes: bool | None = None) -> None:
@@ -70,7 +83,7 @@ class KVIndex:
         m = self._models.get(model)
         if m is None:
             trust = self.trust_engine_hashes if trust_engine_hashes is None else trust_engine_hashes
-            self._models[model] = ModelState(model, block_size, trust)
+            self._models[model] = ModelState(model, block_size, trust, self._nat)
         elif m.block_size != block_size:
             raise BlockSizeConflict(f"model {model!r} has block size {m.block_size}, not {block_size}")
         elif trust_engine_hashes is not None:
@@ -98,6 +111,16 @@ class KVIndex:
         return apply_events(m, w, events, self.orphan_grace_batches, stats)
 
     def apply_payload(self, model: str, worker_id: str, dp_rank: int, payload: bytes) -> ApplyStats:
+        m = self._model(model)
+        if m.nat is not None:
+            # Fast path: token ids hashed from their msgpack bytes. Whatever it cannot take exactly
+            # like the full decoder (odd input) falls through to the full decoder below.
+            rb = decode_raw(payload, m.nat.norm_hashes)
+            if rb is not None:
+                raw = prepare_raw(m, rb.events)
+                if raw is not None:
+                    w = m.worker(worker_id, int(dp_rank or 0))
+                    return apply_events(m, w, rb.events, self.orphan_grace_batches, ApplyStats(), raw)
         batch = decode_batch(payload)
         if isinstance(batch, DecodeError):
             stats = ApplyStats()
@@ -145,7 +168,7 @@ class KVIndex:
         """Score a token sequence. `extra_keys`: per full block, that block's vLLM extra keys or None."""
         m = self._model(model)
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
-        keys = query_keys(token_ids, m.block_size, m.seed(lora_name, cache_salt), extras)
+        keys = self._keys(m, token_ids, lora_name, cache_salt, extras)
         return score_keys(m, keys, self.weights, list(workers) if workers is not None else None)
 
     def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
@@ -157,8 +180,18 @@ class KVIndex:
         self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
         cache_salt: str | None = None,
     ) -> list[int]:
-        m = self._model(model)
-        return query_keys(token_ids, m.block_size, m.seed(lora_name, cache_salt))
+        return self._keys(self._model(model), token_ids, lora_name, cache_salt, None)
+
+    def _keys(
+        self, m: ModelState, token_ids: Sequence[int] | np.ndarray, lora_name: str | None,
+        cache_salt: str | None, extras: list[int] | None,
+    ) -> list[int]:
+        seed = m.seed(lora_name, cache_salt)
+        if m.nat is not None and type(token_ids) in (list, tuple, np.ndarray):
+            keys = m.nat.chain_keys(token_ids, m.block_size, seed, extras)
+            if keys is not None:
+                return keys
+        return query_keys(token_ids, m.block_size, seed, extras)  # reference path; judges odd input
 
     # --- snapshots --------------------------------------------------------------------------
     def dump(self, model: str) -> list[tuple[str, int, list[KVEvent]]]:
@@ -168,7 +201,7 @@ class KVIndex:
         """Rebuild a model from `dump` output (replaces whatever the model held)."""
         m = self._models.get(model)
         trust = m.trust if m is not None else self.trust_engine_hashes
-        self._models[model] = fresh = ModelState(model, block_size, trust)
+        self._models[model] = fresh = ModelState(model, block_size, trust, self._nat)
         return load_model_dump(fresh, dump)
 
     def num_nodes(self, model: str) -> int:

@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("router_api.cmd_demo", "run the end-to-end demo on embedded defaults"),
     "record": ("router_api.cmd_record", "record live publishers into an event log"),
+    "replay": ("router_api.cmd_replay", "apply an event log offline or re-publish it over ZMQ"),
     "indexer": ("router_api.cmd_indexer", "run the indexer service: ZMQ ingestion + HTTP API"),
 }
 

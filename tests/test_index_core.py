@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from indexer import hashing as H
+from indexer.core import native as native_core
 from indexer.index import BlockSizeConflict, KVIndex, TierWeights
 from schemas.codec import decode_batch
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -25,8 +26,17 @@ def batch(*events) -> KVEventBatch:
     return KVEventBatch(0.0, list(events))
 
 
+@pytest.fixture(autouse=True, params=["native", "pure"])
+def impl(request, monkeypatch) -> str:
+    """Every test here runs on both cores: the C accelerator and the pure-Python reference."""
+    if request.param == "native" and not native_core.available():
+        pytest.skip("native accelerator not built")
+    monkeypatch.setenv(native_core.ENV_PURE, "1" if request.param == "pure" else "0")
+    return request.param
+
+
 @pytest.fixture()
-def ix() -> KVIndex:
+def ix(impl: str) -> KVIndex:
     i = KVIndex(orphan_grace_batches=2)
     i.ensure_model("m", BS)
     return i

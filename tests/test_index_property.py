@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from indexer.core import native as native_core
 from indexer.index import KVIndex
 from indexer.reference import ReferenceIndex
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -236,6 +238,13 @@ def check_equal(ix: KVIndex, ref: ReferenceIndex, prompts, rng: random.Random) -
     assert ix.worker_stats(MODEL) == ref.worker_stats(MODEL)
 
 
+IMPLS = [
+    pytest.param(False, id="pure"),
+    pytest.param(True, id="native", marks=pytest.mark.skipif(not native_core.available(), reason="accelerator not built")),
+]
+
+
+@pytest.mark.parametrize("native", IMPLS)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -244,10 +253,11 @@ def check_equal(ix: KVIndex, ref: ReferenceIndex, prompts, rng: random.Random) -
     dup_p=st.sampled_from([0.0, 0.3]),
     swap_p=st.sampled_from([0.0, 0.3]),
 )
-def test_index_matches_reference(seed: int, n_ops: int, trust: bool, dup_p: float, swap_p: float) -> None:
+def test_index_matches_reference(native: bool, seed: int, n_ops: int, trust: bool, dup_p: float, swap_p: float) -> None:
     prompts, deliveries = build_history(seed, n_ops, trust)
     rng = random.Random(seed ^ 0x5EED)
-    ix = KVIndex(trust_engine_hashes=trust)
+    ix = KVIndex(trust_engine_hashes=trust, native=native)
+    assert ix.native is native
     ix.ensure_model(MODEL, BS)
     ref = ReferenceIndex()
     ref.ensure_model(MODEL, BS)
@@ -255,7 +265,7 @@ def test_index_matches_reference(seed: int, n_ops: int, trust: bool, dup_p: floa
     run(ref, deliveries)
     check_equal(ix, ref, prompts, random.Random(seed))
     # Snapshot basis: dump, rebuild, same answers.
-    rebuilt = KVIndex(trust_engine_hashes=trust)
+    rebuilt = KVIndex(trust_engine_hashes=trust, native=native)
     rebuilt.load_dump(MODEL, BS, ix.dump(MODEL))
     check_equal(rebuilt, ref, prompts, random.Random(seed))
     # Tolerated reordering never expires an orphan; the skipped group and partial blocks are counted.

@@ -510,6 +510,16 @@ static int get_u64(U64Map *m, PyObject *key, uint64_t *out) {
 }
 
 static int set_u64(U64Map *m, PyObject *key, uint64_t val) {
+    uint64_t k;
+    if (key_u64(key, &k)) { /* inline: no int object */
+        int f;
+        Py_ssize_t i = find_or_insert(m, k, &f);
+        if (i < 0) return -1;
+        uint64_t *dst = m->vals + i * m->width;
+        memset(dst, 0, sizeof(uint64_t) * m->width);
+        dst[0] = val;
+        return 0;
+    }
     PyObject *v = PyLong_FromUnsignedLongLong(val);
     if (!v) return -1;
     int r = U64Map_ass(m, key, v);
@@ -728,6 +738,101 @@ static PyObject *py_prefix_values(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* walk(nodes, keys, slots) -> [(device, cached, gpu, host, disk, shared) per slot] | None
+ * Twin of indexer.core.scoring.walk for the listed worker slots (None: a key needs the Python path). */
+static PyObject *py_walk(PyObject *self, PyObject *args) {
+    U64Map *m;
+    PyObject *keys, *slotso;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &U64MapType, &m, &PyList_Type, &keys, &PyList_Type, &slotso)) return NULL;
+    Py_ssize_t ns = PyList_GET_SIZE(slotso), nk = PyList_GET_SIZE(keys);
+    /* per slot: slot, alive_c, alive_d, cur tier, device, cached, split[4] */
+    Py_ssize_t *slot = PyMem_Calloc((size_t)(ns ? ns : 1), sizeof(Py_ssize_t) * 10);
+    uint64_t *prev = PyMem_Calloc((size_t)m->width, sizeof(uint64_t));
+    PyObject *out = NULL;
+    if (!slot || !prev) { PyErr_NoMemory(); goto done; }
+    Py_ssize_t *ac = slot + ns, *ad = slot + 2 * ns, *ct = slot + 3 * ns, *dev = slot + 4 * ns,
+               *cach = slot + 5 * ns, *sp = slot + 6 * ns;
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        slot[s] = PyLong_AsSsize_t(PyList_GET_ITEM(slotso, s));
+        if (slot[s] < 0) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad slot"); goto done; }
+        ac[s] = ad[s] = 1;
+    }
+    Py_ssize_t nalive = ns, depth = 0, run = 0;
+    int W = m->width, have_prev = 0;
+    for (Py_ssize_t j = 0; j < nk && nalive; j++) {
+        uint64_t k;
+        if (!key_u64(PyList_GET_ITEM(keys, j), &k)) { out = Py_None; Py_INCREF(out); goto done; }
+        int f;
+        Py_ssize_t i = find(m, k, &f);
+        if (!f) break;
+        const uint64_t *v = m->vals + i * W;
+        if (have_prev && memcmp(v, prev, sizeof(uint64_t) * W) == 0) { run++; continue; }
+        for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) sp[4 * s + ct[s]] += run;
+        depth += run;
+        run = 0;
+        int pool = 0;
+        for (int w = 0; w < W; w++) if (v[w] & 0x8888888888888888ULL) { pool = 1; break; }
+        for (Py_ssize_t s = 0; s < ns; s++) {
+            if (!ac[s]) continue;
+            Py_ssize_t word = slot[s] >> 4;
+            int nib = word < W ? (int)((v[word] >> (4 * (slot[s] & 15))) & 0xF) : 0;
+            if (ad[s] && !(nib & 1)) { dev[s] = depth; ad[s] = 0; }
+            if (!(nib & 7) && !pool) { cach[s] = depth; ac[s] = 0; nalive--; continue; }
+            ct[s] = (nib & 1) ? 0 : (nib & 2) ? 1 : (nib & 4) ? 2 : 3;
+        }
+        memcpy(prev, v, sizeof(uint64_t) * W);
+        have_prev = 1;
+        run = 1;
+    }
+    for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) sp[4 * s + ct[s]] += run;
+    depth += run;
+    out = PyList_New(ns);
+    if (!out) goto done;
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        PyObject *t = Py_BuildValue("(nnnnnn)", ad[s] ? depth : dev[s], ac[s] ? depth : cach[s],
+                                    sp[4 * s], sp[4 * s + 1], sp[4 * s + 2], sp[4 * s + 3]);
+        if (!t) { Py_CLEAR(out); goto done; }
+        PyList_SET_ITEM(out, s, t);
+    }
+done:
+    PyMem_Free(slot);
+    PyMem_Free(prev);
+    return out;
+}
+
+/* norm_hashes(list) -> the list (ints made unsigned u64) | None when the wire decoder would reject
+ * it (int outside int64/u64, empty bytes). Twin of schemas.codec's hash checks. */
+static PyObject *py_norm_hashes(PyObject *self, PyObject *lst) {
+    if (!PyList_Check(lst)) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(lst);
+    int neg = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyList_GET_ITEM(lst, i);
+        if (PyLong_CheckExact(h)) {
+            int ovf = 0;
+            long long v = PyLong_AsLongLongAndOverflow(h, &ovf);
+            if (ovf < 0) Py_RETURN_NONE;
+            if (ovf > 0) {
+                PyLong_AsUnsignedLongLong(h);
+                if (PyErr_Occurred()) { PyErr_Clear(); Py_RETURN_NONE; }
+            } else if (v < 0) neg = 1;
+        } else if (PyBytes_CheckExact(h)) {
+            if (PyBytes_GET_SIZE(h) == 0) Py_RETURN_NONE;
+        } else Py_RETURN_NONE;
+    }
+    if (!neg) { Py_INCREF(lst); return lst; }
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyList_GET_ITEM(lst, i), *x;
+        if (PyLong_CheckExact(h) && _PyLong_Sign(h) < 0) x = PyLong_FromUnsignedLongLong(PyLong_AsUnsignedLongLongMask(h));
+        else { x = h; Py_INCREF(x); }
+        if (!x) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, i, x);
+    }
+    return out;
+}
+
 static PyMethodDef U64Map_methods[] = {
     {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
     {"keys", (PyCFunction)U64Map_keys, METH_NOARGS, "list of keys"},
@@ -768,6 +873,8 @@ static PyMethodDef module_methods[] = {
     {"attach", py_attach, METH_VARARGS, "store a chain of blocks for one worker"},
     {"remove", py_remove, METH_VARARGS, "remove blocks of one worker on one tier"},
     {"prefix_values", py_prefix_values, METH_VARARGS, "node values up to the first absent key"},
+    {"walk", py_walk, METH_VARARGS, "per-slot prefix match of chained keys"},
+    {"norm_hashes", py_norm_hashes, METH_O, "validate and normalise engine hashes"},
     {NULL, NULL, 0, NULL},
 };
 

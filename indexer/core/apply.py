@@ -4,6 +4,9 @@ Hot path shape: one pre-pass hashes the token ids of every store in the batch wh
 are not yet known, in a single vectorised call (`block_digests`); the ordered pass then only does a
 scalar chain step (`s*P + b`) and dict/bit updates per new block. Known hashes (tier changes,
 load-backs, placeholders, and in trust mode hashes already seen on another worker) skip hashing.
+
+With the native accelerator (`m.nat`) the same rules run through its twins: digests straight from
+the token list (or from raw msgpack bytes, `RawStored`), and `attach`/`remove` loops over U64Maps.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from indexer.core.rawdecode import RawStored
 from indexer.core.state import NIBBLE, ModelState, PendingOrphan, WorkerState
 from indexer.core.types import MEDIUM_NAMES, ApplyStats
 from indexer.hashing import MASK64, block_digest_py, block_digests, extra_digest
@@ -30,7 +34,7 @@ def _is_full_attention(kind: str | None) -> bool:
     return any(f in k for f in _FULL_KINDS) and "sliding" not in k
 
 
-def _extras_for(ev: BlockStored, n: int) -> list[int] | None:
+def _extras_for(ev: BlockStored | RawStored, n: int) -> list[int] | None:
     """Per-block extra-key digests (vLLM: one entry per block, None where the block has none)."""
     xk = ev.extra_keys
     if not xk:
@@ -41,8 +45,40 @@ def _extras_for(ev: BlockStored, n: int) -> list[int] | None:
     return [d] * n
 
 
+def prepare_raw(m: ModelState, events: list) -> dict[int, tuple[int, list[int]]] | None:
+    """(token count, digests of the full blocks) per `RawStored`; None if any token array is not a
+    plain msgpack int array (the caller then decodes the payload fully, which judges it)."""
+    nat = m.nat
+    bs = m.block_size
+    out: dict[int, tuple[int, list[int]]] = {}
+    for i, ev in enumerate(events):
+        if type(ev) is RawStored:
+            n = len(ev.block_hashes)
+            res = nat.digest_msgpack(ev.token_ids, bs, n, _extras_for(ev, n))
+            if res is None:
+                return None
+            out[i] = res
+    return out
+
+
+def _precompute_native(m: ModelState, events: list) -> dict[int, list[int]]:
+    nat = m.nat
+    bs = m.block_size
+    out: dict[int, list[int]] = {}
+    for i, ev in enumerate(events):
+        if type(ev) is not BlockStored or ev.block_size != bs or not ev.token_ids:
+            continue
+        n = len(ev.block_hashes)
+        d = nat.digest_tokens(ev.token_ids, bs, n, _extras_for(ev, n))
+        if d is not None:  # odd token values: hashed (and judged) by the scalar path
+            out[i] = d
+    return out
+
+
 def _precompute(m: ModelState, w: WorkerState, events: list) -> dict[int, list[int]]:
     """Digests for stores that (as far as the pre-batch state tells) contain unknown hashes."""
+    if m.nat is not None:
+        return _precompute_native(m, events)
     bs = m.block_size
     ext = w.ext
     known = m.known_ext if m.trust else None
@@ -98,6 +134,14 @@ def _attach(
     ev: BlockStored | None, tier: int, cancelled: set | None,
 ) -> tuple[int, int, int] | None:
     """Store a chain of blocks starting from `state`. Returns (new, duplicate, tier_added)."""
+    if m.nat is not None:
+        lazy: Any = digests
+        if digests is None and ev is not None:
+            lazy = lambda: _digests_scalar(ev, m.block_size, len(hashes))  # noqa: E731 - only on a miss
+        return m.nat.attach(
+            w.ext, m.nodes, m.known_ext if m.trust else None, hashes if type(hashes) is list else list(hashes),
+            state, lazy, w.shift + tier, cancelled, KNOWN_EXT_LIMIT,
+        )
     nodes = m.nodes
     ext = w.ext
     known = m.known_ext if m.trust else None
@@ -141,7 +185,10 @@ def _attach(
     return new, dup, added
 
 
-def _store(m: ModelState, w: WorkerState, ev: BlockStored, digests: list[int] | None, stats: ApplyStats) -> None:
+def _store(
+    m: ModelState, w: WorkerState, ev: BlockStored | RawStored, ntok: int, digests: list[int] | None,
+    stats: ApplyStats,
+) -> None:
     hashes = ev.block_hashes
     n = len(hashes)
     medium = parse_medium(ev.medium)
@@ -155,7 +202,7 @@ def _store(m: ModelState, w: WorkerState, ev: BlockStored, digests: list[int] | 
     tier = int(medium)
     bs = m.block_size
     ext = w.ext
-    if ev.block_size == 0 or not ev.token_ids:
+    if ev.block_size == 0 or not ntok:
         # Placeholder: only records a new tier on blocks this worker already maps.
         for h in hashes:
             if h not in ext:
@@ -168,7 +215,7 @@ def _store(m: ModelState, w: WorkerState, ev: BlockStored, digests: list[int] | 
     if ev.block_size != bs:
         stats.drop("block_size_mismatch", n)
         return
-    nfull = min(n, len(ev.token_ids) // bs)
+    nfull = min(n, ntok // bs)
     if nfull < n:
         stats.drop("partial_block", n - nfull)
         hashes = hashes[:nfull]
@@ -220,6 +267,9 @@ def _remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplyStats) 
     sh = w.shift
     bit = 1 << (sh + tier)
     removed = absent = cancelled = 0
+    if m.nat is not None:
+        removed, absent, missing = m.nat.remove(ext, nodes, hashes if type(hashes) is list else list(hashes), sh, tier)
+        hashes = missing  # only the ones the worker does not map are left: pending or absent
     for h in hashes:
         key = ext.get(h)
         if key is None:
@@ -294,9 +344,12 @@ def _resolve_orphans(m: ModelState, w: WorkerState, grace: int, stats: ApplyStat
 
 
 def apply_events(
-    m: ModelState, w: WorkerState, events: list, orphan_grace: int, stats: ApplyStats
+    m: ModelState, w: WorkerState, events: list, orphan_grace: int, stats: ApplyStats,
+    raw: dict[int, tuple[int, list[int]]] | None = None,
 ) -> ApplyStats:
-    """Apply one batch of one worker, in order. Never raises for bad data: it counts it."""
+    """Apply one batch of one worker, in order. Never raises for bad data: it counts it.
+
+    `raw`: `prepare_raw` output when `events` holds `RawStored` (native fast decode)."""
     try:
         digests = _precompute(m, w, events)
     except (TypeError, ValueError, AttributeError):
@@ -304,8 +357,11 @@ def apply_events(
     for i, ev in enumerate(events):
         cls = type(ev)
         try:
-            if cls is BlockStored:
-                _store(m, w, ev, digests.get(i), stats)
+            if cls is RawStored:
+                ntok, d = raw[i]  # type: ignore[index]
+                _store(m, w, ev, ntok, d, stats)
+            elif cls is BlockStored:
+                _store(m, w, ev, len(ev.token_ids) if ev.token_ids else 0, digests.get(i), stats)
             elif cls is BlockRemoved:
                 _remove(m, w, ev, stats)
             elif cls is AllBlocksCleared or isinstance(ev, AllBlocksCleared):

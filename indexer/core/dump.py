@@ -12,6 +12,7 @@ from typing import Any
 
 from indexer.core.state import NIBBLE, ModelState
 from indexer.core.types import MEDIUM_NAMES
+from indexer.hashing import MASK64
 from schemas.events import BlockStored, KVEvent
 
 DUMP_KIND = "kvatlas_dump"
@@ -58,8 +59,8 @@ def load_model_dump(m: ModelState, dump: list[tuple[str, int, list[KVEvent]]]) -
                 continue
             bit = 1 << (w.shift + MEDIUM_NAMES.index(ev.medium))
             for h, key in zip(ev.block_hashes, keys):
-                if type(key) is not int:
-                    continue
+                if type(key) is not int or not 0 <= key <= MASK64:
+                    continue  # content keys are u64; anything else is not ours
                 w.ext[h] = key
                 nodes[key] = nodes.get(key, 0) | bit
                 loaded += 1

@@ -41,17 +41,22 @@ def walk(m: ModelState, keys: list[int], live: int) -> tuple[dict[int, int], dic
     n = len(keys)
     chunk = _FIRST_CHUNK
     get = nodes.get
+    nat = m.nat if type(keys) is list else None
     while pos < n and cache_alive:
-        vals = list(map(get, keys[pos : pos + chunk]))
+        if nat is not None:
+            vals = nat.prefix_values(nodes, keys, pos, pos + chunk)  # stops at the first absent key
+            stop = len(vals) < min(chunk, n - pos)
+        else:
+            vals = list(map(get, keys[pos : pos + chunk]))
+            stop = False
+            try:
+                cut = vals.index(None)
+                vals = vals[:cut]
+                stop = True
+            except ValueError:
+                pass
         pos += chunk
         chunk *= 4
-        stop = False
-        try:
-            cut = vals.index(None)
-            vals = vals[:cut]
-            stop = True
-        except ValueError:
-            pass
         for r, grp in groupby(vals):
             run = len(list(grp))
             g = r & M
@@ -99,24 +104,26 @@ def score_keys(
         slots = [w for w in m.workers if w is not None]
     else:
         slots = [w for w in (m.by_id.get((wid, int(r))) for wid, r in workers) if w is not None]
-    live = 0
-    for w in slots:
-        live |= 1 << w.shift
-    device, cached, split = walk(m, keys, live) if keys and live else ({}, {}, {})
+    rows = None
+    if m.nat is not None and type(keys) is list and keys and slots:
+        rows = m.nat.walk(m.nodes, keys, [w.slot for w in slots])  # None: odd key, Python walk below
+    if rows is None:
+        live = 0
+        for w in slots:
+            live |= 1 << w.shift
+        device, cached, split = walk(m, keys, live) if keys and live else ({}, {}, {})
+        rows = [(device.get(w.slot, 0), cached.get(w.slot, 0), *split.get(w.slot, (0, 0, 0, 0))) for w in slots]
     bs = m.block_size
-    wt = weights.as_tuple()
+    wg, wh, wd, ws = weights.as_tuple()
     out = []
-    for w in slots:
-        sp = split.get(w.slot, [0, 0, 0, 0])
-        out.append(
-            WorkerScore(
-                worker_id=w.worker_id,
-                dp_rank=w.dp_rank,
-                device_blocks=device.get(w.slot, 0),
-                cached_blocks=cached.get(w.slot, 0),
-                tiers=dict(zip(TIER_NAMES, sp)),
-                score=float(bs * (sp[0] * wt[0] + sp[1] * wt[1] + sp[2] * wt[2] + sp[3] * wt[3])),
-            )
-        )
-    out.sort(key=lambda s: (-s.score, -s.cached_blocks, s.worker_id, s.dp_rank))
+    for w, (dev, cach, g, h, d, sh) in zip(slots, rows):
+        out.append(WorkerScore(
+            w.worker_id, w.dp_rank, dev, cach, {"gpu": g, "host": h, "disk": d, "shared": sh},
+            float(bs * (g * wg + h * wh + d * wd + sh * ws)),
+        ))
+    out.sort(key=_rank)
     return ScoreResult(query_blocks=len(keys), block_size=bs, workers=out)
+
+
+def _rank(s: WorkerScore) -> tuple:
+    return (-s.score, -s.cached_blocks, s.worker_id, s.dp_rank)

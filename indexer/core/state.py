@@ -13,9 +13,13 @@ Layout (chosen for speed and size in pure Python):
   any worker's events still claim it (a claim lives and dies with that worker's ext-hash mapping).
 - Per worker `ext: dict[engine hash -> key]`, for parents and removes (engine hashes are scoped
   per (worker, dp_rank)).
+- With the native accelerator (`nat`, see `indexer.core.native`) these dicts are `U64Map`s: the
+  same mapping interface with u64 keys and int values stored inline (about 16-24 bytes an entry
+  instead of ~100 for a dict slot plus two int objects); bytes engine hashes go to its side dict.
 """
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 from indexer.hashing import namespace_seed
@@ -41,26 +45,27 @@ class PendingOrphan:
 class WorkerState:
     __slots__ = ("worker_id", "dp_rank", "slot", "shift", "ext", "pending")
 
-    def __init__(self, worker_id: str, dp_rank: int, slot: int) -> None:
+    def __init__(self, worker_id: str, dp_rank: int, slot: int, ext: Any) -> None:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
         self.slot = slot
         self.shift = 4 * slot
-        self.ext: dict[Any, int] = {}
+        self.ext: dict[Any, int] = ext
         self.pending: list[PendingOrphan] = []
 
 
 class ModelState:
     __slots__ = (
         "name", "block_size", "trust", "nodes", "workers", "by_id", "free_slots",
-        "slot_mask", "live_gpu", "seeds", "known_ext",
+        "slot_mask", "live_gpu", "seeds", "known_ext", "nat",
     )
 
-    def __init__(self, name: str, block_size: int, trust: bool) -> None:
+    def __init__(self, name: str, block_size: int, trust: bool, nat: ModuleType | None = None) -> None:
         self.name = name
         self.block_size = block_size
         self.trust = trust
-        self.nodes: dict[int, int] = {}
+        self.nat = nat  # native accelerator module, or None for the pure-Python reference
+        self.nodes: dict[int, int] = self.new_map()
         self.workers: list[WorkerState | None] = []
         self.by_id: dict[tuple[str, int], WorkerState] = {}
         self.free_slots: list[int] = []
@@ -68,7 +73,11 @@ class ModelState:
         self.live_gpu = 0  # bit 4*s set for every live slot s
         self.seeds: dict[tuple[str | None, str | None], int] = {}
         # trust mode: first-seen engine hash -> key, shared by all workers of the model
-        self.known_ext: dict[Any, int] = {}
+        self.known_ext: dict[Any, int] = self.new_map()
+
+    def new_map(self) -> Any:
+        """An empty key -> non-negative int map: a dict, or the accelerator's compact U64Map."""
+        return {} if self.nat is None else self.nat.U64Map()
 
     def seed(self, lora_name: str | None, cache_salt: str | None) -> int:
         k = (lora_name, cache_salt)
@@ -87,7 +96,7 @@ class ModelState:
                 slot = len(self.workers)
                 self.workers.append(None)
                 self.slot_mask |= 1 << (4 * slot)
-            w = WorkerState(worker_id, dp_rank, slot)
+            w = WorkerState(worker_id, dp_rank, slot, self.new_map())
             self.workers[slot] = w
             self.by_id[(worker_id, dp_rank)] = w
             self.live_gpu |= 1 << (4 * slot)
@@ -107,7 +116,7 @@ class ModelState:
             else:
                 del nodes[key]
         n = len(w.ext)
-        w.ext = {}
+        w.ext = self.new_map()
         w.pending = []
         return n
 

@@ -1,0 +1,498 @@
+"""Offline replay of recorded event logs (design §7): the decision core behind `kvatlas replay`.
+
+No I/O beyond what callers hand in, no threads, no clocks: the shell (router_api/cmd_replay.py)
+opens files, measures time, paces and owns sockets.
+
+Applying a log mirrors the live ingest (router_api/ingest.py) decision for decision, so a log
+applied here ends in the state the live indexer reached from the same stream:
+- per worker, every frame goes through `indexer.sequencing.on_live` with a replay fetch that
+  returns nothing — the log already holds every batch the live subscriber recovered, so a seq jump
+  in the log is a gap nobody could fill: clear the worker (resync), then apply what follows;
+- seq going back is a publisher restart: clear the worker, then apply;
+- dp_rank comes from the payload, else the frame, else `default_dp_rank` (the live registration's);
+- expired orphans clear the worker on the first loss of a clean stream only (like the registry's
+  `clean` flag); `AllBlocksCleared` and restarts make the stream clean again.
+Known difference: when a live replay filled a gap only partly, the log shows two jumps where the
+live subscriber saw one gap, and the offline replay clears twice (losing the partly replayed run).
+
+Queries (`--queries`) are answered against the index as of their time: a query at time t sees
+exactly the frames, in log order, before the first frame whose recv_ts is later than t.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Union
+
+import msgspec
+
+from indexer.eventlog import LogFrame
+from indexer.sequencing import DeliverStep, GapStep, RestartStep, SeqTracker, on_live
+from schemas.codec import DecodeError, decode_batch
+from schemas.events import BlockStored
+
+log = logging.getLogger(__name__)
+
+# A query `t` below this is an offset from the log's first frame, at or above an epoch timestamp
+# (1e9 s is September 2001: no recorded log starts earlier, no offset runs that long).
+EPOCH_THRESHOLD = 1e9
+_LOG_FIRST = 20  # bad inputs of one kind logged in full before we only count them
+
+
+# --- query file -------------------------------------------------------------------------------------
+
+class QueryLine(msgspec.Struct, omit_defaults=True):
+    """One line of a `--queries` JSONL file. Unknown fields are ignored; `id` is echoed back."""
+
+    t: float
+    token_ids: list[int]
+    model: Union[str, None] = None
+    lora_name: Union[str, None] = None
+    cache_salt: Union[str, None] = None
+    id: Union[str, int, None] = None
+
+
+class QueryFileError(ValueError):
+    """A query file line is not a valid query; the message names the line."""
+
+
+class TimedQuery:
+    """A parsed query with its 1-based line number and the absolute time it is answered at."""
+
+    __slots__ = ("line", "query", "at")
+
+    def __init__(self, line: int, query: QueryLine, at: float = 0.0) -> None:
+        self.line = line
+        self.query = query
+        self.at = at
+
+
+_query_decoder = msgspec.json.Decoder(QueryLine)
+
+
+def parse_queries(lines: Iterable[bytes | str]) -> list[TimedQuery]:
+    """Parse JSONL query lines (blank lines skipped). Raises QueryFileError naming the first bad line."""
+    out: list[TimedQuery] = []
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            q = _query_decoder.decode(raw)
+        except msgspec.ValidationError as exc:
+            raise QueryFileError(f"line {n}: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise QueryFileError(f"line {n}: not a JSON object ({exc})") from None
+        if q.t != q.t or q.t in (float("inf"), float("-inf")):
+            raise QueryFileError(f"line {n}: t must be a finite number")
+        if any(not 0 <= tok < (1 << 32) for tok in q.token_ids):
+            raise QueryFileError(f"line {n}: token ids must lie in [0, 2**32)")
+        out.append(TimedQuery(n, q))
+    return out
+
+
+def resolve_query_times(queries: list[TimedQuery], first_ts: float | None, mode: str = "auto") -> str:
+    """Set each query's absolute time and sort them by it (stable). `mode`: "offset" (seconds after
+    the first frame), "absolute" (a recv_ts), or "auto" (offsets when every t < EPOCH_THRESHOLD,
+    absolute when every t is at or above it). Returns the mode used; raises QueryFileError when
+    auto finds both kinds."""
+    if mode not in ("auto", "offset", "absolute"):
+        raise ValueError(f"unknown query time mode {mode!r}")
+    if mode == "auto" and queries:
+        small = [q.line for q in queries if q.query.t < EPOCH_THRESHOLD]
+        if small and len(small) < len(queries):
+            big = next(q.line for q in queries if q.query.t >= EPOCH_THRESHOLD)
+            raise QueryFileError(f"line {small[0]} has an offset t but line {big} an absolute "
+                                 f"timestamp; use one kind (or --query-time)")
+        mode = "offset" if small else "absolute"
+    base = (first_ts or 0.0) if mode == "offset" else 0.0
+    for q in queries:
+        q.at = base + q.query.t
+    queries.sort(key=lambda q: q.at)
+    return mode
+
+
+class QueryAnswer(msgspec.Struct):
+    """One line of the answers file."""
+
+    line: int
+    id: Union[str, int, None]
+    t: float
+    at: float  # absolute time the query was answered at
+    frames_applied: int  # frames of the log applied before it
+    model: str
+    query_blocks: int = 0
+    block_size: int = 0
+    workers: list[dict] = msgspec.field(default_factory=list)
+    error: Union[str, None] = None
+
+
+# --- applying a log ---------------------------------------------------------------------------------
+
+class WorkerReplay:
+    """What the replay saw of one publisher (worker)."""
+
+    __slots__ = ("tracker", "clean", "frames", "batches", "heartbeats", "gaps", "missing",
+                 "restarts", "resyncs", "first_seq", "last_seq", "dp_ranks")
+
+    def __init__(self) -> None:
+        self.tracker = SeqTracker()
+        self.clean = True  # False once a loss cleared it; orphans after that are its echo
+        self.frames = 0
+        self.batches = 0
+        self.heartbeats = 0
+        self.gaps = 0
+        self.missing = 0  # seqs lost in gaps
+        self.restarts = 0
+        self.resyncs = 0
+        self.first_seq: int | None = None
+        self.last_seq: int | None = None
+        self.dp_ranks: set[int] = set()
+
+
+class WorkerSummary(msgspec.Struct):
+    worker_id: str
+    frames: int
+    batches: int
+    heartbeats: int
+    gaps: int
+    missing_seqs: int
+    restarts: int
+    resyncs: int
+    first_seq: Union[int, None]
+    last_seq: Union[int, None]
+    blocks: dict[str, dict[str, int]]  # dp_rank (as str, JSON keys) -> tier -> blocks
+
+
+class ReplaySummary(msgspec.Struct):
+    log: str
+    model: str
+    block_size: int
+    frames: int
+    batches: int
+    heartbeats: int
+    bytes: int
+    truncated: bool
+    corrupt_frames: int
+    events: dict[str, int]  # event type -> events
+    blocks: dict[str, int]  # "type/medium/outcome" -> blocks
+    drops: dict[str, int]  # reason -> count
+    gaps: int
+    restarts: int
+    resyncs: int
+    queries: int
+    elapsed_s: float
+    frames_per_s: float
+    workers: list[WorkerSummary]
+
+
+class LogReplayer:
+    """Applies log frames to an index the way live ingestion would. Callers serialise access."""
+
+    __slots__ = ("index", "model", "default_dp_rank", "workers", "frames", "batches", "heartbeats",
+                 "events", "blocks", "drops", "_logged")
+
+    def __init__(self, index, model: str, block_size: int, default_dp_rank: int = 0) -> None:  # noqa: ANN001
+        index.ensure_model(model, block_size)
+        self.index = index
+        self.model = model
+        self.default_dp_rank = default_dp_rank
+        self.workers: dict[str, WorkerReplay] = {}
+        self.frames = 0
+        self.batches = 0
+        self.heartbeats = 0
+        self.events: dict[str, int] = {}
+        self.blocks: dict[str, int] = {}
+        self.drops: dict[str, int] = {}
+        self._logged: dict[str, int] = {}
+
+    def apply_frame(self, frame: LogFrame) -> None:
+        self.frames += 1
+        wid = frame.worker
+        w = self.workers.get(wid)
+        if w is None:
+            w = self.workers[wid] = WorkerReplay()
+            # The live service registers every worker (at its configured dp_rank) before any event.
+            self.index.register_worker(self.model, wid, self.default_dp_rank)
+        w.frames += 1
+        if not isinstance(frame.seq, int) or frame.seq < 0:
+            self._drop("bad_seq", f"worker={wid} seq={frame.seq!r}")
+            return
+        if w.first_seq is None:
+            w.first_seq = frame.seq
+        for step in on_live(w.tracker, frame.seq, frame, _no_replay):
+            if isinstance(step, RestartStep):
+                w.restarts += 1
+                w.clean = True
+                self.index.clear_worker(self.model, wid)
+                log.info("worker %s restarted (seq %d -> %d): cleared", wid, step.old_seq, step.new_seq)
+            elif isinstance(step, GapStep):
+                res = step.resolution
+                w.gaps += 1
+                w.missing += res.last - res.first + 1
+                w.resyncs += 1
+                w.clean = False
+                self.index.clear_worker(self.model, wid)
+                log.info("worker %s: gap %d..%d in the log: cleared (resync)", wid, res.first, res.last)
+            elif isinstance(step, DeliverStep):
+                self._apply_batch(wid, w, step.item)
+        w.last_seq = frame.seq
+
+    def _apply_batch(self, wid: str, w: WorkerReplay, frame: LogFrame) -> None:
+        batch = decode_batch(frame.payload)
+        if isinstance(batch, DecodeError):
+            self._drop("decode_" + batch.reason, f"worker={wid} seq={frame.seq}: {batch.message}")
+            return
+        dp_rank = batch.data_parallel_rank
+        if dp_rank is None or dp_rank < 0:
+            dp_rank = frame.dp_rank if frame.dp_rank is not None and frame.dp_rank >= 0 else self.default_dp_rank
+        w.dp_ranks.add(dp_rank)
+        self.batches += 1
+        w.batches += 1
+        if not batch.events:
+            self.heartbeats += 1
+            w.heartbeats += 1
+            return
+        for ev in batch.events:
+            name = type(ev).__name__
+            self.events[name] = self.events.get(name, 0) + 1
+        stats = self.index.apply(self.model, wid, dp_rank, batch)
+        cleared = False
+        for (typ, medium, outcome), n in stats.counts.items():
+            if n:
+                key = f"{typ}/{medium}/{outcome}"
+                self.blocks[key] = self.blocks.get(key, 0) + n
+                cleared = cleared or typ == "cleared"
+        for reason, n in stats.drops.items():
+            if n:
+                self.drops[reason] = self.drops.get(reason, 0) + n
+        if cleared:
+            w.clean = True
+        if stats.resync_needed and w.clean:
+            # First sign of loss on a clean stream: the live ingest clears the worker here too.
+            w.clean = False
+            w.resyncs += 1
+            self.index.clear_worker(self.model, wid)
+            log.info("worker %s seq %d: orphans expired: cleared (resync)", wid, frame.seq)
+
+    def _drop(self, reason: str, detail: str) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+        n = self._logged[reason] = self._logged.get(reason, 0) + 1
+        if n <= _LOG_FIRST:
+            log.warning("dropped (%s): %s", reason, detail)
+
+    # --- queries ------------------------------------------------------------------------------
+    def answer(self, q: TimedQuery) -> QueryAnswer:
+        query = q.query
+        model = query.model or self.model
+        ans = QueryAnswer(q.line, query.id, query.t, q.at, self.frames, model)
+        if model not in self.index.models():
+            ans.error = f"unknown model {model!r} (this replay applies the log to {self.model!r})"
+            return ans
+        res = self.index.score(model, query.token_ids, lora_name=query.lora_name, cache_salt=query.cache_salt)
+        ans.query_blocks = res.query_blocks
+        ans.block_size = res.block_size
+        ans.workers = [msgspec.structs.asdict(ws) for ws in res.workers]
+        return ans
+
+    # --- summary ------------------------------------------------------------------------------
+    def summary(self, *, log_path: str, nbytes: int, truncated: bool, corrupt_frames: int, queries: int,
+                elapsed_s: float) -> ReplaySummary:
+        stats = self.index.worker_stats(self.model)
+        per_worker: dict[str, dict[str, dict[str, int]]] = {}
+        for (wid, rank), tiers in sorted(stats.items()):
+            per_worker.setdefault(wid, {})[str(rank)] = dict(tiers)
+        workers = [
+            WorkerSummary(wid, w.frames, w.batches, w.heartbeats, w.gaps, w.missing, w.restarts, w.resyncs,
+                          w.first_seq, w.last_seq, per_worker.get(wid, {}))
+            for wid, w in sorted(self.workers.items())
+        ]
+        return ReplaySummary(
+            log=log_path, model=self.model, block_size=self.index.models()[self.model], frames=self.frames,
+            batches=self.batches, heartbeats=self.heartbeats, bytes=nbytes, truncated=truncated,
+            corrupt_frames=corrupt_frames, events=dict(sorted(self.events.items())),
+            blocks=dict(sorted(self.blocks.items())), drops=dict(sorted(self.drops.items())),
+            gaps=sum(w.gaps for w in self.workers.values()),
+            restarts=sum(w.restarts for w in self.workers.values()),
+            resyncs=sum(w.resyncs for w in self.workers.values()), queries=queries,
+            elapsed_s=elapsed_s, frames_per_s=self.frames / elapsed_s if elapsed_s > 0 else 0.0,
+            workers=workers,
+        )
+
+
+def _no_replay(first: int, last: int) -> tuple[()]:
+    return ()
+
+
+def replay_with_queries(
+    replayer: LogReplayer,
+    frames: Iterable[LogFrame],
+    queries: list[TimedQuery],
+    on_answer: Callable[[QueryAnswer], None],
+    on_frame: Callable[[LogFrame], None] | None = None,
+) -> None:
+    """Apply `frames` in order, answering each query (sorted by `.at`) just before the first frame
+    recorded after it; queries later than the last frame are answered at the end."""
+    qi = 0
+    nq = len(queries)
+    for frame in frames:
+        while qi < nq and queries[qi].at < frame.recv_ts:
+            on_answer(replayer.answer(queries[qi]))
+            qi += 1
+        replayer.apply_frame(frame)
+        if on_frame is not None:
+            on_frame(frame)
+    while qi < nq:
+        on_answer(replayer.answer(queries[qi]))
+        qi += 1
+
+
+def format_summary(s: ReplaySummary) -> str:
+    """The human-readable summary `kvatlas replay --apply` prints."""
+    lines = [
+        f"replayed {s.log}: {s.frames} frames ({s.bytes} bytes), {s.batches} batches "
+        f"({s.heartbeats} heartbeats) into model {s.model!r} (block size {s.block_size})",
+        f"  elapsed {s.elapsed_s:.3f}s, {s.frames_per_s:,.0f} frames/s"
+        + (f", {s.queries} queries answered" if s.queries else ""),
+    ]
+    if s.truncated:
+        lines.append("  WARNING: the log ends in a truncated frame; everything before it was applied")
+    if s.corrupt_frames:
+        lines.append(f"  WARNING: {s.corrupt_frames} corrupt frame(s) skipped")
+    lines.append("  events: " + (", ".join(f"{k} {v}" for k, v in s.events.items()) or "none"))
+    if s.blocks:
+        lines.append("  blocks: " + ", ".join(f"{k} {v}" for k, v in s.blocks.items()))
+    lines.append("  drops: " + (", ".join(f"{k} {v}" for k, v in s.drops.items()) or "none"))
+    lines.append(f"  gaps {s.gaps}, restarts {s.restarts}, resyncs {s.resyncs}")
+    for w in s.workers:
+        seqs = "no frames" if w.first_seq is None else f"seq {w.first_seq}..{w.last_seq}"
+        lines.append(f"  worker {w.worker_id}: {w.frames} frames, {seqs}, gaps {w.gaps} "
+                     f"({w.missing_seqs} seqs missing), restarts {w.restarts}, resyncs {w.resyncs}")
+        for rank, tiers in w.blocks.items():
+            lines.append(f"    dp_rank {rank}: " + " ".join(f"{k}={v}" for k, v in tiers.items()))
+    return "\n".join(lines)
+
+
+# --- scanning and re-publishing ---------------------------------------------------------------------
+
+def infer_block_size(frames: Iterable[LogFrame], max_frames: int = 100_000) -> int | None:
+    """Block size of the first self-describing store (block_size > 0) within `max_frames` frames."""
+    for i, frame in enumerate(frames):
+        if i >= max_frames:
+            break
+        batch = decode_batch(frame.payload)
+        if isinstance(batch, DecodeError):
+            continue
+        for ev in batch.events:
+            if isinstance(ev, BlockStored) and isinstance(ev.block_size, int) and ev.block_size > 0:
+                return ev.block_size
+    return None
+
+
+def frame_nbytes(frame: LogFrame) -> int:
+    """Bytes the frame occupies in the log (length prefix + msgpack body), computed without
+    re-encoding — the progress bar's position in the file."""
+    worker = len(frame.worker.encode("utf-8"))
+    payload = len(frame.payload)
+    return 4 + 1 + 9 + _str_size(worker) + _int_size(frame.dp_rank) + _int_size(frame.seq) + _bin_size(payload)
+
+
+def _str_size(n: int) -> int:
+    return n + (1 if n < 32 else 2 if n < 256 else 3 if n < 65536 else 5)
+
+
+def _bin_size(n: int) -> int:
+    return n + (2 if n < 256 else 3 if n < 65536 else 5)
+
+
+def _int_size(v: int | None) -> int:
+    if v is None:
+        return 1
+    if v >= 0:
+        return 1 if v < 128 else 2 if v < 256 else 3 if v < 65536 else 5 if v < (1 << 32) else 9
+    return 1 if v >= -32 else 2 if v >= -128 else 3 if v >= -32768 else 5 if v >= -(1 << 31) else 9
+
+
+class PublishPlan(msgspec.Struct):
+    worker_id: str
+    endpoint: str
+    replay_endpoint: Union[str, None]
+
+
+def plan_publishers(
+    workers: list[str],
+    endpoints: list[tuple[str | None, str]],
+    replay_endpoints: list[tuple[str | None, str]],
+    base_port: int | None = None,
+    replay_base_port: int | None = None,
+    host: str = "127.0.0.1",
+) -> list[PublishPlan]:
+    """One publisher per recorded worker (sorted by id). Endpoints come from `W=ENDPOINT` pairs (a
+    bare ENDPOINT, worker None, only when the log has one worker) or from `base_port + i` in worker
+    order. Raises ValueError with a message for an inconsistent assignment."""
+    workers = sorted(workers)
+    if not workers:
+        raise ValueError("the log has no frames: nothing to publish")
+
+    def assign(pairs: list[tuple[str | None, str]], base: int | None, what: str, base_flag: str) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if pairs and base is not None:
+            raise ValueError(f"give either --{what} or --{base_flag}, not both")
+        if base is not None:
+            if not 0 < base or base + len(workers) - 1 > 65535:
+                raise ValueError(f"--{base_flag} {base}: ports {base}..{base + len(workers) - 1} "
+                                 f"are not all valid")
+            return {w: f"tcp://{host}:{base + i}" for i, w in enumerate(workers)}
+        for wid, ep in pairs:
+            if wid is None:
+                if len(workers) != 1:
+                    raise ValueError(f"the log has {len(workers)} workers ({', '.join(workers)}): "
+                                     f"use --{what} W=ENDPOINT per worker or --{base_flag}")
+                wid = workers[0]
+            if wid not in workers:
+                raise ValueError(f"--{what} names worker {wid!r}, which is not in the log "
+                                 f"(workers: {', '.join(workers)})")
+            if wid in out:
+                raise ValueError(f"--{what} gives worker {wid!r} twice")
+            out[wid] = ep
+        return out
+
+    pubs = assign(endpoints, base_port, "publish", "publish-base-port")
+    missing = [w for w in workers if w not in pubs]
+    if missing:
+        raise ValueError(f"no publish endpoint for worker(s) {', '.join(missing)}")
+    reps = assign(replay_endpoints, replay_base_port, "replay-endpoint", "replay-base-port")
+    return [PublishPlan(w, pubs[w], reps.get(w)) for w in workers]
+
+
+class RepublishStep:
+    """What the shell does with one frame when re-publishing: restart that worker's publisher first
+    (its recorded seq went back), then send the payload. `gap` is the recorded seqs lost before it."""
+
+    __slots__ = ("frame", "restart", "gap")
+
+    def __init__(self, frame: LogFrame, restart: bool, gap: tuple[int, int] | None) -> None:
+        self.frame = frame
+        self.restart = restart
+        self.gap = gap
+
+
+def republish_steps(frames: Iterable[LogFrame]) -> Iterator[RepublishStep]:
+    """Classify frames per worker for re-publishing: seq going back = the recorded publisher
+    restarted (so should ours); a seq jump = a gap in the recording."""
+    last: dict[str, int] = {}
+    for frame in frames:
+        prev = last.get(frame.worker)
+        restart = prev is not None and frame.seq <= prev
+        gap = None
+        if prev is not None and not restart and frame.seq > prev + 1:
+            gap = (prev + 1, frame.seq - 1)
+        last[frame.worker] = frame.seq
+        yield RepublishStep(frame, restart, gap)
+
+
+def pace_delay(first_ts: float, frame_ts: float, elapsed: float, speed: float) -> float:
+    """Seconds to wait before sending a frame recorded at `frame_ts` when `elapsed` seconds have
+    passed since the first frame was sent; 0 for `speed == 0` (as fast as possible)."""
+    if speed <= 0:
+        return 0.0
+    return max(0.0, (frame_ts - first_ts) / speed - elapsed)
