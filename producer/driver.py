@@ -18,7 +18,6 @@ import torch
 from producer.allocator import PoolExhausted
 from producer.events import EventRecorder
 from producer.hicache import CacheConfig, TieredCache
-from producer.page_hash import chain_digests
 from producer.pools import KVPool, make_device_pool, make_host_pool
 
 
@@ -157,7 +156,7 @@ class Driver:
                 self.stats.skipped += 1
                 return False
             if self.fill and new:
-                digests = chain_digests(tokens[:npages * p], p)
+                digests = cache.tree.chain(tokens[:npages * p], p)
                 for page, d in zip(new, digests[len(pages):]):
                     write_pattern(cache.device, page, d)
             cache.insert(tokens, pages + new)

@@ -13,12 +13,13 @@ from typing import Protocol
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from schemas.media import Medium
 
-# SGLang's tier names on the wire (`GPU`, `CPU_TIER1`, `CPU_TIER2`); the shared store has no
-# SGLang name, so it uses the canonical `EXTERNAL`. Every one parses with schemas.media.
+# SGLang's tier names on the wire. The bytes captured from SGLang 0.5.23 (shared/wire-samples) say
+# `GPU` and `CPU_PINNED`; local and shared L3 use the canonical `DISK` / `EXTERNAL`. Every name here
+# and every alias (`CPU_TIER1`, `CPU_TIER2`, ...) parses with schemas.media.
 SGLANG_MEDIA: Mapping[Medium, str] = {
     Medium.GPU: "GPU",
-    Medium.CPU_PINNED: "CPU_TIER1",
-    Medium.DISK: "CPU_TIER2",
+    Medium.CPU_PINNED: "CPU_PINNED",
+    Medium.DISK: "DISK",
     Medium.EXTERNAL: "EXTERNAL",
 }
 CANONICAL_MEDIA: Mapping[Medium, str] = {m: m.name for m in Medium}

@@ -26,7 +26,7 @@ import msgspec
 
 from producer.allocator import PoolExhausted
 from producer.events import EventRecorder
-from producer.page_hash import chain_digests
+from producer.page_hash import page_hash_chain
 from producer.pools import KVPool
 from producer.radix_tree import RadixTree, TreeNode
 from producer.storage.base import backend_medium
@@ -47,6 +47,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefetch_timeout_base_s: float = 1.0
     prefetch_timeout_per_1k_tokens_s: float = 0.25
     storage_suffix: str | None = None         # L3 key suffix of this pool (extra pools differ)
+    page_hash: str = "sha256"                 # "sha256" (SGLang-compatible ids) or "xxh3" (cheaper)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -55,6 +56,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if self.write_through_threshold < 1:
             raise ValueError("write_through_threshold must be >= 1")
+        page_hash_chain(self.page_hash)  # fails early with a clear message
 
 
 class Flight:
@@ -141,7 +143,8 @@ class TieredCache:
         self.recorder = recorder if recorder is not None else EventRecorder(None, enabled=False)
         self.validate = validate  # component seam: Mamba / sliding-window checks (later issue)
         self.clock = clock
-        self.tree = RadixTree(config.page_size, split_hook=self._on_split)
+        self.tree = RadixTree(config.page_size, split_hook=self._on_split,
+                              chain=page_hash_chain(config.page_hash))
         self.tick = 0  # logical LRU time
         self._ops: dict[int, Flight] = {}
         self._prefetches: list[Flight] = []
@@ -365,7 +368,7 @@ class TieredCache:
             self.tree.ensure_hashes(anchor)
             prior = anchor.digests[-1]  # type: ignore[index]
         suffix = self.config.storage_suffix
-        keys = [page_key(d, suffix) for d in chain_digests(key[start:end], self.page_size, prior)]
+        keys = [page_key(d, suffix) for d in self.tree.chain(key[start:end], self.page_size, prior)]
         f.key = key[:end]
         f.start = start
         f.keys = keys

@@ -69,9 +69,10 @@ Validate = Callable[[TreeNode], bool]
 
 
 class RadixTree:
-    __slots__ = ("page_size", "root", "_ids", "split_hook", "_ck")
+    __slots__ = ("page_size", "root", "_ids", "split_hook", "_ck", "chain")
 
-    def __init__(self, page_size: int, split_hook: SplitHook | None = None) -> None:
+    def __init__(self, page_size: int, split_hook: SplitHook | None = None,
+                 chain: Callable[..., list[bytes]] = chain_digests) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
@@ -79,6 +80,7 @@ class RadixTree:
         self.root = TreeNode(0, None, ())
         self.root.lock_ref = 1  # the root is never evicted
         self.split_hook = split_hook
+        self.chain = chain  # page-hash chain function (producer.page_hash)
         # Child key: the first page. With page size 1 the bare token is cheaper than a 1-tuple.
         p = page_size
         self._ck: Callable[[tuple[int, ...], int], object] = (
@@ -242,7 +244,7 @@ class RadixTree:
         prior = n.digests[-1] if n is not self.root and n.digests else None
         from_bytes = int.from_bytes
         for m in reversed(todo):
-            m.digests = chain_digests(m.key, self.page_size, prior)
+            m.digests = self.chain(m.key, self.page_size, prior)
             m.ids = [from_bytes(d[:8], "big", signed=True) for d in m.digests]  # == digest_to_id
             prior = m.digests[-1]
         return node.ids  # type: ignore[return-value]

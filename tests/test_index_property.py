@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from indexer.core import native as native_core
 from indexer.index import KVIndex
 from indexer.reference import ReferenceIndex
+from schemas.codec import encode_batch
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 BS = 4
@@ -206,10 +207,12 @@ def perturb(deliveries: list, rng: random.Random, dup_p: float, swap_p: float) -
     return final
 
 
-def run(index, deliveries) -> list:
+def run(index, deliveries, via_payload: bool = False) -> list:
     stats = []
     for d in deliveries:
-        if d[0] == "batch":
+        if d[0] == "batch" and via_payload:  # the wire path: decode (fast raw decoder when native) + apply
+            stats.append(index.apply_payload(MODEL, d[1][0], d[1][1], encode_batch(d[2])))
+        elif d[0] == "batch":
             stats.append(index.apply(MODEL, d[1][0], d[1][1], d[2]))
         elif d[0] == "clear":
             index.clear_worker(MODEL, d[1][0], d[1][1])
@@ -244,8 +247,9 @@ IMPLS = [
 ]
 
 
+@pytest.mark.parametrize("via_payload", [False, True], ids=["apply", "payload"])
 @pytest.mark.parametrize("native", IMPLS)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**32 - 1),
     n_ops=st.integers(5, 120),
@@ -253,7 +257,7 @@ IMPLS = [
     dup_p=st.sampled_from([0.0, 0.3]),
     swap_p=st.sampled_from([0.0, 0.3]),
 )
-def test_index_matches_reference(native: bool, seed: int, n_ops: int, trust: bool, dup_p: float, swap_p: float) -> None:
+def test_index_matches_reference(native: bool, via_payload: bool, seed: int, n_ops: int, trust: bool, dup_p: float, swap_p: float) -> None:
     prompts, deliveries = build_history(seed, n_ops, trust)
     rng = random.Random(seed ^ 0x5EED)
     ix = KVIndex(trust_engine_hashes=trust, native=native)
@@ -261,7 +265,7 @@ def test_index_matches_reference(native: bool, seed: int, n_ops: int, trust: boo
     ix.ensure_model(MODEL, BS)
     ref = ReferenceIndex()
     ref.ensure_model(MODEL, BS)
-    ix_stats = run(ix, perturb(deliveries, rng, dup_p, swap_p))
+    ix_stats = run(ix, perturb(deliveries, rng, dup_p, swap_p), via_payload)
     run(ref, deliveries)
     check_equal(ix, ref, prompts, random.Random(seed))
     # Snapshot basis: dump, rebuild, same answers.

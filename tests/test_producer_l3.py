@@ -66,7 +66,7 @@ def test_file_backend_backup_evict_prefetch_load_back(tmp_path) -> None:
         assert cache.evict_host(8) == 0
         assert worker.wait_idle(10.0)
         cache.step(0.1)
-        assert stored(sink, Medium.DISK) == IDS  # local file store: DISK (CPU_TIER2 on the wire)
+        assert stored(sink, Medium.DISK) == IDS  # local file store: DISK
         assert node.host_ref == 0
         # drop device and host copies: the node stays, L3-only
         cache.evict(8)

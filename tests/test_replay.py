@@ -95,10 +95,11 @@ def test_record_then_apply_equals_the_live_index(tmp_path: Path) -> None:
                     p.flush(5)
                 marks = {wid: p.next_seq - 1 for wid, p in pubs.items()}
                 live = {wid: service.registry.get(wid).last_seq for wid in pubs}
-                if live == marks and log_marks(out) == marks:
+                logged = log_marks(out)
+                if live == marks and logged == marks:
                     return True
                 for wid, p in pubs.items():
-                    if live[wid] != marks[wid]:
+                    if live[wid] != marks[wid] or logged.get(wid) != marks[wid]:
                         p.heartbeat(ranks[wid])  # a subscriber joining late learns of the past by it
                 return False
             wait_until(done, timeout=30, interval=0.05)
@@ -243,7 +244,7 @@ def test_gaps_and_restarts_in_the_log_clear_the_worker(tmp_path: Path) -> None:
     assert stats[("a", 0)]["gpu"] == 1 and stats[("b", 0)]["gpu"] == 1  # only what followed the clear
     a, b = replayer.workers["a"], replayer.workers["b"]
     assert (a.gaps, a.missing, a.resyncs, a.restarts) == (1, 3, 1, 0)
-    assert (b.gaps, b.restarts, b.batches, b.heartbeats) == (0, 1, 2, 1)
+    assert (b.gaps, b.restarts, b.batches, b.heartbeats) == (0, 1, 3, 1)  # the bad payload is no batch
     assert sum(replayer.drops.values()) == 1 and all(k.startswith("decode_") for k in replayer.drops)
     s = replayer.summary(log_path=str(log), nbytes=0, truncated=False, corrupt_frames=0, queries=0, elapsed_s=1)
     assert (s.gaps, s.restarts, s.resyncs) == (1, 1, 1)
@@ -256,15 +257,15 @@ def test_clear_event_makes_a_resynced_stream_clean_again() -> None:
     frames = [
         store([1], None, 0),
         store([50], 49, 10),  # orphan: parent 49 never arrives
-        store([2], 1, BS),
-        store([3], 2, 2 * BS),  # orphan expired here -> clear (first loss)
+        store([2], 1, BS),  # the orphan expires here -> clear (first loss of a clean stream)
+        store([3], 2, 2 * BS),  # its parent went with the clear: an orphan again (the echo of the loss)
         store([4], None, 300),
         store([60], 59, 400),
-        store([5], 4, 300 + BS),  # orphan expired again: not clean -> no second clear
-        AllBlocksCleared(),
+        store([5], 4, 300 + BS),  # an orphan expires again: not clean -> no second clear
+        AllBlocksCleared(),  # the worker's own reset: our view is complete again
         store([6], None, 500),
         store([70], 69, 600),
-        store([7], 6, 500 + BS),  # clean again after the reset -> clear
+        store([7], 6, 500 + BS),  # clean again -> this loss clears
     ]
     from indexer.eventlog import LogFrame
 
@@ -273,7 +274,7 @@ def test_clear_event_makes_a_resynced_stream_clean_again() -> None:
         r.apply_frame(LogFrame(T0 + seq, "w", 0, seq, payload([ev])))
         gpu_after.append(idx.worker_stats("m")[("w", 0)]["gpu"])
     assert r.workers["w"].resyncs == 2
-    assert gpu_after[3] == 0 and gpu_after[6] == 3 and gpu_after[7] == 0 and gpu_after[10] == 0
+    assert gpu_after == [1, 1, 0, 0, 1, 1, 2, 0, 1, 1, 0]
 
 
 # --- queries at recorded times --------------------------------------------------------------------------
@@ -316,7 +317,7 @@ def test_queries_are_answered_as_of_their_time(tmp_path: Path, capsys: pytest.Ca
         assert blocks("q3") == {"w0": (4, 4), "w1": (0, 2)}
         assert blocks("q5") == {"w0": (2, 2), "w1": (0, 2)} and got["q5"]["frames_applied"] == 4
         assert got["q5"]["query_blocks"] == 4 and got["q5"]["line"] == 1
-        assert blocks("lora") == {}
+        assert set(blocks("lora").values()) == {(0, 0)}  # another namespace: no match
         assert "unknown model" in got["bad-model"]["error"]
 
 
@@ -328,7 +329,7 @@ def test_query_file_parsing_and_time_modes() -> None:
     mixed = parse_queries([b'{"t": 1, "token_ids": []}', f'{{"t": {T0}, "token_ids": []}}'.encode()])
     with pytest.raises(QueryFileError, match="line 1 .* line 2"):
         resolve_query_times(mixed, T0)
-    for bad, msg in [(b'{"t": 1}', "line 1: .*token_ids"), (b"[1, 2", "line 1: not a JSON"),
+    for bad, msg in [(b'{"t": 1}', "line 1: .*token_ids"), (b"{nope", "line 1: not a JSON"),
                      (b'{"t": "x", "token_ids": []}', "line 1: .*t"),
                      (b'{"t": 1, "token_ids": [-1]}', r"line 1: token ids must lie")]:
         with pytest.raises(QueryFileError, match=msg):

@@ -30,10 +30,10 @@
 
 static inline uint64_t col_const(uint64_t i) { return (((i + 1) * K3) ^ (i * P_MUL)) | 1ULL; }
 
-static inline uint64_t block_digest(const uint64_t *t, Py_ssize_t bs, uint64_t extra) {
+static inline uint64_t block_digest(const uint64_t *t, Py_ssize_t bs, uint64_t extra, const uint64_t *cols) {
     uint64_t acc = 0;
     for (Py_ssize_t i = 0; i < bs; i++) {
-        uint64_t x = t[i] * K1 + col_const((uint64_t)i);
+        uint64_t x = t[i] * K1 + cols[i];
         x ^= x >> 31;
         acc += x * K2;
     }
@@ -160,19 +160,27 @@ static int extra_at(PyObject *extras, Py_ssize_t j, uint64_t *out) {
     return 0;
 }
 
+/* Digests (or chained keys) of `nblocks` blocks: a list of ints, or with `as_bytes` a bytes object of
+ * little-endian u64 (no int object per block; `attach` reads it directly). */
 static PyObject *digest_list(const uint64_t *t, Py_ssize_t nblocks, Py_ssize_t bs, PyObject *extras,
-                             int chained, uint64_t state) {
-    PyObject *res = PyList_New(nblocks);
-    if (!res) return NULL;
+                             int chained, uint64_t state, int as_bytes) {
+    uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
+    if (!cols) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
+    PyObject *res = as_bytes ? PyBytes_FromStringAndSize(NULL, nblocks * 8) : PyList_New(nblocks);
+    if (!res) { PyMem_Free(cols); return NULL; }
+    uint64_t *raw = as_bytes ? (uint64_t *)PyBytes_AS_STRING(res) : NULL;
     for (Py_ssize_t j = 0; j < nblocks; j++) {
         uint64_t ex;
-        if (extra_at(extras, j, &ex) < 0) { Py_DECREF(res); Py_RETURN_NONE; }
-        uint64_t d = block_digest(t + j * bs, bs, ex);
+        if (extra_at(extras, j, &ex) < 0) { Py_DECREF(res); PyMem_Free(cols); Py_RETURN_NONE; }
+        uint64_t d = block_digest(t + j * bs, bs, ex, cols);
         if (chained) { state = state * P_MUL + d; d = state; }
+        if (raw) { memcpy(raw + j, &d, 8); continue; }
         PyObject *v = PyLong_FromUnsignedLongLong(d);
-        if (!v) { Py_DECREF(res); return NULL; }
+        if (!v) { Py_DECREF(res); PyMem_Free(cols); return NULL; }
         PyList_SET_ITEM(res, j, v);
     }
+    PyMem_Free(cols);
     return res;
 }
 
@@ -191,7 +199,7 @@ static PyObject *py_digest_msgpack(PyObject *self, PyObject *args) {
     if (n < 0) Py_RETURN_NONE;
     Py_ssize_t nb = n / bs;
     if (nb > maxb) nb = maxb < 0 ? 0 : maxb;
-    PyObject *d = digest_list(t, nb, bs, extras, 0, 0);
+    PyObject *d = digest_list(t, nb, bs, extras, 0, 0, 1);
     PyMem_Free(t);
     if (!d || d == Py_None) return d;
     PyObject *out = Py_BuildValue("(nN)", n, d);
@@ -210,7 +218,7 @@ static PyObject *py_digest_tokens(PyObject *self, PyObject *args) {
     if (n < 0) Py_RETURN_NONE;
     Py_ssize_t nb = n / bs;
     if (nb > maxb) nb = maxb < 0 ? 0 : maxb;
-    PyObject *d = digest_list(t, nb, bs, extras, 0, 0);
+    PyObject *d = digest_list(t, nb, bs, extras, 0, 0, 1);
     PyMem_Free(t);
     return d;
 }
@@ -227,7 +235,7 @@ static PyObject *py_chain_keys(PyObject *self, PyObject *args) {
     Py_ssize_t n = tokens_u64(seq, &t);
     if (n == -2) return NULL;
     if (n < 0) Py_RETURN_NONE;
-    PyObject *d = digest_list(t, n / bs, bs, extras, 1, seed);
+    PyObject *d = digest_list(t, n / bs, bs, extras, 1, seed, 0);
     PyMem_Free(t);
     return d;
 }
@@ -236,8 +244,8 @@ static PyObject *py_chain_keys(PyObject *self, PyObject *args) {
 
 typedef struct {
     PyObject_HEAD
-    uint64_t *keys; /* 0 = empty slot */
-    uint64_t *vals; /* cap * width words, little-endian per value */
+    uint64_t *tab; /* cap entries of (key, width value words); key 0 = empty slot. One array so a
+                      lookup touches one cache line, not two. Values are little-endian words. */
     Py_ssize_t cap, used;
     int width, bits;
     PyObject *other; /* dict for keys that are not ints in [1, 2^64) */
@@ -248,12 +256,14 @@ static PyTypeObject U64MapType;
 
 static inline Py_ssize_t slot_of(const U64Map *m, uint64_t k) { return (Py_ssize_t)((k * P_MUL) >> (64 - m->bits)); }
 
+#define KEY(m, i) ((m)->tab[(size_t)(i) * (1 + (m)->width)])
+#define VALS(m, i) ((m)->tab + (size_t)(i) * (1 + (m)->width) + 1)
+
 static int map_alloc(U64Map *m, int bits, int width) {
     Py_ssize_t cap = (Py_ssize_t)1 << bits;
-    uint64_t *k = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
-    uint64_t *v = PyMem_Calloc((size_t)cap * width, sizeof(uint64_t));
-    if (!k || !v) { PyMem_Free(k); PyMem_Free(v); PyErr_NoMemory(); return -1; }
-    m->keys = k; m->vals = v; m->cap = cap; m->bits = bits; m->width = width; m->used = 0;
+    uint64_t *t = PyMem_Calloc((size_t)cap * (1 + width), sizeof(uint64_t));
+    if (!t) { PyErr_NoMemory(); return -1; }
+    m->tab = t; m->cap = cap; m->bits = bits; m->width = width; m->used = 0;
     return 0;
 }
 
@@ -261,7 +271,7 @@ static int map_alloc(U64Map *m, int bits, int width) {
 static inline Py_ssize_t find(const U64Map *m, uint64_t k, int *found) {
     Py_ssize_t mask = m->cap - 1, i = slot_of(m, k);
     for (;;) {
-        uint64_t c = m->keys[i];
+        uint64_t c = KEY(m, i);
         if (c == k) { *found = 1; return i; }
         if (c == 0) { *found = 0; return i; }
         i = (i + 1) & mask;
@@ -269,19 +279,20 @@ static inline Py_ssize_t find(const U64Map *m, uint64_t k, int *found) {
 }
 
 static int rehash(U64Map *m, int bits, int width) {
-    uint64_t *ok = m->keys, *ov = m->vals;
+    uint64_t *ot = m->tab;
     Py_ssize_t ocap = m->cap, used = m->used;
-    int ow = m->width;
-    if (map_alloc(m, bits, width) < 0) { m->keys = ok; m->vals = ov; return -1; }
+    int ow = m->width, obits = m->bits;
+    if (map_alloc(m, bits, width) < 0) { m->tab = ot; m->cap = ocap; m->width = ow; m->bits = obits; m->used = used; return -1; }
     for (Py_ssize_t i = 0; i < ocap; i++) {
-        if (!ok[i]) continue;
+        const uint64_t *e = ot + (size_t)i * (1 + ow);
+        if (!e[0]) continue;
         int f;
-        Py_ssize_t j = find(m, ok[i], &f);
-        m->keys[j] = ok[i];
-        memcpy(m->vals + j * width, ov + i * ow, sizeof(uint64_t) * (ow < width ? ow : width));
+        Py_ssize_t j = find(m, e[0], &f);
+        KEY(m, j) = e[0];
+        memcpy(VALS(m, j), e + 1, sizeof(uint64_t) * (ow < width ? ow : width));
     }
     m->used = used;
-    PyMem_Free(ok); PyMem_Free(ov);
+    PyMem_Free(ot);
     return 0;
 }
 
@@ -293,8 +304,8 @@ static Py_ssize_t find_or_insert(U64Map *m, uint64_t k, int *found) {
         if (rehash(m, m->bits + 1, m->width) < 0) return -1;
         i = find(m, k, found);
     }
-    m->keys[i] = k;
-    memset(m->vals + i * m->width, 0, sizeof(uint64_t) * m->width);
+    KEY(m, i) = k;
+    memset(VALS(m, i), 0, sizeof(uint64_t) * m->width);
     m->used++;
     return i;
 }
@@ -305,16 +316,16 @@ static void erase(U64Map *m, Py_ssize_t i) {
     int w = m->width;
     for (;;) {
         j = (j + 1) & mask;
-        uint64_t k = m->keys[j];
+        uint64_t k = KEY(m, j);
         if (!k) break;
         Py_ssize_t home = slot_of(m, k);
         if (((j - home) & mask) >= ((j - i) & mask)) {
-            m->keys[i] = k;
-            memcpy(m->vals + i * w, m->vals + j * w, sizeof(uint64_t) * w);
+            KEY(m, i) = k;
+            memcpy(VALS(m, i), VALS(m, j), sizeof(uint64_t) * w);
             i = j;
         }
     }
-    m->keys[i] = 0;
+    KEY(m, i) = 0;
     m->used--;
 }
 
@@ -329,7 +340,7 @@ static inline int key_u64(PyObject *o, uint64_t *k) {
 }
 
 static PyObject *val_obj(const U64Map *m, Py_ssize_t i) {
-    const uint64_t *v = m->vals + i * m->width;
+    const uint64_t *v = VALS(m, i);
     int hi = m->width;
     while (hi > 1 && v[hi - 1] == 0) hi--;
     if (hi == 1) return PyLong_FromUnsignedLongLong(v[0]);
@@ -352,7 +363,7 @@ static int set_val(U64Map *m, uint64_t k, PyObject *v) {
     int f;
     Py_ssize_t i = find_or_insert(m, k, &f);
     if (i < 0) return -1;
-    uint64_t *dst = m->vals + i * m->width;
+    uint64_t *dst = VALS(m, i);
     if (words == 1) {
         uint64_t x = PyLong_AsUnsignedLongLong(v);
         if (x == (uint64_t)-1 && PyErr_Occurred()) return -1;
@@ -380,7 +391,7 @@ static PyObject *U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static void U64Map_dealloc(U64Map *m) {
-    PyMem_Free(m->keys); PyMem_Free(m->vals);
+    PyMem_Free(m->tab);
     Py_XDECREF(m->other);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
@@ -446,9 +457,9 @@ static PyObject *collect(U64Map *m, int what) {
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
     for (Py_ssize_t i = 0; i < m->cap; i++) {
-        if (!m->keys[i]) continue;
+        if (!KEY(m, i)) continue;
         PyObject *k = NULL, *v = NULL, *e;
-        if (what != 1 && !(k = PyLong_FromUnsignedLongLong(m->keys[i]))) goto fail;
+        if (what != 1 && !(k = PyLong_FromUnsignedLongLong(KEY(m, i)))) goto fail;
         if (what != 0 && !(v = val_obj(m, i))) { Py_XDECREF(k); goto fail; }
         e = what == 0 ? k : what == 1 ? v : PyTuple_Pack(2, k, v);
         if (what == 2) { Py_DECREF(k); Py_DECREF(v); }
@@ -480,9 +491,11 @@ static PyObject *U64Map_iter(U64Map *m) {
 }
 
 static PyObject *U64Map_clear(U64Map *m, PyObject *u) {
-    uint64_t *ok = m->keys, *ov = m->vals;
-    if (map_alloc(m, MIN_BITS, 1) < 0) { m->keys = ok; m->vals = ov; return NULL; }
-    PyMem_Free(ok); PyMem_Free(ov);
+    uint64_t *ot = m->tab;
+    Py_ssize_t ocap = m->cap, used = m->used;
+    int ow = m->width, obits = m->bits;
+    if (map_alloc(m, MIN_BITS, 1) < 0) { m->tab = ot; m->cap = ocap; m->width = ow; m->bits = obits; m->used = used; return NULL; }
+    PyMem_Free(ot);
     PyDict_Clear(m->other);
     Py_RETURN_NONE;
 }
@@ -500,7 +513,7 @@ static int get_u64(U64Map *m, PyObject *key, uint64_t *out) {
     if (key_u64(key, &k)) {
         int f;
         Py_ssize_t i = find(m, k, &f);
-        if (f) *out = m->vals[i * m->width];
+        if (f) *out = VALS(m, i)[0];
         return f;
     }
     PyObject *v = PyDict_GetItemWithError(m->other, key);
@@ -515,7 +528,7 @@ static int set_u64(U64Map *m, PyObject *key, uint64_t val) {
         int f;
         Py_ssize_t i = find_or_insert(m, k, &f);
         if (i < 0) return -1;
-        uint64_t *dst = m->vals + i * m->width;
+        uint64_t *dst = VALS(m, i);
         memset(dst, 0, sizeof(uint64_t) * m->width);
         dst[0] = val;
         return 0;
@@ -564,7 +577,7 @@ static int node_bit(U64Map *m, uint64_t key, int pos, int op) {
         i = find(m, key, &f);
         if (!f || word >= m->width) return 0;
     }
-    uint64_t *v = m->vals + i * m->width + word;
+    uint64_t *v = VALS(m, i) + word;
     int was = (*v & b) != 0;
     if (op == 1) *v |= b;
     else if (op == 2) *v &= ~b;
@@ -591,7 +604,7 @@ static int node_nibble(U64Map *m, uint64_t key, int shift, int *any) {
     int f;
     Py_ssize_t i = find(m, key, &f);
     if (!f) { *any = 0; return 0; }
-    uint64_t *v = m->vals + i * m->width;
+    uint64_t *v = VALS(m, i);
     *any = 0;
     for (int w = 0; w < m->width; w++) if (v[w]) { *any = 1; break; }
     int word = shift >> 6;
@@ -631,8 +644,8 @@ static PyObject *py_attach(PyObject *self, PyObject *args) {
     }
     uint64_t state = PyLong_AsUnsignedLongLongMask(stateo);
     if (state == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    PyObject *dl = NULL; /* owned list of digests once resolved */
-    if (PyList_Check(digests)) { dl = digests; Py_INCREF(dl); }
+    PyObject *dl = NULL; /* owned list/bytes of digests once resolved */
+    if (PyList_Check(digests) || PyBytes_Check(digests)) { dl = digests; Py_INCREF(dl); }
     Py_ssize_t n = PyList_GET_SIZE(hashes), newc = 0, dup = 0, added = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *h = PyList_GET_ITEM(hashes, j);
@@ -649,11 +662,17 @@ static PyObject *py_attach(PyObject *self, PyObject *args) {
                     dl = PyObject_CallNoArgs(digests);
                     if (!dl) goto fail;
                     if (dl == Py_None) { Py_DECREF(dl); Py_RETURN_NONE; }
-                    if (!PyList_Check(dl)) { PyErr_SetString(PyExc_TypeError, "digests must be a list"); goto fail; }
+                    if (!PyList_Check(dl) && !PyBytes_Check(dl)) { PyErr_SetString(PyExc_TypeError, "digests must be a list"); goto fail; }
                 }
-                if (j >= PyList_GET_SIZE(dl)) { PyErr_SetString(PyExc_IndexError, "too few digests"); goto fail; }
-                uint64_t d = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(dl, j));
-                if (d == (uint64_t)-1 && PyErr_Occurred()) goto fail;
+                uint64_t d;
+                if (PyBytes_Check(dl)) {
+                    if (j >= PyBytes_GET_SIZE(dl) / 8) { PyErr_SetString(PyExc_IndexError, "too few digests"); goto fail; }
+                    memcpy(&d, PyBytes_AS_STRING(dl) + 8 * j, 8);
+                } else {
+                    if (j >= PyList_GET_SIZE(dl)) { PyErr_SetString(PyExc_IndexError, "too few digests"); goto fail; }
+                    d = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(dl, j));
+                    if (d == (uint64_t)-1 && PyErr_Occurred()) goto fail;
+                }
                 key = state * P_MUL + d;
                 if (known) {
                     if (U64Map_len(known) >= limit) { /* bounded trust cache: start afresh */
@@ -765,7 +784,7 @@ static PyObject *py_walk(PyObject *self, PyObject *args) {
         int f;
         Py_ssize_t i = find(m, k, &f);
         if (!f) break;
-        const uint64_t *v = m->vals + i * W;
+        const uint64_t *v = VALS(m, i);
         if (have_prev && memcmp(v, prev, sizeof(uint64_t) * W) == 0) { run++; continue; }
         for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) sp[4 * s + ct[s]] += run;
         depth += run;

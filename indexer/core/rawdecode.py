@@ -1,7 +1,7 @@
 """Fast payload decoding for the native core: `token_ids` kept as raw msgpack (`msgspec.Raw`).
 
 Materialising every token id as a Python int was most of the apply time; with the accelerator the
-token array is hashed straight from its msgpack bytes. Anything this decoder does not accept exactly
+token array is hashed straight from its msgpack bytes. Media names are left as sent (the index resolves aliases when it applies). Anything this decoder does not accept exactly
 like `schemas.codec.decode_batch` (array-form events, bad hashes, oversize, malformed input) returns
 None and the caller takes the full decoder, so outcomes and error labels stay identical.
 """
@@ -14,7 +14,6 @@ import msgspec
 
 from schemas.codec import DEFAULT_MAX_PAYLOAD, U64_MASK
 from schemas.events import AllBlocksCleared, BlockHash, BlockRemoved
-from schemas.media import parse_medium
 
 
 class RawStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
@@ -80,9 +79,7 @@ def decode_raw(payload: bytes | memoryview, norm: Callable[[list], list | None] 
         if hashes is None:
             return None
         ev.block_hashes = hashes
-        medium = parse_medium(ev.medium)
-        if medium is not None:
-            ev.medium = medium.name
+        # media stay as sent: apply resolves aliases itself (the batch never leaves the index)
         if type(ev) is RawStored:
             p = ev.parent_block_hash
             if type(p) is int:
