@@ -1,0 +1,122 @@
+"""The C accelerator against its pure-Python twins: U64Map behaves like a dict, hashing agrees bit for
+bit, the fast payload path judges bad input exactly like the full decoder, and the switch works."""
+from __future__ import annotations
+
+import random
+
+import msgspec
+import numpy as np
+import pytest
+
+from indexer import hashing as H
+from indexer.core import native as native_core
+from indexer.index import KVIndex
+from schemas.codec import encode_batch
+from schemas.events import BlockRemoved, BlockStored, KVEventBatch
+
+N = native_core.select(None) if native_core.available() else None
+pytestmark = pytest.mark.skipif(not native_core.available(), reason="native accelerator not built")
+MASK = (1 << 64) - 1
+
+
+def test_u64map_matches_dict_under_random_ops() -> None:
+    rng = random.Random(7)
+    m, d = N.U64Map(), {}
+    # Few distinct keys and many deletes: long probe chains, wrap-around and backward-shift deletion.
+    pool = [rng.getrandbits(64) for _ in range(3000)] + [0, 1, MASK, b"\x01" * 32, b"x", -5]
+    for step in range(40_000):
+        k = rng.choice(pool)
+        op = rng.random()
+        if op < 0.5:
+            v = rng.choice([0, 1, rng.getrandbits(64), rng.getrandbits(130), 1 << 127])
+            m[k] = v
+            d[k] = v
+        elif op < 0.8:
+            if k in d:
+                del m[k]
+                del d[k]
+            else:
+                with pytest.raises(KeyError):
+                    del m[k]
+        else:
+            assert m.get(k) == d.get(k)
+            assert m.get(k, "dflt") == d.get(k, "dflt")
+            assert (k in m) == (k in d)
+        if step % 5000 == 0:
+            assert len(m) == len(d)
+    assert len(m) == len(d)
+    assert sorted(m.items(), key=repr) == sorted(d.items(), key=repr)
+    assert sorted(m.keys(), key=repr) == sorted(d, key=repr)
+    assert sorted(m.values()) == sorted(d.values())
+    assert m.width >= 3  # 130-bit values widened it
+    m.clear()
+    assert len(m) == 0 and m.get(pool[0]) is None
+
+
+def test_u64map_rejects_bad_values() -> None:
+    m = N.U64Map()
+    with pytest.raises(ValueError):
+        m[5] = -1
+    with pytest.raises(TypeError):
+        m[5] = "x"
+    with pytest.raises(KeyError):
+        m[5]
+    assert len(m) == 0
+
+
+def test_hashing_native_equals_python() -> None:
+    rng = np.random.default_rng(3)
+    for bs in (1, 4, 16, 64):
+        toks = rng.integers(-(2**63), 2**63 - 1, size=bs * 9 + 3, dtype=np.int64)
+        seed = H.namespace_seed(bs, "l", None)
+        ex = [0] * (len(toks) // bs)
+        ex[2] = H.extra_digest(["img", 1])
+        want = H.chain_keys_py(toks.tolist(), bs, seed, ex)
+        assert N.chain_keys(toks.tolist(), bs, seed, ex) == want
+        assert N.chain_keys(toks, bs, seed, ex) == want
+        assert N.chain_keys(tuple(toks.tolist()), bs, seed, ex) == want
+        small = rng.integers(0, 2**31, size=bs * 5, dtype=np.int64)
+        want_small = H.chain_keys_py(small.tolist(), bs, seed)
+        for dt in (np.uint32, np.int32, np.uint64):
+            assert N.chain_keys(small.astype(dt), bs, seed, None) == want_small
+        # msgpack-encoded token arrays: every int width msgpack uses, signed and unsigned
+        for arr in (toks.tolist(), small.tolist(), [0, 1, 127, 128, 255, 256, 65535, 65536, -1, -32, -33, -200,
+                                                     -40000, -(2**40), 2**64 - 1, 2**63] * bs):
+            raw = msgspec.msgpack.encode(arr)
+            ntok, d = N.digest_msgpack(raw, bs, 10**9, None)
+            assert ntok == len(arr)
+            got = np.frombuffer(d, dtype="<u8").tolist()
+            assert got == [H.block_digest_py(arr[i * bs : (i + 1) * bs]) for i in range(len(arr) // bs)]
+    # what it cannot judge goes back to the Python path
+    assert N.digest_msgpack(msgspec.msgpack.encode([1, "x"]), 1, 10, None) is None
+    assert N.digest_msgpack(msgspec.msgpack.encode([1.5]), 1, 10, None) is None
+    assert N.digest_msgpack(msgspec.msgpack.encode([1, 2])[:-1], 1, 10, None) is None
+    assert N.chain_keys([1, 2**64], 1, 1, None) is None
+    assert N.chain_keys(np.array([1.0, 2.0]), 1, 1, None) is None
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_odd_payloads_judged_like_full_decoder(native: bool) -> None:
+    ix = KVIndex(native=native)
+    ix.ensure_model("m", 2)
+    good = encode_batch(KVEventBatch(0.0, [BlockStored([-3, 2**64 - 1], -7, [1, 2, 3, 4], 2, medium="CPU")]))
+    st = ix.apply_payload("m", "a", 0, good)
+    assert st.counts == {("stored", "CPU_PINNED", "orphan_held"): 2}
+    bad_tokens = msgspec.msgpack.encode([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                                 "token_ids": [1, "x"], "block_size": 2}], None])
+    assert ix.apply_payload("m", "a", 0, bad_tokens).drops == {"decode_invalid": 1}
+    bad_hash = msgspec.msgpack.encode([0.0, [{"type": "BlockRemoved", "block_hashes": [b""]}], None])
+    assert ix.apply_payload("m", "a", 0, bad_hash).drops == {"decode_bad_hash": 1}
+    arr_form = msgspec.msgpack.encode([0.0, [["BlockStored", [5], None, [1, 2], 2]], None])
+    assert ix.apply_payload("m", "a", 0, arr_form).counts == {("stored", "GPU", "new"): 1}
+    st = ix.apply_payload("m", "a", 0, encode_batch(KVEventBatch(0.0, [BlockRemoved([5, 6], medium="GPU")])))
+    assert st.counts == {("removed", "GPU", "removed"): 1, ("removed", "GPU", "absent"): 1}
+    assert ix.score("m", [1, 2, 9]).workers[0].device_blocks == 0
+
+
+def test_switch_env_and_flag(monkeypatch) -> None:
+    assert KVIndex().native is True
+    assert KVIndex(native=False).native is False
+    monkeypatch.setenv(native_core.ENV_PURE, "1")
+    assert KVIndex().native is False
+    assert KVIndex(native=True).native is True
