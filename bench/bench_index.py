@@ -9,7 +9,9 @@ evictions. Dynamo gets the same history's device-tier events as JSON (its format
 tiers), pre-built before timing (its token hashing is excluded, ours is included).
 Each engine runs in its own subprocess so resident-memory deltas are not polluted by the other.
 Prints blocks/s applied, lookup µs at 1k/8k/32k tokens (p50, p99), bytes per (worker, block)
-entry, and ratios kvatlas/Dynamo measured in the same run.
+entry, and ratios kvatlas/Dynamo measured in the same run, for the native core (default), trust
+mode and the pure-Python reference core (KVATLAS_PURE_PYTHON=1), plus lookup ratios against Dynamo
+with its per-worker scores read into Python (ours always returns materialised results).
 """
 from __future__ import annotations
 
@@ -191,6 +193,7 @@ def run_kvatlas(wl: Workload, trust: bool) -> dict:
             ts.append((time.perf_counter() - s) * 1e6)
         lat[n] = (pct(ts, 50), pct(ts, 99))
     return {"blocks_per_s": wl.stored_blocks / dt, "apply_s": dt, "bytes_per_entry": (r1 - r0) / max(1, mappings),
+            "native": ix.native,
             "entries": entries, "gpu_entries": gpu_entries, "mappings": mappings, "nodes": ix.num_nodes("m"), "lookup_us": lat,
             "orphans_dropped": drops}
 
@@ -217,8 +220,18 @@ def run_dynamo(wl: Workload) -> dict:
             tree.find_matches(compute_block_hash_for_seq(q, BS))
             ts.append((time.perf_counter() - s) * 1e6)
         lat[n] = (pct(ts, 50), pct(ts, 99))
+    # Secondary figure: find_matches returns a lazy Rust object; ours returns materialised per-worker
+    # results, so also time Dynamo with its per-worker scores read into Python.
+    lat_read = {}
+    for n, qs in wl.queries.items():
+        ts = []
+        for q in qs:
+            s = time.perf_counter()
+            tree.find_matches(compute_block_hash_for_seq(q, BS)).scores
+            ts.append((time.perf_counter() - s) * 1e6)
+        lat_read[n] = (pct(ts, 50), pct(ts, 99))
     return {"blocks_per_s": wl.dynamo_blocks / dt, "apply_s": dt, "rss_delta": r1 - r0,
-            "dump_events": entries, "lookup_us": lat}
+            "dump_events": entries, "lookup_us": lat, "lookup_read_us": lat_read}
 
 
 def child(kind: str, path: str, out: str) -> None:
@@ -258,12 +271,15 @@ def main() -> None:
         path = os.path.join(tmp, "wl.msgpack")
         Path(path).write_bytes(msgspec.msgpack.encode(wl))
         del wl
-        kinds = ["kvatlas", "kvatlas-trust"] + ([] if dyn_reason else ["dynamo"])
+        kinds = ["kvatlas", "kvatlas-trust", "kvatlas-pure"] + ([] if dyn_reason else ["dynamo"])
         for kind in kinds:
             out = os.path.join(tmp, kind + ".json")
-            subprocess.run([sys.executable, __file__, "--child", kind, path, out], check=True)
+            env = dict(os.environ, KVATLAS_PURE_PYTHON="1" if kind == "kvatlas-pure" else "0")
+            subprocess.run([sys.executable, __file__, "--child", kind, path, out], check=True, env=env)
             res[kind] = json.loads(Path(out).read_text())
     for kind, r in res.items():
+        if "native" in r:
+            kind += "" if r["native"] or kind.endswith("pure") else " (pure: accelerator not built)"
         lat = " ".join(f"{int(n) // 1024}k p50 {v[0]:.0f} p99 {v[1]:.0f}" for n, v in r["lookup_us"].items())
         extra = (f"bytes/entry {r['bytes_per_entry']:.0f} ({r['mappings']} (worker,block) mappings, {r['nodes']} nodes)"
                  if "bytes_per_entry" in r else f"rss delta {r['rss_delta'] / 1e6:.0f} MB")
@@ -273,12 +289,14 @@ def main() -> None:
         return
     d = res["dynamo"]
     # Dynamo's entries: one per (worker, device block) live at the end = our GPU-tier mappings.
-    for kind in ("kvatlas", "kvatlas-trust"):
+    for kind in ("kvatlas", "kvatlas-trust", "kvatlas-pure"):
         r = res[kind]
         print(f"ratios {kind} / dynamo: apply {r['blocks_per_s'] / d['blocks_per_s']:.2f}x (target >= 1.0)", end="")
         for n in r["lookup_us"]:
             print(f" | lookup p50 {int(n) // 1024}k {r['lookup_us'][n][0] / d['lookup_us'][n][0]:.2f}x", end="")
         print(" (target <= 1.0)")
+        print(f"  same vs dynamo reading its scores:", " | ".join(
+            f"{int(n) // 1024}k {r['lookup_us'][n][0] / d['lookup_read_us'][n][0]:.2f}x" for n in r["lookup_us"]))
     # Dynamo's live entries = (worker, block) pairs on the device tier = our GPU-tier count.
     d_bpe = d["rss_delta"] / max(1, res["kvatlas"]["gpu_entries"])
     k_bpe = res["kvatlas"]["bytes_per_entry"]

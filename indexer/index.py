@@ -41,7 +41,7 @@ from indexer.core import native as _native
 from indexer.core.apply import apply_events, prepare_raw
 from indexer.core.dump import dump_model, load_model_dump
 from indexer.core.scoring import score_keys
-from indexer.core.rawdecode import decode_raw
+from indexer.core.rawdecode import RawStored, decode_raw_unnormalised, normalise_raw
 from indexer.core.state import ModelState
 from indexer.core.types import (
     TIER_NAMES, ApplyStats, BlockSizeConflict, ScoreResult, TierWeights, WorkerScore,
@@ -115,9 +115,13 @@ class KVIndex:
         if m.nat is not None:
             # Fast path: token ids hashed from their msgpack bytes. Whatever it cannot take exactly
             # like the full decoder (odd input) falls through to the full decoder below.
-            rb = decode_raw(payload, m.nat.norm_hashes)
+            rb = decode_raw_unnormalised(payload)
             if rb is not None:
-                raw = prepare_raw(m, rb.events)
+                # One C call normalises and digests the whole batch; the Python twin covers what it
+                # leaves (extra keys, odd values) and judges exactly like the full decoder.
+                raw = m.nat.prepare_raw(rb.events, RawStored, m.block_size)
+                if raw is None:
+                    raw = prepare_raw(m, rb.events) if normalise_raw(rb, m.nat.norm_hashes) is not None else None
                 if raw is not None:
                     w = m.worker(worker_id, int(dp_rank or 0))
                     return apply_events(m, w, rb.events, self.orphan_grace_batches, ApplyStats(), raw)

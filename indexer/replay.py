@@ -27,6 +27,7 @@ from typing import Union
 import msgspec
 
 from indexer.eventlog import LogFrame
+from indexer.index import KVIndex
 from indexer.sequencing import DeliverStep, GapStep, RestartStep, SeqTracker, on_live
 from schemas.codec import DecodeError, decode_batch
 from schemas.events import BlockStored
@@ -191,7 +192,7 @@ class LogReplayer:
     __slots__ = ("index", "model", "default_dp_rank", "workers", "frames", "batches", "heartbeats",
                  "events", "blocks", "drops", "_logged")
 
-    def __init__(self, index, model: str, block_size: int, default_dp_rank: int = 0) -> None:  # noqa: ANN001
+    def __init__(self, index: KVIndex, model: str, block_size: int, default_dp_rank: int = 0) -> None:
         index.ensure_model(model, block_size)
         self.index = index
         self.model = model
@@ -238,24 +239,43 @@ class LogReplayer:
         w.last_seq = frame.seq
 
     def _apply_batch(self, wid: str, w: WorkerReplay, frame: LogFrame) -> None:
-        batch = decode_batch(frame.payload)
-        if isinstance(batch, DecodeError):
-            self._drop("decode_" + batch.reason, f"worker={wid} seq={frame.seq}: {batch.message}")
-            return
-        dp_rank = batch.data_parallel_rank
+        # Fast path: read only dp_rank and the event tags, and let the index decode the payload its
+        # own (fastest) way. Anything the head cannot read goes through the full decoder, as live.
+        head = _read_head(frame.payload)
+        if head is not None:
+            dp_rank, types = head.data_parallel_rank, [e.type_name for e in head.events]
+            batch = None
+        else:
+            batch = decode_batch(frame.payload)
+            if isinstance(batch, DecodeError):
+                self._drop("decode_" + batch.reason, f"worker={wid} seq={frame.seq}: {batch.message}")
+                return
+            dp_rank, types = batch.data_parallel_rank, [type(ev).__name__ for ev in batch.events]
         if dp_rank is None or dp_rank < 0:
             dp_rank = frame.dp_rank if frame.dp_rank is not None and frame.dp_rank >= 0 else self.default_dp_rank
-        w.dp_ranks.add(dp_rank)
-        self.batches += 1
-        w.batches += 1
-        if not batch.events:
+        if not types:
+            if batch is None and isinstance(decode_batch(frame.payload), DecodeError):
+                self._drop("decode_invalid", f"worker={wid} seq={frame.seq}: empty batch that does not decode")
+                return
+            self.batches += 1
+            w.batches += 1
             self.heartbeats += 1
             w.heartbeats += 1
+            w.dp_ranks.add(dp_rank)
             return
-        for ev in batch.events:
-            name = type(ev).__name__
+        if batch is None:
+            stats = self.index.apply_payload(self.model, wid, dp_rank, frame.payload)
+            bad = [k for k in stats.drops if k.startswith("decode_")]
+            if bad:  # the head read but the full decode did not: a whole-batch drop, as live
+                self._drop(bad[0], f"worker={wid} seq={frame.seq}: payload does not decode")
+                return
+        else:
+            stats = self.index.apply(self.model, wid, dp_rank, batch)
+        self.batches += 1
+        w.batches += 1
+        w.dp_ranks.add(dp_rank)
+        for name in types:
             self.events[name] = self.events.get(name, 0) + 1
-        stats = self.index.apply(self.model, wid, dp_rank, batch)
         cleared = False
         for (typ, medium, outcome), n in stats.counts.items():
             if n:
@@ -317,6 +337,43 @@ class LogReplayer:
             elapsed_s=elapsed_s, frames_per_s=self.frames / elapsed_s if elapsed_s > 0 else 0.0,
             workers=workers,
         )
+
+
+class _Tag(msgspec.Struct, tag_field="type"):
+    """An event with every field but its tag skipped (unknown fields are ignored)."""
+
+    @property
+    def type_name(self) -> str:
+        return self.__struct_config__.tag  # type: ignore[return-value]
+
+
+class _StoredTag(_Tag, tag="BlockStored"):
+    pass
+
+
+class _RemovedTag(_Tag, tag="BlockRemoved"):
+    pass
+
+
+class _ClearedTag(_Tag, tag="AllBlocksCleared"):
+    pass
+
+
+class _Head(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Union[_StoredTag, _RemovedTag, _ClearedTag]]
+    data_parallel_rank: Union[int, None] = None
+
+
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+
+
+def _read_head(payload: bytes) -> _Head | None:
+    """dp_rank and event types of a map-form batch, or None (array-form events, bad input)."""
+    try:
+        return _head_decoder.decode(payload)
+    except msgspec.MsgspecError:
+        return None
 
 
 def _no_replay(first: int, last: int) -> tuple[()]:

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from conftest import wait_until
+from conftest import free_port, wait_until
 from indexer.eventlog import EventLogWriter, read_event_log
 from indexer.index import KVIndex
 from indexer.replay import (
@@ -30,7 +30,7 @@ from producer.publisher import ZmqEventPublisher
 from router_api.cli import main as cli_main
 from router_api.service import IndexerService, ServiceConfig
 from schemas.api import RegisterWorker
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredArr, KVEventBatch
 from test_service_support import WorkerSim, make_prompts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -277,6 +277,21 @@ def test_clear_event_makes_a_resynced_stream_clean_again() -> None:
     assert gpu_after == [1, 1, 0, 0, 1, 1, 2, 0, 1, 1, 0]
 
 
+def test_array_form_events_apply_like_map_form() -> None:
+    """Dynamo-style positional events take the full decoder; the result is the same."""
+    from indexer.eventlog import LogFrame
+
+    ev = store([5, 6], None, 0, "CPU_PINNED")
+    arr = BlockStoredArr(*(getattr(ev, f) for f in ev.__struct_fields__))
+    results = []
+    for body in (payload([ev], 3), msgspec.msgpack.encode([T0, [arr], 3])):
+        r = LogReplayer(KVIndex(), "m", BS)
+        r.apply_frame(LogFrame(T0, "w", None, 0, body))
+        results.append((r.index.worker_stats("m"), r.events, r.blocks, r.drops))
+    assert results[0] == results[1]
+    assert results[0][0][("w", 3)]["host"] == 2 and results[0][1] == {"BlockStored": 1}
+
+
 # --- queries at recorded times --------------------------------------------------------------------------
 
 def test_queries_are_answered_as_of_their_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -398,14 +413,17 @@ def test_recorded_pacing_and_restart_on_publish(tmp_path: Path, capsys: pytest.C
         for i in range(5):
             w.write(T0 + 0.1 * i, "w0", 0, i, payload([]))
         w.write(T0 + 0.6, "w0", 0, 0, payload([]))  # the publisher restarted at 0.6 s
-    for speed, floor in (("1.0", 0.6), ("2", 0.3)):
+    port = free_port()
+    for speed, floor, where in (("1.0", 0.6, ["--publish", "tcp://127.0.0.1:*"]),
+                                ("2", 0.3, ["--publish-base-port", str(port)])):
         t = time.monotonic()
-        assert cli_main(["replay", str(log), "--publish", "tcp://127.0.0.1:*", "--speed", speed]) == 0
+        assert cli_main(["replay", str(log), *where, "--speed", speed]) == 0
         took = time.monotonic() - t
         assert took >= floor, (speed, took)
         cap = capsys.readouterr()
         assert "re-published 6 of 6 frames" in cap.out and "restarts 1" in cap.out
         assert "restarted its publisher" in cap.err
+        assert where[0] == "--publish" or f"publishing w0 on tcp://127.0.0.1:{port} (" in cap.out
     steps = list(republish_steps(read_event_log(log)))
     assert [s.restart for s in steps] == [False] * 5 + [True]
     assert pace_delay(T0, T0 + 1, 0.25, 2.0) == 0.25 and pace_delay(T0, T0 + 1, 0.0, 0) == 0.0

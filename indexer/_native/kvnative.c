@@ -856,6 +856,87 @@ static PyObject *py_norm_hashes(PyObject *self, PyObject *lst) {
     return out;
 }
 
+/* prepare_raw(events, RawStored, block_size) -> {index: (ntokens, digests bytes)} | None
+ * One call per batch for the fast payload path: normalises engine hashes (and parents) in place like
+ * schemas.codec, and digests every RawStored's token array. None: something only the Python path
+ * judges (bad hash or token array, extra keys to digest) — it then redoes the batch from scratch. */
+static PyObject *py_prepare_raw(PyObject *self, PyObject *args) {
+    PyObject *events, *stored_t;
+    Py_ssize_t bs;
+    if (!PyArg_ParseTuple(args, "O!On", &PyList_Type, &events, &stored_t, &bs)) return NULL;
+    PyObject *out = PyDict_New();
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i), *tmp;
+        int is_store = (PyObject *)Py_TYPE(ev) == stored_t;
+        PyObject *hashes = PyObject_GetAttrString(ev, "block_hashes");
+        if (!hashes) { PyErr_Clear(); continue; } /* AllBlocksCleared */
+        PyObject *norm = py_norm_hashes(NULL, hashes);
+        Py_DECREF(hashes);
+        if (!norm) goto fail;
+        if (norm == Py_None) { Py_DECREF(norm); goto none; }
+        int r = norm != hashes ? PyObject_SetAttrString(ev, "block_hashes", norm) : 0;
+        Py_ssize_t nh = PyList_GET_SIZE(norm);
+        Py_DECREF(norm);
+        if (r < 0) goto fail;
+        if (!is_store) continue;
+        PyObject *parent = PyObject_GetAttrString(ev, "parent_block_hash");
+        if (!parent) goto fail;
+        if (PyLong_CheckExact(parent)) {
+            int ovf = 0;
+            long long v = PyLong_AsLongLongAndOverflow(parent, &ovf);
+            if (ovf > 0) { PyLong_AsUnsignedLongLong(parent); if (PyErr_Occurred()) { PyErr_Clear(); ovf = -1; } }
+            if (ovf < 0) { Py_DECREF(parent); goto none; }
+            if (!ovf && v < 0) {
+                PyObject *u = PyLong_FromUnsignedLongLong((uint64_t)v);
+                r = u ? PyObject_SetAttrString(ev, "parent_block_hash", u) : -1;
+                Py_XDECREF(u);
+                if (r < 0) { Py_DECREF(parent); goto fail; }
+            }
+        }
+        Py_DECREF(parent);
+        PyObject *xk = PyObject_GetAttrString(ev, "extra_keys");
+        if (!xk) goto fail;
+        int has_extra = PyObject_IsTrue(xk);
+        Py_DECREF(xk);
+        if (has_extra) goto none; /* extra-key digests are computed in Python */
+        PyObject *raw = PyObject_GetAttrString(ev, "token_ids");
+        if (!raw) goto fail;
+        PyObject *targs = Py_BuildValue("(OnnO)", raw, bs, nh, Py_None);
+        Py_DECREF(raw);
+        if (!targs) goto fail;
+        tmp = py_digest_msgpack(NULL, targs);
+        Py_DECREF(targs);
+        if (!tmp) goto fail;
+        if (tmp == Py_None) { Py_DECREF(tmp); goto none; }
+        PyObject *key = PyLong_FromSsize_t(i);
+        r = key ? PyDict_SetItem(out, key, tmp) : -1;
+        Py_XDECREF(key);
+        Py_DECREF(tmp);
+        if (r < 0) goto fail;
+    }
+    return out;
+none:
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* all_in(map, hashes) -> True when every hash is a key (placeholder stores need it) */
+static PyObject *py_all_in(PyObject *self, PyObject *args) {
+    U64Map *m;
+    PyObject *hashes;
+    if (!PyArg_ParseTuple(args, "O!O!", &U64MapType, &m, &PyList_Type, &hashes)) return NULL;
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(hashes); j++) {
+        int r = U64Map_contains(m, PyList_GET_ITEM(hashes, j));
+        if (r < 0) return NULL;
+        if (!r) Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef U64Map_methods[] = {
     {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
     {"keys", (PyCFunction)U64Map_keys, METH_NOARGS, "list of keys"},
@@ -898,6 +979,8 @@ static PyMethodDef module_methods[] = {
     {"prefix_values", py_prefix_values, METH_VARARGS, "node values up to the first absent key"},
     {"walk", py_walk, METH_VARARGS, "per-slot prefix match of chained keys"},
     {"norm_hashes", py_norm_hashes, METH_O, "validate and normalise engine hashes"},
+    {"all_in", py_all_in, METH_VARARGS, "every hash is a key of the map"},
+    {"prepare_raw", py_prepare_raw, METH_VARARGS, "normalise a raw-decoded batch and digest its stores"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -204,10 +204,15 @@ def _store(
     ext = w.ext
     if ev.block_size == 0 or not ntok:
         # Placeholder: only records a new tier on blocks this worker already maps.
-        for h in hashes:
-            if h not in ext:
+        if m.nat is not None and type(hashes) is list:
+            if not m.nat.all_in(ext, hashes):
                 stats.drop("placeholder_unknown", n)
                 return
+        else:
+            for h in hashes:
+                if h not in ext:
+                    stats.drop("placeholder_unknown", n)
+                    return
         res = _attach(m, w, hashes, 0, None, None, tier, None)
         assert res is not None
         _count_store(stats, mname, res)

@@ -62,16 +62,20 @@ def _hashes_ok(hashes: list) -> list | None:
     return [x & U64_MASK if type(x) is int else x for x in hashes] if neg else hashes
 
 
-def decode_raw(payload: bytes | memoryview, norm: Callable[[list], list | None] = _hashes_ok) -> RawBatch | None:
-    """Decode and normalise like `decode_batch`, or None when only the full decoder can judge.
-
-    `norm`: hash-list check (the accelerator passes its C twin of `_hashes_ok`)."""
+def decode_raw_unnormalised(payload: bytes | memoryview) -> RawBatch | None:
+    """Decode only (hashes as sent); None when only the full decoder can judge."""
     if len(payload) > DEFAULT_MAX_PAYLOAD:
         return None
     try:
-        batch = _decoder.decode(payload)
+        return _decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError):
         return None
+
+
+def normalise_raw(batch: RawBatch, norm: Callable[[list], list | None] = _hashes_ok) -> RawBatch | None:
+    """Normalise hashes like `decode_batch` (idempotent), or None when the full decoder would reject them.
+
+    `norm`: hash-list check (the accelerator passes its C twin of `_hashes_ok`)."""
     for ev in batch.events:
         if type(ev) is AllBlocksCleared:
             continue
@@ -87,3 +91,9 @@ def decode_raw(payload: bytes | memoryview, norm: Callable[[list], list | None] 
                     return None
                 ev.parent_block_hash = p & U64_MASK
     return batch
+
+
+def decode_raw(payload: bytes | memoryview, norm: Callable[[list], list | None] = _hashes_ok) -> RawBatch | None:
+    """Decode and normalise like `decode_batch`, or None when only the full decoder can judge."""
+    batch = decode_raw_unnormalised(payload)
+    return None if batch is None else normalise_raw(batch, norm)
