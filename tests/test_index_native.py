@@ -14,7 +14,7 @@ from indexer.index import KVIndex
 from schemas.codec import encode_batch
 from schemas.events import BlockRemoved, BlockStored, KVEventBatch
 
-N = native_core.select(None) if native_core.available() else None
+N = native_core.select(True) if native_core.available() else None
 pytestmark = pytest.mark.skipif(not native_core.available(), reason="native accelerator not built")
 MASK = (1 << 64) - 1
 
@@ -115,6 +115,7 @@ def test_odd_payloads_judged_like_full_decoder(native: bool) -> None:
 
 
 def test_switch_env_and_flag(monkeypatch) -> None:
+    monkeypatch.delenv(native_core.ENV_PURE, raising=False)
     assert KVIndex().native is True
     assert KVIndex(native=False).native is False
     monkeypatch.setenv(native_core.ENV_PURE, "1")
