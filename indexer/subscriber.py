@@ -26,6 +26,9 @@ from indexer.sequencing import DeliverStep, GapStep, SeqTracker, on_live
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# kvatlas producers answer this on the replay socket by publishing their full state in-stream (a
+# batch starting with AllBlocksCleared); see producer.publisher. Engines without it ignore it.
+SNAPSHOT_REQUEST = b"KVATLAS-SNAPSHOT"
 
 
 class Batch(msgspec.Struct, frozen=True):
@@ -65,6 +68,7 @@ class SubscriberStats(msgspec.Struct):
     replay_extra: int = 0  # replayed batches outside the gap, left to the live stream
     replay_bad_frames: int = 0
     dropped_by_hook: int = 0
+    snapshot_requests: int = 0
 
 
 class _Source:
@@ -163,6 +167,26 @@ class Subscriber:
 
     def workers(self) -> list[str]:
         return list(self._sources)
+
+    def request_snapshot(self, worker_id: str) -> bool:
+        """Ask the worker's publisher to re-publish its whole state in-stream (fire and forget:
+        the answer is an ordinary batch that starts with AllBlocksCleared). False when the worker
+        has no replay endpoint to ask."""
+        src = self._sources.get(worker_id)
+        if src is None or src.replay_endpoint is None:
+            return False
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.connect(src.replay_endpoint)
+            sock.send_multipart([b"", SNAPSHOT_REQUEST], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("worker %s: snapshot request to %s failed: %s", worker_id, src.replay_endpoint, exc)
+            sock.close(linger=0)
+            return False
+        sock.close(linger=2000)  # delivered once connected; close() itself does not wait
+        self.stats.snapshot_requests += 1
+        log.info("worker %s: asked %s for a state snapshot", worker_id, src.replay_endpoint)
+        return True
 
     def watermark(self, worker_id: str) -> int | None:
         """Last seq delivered for this worker (what a snapshot should store)."""

@@ -28,6 +28,7 @@ CANONICAL_MEDIA: Mapping[Medium, str] = {m: m.name for m in Medium}
 class EventSink(Protocol):
     def emit(self, events: list[KVEvent], dp_rank: int | None) -> None: ...
     def heartbeat(self, dp_rank: int | None) -> None: ...
+    def snapshot_requested(self) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -89,6 +90,13 @@ class EventRecorder:
         # Everything before a clear is moot for a consumer that applies the batch in order,
         # but it is kept: the batch must describe what happened, not a summary of it.
         self._pending.append(AllBlocksCleared())
+
+    def snapshot_requested(self) -> bool:
+        """Has a consumer asked (through the sink) for the full state to be re-published?"""
+        if not self.enabled or self.sink is None:
+            return False
+        ask = getattr(self.sink, "snapshot_requested", None)
+        return bool(ask is not None and ask())
 
     @property
     def pending(self) -> int:

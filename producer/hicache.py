@@ -692,7 +692,30 @@ class TieredCache:
             for _ in range(len(self._backup_retry)):
                 node = self._backup_retry.popleft()
                 self._backup_to_storage(node)
+        if self.recorder.snapshot_requested():
+            self.emit_snapshot()
         self.recorder.flush(now)
+
+    def emit_snapshot(self) -> None:
+        """Describe the whole acknowledged state in the next batch: `AllBlocksCleared`, then a
+        store per (node, tier) exactly as `resident_blocks()` reports them, parents before children.
+        A consumer applying the batch ends with this worker's exact state (resync after a loss the
+        replay buffer could not cover). Copies still in flight are announced by their own acks."""
+        rec = self.recorder
+        if not rec.enabled:
+            return
+        rec.cleared()
+        l3 = self.l3_medium
+        for n in self.tree.nodes():  # preorder: a parent's stores precede its children's
+            if n.hollow:
+                continue
+            if n.value is not None and n.device_ready:
+                self._emit_stored(n, Medium.GPU)
+            if n.host_value is not None and n.host_ready:
+                self._emit_stored(n, Medium.CPU_PINNED)
+            if n.stored and l3 is not None:
+                self._emit_stored(n, l3)
+        self._count("snapshots")
 
     def _apply_completions(self, done: list[tuple[int, object]]) -> None:
         for op, _tag in done:

@@ -32,6 +32,11 @@ from schemas.events import KVEvent, KVEventBatch
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# A kvatlas extension on the replay socket: `[b"", SNAPSHOT_REQUEST]` asks the producer to publish,
+# in-stream, one batch that starts with AllBlocksCleared and re-stores everything it holds, so a
+# subscriber that lost more than the replay buffer covers can rebuild that worker exactly. No reply
+# is sent. Engines without the extension read it as a replay from a huge seq and send only an end marker.
+SNAPSHOT_REQUEST = b"KVATLAS-SNAPSHOT"
 _CLOSE = object()  # queue sentinel
 
 
@@ -42,6 +47,7 @@ class PublisherStats(msgspec.Struct):
     replay_requests: int = 0
     replay_batches: int = 0
     bad_replay_requests: int = 0
+    snapshot_requests: int = 0
 
 
 class ZmqEventPublisher:
@@ -51,7 +57,7 @@ class ZmqEventPublisher:
         "_topic", "_buffer", "_queue", "_ctx", "_own_ctx", "_pub", "_replay", "_thread",
         "_wake_r", "_wake_w", "_closed", "_close_lock", "_next_seq", "_enqueued", "_sent",
         "_count_lock", "_sent_cond", "stats", "endpoint", "replay_endpoint", "_linger_ms",
-        "_encoder",
+        "_encoder", "_snapshots_taken",
     )
 
     def __init__(
@@ -76,6 +82,7 @@ class ZmqEventPublisher:
         self._linger_ms = linger_ms
         self._encoder = msgspec.msgpack.Encoder()
         self.stats = PublisherStats()
+        self._snapshots_taken = 0
         self._next_seq = 0
         self._enqueued = 0
         self._sent = 0
@@ -130,6 +137,15 @@ class ZmqEventPublisher:
     def heartbeat(self, dp_rank: int | None = None) -> None:
         """An empty batch: lets subscribers notice liveness and gaps while the cache is idle."""
         self.publish([], dp_rank)
+
+    def snapshot_requested(self) -> bool:
+        """True once per batch of snapshot requests received since the last call (the producer
+        then publishes its state in-stream; see SNAPSHOT_REQUEST). Called by the cache's thread."""
+        pending = self.stats.snapshot_requests  # written by the publisher thread only
+        if pending == self._snapshots_taken:
+            return False
+        self._snapshots_taken = pending
+        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has been handed to ZMQ. False on timeout."""
@@ -266,6 +282,10 @@ class ZmqEventPublisher:
                 frames = self._replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if frames[-1] == SNAPSHOT_REQUEST and len(frames) in (2, 3):
+                self.stats.snapshot_requests += 1
+                log.info("snapshot requested by a subscriber: the next step publishes the full state")
+                continue
             self.stats.replay_requests += 1
             # DEALER: [id, b"", start]; REQ-less clients may omit the delimiter: [id, start].
             if len(frames) == 3 and frames[1] == b"" and len(frames[2]) == 8:

@@ -29,6 +29,9 @@ class ListSink:
         self.heartbeats += 1
         self.batches.append(KVEventBatch(time.time(), [], dp_rank))
 
+    def snapshot_requested(self) -> bool:
+        return False
+
     def events(self) -> list[KVEvent]:
         return [e for b in self.batches for e in b.events]
 
@@ -50,6 +53,10 @@ class _PayloadSink:
     def heartbeat(self, dp_rank: int | None) -> None:
         self.emit([], dp_rank)
 
+    def snapshot_requested(self) -> bool:
+        """Has a consumer asked for the full state (ZMQ only)?"""
+        return False
+
 
 class ZmqSink(_PayloadSink):
     """Over `producer.publisher.ZmqEventPublisher`; the publisher assigns seq and serves replay."""
@@ -62,6 +69,9 @@ class ZmqSink(_PayloadSink):
 
     def send_payload(self, payload: bytes) -> None:
         self.publisher.publish_payload(payload)
+
+    def snapshot_requested(self) -> bool:
+        return self.publisher.snapshot_requested()
 
     def close(self) -> None:
         if self.owns:
@@ -107,6 +117,9 @@ class TeeSink(_PayloadSink):
     def send_payload(self, payload: bytes) -> None:
         for s in self.sinks:
             s.send_payload(payload)
+
+    def snapshot_requested(self) -> bool:
+        return any([s.snapshot_requested() for s in self.sinks])  # a list: consume every flag
 
     def close(self) -> None:
         for s in self.sinks:
