@@ -38,11 +38,11 @@ from typing import Any
 import numpy as np
 
 from indexer.core import native as _native
-from indexer.core.apply import apply_events, prepare_raw
+from indexer.core.apply import FAST_KEYS, KNOWN_EXT_LIMIT, apply_events, prepare_raw
 from indexer.core.dump import dump_model, load_model_dump
-from indexer.core.scoring import score_keys
+from indexer.core.scoring import score_keys, score_native
 from indexer.core.rawdecode import RawStored, decode_raw_unnormalised, normalise_raw
-from indexer.core.state import ModelState
+from indexer.core.state import ModelState, WorkerState
 from indexer.core.types import (
     TIER_NAMES, ApplyStats, BlockSizeConflict, ScoreResult, TierWeights, WorkerScore,
 )
@@ -111,26 +111,63 @@ class KVIndex:
         return apply_events(m, w, events, self.orphan_grace_batches, stats)
 
     def apply_payload(self, model: str, worker_id: str, dp_rank: int, payload: bytes) -> ApplyStats:
-        m = self._model(model)
-        if m.nat is not None:
-            # Fast path: token ids hashed from their msgpack bytes. Whatever it cannot take exactly
-            # like the full decoder (odd input) falls through to the full decoder below.
-            rb = decode_raw_unnormalised(payload)
-            if rb is not None:
-                # One C call normalises and digests the whole batch; the Python twin covers what it
-                # leaves (extra keys, odd values) and judges exactly like the full decoder.
-                raw = m.nat.prepare_raw(rb.events, RawStored, m.block_size)
-                if raw is None:
-                    raw = prepare_raw(m, rb.events) if normalise_raw(rb, m.nat.norm_hashes) is not None else None
-                if raw is not None:
-                    w = m.worker(worker_id, int(dp_rank or 0))
-                    return apply_events(m, w, rb.events, self.orphan_grace_batches, ApplyStats(), raw)
+        m = self._models.get(model) or self._model(model)
+        nat = m.nat
+        if nat is not None:
+            rank = int(dp_rank or 0)
+            w = m.by_id.get((worker_id, rank))
+            fresh = w is None
+            if fresh:
+                w = m.worker(worker_id, rank)
+            if not w.pending:
+                # Common case, all in C: the raw payload walked and applied to the maps. None means
+                # it holds something only the paths below judge (nothing was touched); a stop index
+                # means an orphan there: the Python path applies the rest of the batch.
+                res = nat.apply_msgpack(
+                    payload, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size,
+                    m.seed0, KNOWN_EXT_LIMIT, FAST_KEYS,
+                )
+                if res is not None:
+                    stop, counts, drops = res
+                    stats = ApplyStats(counts, drops)
+                    return stats if stop < 0 else self._apply_rest(m, w, payload, stop, stats)
+                if fresh:
+                    m.remove(w)  # a payload the decoders reject must not register its worker
+            dec = self._decode_fast(m, payload)
+            if dec is not None:
+                w = m.worker(worker_id, int(dp_rank or 0))
+                return apply_events(m, w, dec[0], self.orphan_grace_batches, ApplyStats(), dec[1])
         batch = decode_batch(payload)
         if isinstance(batch, DecodeError):
             stats = ApplyStats()
             stats.drop(f"decode_{batch.reason}")
             return stats
         return self.apply(model, worker_id, dp_rank, batch)
+
+    @staticmethod
+    def _decode_fast(m: ModelState, payload: bytes) -> tuple[list, dict] | None:
+        """Raw decode (token ids hashed from their msgpack bytes), or None when only the full decoder
+        can judge the payload exactly."""
+        rb = decode_raw_unnormalised(payload)
+        if rb is None:
+            return None
+        # One C call normalises and digests the whole batch; the Python twin covers what it leaves
+        # (extra keys, odd values) and judges exactly like the full decoder.
+        raw = m.nat.prepare_raw(rb.events, RawStored, m.block_size)
+        if raw is None:
+            raw = prepare_raw(m, rb.events) if normalise_raw(rb, m.nat.norm_hashes) is not None else None
+        return None if raw is None else (rb.events, raw)
+
+    def _apply_rest(self, m: ModelState, w: WorkerState, payload: bytes, start: int, stats: ApplyStats) -> ApplyStats:
+        """Events `start`.. of a payload whose earlier events the C path applied into `stats`."""
+        dec = self._decode_fast(m, payload)
+        if dec is not None:
+            return apply_events(m, w, dec[0], self.orphan_grace_batches, stats, dec[1], start)
+        batch = decode_batch(payload)  # the C path accepted it, so this decodes; judged here regardless
+        if isinstance(batch, DecodeError):
+            stats.drop(f"decode_{batch.reason}")
+            return stats
+        return apply_events(m, w, batch.events, self.orphan_grace_batches, stats, None, start)
 
     # --- worker lifecycle -------------------------------------------------------------------
     def _select(self, m: ModelState, worker_id: str, dp_rank: int | None) -> list:
@@ -172,8 +209,13 @@ class KVIndex:
         """Score a token sequence. `extra_keys`: per full block, that block's vLLM extra keys or None."""
         m = self._model(model)
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
+        wl = list(workers) if workers is not None else None
+        if m.nat is not None and extras is None and type(token_ids) in (list, tuple, np.ndarray):
+            res = score_native(m, None, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
+            if res is not None:
+                return res
         keys = self._keys(m, token_ids, lora_name, cache_salt, extras)
-        return score_keys(m, keys, self.weights, list(workers) if workers is not None else None)
+        return score_keys(m, keys, self.weights, wl)
 
     def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
         """Score pre-hashed blocks (keys from `indexer.hashing.query_keys`)."""

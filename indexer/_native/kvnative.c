@@ -7,7 +7,9 @@
  *  - U64Map: a dict-like open-addressing map whose u64 keys and non-negative int values (any width:
  *    residency words grow as worker slots are added) are stored inline; other keys (bytes engine
  *    hashes, key 0) live in a side dict, so it is a drop-in for the dicts of the Python core;
- *  - attach / remove: the per-block loops of a store or remove event over those maps.
+ *  - attach / remove: the per-block loops of a store or remove event over those maps;
+ *  - apply_msgpack: the common case of a whole raw batch (validated first, applied to the maps);
+ *  - walk / score_rows: the prefix walk, and the whole score down to the ranked WorkerScore rows.
  * Functions return None where they cannot decide (odd input): the caller then takes the Python path,
  * which judges the input exactly as the reference does.
  */
@@ -15,6 +17,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
+#include <sys/mman.h>
 
 #if PY_BIG_ENDIAN
 #error "kvnative assumes a little-endian host (residency words are little-endian byte strings)"
@@ -253,6 +257,15 @@ typedef struct {
 
 static PyTypeObject U64MapType;
 #define MIN_CAP 8
+/* Max load LOAD_NUM/LOAD_DEN (linear probing stays short), growth 1 + 1/GROW_DIV: multiply-high slots
+ * allow any capacity, and a small growth step keeps the average load (bytes per entry) high. */
+#ifndef LOAD_NUM
+#define LOAD_NUM 17
+#define LOAD_DEN 20
+#endif
+#ifndef GROW_DIV
+#define GROW_DIV 3
+#endif
 
 /* Home slot: multiply-high maps the mixed key onto [0, cap) for any cap, so the table can grow by
  * 1.5x (not 2x) and average load stays higher: bytes per entry is one of the targets. */
@@ -263,14 +276,35 @@ static inline Py_ssize_t slot_of(const U64Map *m, uint64_t k) {
 #define KEY(m, i) ((m)->tab[(size_t)(i) * (1 + (m)->width)])
 #define VALS(m, i) ((m)->tab + (size_t)(i) * (1 + (m)->width) + 1)
 
+/* Big tables get their own mapping: zero pages come from the kernel (no memset), freed tables go back
+ * to the OS at once (no heap fragments inflating RSS), and huge pages cut TLB misses on random probes. */
+#define BIG_TABLE ((size_t)1 << 21)
+
+static uint64_t *tab_alloc(Py_ssize_t cap, int width) {
+    size_t bytes = (size_t)cap * (1 + width) * sizeof(uint64_t);
+    if (bytes < BIG_TABLE) return PyMem_Calloc(bytes, 1);
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE); /* advice only: fine if refused */
+#endif
+    return p;
+}
+
+static void tab_free(uint64_t *t, Py_ssize_t cap, int width) {
+    size_t bytes = (size_t)cap * (1 + width) * sizeof(uint64_t);
+    if (bytes < BIG_TABLE) PyMem_Free(t);
+    else munmap(t, bytes);
+}
+
 static int map_alloc(U64Map *m, Py_ssize_t cap, int width) {
-    uint64_t *t = PyMem_Calloc((size_t)cap * (1 + width), sizeof(uint64_t));
+    uint64_t *t = tab_alloc(cap, width);
     if (!t) { PyErr_NoMemory(); return -1; }
     m->tab = t; m->cap = cap; m->width = width; m->used = 0;
     return 0;
 }
 
-/* Find slot of k, or the empty slot where it would go. */
+/* Slot of k, or the empty slot where it would go. */
 static inline Py_ssize_t find(const U64Map *m, uint64_t k, int *found) {
     Py_ssize_t cap = m->cap, i = slot_of(m, k);
     for (;;) {
@@ -279,6 +313,17 @@ static inline Py_ssize_t find(const U64Map *m, uint64_t k, int *found) {
         if (c == 0) { *found = 0; return i; }
         if (++i == cap) i = 0;
     }
+}
+
+/* Put absent key k at empty slot i, value zeroed. */
+static inline void place_at(U64Map *m, Py_ssize_t i, uint64_t k) {
+    KEY(m, i) = k;
+    memset(VALS(m, i), 0, sizeof(uint64_t) * (size_t)m->width);
+}
+
+/* Memory latency dominates the map updates: the slots an event will touch are prefetched first. */
+static inline void pf_slot(const U64Map *m, uint64_t k) {
+    if (k) __builtin_prefetch(&KEY(m, slot_of(m, k)));
 }
 
 static int rehash(U64Map *m, Py_ssize_t ncap, int width) {
@@ -291,11 +336,11 @@ static int rehash(U64Map *m, Py_ssize_t ncap, int width) {
         if (!e[0]) continue;
         int f;
         Py_ssize_t j = find(m, e[0], &f);
-        KEY(m, j) = e[0];
+        place_at(m, j, e[0]);
         memcpy(VALS(m, j), e + 1, sizeof(uint64_t) * (ow < width ? ow : width));
     }
     m->used = used;
-    PyMem_Free(ot);
+    tab_free(ot, ocap, ow);
     return 0;
 }
 
@@ -303,12 +348,11 @@ static int rehash(U64Map *m, Py_ssize_t ncap, int width) {
 static Py_ssize_t find_or_insert(U64Map *m, uint64_t k, int *found) {
     Py_ssize_t i = find(m, k, found);
     if (*found) return i;
-    if ((m->used + 1) * 20 > m->cap * 17) { /* max load 0.85: linear probing stays short, memory stays near 16-24 B/entry */
-        if (rehash(m, m->cap + m->cap / 2, m->width) < 0) return -1;
+    if ((m->used + 1) * LOAD_DEN > m->cap * LOAD_NUM) {
+        if (rehash(m, m->cap + m->cap / GROW_DIV, m->width) < 0) return -1;
         i = find(m, k, found);
     }
-    KEY(m, i) = k;
-    memset(VALS(m, i), 0, sizeof(uint64_t) * m->width);
+    place_at(m, i, k);
     m->used++;
     return i;
 }
@@ -395,7 +439,7 @@ static PyObject *U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static void U64Map_dealloc(U64Map *m) {
-    PyMem_Free(m->tab);
+    if (m->tab) tab_free(m->tab, m->cap, m->width);
     Py_XDECREF(m->other);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
@@ -499,7 +543,7 @@ static PyObject *U64Map_clear(U64Map *m, PyObject *u) {
     Py_ssize_t ocap = m->cap, used = m->used;
     int ow = m->width;
     if (map_alloc(m, MIN_CAP, 1) < 0) { m->tab = ot; m->cap = ocap; m->width = ow; m->used = used; return NULL; }
-    PyMem_Free(ot);
+    tab_free(ot, ocap, ow);
     PyDict_Clear(m->other);
     Py_RETURN_NONE;
 }
@@ -761,36 +805,30 @@ static PyObject *py_prefix_values(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* walk(nodes, keys, slots) -> [(device, cached, gpu, host, disk, shared) per slot] | None
- * Twin of indexer.core.scoring.walk for the listed worker slots (None: a key needs the Python path). */
-static PyObject *py_walk(PyObject *self, PyObject *args) {
-    U64Map *m;
-    PyObject *keys, *slotso;
-    if (!PyArg_ParseTuple(args, "O!O!O!", &U64MapType, &m, &PyList_Type, &keys, &PyList_Type, &slotso)) return NULL;
-    Py_ssize_t ns = PyList_GET_SIZE(slotso), nk = PyList_GET_SIZE(keys);
-    /* per slot: slot, alive_c, alive_d, cur tier, device, cached, split[4] */
-    Py_ssize_t *slot = PyMem_Calloc((size_t)(ns ? ns : 1), sizeof(Py_ssize_t) * 10);
+/* Per-slot prefix match of chained keys (twin of indexer.core.scoring.walk). `slot[s]` are the worker
+ * slots to score; fills per slot device / cached depth and the per-tier split of the cached blocks.
+ * Returns 0, or -1 on memory error. */
+typedef struct { Py_ssize_t dev, cach, sp[4]; } WRow;
+
+static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ssize_t *slot, Py_ssize_t ns, WRow *rows) {
+    /* per slot: alive_c, alive_d, current tier */
+    unsigned char *st = PyMem_Calloc((size_t)(ns ? ns : 1), 3);
     uint64_t *prev = PyMem_Calloc((size_t)m->width, sizeof(uint64_t));
-    PyObject *out = NULL;
-    if (!slot || !prev) { PyErr_NoMemory(); goto done; }
-    Py_ssize_t *ac = slot + ns, *ad = slot + 2 * ns, *ct = slot + 3 * ns, *dev = slot + 4 * ns,
-               *cach = slot + 5 * ns, *sp = slot + 6 * ns;
-    for (Py_ssize_t s = 0; s < ns; s++) {
-        slot[s] = PyLong_AsSsize_t(PyList_GET_ITEM(slotso, s));
-        if (slot[s] < 0) { if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad slot"); goto done; }
-        ac[s] = ad[s] = 1;
-    }
+    if (!st || !prev) { PyMem_Free(st); PyMem_Free(prev); PyErr_NoMemory(); return -1; }
+    unsigned char *ac = st, *ad = st + ns, *ct = st + 2 * ns;
+    memset(rows, 0, sizeof(WRow) * (size_t)ns);
+    for (Py_ssize_t s = 0; s < ns; s++) ac[s] = ad[s] = 1;
     Py_ssize_t nalive = ns, depth = 0, run = 0;
     int W = m->width, have_prev = 0;
     for (Py_ssize_t j = 0; j < nk && nalive; j++) {
-        uint64_t k;
-        if (!key_u64(PyList_GET_ITEM(keys, j), &k)) { out = Py_None; Py_INCREF(out); goto done; }
-        int f;
-        Py_ssize_t i = find(m, k, &f);
-        if (!f) break;
+        if (j + 4 < nk) pf_slot(m, keys[j + 4]);
+        uint64_t k = keys[j];
+        int f = 0;
+        Py_ssize_t i = k ? find(m, k, &f) : 0;
+        if (!f) break; /* callers never pass key 0 (it lives in the side dict): Python walks those */
         const uint64_t *v = VALS(m, i);
         if (have_prev && memcmp(v, prev, sizeof(uint64_t) * W) == 0) { run++; continue; }
-        for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) sp[4 * s + ct[s]] += run;
+        for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
         depth += run;
         run = 0;
         int pool = 0;
@@ -799,27 +837,202 @@ static PyObject *py_walk(PyObject *self, PyObject *args) {
             if (!ac[s]) continue;
             Py_ssize_t word = slot[s] >> 4;
             int nib = word < W ? (int)((v[word] >> (4 * (slot[s] & 15))) & 0xF) : 0;
-            if (ad[s] && !(nib & 1)) { dev[s] = depth; ad[s] = 0; }
-            if (!(nib & 7) && !pool) { cach[s] = depth; ac[s] = 0; nalive--; continue; }
+            if (ad[s] && !(nib & 1)) { rows[s].dev = depth; ad[s] = 0; }
+            if (!(nib & 7) && !pool) { rows[s].cach = depth; ac[s] = 0; nalive--; continue; }
             ct[s] = (nib & 1) ? 0 : (nib & 2) ? 1 : (nib & 4) ? 2 : 3;
         }
         memcpy(prev, v, sizeof(uint64_t) * W);
         have_prev = 1;
         run = 1;
     }
-    for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) sp[4 * s + ct[s]] += run;
+    for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
     depth += run;
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        if (ad[s]) rows[s].dev = depth;
+        if (ac[s]) rows[s].cach = depth;
+    }
+    PyMem_Free(st);
+    PyMem_Free(prev);
+    return 0;
+}
+
+/* A list of ints as u64 keys; 1 when a key is not an int in [1, 2^64) (the Python walk judges it). */
+static int keys_u64(PyObject *keys, uint64_t **out) {
+    Py_ssize_t nk = PyList_GET_SIZE(keys);
+    uint64_t *k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+    if (!k) { PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t j = 0; j < nk; j++) {
+        PyObject *o = PyList_GET_ITEM(keys, j);
+        if (!PyLong_Check(o) || _PyLong_Sign(o) <= 0) { PyMem_Free(k); return 1; } /* 0 lives in the side dict */
+        k[j] = PyLong_AsUnsignedLongLong(o);
+        if (k[j] == (uint64_t)-1 && PyErr_Occurred()) { PyErr_Clear(); PyMem_Free(k); return 1; }
+    }
+    *out = k;
+    return 0;
+}
+
+static int slots_of(PyObject *slotso, Py_ssize_t **out) {
+    Py_ssize_t ns = PyList_GET_SIZE(slotso);
+    Py_ssize_t *slot = PyMem_Malloc((size_t)(ns ? ns : 1) * sizeof(Py_ssize_t));
+    if (!slot) { PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        slot[s] = PyLong_AsSsize_t(PyList_GET_ITEM(slotso, s));
+        if (slot[s] < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad slot");
+            PyMem_Free(slot);
+            return -1;
+        }
+    }
+    *out = slot;
+    return 0;
+}
+
+/* walk(nodes, keys, slots) -> [(device, cached, gpu, host, disk, shared) per slot] | None
+ * Twin of indexer.core.scoring.walk for the listed worker slots (None: a key needs the Python path). */
+static PyObject *py_walk(PyObject *self, PyObject *args) {
+    U64Map *m;
+    PyObject *keys, *slotso;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &U64MapType, &m, &PyList_Type, &keys, &PyList_Type, &slotso)) return NULL;
+    Py_ssize_t ns = PyList_GET_SIZE(slotso), nk = PyList_GET_SIZE(keys);
+    uint64_t *k = NULL;
+    Py_ssize_t *slot = NULL;
+    WRow *rows = NULL;
+    PyObject *out = NULL;
+    int rc = keys_u64(keys, &k);
+    if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } return out; }
+    if (slots_of(slotso, &slot) < 0) goto done;
+    rows = PyMem_Malloc(sizeof(WRow) * (size_t)(ns ? ns : 1));
+    if (!rows) { PyErr_NoMemory(); goto done; }
+    if (walk_core(m, k, nk, slot, ns, rows) < 0) goto done;
     out = PyList_New(ns);
     if (!out) goto done;
     for (Py_ssize_t s = 0; s < ns; s++) {
-        PyObject *t = Py_BuildValue("(nnnnnn)", ad[s] ? depth : dev[s], ac[s] ? depth : cach[s],
-                                    sp[4 * s], sp[4 * s + 1], sp[4 * s + 2], sp[4 * s + 3]);
+        PyObject *t = Py_BuildValue("(nnnnnn)", rows[s].dev, rows[s].cach, rows[s].sp[0], rows[s].sp[1], rows[s].sp[2], rows[s].sp[3]);
         if (!t) { Py_CLEAR(out); goto done; }
         PyList_SET_ITEM(out, s, t);
     }
 done:
+    PyMem_Free(k);
     PyMem_Free(slot);
-    PyMem_Free(prev);
+    PyMem_Free(rows);
+    return out;
+}
+
+/* Ranked result rows: score like scoring.score_keys, sort best first by (-score, -cached, rank) where
+ * rank = position in the caller's (worker_id, dp_rank)-sorted list, and build the WorkerScore objects. */
+typedef struct { double score; Py_ssize_t idx; } Ranked;
+
+static int ranked_cmp(const void *a, const void *b) {
+    const Ranked *x = a, *y = b;
+    if (x->score != y->score) return x->score > y->score ? -1 : 1;
+    return x->idx < y->idx ? -1 : x->idx > y->idx; /* cached desc is folded into idx order below */
+}
+
+static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyObject *ranks, const double *wt,
+                            Py_ssize_t bs, PyObject *cls, PyObject *names) {
+    Ranked *rk = PyMem_Malloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
+    if (!rk) return PyErr_NoMemory();
+    /* idx sorts by (-cached, rank): cached <= query blocks, so one integer key holds both */
+    Py_ssize_t maxc = 0;
+    for (Py_ssize_t s = 0; s < ns; s++) if (rows[s].cach > maxc) maxc = rows[s].cach;
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        const Py_ssize_t *sp = rows[s].sp;
+        double x = (double)sp[0] * wt[0] + (double)sp[1] * wt[1] + (double)sp[2] * wt[2] + (double)sp[3] * wt[3];
+        rk[s].score = (double)bs * x;
+        rk[s].idx = (maxc - rows[s].cach) * ns + s;
+    }
+    qsort(rk, (size_t)ns, sizeof(Ranked), ranked_cmp);
+    PyObject *out = PyList_New(ns);
+    if (!out) { PyMem_Free(rk); return NULL; }
+    for (Py_ssize_t r = 0; r < ns; r++) {
+        Py_ssize_t s = rk[r].idx % ns;
+        const WRow *w = rows + s;
+        PyObject *tiers = _PyDict_NewPresized(4), *args[6] = {NULL};
+        if (!tiers) goto fail;
+        for (int t = 0; t < 4; t++) {
+            PyObject *v = PyLong_FromSsize_t(w->sp[t]);
+            if (!v || PyDict_SetItem(tiers, PyTuple_GET_ITEM(names, t), v) < 0) { Py_XDECREF(v); Py_DECREF(tiers); goto fail; }
+            Py_DECREF(v);
+        }
+        args[0] = PyList_GET_ITEM(wids, s);
+        args[1] = PyList_GET_ITEM(ranks, s);
+        args[2] = PyLong_FromSsize_t(w->dev);
+        args[3] = PyLong_FromSsize_t(w->cach);
+        args[4] = tiers;
+        args[5] = PyFloat_FromDouble(rk[r].score);
+        PyObject *o = (args[2] && args[3] && args[5]) ? PyObject_Vectorcall(cls, args, 6, NULL) : NULL;
+        Py_XDECREF(args[2]); Py_XDECREF(args[3]); Py_XDECREF(args[5]); Py_DECREF(tiers);
+        if (!o) goto fail;
+        PyList_SET_ITEM(out, r, o);
+    }
+    PyMem_Free(rk);
+    return out;
+fail:
+    PyMem_Free(rk);
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* score_rows(nodes, keys|None, tokens|None, seed, block_size, slots, wids, ranks, weights, WorkerScore, names)
+ *   -> (query_blocks, [WorkerScore best first]) | None
+ * The whole native score: chained keys (from `keys`, or hashed from `tokens` without extra keys), the
+ * walk, weights, ranking and result objects. Lists are in (worker_id, dp_rank) order. None: odd input
+ * (the Python path judges it). */
+static PyObject *py_score_rows(PyObject *self, PyObject *args) {
+    U64Map *m;
+    PyObject *keys, *toks, *seedo, *slotso, *wids, *ranks, *wto, *cls, *names;
+    Py_ssize_t bs;
+    if (!PyArg_ParseTuple(args, "O!OOOnO!O!O!O!OO!", &U64MapType, &m, &keys, &toks, &seedo, &bs, &PyList_Type, &slotso,
+                          &PyList_Type, &wids, &PyList_Type, &ranks, &PyTuple_Type, &wto, &cls, &PyTuple_Type, &names))
+        return NULL;
+    Py_ssize_t ns = PyList_GET_SIZE(slotso);
+    if (bs <= 0 || PyList_GET_SIZE(wids) != ns || PyList_GET_SIZE(ranks) != ns || PyTuple_GET_SIZE(wto) != 4 ||
+        PyTuple_GET_SIZE(names) != 4)
+        Py_RETURN_NONE;
+    double wt[4];
+    for (int t = 0; t < 4; t++) {
+        PyObject *o = PyTuple_GET_ITEM(wto, t);
+        if (!PyFloat_CheckExact(o) || !isfinite(PyFloat_AS_DOUBLE(o))) Py_RETURN_NONE; /* NaN has no order */
+        wt[t] = PyFloat_AS_DOUBLE(o);
+    }
+    uint64_t *k = NULL;
+    Py_ssize_t nk = 0, *slot = NULL;
+    WRow *rows = NULL;
+    PyObject *out = NULL, *lst = NULL;
+    if (keys != Py_None) {
+        if (!PyList_Check(keys)) Py_RETURN_NONE;
+        int rc = keys_u64(keys, &k);
+        if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } return out; }
+        nk = PyList_GET_SIZE(keys);
+    } else {
+        uint64_t seed = PyLong_AsUnsignedLongLongMask(seedo);
+        if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+        uint64_t *t = NULL;
+        Py_ssize_t n = tokens_u64(toks, &t);
+        if (n == -2) return NULL;
+        if (n < 0) Py_RETURN_NONE;
+        nk = n / bs;
+        k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+        uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
+        if (!k || !cols) { PyMem_Free(t); PyMem_Free(cols); PyErr_NoMemory(); goto done; }
+        for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
+        int zero = 0;
+        for (Py_ssize_t j = 0; j < nk; j++) { seed = seed * P_MUL + block_digest(t + j * bs, bs, 0, cols); k[j] = seed; zero |= !seed; }
+        PyMem_Free(t);
+        PyMem_Free(cols);
+        if (zero) { out = Py_None; Py_INCREF(out); goto done; } /* key 0: the Python walk judges it */
+    }
+    if (slots_of(slotso, &slot) < 0) goto done;
+    rows = PyMem_Malloc(sizeof(WRow) * (size_t)(ns ? ns : 1));
+    if (!rows) { PyErr_NoMemory(); goto done; }
+    if (nk && ns) { if (walk_core(m, k, nk, slot, ns, rows) < 0) goto done; }
+    else memset(rows, 0, sizeof(WRow) * (size_t)(ns ? ns : 1));
+    lst = build_rows(rows, ns, wids, ranks, wt, bs, cls, names);
+    if (lst) out = Py_BuildValue("(nN)", nk, lst);
+done:
+    PyMem_Free(k);
+    PyMem_Free(slot);
+    PyMem_Free(rows);
     return out;
 }
 
@@ -882,6 +1095,7 @@ static PyObject *py_prepare_raw(PyObject *self, PyObject *args) {
         if (!is_store) continue;
         PyObject *parent = PyObject_GetAttrString(ev, "parent_block_hash");
         if (!parent) goto fail;
+        if (PyBytes_Check(parent) && PyBytes_GET_SIZE(parent) == 0) { Py_DECREF(parent); goto none; } /* bad_hash */
         if (PyLong_CheckExact(parent)) {
             int ovf = 0;
             long long v = PyLong_AsLongLongAndOverflow(parent, &ovf);
@@ -922,6 +1136,600 @@ none:
 fail:
     Py_DECREF(out);
     return NULL;
+}
+
+/* ---------------------------------------------------------------- whole-batch fast path
+ *
+ * apply_msgpack walks the raw msgpack payload of one batch and applies the common case straight to
+ * the maps: map-form BlockStored / BlockRemoved / AllBlocksCleared (tag first, known fields only),
+ * int or bytes hashes, int tokens, known media, no LoRA name / cache salt / real extra keys.
+ * Pass 1 validates the *whole* payload and touches nothing: anything outside that subset (which is
+ * strictly narrower than what schemas.codec accepts) returns None and the caller takes the Python
+ * path for the whole batch, so odd input is judged exactly as before. Pass 2 applies event by event
+ * with the rules of indexer.core.apply; at a store whose parent is unknown (an orphan) it stops
+ * *before* touching that event and reports its index, and the Python path applies the rest. */
+
+typedef struct { const unsigned char *p; Py_ssize_t pos, len; } Rd;
+
+/* 1 int read (two's complement in *v, *neg if negative), 0 next value is not an int, -1 truncated */
+static inline int rd_int(Rd *r, uint64_t *v, int *neg) {
+    if (r->pos >= r->len) return -1;
+    unsigned char c = r->p[r->pos];
+    if (c <= 0x7F) { *v = c; *neg = 0; r->pos++; return 1; }
+    if (c >= 0xE0) { *v = (uint64_t)(int64_t)(int8_t)c; *neg = 1; r->pos++; return 1; }
+    int nb, sgn;
+    switch (c) {
+        case 0xCC: nb = 1; sgn = 0; break;
+        case 0xCD: nb = 2; sgn = 0; break;
+        case 0xCE: nb = 4; sgn = 0; break;
+        case 0xCF: nb = 8; sgn = 0; break;
+        case 0xD0: nb = 1; sgn = 1; break;
+        case 0xD1: nb = 2; sgn = 1; break;
+        case 0xD2: nb = 4; sgn = 1; break;
+        case 0xD3: nb = 8; sgn = 1; break;
+        default: return 0;
+    }
+    if (r->pos + 1 + nb > r->len) return -1;
+    const unsigned char *q = r->p + r->pos + 1;
+    uint64_t x = 0;
+    for (int k = 0; k < nb; k++) x = (x << 8) | q[k];
+    r->pos += 1 + nb;
+    if (sgn && nb < 8) { int sh = 64 - 8 * nb; x = (uint64_t)(((int64_t)(x << sh)) >> sh); }
+    *neg = sgn && (int64_t)x < 0;
+    *v = x;
+    return 1;
+}
+
+/* n msgpack ints into t (the bulk of a payload: the widths tokenizers produce are decoded inline). */
+static int rd_tokens(Rd *r, uint64_t *t, Py_ssize_t n) {
+    const unsigned char *p = r->p;
+    Py_ssize_t pos = r->pos, len = r->len;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (pos + 8 <= len) {
+            unsigned char c = p[pos];
+            if (c <= 0x7F) { t[j] = c; pos += 1; continue; }
+            unsigned idx = (unsigned)c - 0xCC; /* uint8/16/32: no data-dependent branch between widths */
+            if (idx <= 2) {
+                uint64_t x;
+                memcpy(&x, p + pos, 8);
+                x = __builtin_bswap64(x);
+                int nb = 1 << idx;
+                t[j] = (x << 8) >> (64 - 8 * nb);
+                pos += 1 + nb;
+                continue;
+            }
+        }
+        int neg;
+        r->pos = pos;
+        if (rd_int(r, &t[j], &neg) != 1) return -1;
+        pos = r->pos;
+    }
+    r->pos = pos;
+    return 0;
+}
+
+static inline int rd_nil(Rd *r) {
+    if (r->pos < r->len && r->p[r->pos] == 0xC0) { r->pos++; return 1; }
+    return 0;
+}
+
+static inline int rd_be_len(Rd *r, int nb, Py_ssize_t *n) {
+    if (r->pos + nb > r->len) return -1;
+    uint64_t x = 0;
+    for (int k = 0; k < nb; k++) x = (x << 8) | r->p[r->pos + k];
+    r->pos += nb;
+    *n = (Py_ssize_t)x;
+    return 0;
+}
+
+/* Container header (kind 0 array, 1 map): element count, or -1 when it is not one / cannot fit. */
+static Py_ssize_t rd_container(Rd *r, int kind) {
+    if (r->pos >= r->len) return -1;
+    unsigned char c = r->p[r->pos];
+    Py_ssize_t n;
+    unsigned char fix = kind ? 0x80 : 0x90, b16 = kind ? 0xDE : 0xDC, b32 = kind ? 0xDF : 0xDD;
+    if ((c & 0xF0) == fix) { r->pos++; n = c & 0x0F; }
+    else if (c == b16) { r->pos++; if (rd_be_len(r, 2, &n) < 0) return -1; }
+    else if (c == b32) { r->pos++; if (rd_be_len(r, 4, &n) < 0) return -1; }
+    else return -1;
+    if (n > r->len - r->pos) return -1; /* every element takes at least one byte */
+    return n;
+}
+
+/* str (kind 0) or bin (kind 1): pointer and length, or -1 when it is not one. */
+static int rd_bytes(Rd *r, int kind, const unsigned char **s, Py_ssize_t *n) {
+    if (r->pos >= r->len) return -1;
+    unsigned char c = r->p[r->pos];
+    if (kind == 0 && (c & 0xE0) == 0xA0) { r->pos++; *n = c & 0x1F; }
+    else if (c == (kind ? 0xC4 : 0xD9)) { r->pos++; if (rd_be_len(r, 1, n) < 0) return -1; }
+    else if (c == (kind ? 0xC5 : 0xDA)) { r->pos++; if (rd_be_len(r, 2, n) < 0) return -1; }
+    else if (c == (kind ? 0xC6 : 0xDB)) { r->pos++; if (rd_be_len(r, 4, n) < 0) return -1; }
+    else return -1;
+    if (*n > r->len - r->pos) return -1;
+    *s = r->p + r->pos;
+    r->pos += *n;
+    return 0;
+}
+
+/* An ASCII str (so valid UTF-8, and Python's case/strip rules are the ASCII ones), or nil (*s NULL). */
+static int rd_ascii_or_nil(Rd *r, const unsigned char **s, Py_ssize_t *n) {
+    *s = NULL; *n = 0;
+    if (rd_nil(r)) return 0;
+    if (rd_bytes(r, 0, s, n) < 0) return -1;
+    for (Py_ssize_t i = 0; i < *n; i++) if ((*s)[i] >= 0x80) return -1;
+    return 0;
+}
+
+static int rd_int_or_nil(Rd *r) {
+    if (rd_nil(r)) return 0;
+    uint64_t v; int neg;
+    return rd_int(r, &v, &neg) == 1 ? 0 : -1;
+}
+
+/* An engine hash: int (normalised to u64) or non-empty bytes (b points into the payload). */
+typedef struct { uint64_t k; const unsigned char *b; Py_ssize_t blen; } HRef;
+
+static int rd_hash(Rd *r, HRef *h) {
+    int neg;
+    h->b = NULL; h->blen = 0;
+    int t = rd_int(r, &h->k, &neg);
+    if (t == 1) return 0;
+    if (t < 0) return -1;
+    if (rd_bytes(r, 1, &h->b, &h->blen) < 0 || h->blen == 0) return -1; /* empty bytes: bad_hash */
+    return 0;
+}
+
+/* Canonical tier of a wire medium (twin of schemas.media.parse_medium for ASCII), -1 unknown. */
+static int medium_tier(const unsigned char *s, Py_ssize_t n) {
+    static const struct { const char *name; int tier; } aliases[] = {
+        {"GPU", 0}, {"DEVICE", 0}, {"CUDA", 0}, {"CPU_PINNED", 1}, {"CPU", 1}, {"CPU_TIER1", 1}, {"HOST", 1},
+        {"DISK", 2}, {"CPU_TIER2", 2}, {"NVME", 2}, {"STORAGE", 2}, {"LOCAL_DISK", 2},
+        {"EXTERNAL", 3}, {"SHARED", 3}, {"REMOTE", 3}, {"NETWORK", 3},
+    };
+    if (!s) return 0; /* None means GPU */
+    /* str.strip(): ASCII whitespace incl. the \x1c-\x1f separators */
+#define WS(c) ((c) == ' ' || ((c) >= 0x09 && (c) <= 0x0D) || ((c) >= 0x1C && (c) <= 0x1F))
+    while (n && WS(s[0])) { s++; n--; }
+    while (n && WS(s[n - 1])) n--;
+#undef WS
+    char up[16];
+    if (n == 0 || n >= (Py_ssize_t)sizeof(up)) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) up[i] = (char)((s[i] >= 'a' && s[i] <= 'z') ? s[i] - 32 : s[i]);
+    for (size_t a = 0; a < sizeof(aliases) / sizeof(aliases[0]); a++)
+        if ((Py_ssize_t)strlen(aliases[a].name) == n && memcmp(aliases[a].name, up, (size_t)n) == 0) return aliases[a].tier;
+    return -1;
+}
+
+/* Twin of apply._is_full_attention for an ASCII kind (None: full). */
+static int full_attention(const unsigned char *s, Py_ssize_t n) {
+    if (!s) return 1;
+    int full = 0, sliding = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char c[7];
+        Py_ssize_t m = n - i < 7 ? n - i : 7;
+        for (Py_ssize_t k = 0; k < m; k++) c[k] = (char)((s[i + k] >= 'A' && s[i + k] <= 'Z') ? s[i + k] + 32 : s[i + k]);
+        if ((m >= 4 && memcmp(c, "full", 4) == 0) || (m >= 3 && memcmp(c, "mla", 3) == 0)) full = 1;
+        if (m >= 7 && memcmp(c, "sliding", 7) == 0) sliding = 1;
+    }
+    return full && !sliding;
+}
+
+enum { EV_STORED, EV_REMOVED, EV_CLEARED };
+
+typedef struct {
+    int type, tier, full, has_parent;
+    int bsz; /* block_size: 0 zero, 1 equals the model's, 2 other */
+    Py_ssize_t h0, nh, t0, nt;
+    HRef parent;
+} FEv;
+
+typedef struct {
+    FEv *ev; Py_ssize_t nev, cev;
+    HRef *h; Py_ssize_t nh, ch;
+    uint64_t *t; Py_ssize_t nt, ct;
+} FBatch;
+
+static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
+    if (need <= *cap) return 0;
+    Py_ssize_t nc = *cap ? *cap : 64;
+    while (nc < need) nc *= 2;
+    void *p = PyMem_Realloc(*arr, (size_t)nc * item);
+    if (!p) { PyErr_NoMemory(); return -1; }
+    *arr = p; *cap = nc;
+    return 0;
+}
+
+/* field ids; bit i set in `seen` once field i was read */
+enum { F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_SALT, F_SESSION, F_EXTRA,
+       F_GROUP, F_KIND, F_WINDOW, F_LOCALITY, F_OWNERSHIP, F_N };
+static const char *const FIELD_NAMES[F_N] = {
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "cache_salt",
+    "session_id", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality", "ownership",
+};
+#define FB(f) (1u << (f))
+static const unsigned ALLOWED[3] = {
+    (1u << F_N) - 1,
+    FB(F_HASHES) | FB(F_MEDIUM) | FB(F_GROUP) | FB(F_LOCALITY) | FB(F_OWNERSHIP),
+    0,
+};
+static const unsigned REQUIRED[3] = {FB(F_HASHES) | FB(F_PARENT) | FB(F_TOKENS) | FB(F_BS), FB(F_HASHES), 0};
+
+/* Parse one event map into b. 0 ok, 1 outside the fast subset, -1 memory error. */
+static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
+    Py_ssize_t nkeys = rd_container(r, 1);
+    if (nkeys < 1) return 1;
+    const unsigned char *s;
+    Py_ssize_t n;
+    if (rd_bytes(r, 0, &s, &n) < 0 || n != 4 || memcmp(s, "type", 4) != 0) return 1; /* tag first */
+    if (rd_bytes(r, 0, &s, &n) < 0) return 1;
+    FEv e;
+    memset(&e, 0, sizeof(e));
+    if (n == 11 && memcmp(s, "BlockStored", 11) == 0) e.type = EV_STORED;
+    else if (n == 12 && memcmp(s, "BlockRemoved", 12) == 0) e.type = EV_REMOVED;
+    else if (n == 16 && memcmp(s, "AllBlocksCleared", 16) == 0) e.type = EV_CLEARED;
+    else return 1;
+    unsigned seen = 0;
+    Py_ssize_t nextra = 0;
+    e.full = 1;
+    for (Py_ssize_t k = 1; k < nkeys; k++) {
+        if (rd_bytes(r, 0, &s, &n) < 0) return 1;
+        int f = 0;
+        while (f < F_N && !((Py_ssize_t)strlen(FIELD_NAMES[f]) == n && memcmp(FIELD_NAMES[f], s, (size_t)n) == 0)) f++;
+        if (f == F_N || !(ALLOWED[e.type] & FB(f)) || (seen & FB(f))) return 1; /* unknown or repeated key */
+        seen |= FB(f);
+        const unsigned char *str;
+        Py_ssize_t slen;
+        switch (f) {
+            case F_HASHES: {
+                Py_ssize_t nh = rd_container(r, 0);
+                if (nh < 0 || grow((void **)&b->h, &b->ch, b->nh + nh, sizeof(HRef)) < 0) return nh < 0 ? 1 : -1;
+                e.h0 = b->nh; e.nh = nh;
+                for (Py_ssize_t j = 0; j < nh; j++) if (rd_hash(r, &b->h[b->nh + j]) < 0) return 1;
+                b->nh += nh;
+                break;
+            }
+            case F_PARENT:
+                if (rd_nil(r)) break;
+                if (rd_hash(r, &e.parent) < 0) return 1;
+                e.has_parent = 1;
+                break;
+            case F_TOKENS: {
+                Py_ssize_t nt = rd_container(r, 0);
+                if (nt < 0 || grow((void **)&b->t, &b->ct, b->nt + nt, sizeof(uint64_t)) < 0) return nt < 0 ? 1 : -1;
+                e.t0 = b->nt; e.nt = nt;
+                if (rd_tokens(r, b->t + b->nt, nt) < 0) return 1;
+                b->nt += nt;
+                break;
+            }
+            case F_BS: {
+                uint64_t v; int neg;
+                if (rd_int(r, &v, &neg) != 1) return 1;
+                e.bsz = (!neg && v == 0) ? 0 : (!neg && v == (uint64_t)bs) ? 1 : 2;
+                break;
+            }
+            case F_MEDIUM:
+                if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
+                if ((e.tier = medium_tier(str, slen)) < 0) return 1; /* unknown medium: Python counts it */
+                break;
+            case F_LORA_NAME: case F_SALT: /* their seeds are derived in Python */
+                if (!rd_nil(r)) return 1;
+                break;
+            case F_EXTRA: {
+                if (rd_nil(r)) break;
+                Py_ssize_t nx = rd_container(r, 0);
+                if (nx < 0) return 1;
+                for (Py_ssize_t j = 0; j < nx; j++) if (!rd_nil(r)) return 1; /* [None]*n hashes like no extras */
+                nextra = nx;
+                break;
+            }
+            case F_KIND:
+                if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
+                e.full = full_attention(str, slen);
+                break;
+            case F_SESSION: case F_LOCALITY: case F_OWNERSHIP:
+                if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
+                break;
+            default: /* lora_id, group_idx, kv_cache_spec_sliding_window */
+                if (rd_int_or_nil(r) < 0) return 1;
+        }
+    }
+    if ((seen & REQUIRED[e.type]) != REQUIRED[e.type]) return 1;
+    if (nextra && nextra != e.nh) return 1; /* a list not per block is digested as a whole: Python */
+    if (grow((void **)&b->ev, &b->cev, b->nev + 1, sizeof(FEv)) < 0) return -1;
+    b->ev[b->nev++] = e;
+    return 0;
+}
+
+/* Whole payload: `[ts, [event maps], dp_rank?]`. 0 ok, 1 outside the subset, -1 error. */
+static int parse_batch(const unsigned char *p, Py_ssize_t len, Py_ssize_t bs, FBatch *b) {
+    Rd r = {p, 0, len};
+    Py_ssize_t top = rd_container(&r, 0);
+    if (top != 2 && top != 3) return 1;
+    if (r.pos >= len) return 1;
+    unsigned char c = p[r.pos];
+    if (c == 0xCB) r.pos += 9;
+    else if (c == 0xCA) r.pos += 5;
+    else { uint64_t v; int neg; if (rd_int(&r, &v, &neg) != 1) return 1; }
+    if (r.pos > len) return 1;
+    Py_ssize_t nev = rd_container(&r, 0);
+    if (nev < 0) return 1;
+    for (Py_ssize_t i = 0; i < nev; i++) {
+        int rc = parse_event(&r, bs, b);
+        if (rc) return rc;
+    }
+    if (top == 3 && rd_int_or_nil(&r) < 0) return 1;
+    return r.pos == len ? 0 : 1; /* trailing bytes: the full decoder rejects them */
+}
+
+/* Map access by engine hash: inline for non-zero ints, through an object otherwise. */
+static PyObject *href_obj(const HRef *h) {
+    return h->b ? PyBytes_FromStringAndSize((const char *)h->b, h->blen) : PyLong_FromUnsignedLongLong(h->k);
+}
+
+static int href_get(U64Map *m, const HRef *h, uint64_t *out) {
+    if (!h->b && h->k) {
+        int f;
+        Py_ssize_t i = find(m, h->k, &f);
+        if (f) *out = VALS(m, i)[0];
+        return f;
+    }
+    if (!PyDict_GET_SIZE(m->other)) return 0;
+    PyObject *o = href_obj(h);
+    if (!o) return -1;
+    int r = get_u64(m, o, out);
+    Py_DECREF(o);
+    return r;
+}
+
+static int href_set(U64Map *m, const HRef *h, uint64_t val) {
+    PyObject *o = (!h->b && h->k) ? NULL : href_obj(h);
+    if (!o && (h->b || !h->k)) return -1;
+    int r;
+    if (o) { r = set_u64(m, o, val); Py_DECREF(o); return r; }
+    int f;
+    Py_ssize_t i = find_or_insert(m, h->k, &f);
+    if (i < 0) return -1;
+    uint64_t *dst = VALS(m, i);
+    memset(dst, 0, sizeof(uint64_t) * m->width);
+    dst[0] = val;
+    return 0;
+}
+
+static int href_del(U64Map *m, const HRef *h) {
+    if (!h->b && h->k) {
+        int f;
+        Py_ssize_t i = find(m, h->k, &f);
+        if (f) erase(m, i);
+        return 0;
+    }
+    PyObject *o = href_obj(h);
+    if (!o) return -1;
+    int r = PyDict_DelItem(m->other, o);
+    Py_DECREF(o);
+    return r;
+}
+
+typedef struct {
+    U64Map *ext, *nodes, *known;
+    int shift;
+    Py_ssize_t bs, limit;
+    uint64_t seed;
+    const uint64_t *cols;
+    Py_ssize_t stored[4][3], removed[4][2], cleared, drops[4];
+} FCtx;
+enum { D_NON_FULL, D_PLACEHOLDER, D_BS_MISMATCH, D_PARTIAL };
+
+/* Twin of apply._attach (no cancellations: the fast path only runs with no pending orphans). */
+static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *toks, int tier) {
+    int pos = c->shift + tier;
+    uint64_t stackbuf[128], *dg = NULL;
+    if (toks) {
+        /* digests up front; the chain they give is every node key when the blocks are new */
+        dg = n <= 128 ? stackbuf : PyMem_Malloc((size_t)n * sizeof(uint64_t));
+        if (!dg) { PyErr_NoMemory(); return -1; }
+        uint64_t s = state;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (!hs[j].b) pf_slot(c->ext, hs[j].k);
+            dg[j] = block_digest(toks + j * c->bs, c->bs, 0, c->cols);
+            s = s * P_MUL + dg[j];
+            pf_slot(c->nodes, s);
+        }
+    }
+    int rc = -1;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const HRef *h = hs + j;
+        uint64_t key;
+        int r = href_get(c->ext, h, &key);
+        if (r < 0) goto out;
+        int is_new = !r;
+        if (is_new) {
+            r = c->known ? href_get(c->known, h, &key) : 0;
+            if (r < 0) goto out;
+            if (!r) {
+                if (!dg) { PyErr_SetString(PyExc_RuntimeError, "apply_msgpack: placeholder block without a mapping"); goto out; }
+                key = state * P_MUL + dg[j];
+                if (c->known) {
+                    if (U64Map_len(c->known) >= c->limit) { /* bounded trust cache: start afresh */
+                        PyObject *cr = U64Map_clear(c->known, NULL);
+                        if (!cr) goto out;
+                        Py_DECREF(cr);
+                    }
+                    if (href_set(c->known, h, key) < 0) goto out;
+                }
+            }
+        }
+        state = key;
+        if (is_new && href_set(c->ext, h, key) < 0) goto out;
+        int was = node_bit(c->nodes, key, pos, 1);
+        if (was < 0) goto out;
+        c->stored[tier][was ? 1 : is_new ? 0 : 2]++;
+    }
+    rc = 0;
+out:
+    if (dg && dg != stackbuf) PyMem_Free(dg);
+    return rc;
+}
+
+/* Twin of apply._store. 0 done, 1 orphan (nothing of this event applied), -1 error. */
+static int fp_store(FCtx *c, const FEv *e, const HRef *hs, const uint64_t *toks) {
+    Py_ssize_t n = e->nh;
+    if (!e->full) { c->drops[D_NON_FULL] += n; return 0; }
+    if (e->bsz == 0 || e->nt == 0) { /* placeholder: a new tier on blocks this worker already maps */
+        for (Py_ssize_t j = 0; j < n; j++) if (!hs[j].b) pf_slot(c->ext, hs[j].k);
+        for (Py_ssize_t j = 0; j < n; j++) {
+            uint64_t k;
+            int r = href_get(c->ext, hs + j, &k);
+            if (r < 0) return -1;
+            if (!r) { c->drops[D_PLACEHOLDER] += n; return 0; }
+            pf_slot(c->nodes, k);
+        }
+        return fp_attach(c, hs, n, 0, NULL, e->tier);
+    }
+    if (e->bsz != 1) { c->drops[D_BS_MISMATCH] += n; return 0; }
+    Py_ssize_t nfull = e->nt / c->bs < n ? e->nt / c->bs : n;
+    if (nfull == 0) { c->drops[D_PARTIAL] += n; return 0; }
+    uint64_t state = c->seed;
+    if (e->has_parent) {
+        int r = href_get(c->ext, &e->parent, &state);
+        if (r < 0) return -1;
+        if (!r) {
+            r = href_get(c->ext, hs, &state);
+            if (r < 0) return -1;
+            if (!r) return 1; /* orphan: the Python path holds it */
+            state = 0; /* the first block is already mapped: its key, not the parent, starts the chain */
+        }
+    }
+    c->drops[D_PARTIAL] += n - nfull;
+    return fp_attach(c, hs, nfull, state, toks, e->tier);
+}
+
+/* Twin of the no-pending part of apply._remove. */
+static int fp_remove(FCtx *c, const FEv *e, const HRef *hs) {
+    for (Py_ssize_t j = 0; j < e->nh; j++) if (!hs[j].b) pf_slot(c->ext, hs[j].k);
+    for (Py_ssize_t j = 0; j < e->nh; j++) { /* read-only: warm the node slots */
+        uint64_t key;
+        if (!hs[j].b && hs[j].k) {
+            int f;
+            Py_ssize_t i = find(c->ext, hs[j].k, &f);
+            if (f) { key = VALS(c->ext, i)[0]; pf_slot(c->nodes, key); }
+        }
+    }
+    for (Py_ssize_t j = 0; j < e->nh; j++) {
+        uint64_t key;
+        int r = href_get(c->ext, hs + j, &key);
+        if (r < 0) return -1;
+        if (!r) { c->removed[e->tier][1]++; continue; }
+        int was = node_bit(c->nodes, key, c->shift + e->tier, 2);
+        if (was < 0) return -1;
+        c->removed[e->tier][was ? 0 : 1]++;
+        int any;
+        int nib = node_nibble(c->nodes, key, c->shift, &any);
+        if (nib < 0) return -1;
+        if (!nib && href_del(c->ext, hs + j) < 0) return -1;
+        if (!any && node_drop(c->nodes, key) < 0) return -1;
+    }
+    return 0;
+}
+
+/* Drop the worker's nibble from one node (deleting the node when nothing is left). */
+static int clear_nibble(U64Map *nodes, uint64_t key, int shift) {
+    for (int t = 0; t < 4; t++) if (node_bit(nodes, key, shift + t, 2) < 0) return -1;
+    int any;
+    if (node_nibble(nodes, key, shift, &any) < 0) return -1;
+    return any ? 0 : node_drop(nodes, key);
+}
+
+/* Twin of ModelState.clear for the maps (the caller's pending list is already empty). */
+static int fp_clear(FCtx *c) {
+    U64Map *ext = c->ext;
+    for (Py_ssize_t i = 0; i < ext->cap; i++)
+        if (KEY(ext, i) && clear_nibble(c->nodes, VALS(ext, i)[0], c->shift) < 0) return -1;
+    Py_ssize_t it = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(ext->other, &it, &k, &v)) {
+        uint64_t key = PyLong_AsUnsignedLongLongMask(v);
+        if (key == (uint64_t)-1 && PyErr_Occurred()) return -1;
+        if (clear_nibble(c->nodes, key, c->shift) < 0) return -1;
+    }
+    PyObject *r = U64Map_clear(ext, NULL);
+    if (!r) return -1;
+    Py_DECREF(r);
+    c->cleared++;
+    return 0;
+}
+
+/* Nonzero counters into the ApplyStats dicts; `keys` = 12 stored, 8 removed, 1 cleared count keys,
+ * then 4 drop reasons (the layout of indexer.core.apply.FAST_KEYS). */
+static int add_count(PyObject *d, PyObject *key, Py_ssize_t n) {
+    if (!n) return 0;
+    PyObject *v = PyLong_FromSsize_t(n);
+    if (!v) return -1;
+    int r = PyDict_SetItem(d, key, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* apply_msgpack(payload, ext, nodes, known|None, shift, block_size, seed, known_limit, keys)
+ *   -> None (outside the fast subset: nothing was touched) | (stop, counts, drops)
+ * stop = -1 when the whole batch was applied, else the index of the first event left to Python. */
+static PyObject *py_apply_msgpack(PyObject *self, PyObject *args) {
+    PyObject *payload, *knowno, *seedo, *keys;
+    U64Map *ext, *nodes;
+    int shift;
+    Py_ssize_t bs, limit;
+    if (!PyArg_ParseTuple(args, "OO!O!OinOnO!", &payload, &U64MapType, &ext, &U64MapType, &nodes, &knowno,
+                          &shift, &bs, &seedo, &limit, &PyTuple_Type, &keys))
+        return NULL;
+    if (PyTuple_GET_SIZE(keys) != 25) { PyErr_SetString(PyExc_ValueError, "apply_msgpack: 25 count keys expected"); return NULL; }
+    U64Map *known = NULL;
+    if (knowno != Py_None) {
+        if (!PyObject_TypeCheck(knowno, &U64MapType)) { PyErr_SetString(PyExc_TypeError, "known must be U64Map"); return NULL; }
+        known = (U64Map *)knowno;
+    }
+    uint64_t seed = PyLong_AsUnsignedLongLongMask(seedo);
+    if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    if (bs <= 0 || shift < 0) Py_RETURN_NONE;
+    Py_buffer view;
+    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    FBatch b;
+    memset(&b, 0, sizeof(b));
+    PyObject *out = NULL, *counts = NULL, *drops = NULL;
+    uint64_t *cols = NULL;
+    int rc = parse_batch(view.buf, view.len, bs, &b);
+    if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
+    cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
+    if (!cols) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
+    FCtx c;
+    memset(&c, 0, sizeof(c));
+    c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
+    Py_ssize_t stop = -1;
+    for (Py_ssize_t i = 0; i < b.nev; i++) {
+        const FEv *e = b.ev + i;
+        int r = e->type == EV_STORED ? fp_store(&c, e, b.h + e->h0, b.t + e->t0)
+              : e->type == EV_REMOVED ? fp_remove(&c, e, b.h + e->h0) : fp_clear(&c);
+        if (r < 0) goto done;
+        if (r > 0) { stop = i; break; }
+    }
+    counts = PyDict_New();
+    drops = PyDict_New();
+    if (!counts || !drops) goto done;
+    for (int t = 0; t < 4; t++) {
+        for (int o = 0; o < 3; o++) if (add_count(counts, PyTuple_GET_ITEM(keys, 3 * t + o), c.stored[t][o]) < 0) goto done;
+        for (int o = 0; o < 2; o++) if (add_count(counts, PyTuple_GET_ITEM(keys, 12 + 2 * t + o), c.removed[t][o]) < 0) goto done;
+    }
+    if (add_count(counts, PyTuple_GET_ITEM(keys, 20), c.cleared) < 0) goto done;
+    for (int d = 0; d < 4; d++) if (add_count(drops, PyTuple_GET_ITEM(keys, 21 + d), c.drops[d]) < 0) goto done;
+    out = Py_BuildValue("(nOO)", stop, counts, drops);
+done:
+    Py_XDECREF(counts);
+    Py_XDECREF(drops);
+    PyMem_Free(cols);
+    PyMem_Free(b.ev);
+    PyMem_Free(b.h);
+    PyMem_Free(b.t);
+    PyBuffer_Release(&view);
+    return out;
 }
 
 /* all_in(map, hashes) -> True when every hash is a key (placeholder stores need it) */
@@ -978,9 +1786,11 @@ static PyMethodDef module_methods[] = {
     {"remove", py_remove, METH_VARARGS, "remove blocks of one worker on one tier"},
     {"prefix_values", py_prefix_values, METH_VARARGS, "node values up to the first absent key"},
     {"walk", py_walk, METH_VARARGS, "per-slot prefix match of chained keys"},
+    {"score_rows", py_score_rows, METH_VARARGS, "score, rank and build the result rows"},
     {"norm_hashes", py_norm_hashes, METH_O, "validate and normalise engine hashes"},
     {"all_in", py_all_in, METH_VARARGS, "every hash is a key of the map"},
     {"prepare_raw", py_prepare_raw, METH_VARARGS, "normalise a raw-decoded batch and digest its stores"},
+    {"apply_msgpack", py_apply_msgpack, METH_VARARGS, "apply the common case of a whole raw batch"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,6 +26,15 @@ KNOWN_EXT_LIMIT = 4_000_000  # trust-mode cache of engine hash -> key; cleared w
 
 _FULL_KINDS = ("full", "mla")
 
+# Count keys of the native whole-batch path (`nat.apply_msgpack`), in the layout its C code fills:
+# per medium stored new/duplicate/tier_added, then per medium removed/absent, then cleared, then drops.
+FAST_KEYS: tuple = (
+    *(("stored", m, o) for m in MEDIUM_NAMES for o in ("new", "duplicate", "tier_added")),
+    *(("removed", m, o) for m in MEDIUM_NAMES for o in ("removed", "absent")),
+    ("cleared", "ALL", "cleared"),
+    "non_full_attention", "placeholder_unknown", "block_size_mismatch", "partial_block",
+)
+
 
 def _is_full_attention(kind: str | None) -> bool:
     if kind is None:
@@ -350,23 +359,25 @@ def _resolve_orphans(m: ModelState, w: WorkerState, grace: int, stats: ApplyStat
 
 def apply_events(
     m: ModelState, w: WorkerState, events: list, orphan_grace: int, stats: ApplyStats,
-    raw: dict[int, tuple[int, list[int]]] | None = None,
+    raw: dict[int, tuple[int, list[int]]] | None = None, start: int = 0,
 ) -> ApplyStats:
     """Apply one batch of one worker, in order. Never raises for bad data: it counts it.
 
-    `raw`: `prepare_raw` output when `events` holds `RawStored` (native fast decode)."""
+    `raw`: `prepare_raw` output when `events` holds `RawStored` (native fast decode).
+    `start`: events before it were already applied (by the native whole-batch path) into `stats`."""
     try:
-        digests = _precompute(m, w, events)
+        digests = _precompute(m, w, events[start:] if start else events)
     except (TypeError, ValueError, AttributeError):
         digests = {}  # odd events in the batch: each is hashed (and judged) on its own below
-    for i, ev in enumerate(events):
+    for i in range(start, len(events)):
+        ev = events[i]
         cls = type(ev)
         try:
             if cls is RawStored:
                 ntok, d = raw[i]  # type: ignore[index]
                 _store(m, w, ev, ntok, d, stats)
             elif cls is BlockStored:
-                _store(m, w, ev, len(ev.token_ids) if ev.token_ids else 0, digests.get(i), stats)
+                _store(m, w, ev, len(ev.token_ids) if ev.token_ids else 0, digests.get(i - start), stats)
             elif cls is BlockRemoved:
                 _remove(m, w, ev, stats)
             elif cls is AllBlocksCleared or isinstance(ev, AllBlocksCleared):

@@ -90,6 +90,8 @@ def normalise_raw(batch: RawBatch, norm: Callable[[list], list | None] = _hashes
                 if p > U64_MASK or p < _INT64_MIN:
                     return None
                 ev.parent_block_hash = p & U64_MASK
+            elif p == b"":
+                return None  # the full decoder rejects the batch (bad_hash)
     return batch
 
 

@@ -97,9 +97,35 @@ def walk(m: ModelState, keys: list[int], live: int) -> tuple[dict[int, int], dic
     return device, cached, split
 
 
+def score_native(
+    m: ModelState, keys: list[int] | None, tokens: object, seed: int, weights: TierWeights,
+    workers: list[tuple[str, int]] | None = None,
+) -> ScoreResult | None:
+    """The whole score in one accelerator call (keys hashed from `tokens` when `keys` is None): walk,
+    weights, ranking and the result rows. None when it cannot judge the input (the Python path does)."""
+    if workers is None:
+        _, slots, wids, ranks = m.ranked()
+    else:
+        ws = sorted(
+            (w for w in (m.by_id.get((wid, int(r))) for wid, r in workers) if w is not None),
+            key=lambda w: (w.worker_id, w.dp_rank),
+        )
+        slots, wids, ranks = [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
+    res = m.nat.score_rows(
+        m.nodes, keys, tokens, seed, m.block_size, slots, wids, ranks, weights.as_tuple(), WorkerScore, TIER_NAMES,
+    )
+    if res is None:
+        return None
+    return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
+
+
 def score_keys(
     m: ModelState, keys: list[int], weights: TierWeights, workers: list[tuple[str, int]] | None = None
 ) -> ScoreResult:
+    if m.nat is not None and type(keys) is list:
+        res = score_native(m, keys, None, 0, weights, workers)
+        if res is not None:
+            return res
     if workers is None:
         slots = [w for w in m.workers if w is not None]
     else:

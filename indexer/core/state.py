@@ -57,7 +57,7 @@ class WorkerState:
 class ModelState:
     __slots__ = (
         "name", "block_size", "trust", "nodes", "workers", "by_id", "free_slots",
-        "slot_mask", "live_gpu", "seeds", "known_ext", "nat",
+        "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "nat", "_ranked",
     )
 
     def __init__(self, name: str, block_size: int, trust: bool, nat: ModuleType | None = None) -> None:
@@ -72,8 +72,19 @@ class ModelState:
         self.slot_mask = 0  # bit 4*s set for every allocated slot s (live or free)
         self.live_gpu = 0  # bit 4*s set for every live slot s
         self.seeds: dict[tuple[str | None, str | None], int] = {}
+        self.seed0 = self.seed(None, None)  # the namespace without LoRA or salt (the hot path's)
         # trust mode: first-seen engine hash -> key, shared by all workers of the model
         self.known_ext: dict[Any, int] = self.new_map()
+        self._ranked: tuple[list[WorkerState], list[int], list[str], list[int]] | None = None
+
+    def ranked(self) -> tuple[list[WorkerState], list[int], list[str], list[int]]:
+        """Live workers in (worker_id, dp_rank) order (the scoring tie-break) with their slots, ids and
+        ranks as lists; cached until a worker is added or removed."""
+        r = self._ranked
+        if r is None:
+            ws = sorted(self.by_id.values(), key=lambda w: (w.worker_id, w.dp_rank))
+            r = self._ranked = (ws, [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws])
+        return r
 
     def new_map(self) -> Any:
         """An empty key -> non-negative int map: a dict, or the accelerator's compact U64Map."""
@@ -100,6 +111,7 @@ class ModelState:
             self.workers[slot] = w
             self.by_id[(worker_id, dp_rank)] = w
             self.live_gpu |= 1 << (4 * slot)
+            self._ranked = None
         return w
 
     def clear(self, w: WorkerState) -> int:
@@ -126,6 +138,7 @@ class ModelState:
         self.workers[w.slot] = None
         self.free_slots.append(w.slot)
         self.live_gpu &= ~(1 << w.shift)
+        self._ranked = None
 
     def tier_counts(self, w: WorkerState) -> list[int]:
         """Blocks per tier (gpu, host, disk, shared-claims) held by one worker."""

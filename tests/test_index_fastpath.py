@@ -1,0 +1,190 @@
+"""The native whole-batch path (`apply_msgpack`, behind `KVIndex.apply_payload`) against the pure-Python
+core on random raw payloads, odd ones included (unknown / aliased / non-ASCII media, bad hashes, bad
+tokens, LoRA names, real and all-None extra keys, sliding-window groups, unknown and repeated keys, tag
+not first, array-form events, trailing bytes, orphans): after every batch both give identical stats and
+identical state — node table, every worker's engine-hash map and pending orphans."""
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from indexer.core import native as native_core
+from indexer.index import KVIndex
+
+pytestmark = pytest.mark.skipif(not native_core.available(), reason="native accelerator not built")
+
+BS = 2
+MODEL = "m"
+WORKERS = [("a", 0), ("b", 0), ("a", 1)]
+MEDIA = [None, "GPU", "GPU", "CPU_PINNED", "cpu", " CPU_PINNED\t", "DISK", "nvme", "EXTERNAL", "shared", "bogus", "ＧＰＵ"]
+KINDS = [None, None, "full_attention", "MLA", "sliding_window", "full_sliding", "mamba"]
+
+
+def _hash(rng: random.Random, pool: list) -> object:
+    r = rng.random()
+    if r < 0.85:
+        return rng.choice(pool)
+    if r < 0.9:
+        return rng.choice([0, -1, 2**64 - 1, -(2**63)])
+    if r < 0.97:
+        return rng.getrandbits(64)
+    return b"" if rng.random() < 0.5 else b"\x00" * 3
+
+
+def _tokens(rng: random.Random, blocks: list[list[int]], nblk: int) -> list:
+    toks = [t for _ in range(nblk) for t in rng.choice(blocks)]
+    r = rng.random()
+    if r < 0.1:
+        toks = toks[: max(0, len(toks) - rng.randint(1, BS))]  # partial trailing block
+    elif r < 0.13 and toks:
+        toks[rng.randrange(len(toks))] = rng.choice([1.5, "x", None, 2**64 - 1, -(2**63), True])
+    return toks
+
+
+def _stored(rng: random.Random, pool: list, blocks: list[list[int]]) -> dict:
+    n = rng.randint(1, 4)
+    hashes = [_hash(rng, pool) for _ in range(n)]
+    placeholder = rng.random() < 0.15
+    ev: dict = {"type": "BlockStored", "block_hashes": hashes,
+                "parent_block_hash": None if rng.random() < 0.4 else _hash(rng, pool),
+                "token_ids": [] if placeholder else _tokens(rng, blocks, n),
+                "block_size": 0 if placeholder else rng.choice([BS, BS, BS, BS, 3, -1])}
+    for key, choices in (("lora_id", [None, 3]), ("medium", MEDIA), ("lora_name", [None, "l"]),
+                         ("cache_salt", [None, "s"]), ("session_id", [None, "sess"]),
+                         ("extra_keys", [None, [], [None] * n, [None] * (n + 1), [["img", 1]] + [None] * (n - 1)]),
+                         ("group_idx", [None, 0, 1]), ("kv_cache_spec_kind", KINDS),
+                         ("kv_cache_spec_sliding_window", [None, 128]), ("locality", [None, "node"]),
+                         ("ownership", [None, "own"])):
+        if rng.random() < 0.35:
+            ev[key] = rng.choice(choices[:2] if rng.random() < 0.7 else choices)
+    return ev
+
+
+def _event(rng: random.Random, pool: list, blocks: list[list[int]]) -> object:
+    r = rng.random()
+    if r < 0.55:
+        ev = _stored(rng, pool, blocks)
+    elif r < 0.93:
+        ev = {"type": "BlockRemoved", "block_hashes": [_hash(rng, pool) for _ in range(rng.randint(1, 3))]}
+        if rng.random() < 0.7:
+            ev["medium"] = rng.choice(MEDIA)
+        if rng.random() < 0.1:
+            ev["group_idx"] = 0
+    else:
+        ev = {"type": "AllBlocksCleared"}
+    odd = rng.random()
+    if odd < 0.03:
+        ev["unknown_field"] = [1, {"x": 2}]
+    elif odd < 0.05:  # tag not first
+        ev = dict(reversed(list(ev.items())))
+    elif odd < 0.07:
+        return [ev["type"], *[v for k, v in ev.items() if k != "type"]]  # array form
+    elif odd < 0.08:
+        ev["type"] = "BlockEvicted"
+    return ev
+
+
+def _payload(rng: random.Random, pool: list, blocks: list[list[int]]) -> bytes:
+    events = [_event(rng, pool, blocks) for _ in range(rng.randint(0, 5))]
+    r = rng.random()
+    if r < 0.03:
+        batch: list = [0, events]
+    elif r < 0.05:
+        batch = [0.0, events, 0, "extra"]
+    else:
+        batch = [1.5, events, rng.choice([None, 0])]
+    raw = msgspec.msgpack.encode(batch)
+    if rng.random() < 0.02:
+        raw += b"\x00"
+    return raw
+
+
+def _digests(d: object) -> list[int]:
+    return list(memoryview(d).cast("Q")) if isinstance(d, bytes) else list(d)  # native keeps them packed
+
+
+def _state(ix: KVIndex) -> tuple:
+    m = ix._models[MODEL]
+    workers = {
+        k: (sorted(w.ext.items(), key=repr),
+            [(p.hashes, p.parent, _digests(p.digests), p.tier, p.age, p.cancelled) for p in w.pending])
+        for k, w in m.by_id.items()
+    }
+    return sorted(m.nodes.items(), key=repr), workers, sorted(m.known_ext.items(), key=repr)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n_batches=st.integers(1, 40), trust=st.booleans())
+def test_fast_path_matches_python_core(seed: int, n_batches: int, trust: bool) -> None:
+    rng = random.Random(seed)
+    pool = [rng.getrandbits(64) - (2**63 if rng.random() < 0.3 else 0) for _ in range(10)] + [b"\x07" * 32]
+    blocks = [[rng.randrange(300) for _ in range(BS)] for _ in range(4)]
+    fast = KVIndex(trust_engine_hashes=trust, native=True)
+    ref = KVIndex(trust_engine_hashes=trust, native=False)
+    for ix in (fast, ref):
+        ix.ensure_model(MODEL, BS)
+    for _ in range(n_batches):
+        wid, r = rng.choice(WORKERS)
+        payload = _payload(rng, pool, blocks)
+        got = fast.apply_payload(MODEL, wid, r, payload)
+        want = ref.apply_payload(MODEL, wid, r, payload)
+        assert got == want, payload
+        assert _state(fast) == _state(ref), payload
+        if rng.random() < 0.05:
+            fast.clear_worker(MODEL, wid, r)
+            ref.clear_worker(MODEL, wid, r)
+    q = [t for b in rng.sample(blocks, 3) for t in b]
+    for lora in (None, "l"):
+        assert fast.score(MODEL, q, lora_name=lora) == ref.score(MODEL, q, lora_name=lora)
+
+
+def test_fast_path_takes_the_common_case_and_hands_over_at_orphans() -> None:
+    """The C path really runs (a worker's later batches never reach the Python decoder) and an orphan
+    mid-batch is held exactly as the Python path holds it, with the events before it applied once."""
+    ix = KVIndex(native=True)
+    ix.ensure_model(MODEL, BS)
+    enc = msgspec.msgpack.encode
+    ix.apply_payload(MODEL, "a", 0, enc([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                                "token_ids": [5, 6], "block_size": BS}]]))
+    calls = []
+    nat = ix._models[MODEL].nat
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(nat, name)
+
+        def apply_msgpack(self, *a):
+            calls.append(res := nat.apply_msgpack(*a))
+            return res
+
+    ix._models[MODEL].nat = Spy()
+    batch = enc([0.0, [
+        {"type": "BlockStored", "block_hashes": [2, 3], "parent_block_hash": 1, "token_ids": [7, 8, 9, 9, 4], "block_size": BS,
+         "medium": "cpu"},
+        {"type": "BlockStored", "block_hashes": [9], "parent_block_hash": 77, "token_ids": [1, 1], "block_size": BS},
+        {"type": "BlockRemoved", "block_hashes": [1, 42], "medium": "CPU_PINNED"},
+    ]])
+    st_ = ix.apply_payload(MODEL, "a", 0, batch)
+    assert calls and calls[0][0] == 1  # applied event 0 in C, stopped at the orphan
+    assert st_.counts == {("stored", "CPU_PINNED", "new"): 2, ("stored", "GPU", "orphan_held"): 1,
+                          ("removed", "CPU_PINNED", "absent"): 2}
+    assert st_.drops == {}
+    assert st_.orphans_pending == 1
+    score = ix.score(MODEL, [5, 6, 7, 8, 9, 9])
+    assert (score.workers[0].cached_blocks, score.workers[0].tiers) == (3, {"gpu": 1, "host": 2, "disk": 0, "shared": 0})
+
+
+def test_fresh_worker_registered_only_by_a_payload_that_decodes() -> None:
+    ix = KVIndex(native=True)
+    ix.ensure_model(MODEL, BS)
+    assert ix.apply_payload(MODEL, "x", 0, b"\xc1").drops == {"decode_malformed": 1}
+    assert ix.workers(MODEL) == []
+    # only the Python decoder takes this one (LoRA name): the worker appears, the block is stored
+    lora = msgspec.msgpack.encode([0.0, [{"type": "BlockStored", "block_hashes": [4], "parent_block_hash": None,
+                                          "token_ids": [1, 2], "block_size": BS, "lora_name": "l"}]])
+    assert ix.apply_payload(MODEL, "y", 0, lora).counts == {("stored", "GPU", "new"): 1}
+    assert ix.workers(MODEL) == [("y", 0)]
+    assert ix.score(MODEL, [1, 2], lora_name="l").workers[0].device_blocks == 1
