@@ -44,8 +44,9 @@ def digest_to_id(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def chain_digests(tokens: Sequence[int], page_size: int, prior: bytes | None = None) -> list[bytes]:
-    """Digests for every full page of `tokens` (a partial trailing page is ignored)."""
+def _chain(tokens: Sequence[int], page_size: int, prior: bytes | None, digest) -> list[bytes]:  # noqa: ANN001
+    """Digests for every full page of `tokens` (a partial trailing page is ignored), each page's
+    digest = digest(prior digest || page bytes)."""
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
     out: list[bytes] = []
@@ -54,11 +55,19 @@ def chain_digests(tokens: Sequence[int], page_size: int, prior: bytes | None = N
         return out
     raw = tokens_to_bytes(tokens[:n_full])
     step = 4 * page_size
-    sha = hashlib.sha256
     for off in range(0, len(raw), step):
-        prior = sha(prior + raw[off:off + step] if prior else raw[off:off + step]).digest()
+        prior = digest(prior + raw[off:off + step] if prior else raw[off:off + step])
         out.append(prior)
     return out
+
+
+def _sha256_digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def chain_digests(tokens: Sequence[int], page_size: int, prior: bytes | None = None) -> list[bytes]:
+    """SHA-256 digests for every full page of `tokens` (SGLang's chain)."""
+    return _chain(tokens, page_size, prior, _sha256_digest)
 
 
 def page_ids(tokens: Sequence[int], page_size: int) -> list[int]:
@@ -68,21 +77,9 @@ def page_ids(tokens: Sequence[int], page_size: int) -> list[int]:
 
 def chain_digests_xxh3(tokens: Sequence[int], page_size: int, prior: bytes | None = None) -> list[bytes]:
     """Like `chain_digests` with XXH3-128 (16-byte digests)."""
-    if page_size <= 0:
-        raise ValueError(f"page_size must be positive, got {page_size}")
     import xxhash  # optional dependency, only for this mode
 
-    out: list[bytes] = []
-    n_full = len(tokens) - len(tokens) % page_size
-    if n_full == 0:
-        return out
-    raw = tokens_to_bytes(tokens[:n_full])
-    step = 4 * page_size
-    h = xxhash.xxh3_128_digest
-    for off in range(0, len(raw), step):
-        prior = h(prior + raw[off:off + step] if prior else raw[off:off + step])
-        out.append(prior)
-    return out
+    return _chain(tokens, page_size, prior, xxhash.xxh3_128_digest)
 
 
 PAGE_HASHES = {"sha256": chain_digests, "xxh3": chain_digests_xxh3}
