@@ -7,10 +7,15 @@ ratios kvatlas / Dynamo (lower is better for latency and memory, higher for inge
   .venv/bin/python bench/bench_service.py [--workers 4] [--batches 1500] [--queries 200]
 
 Measured:
-- ingestion: blocks/s from the first send until the last block of every worker is visible via a query;
-- `/score` (JSON and raw u32 bodies with msgpack answers) vs Dynamo `/query` (JSON): p50/p99 at
-  1k / 8k / 32k tokens, sequential keep-alive requests, prefixes that hit;
-- RSS per indexed block: (RSS after ingestion - RSS before) / blocks stored.
+- ingestion: blocks/s from the first send until the last block of every worker is visible via a query
+  (one service at a time, the other idle);
+- `/score` (JSON; msgpack; raw u32 bodies with msgpack answers) vs Dynamo `/query` (JSON): p50/p99
+  at 1k / 8k / 32k tokens, sequential keep-alive requests, prefixes that hit; request bodies are
+  encoded before the clock starts (both services), so the client's encoder is not measured; both
+  services are up during this phase and requests alternate between them one by one, so load from
+  elsewhere on a shared host hits both series alike;
+- ingestion CPU: the service process's CPU seconds (all threads) over the same interval, per block;
+- RSS per indexed block: (RSS after ingestion - RSS before) / blocks stored, at visibility and 1 s later.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -53,6 +59,13 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) the process has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_for(pred: Callable[[], bool], timeout: float, what: str, interval: float = 0.01) -> float:
@@ -170,11 +183,14 @@ class Kvatlas(Service):
         assert st == 200, body
         return {w["worker_id"]: w["cached_blocks"] for w in msgspec.json.decode(body)["workers"]}
 
-    def queries(self) -> dict[str, Callable[[list[int]], bytes]]:
+    def queries(self) -> dict[str, tuple[Callable[[list[int]], bytes], Callable[[bytes], bytes]]]:
         return {
-            "json": lambda t: self._q("/score", msgspec.json.encode({"token_ids": t}), "application/json"),
-            "binary": lambda t: self._q("/score", np.asarray(t, dtype="<u4").tobytes(), "application/octet-stream",
-                                        "application/msgpack"),
+            "json": (lambda t: msgspec.json.encode({"token_ids": t}),
+                     lambda b: self._q("/score", b, "application/json")),
+            "msgpack": (lambda t: msgspec.msgpack.encode({"token_ids": t}),
+                        lambda b: self._q("/score", b, "application/msgpack", "application/msgpack")),
+            "binary": (lambda t: np.asarray(t, dtype="<u4").tobytes(),
+                       lambda b: self._q("/score", b, "application/octet-stream", "application/msgpack")),
         }
 
     def _q(self, path: str, body: bytes, ctype: str, accept: str = "application/json") -> bytes:
@@ -188,10 +204,16 @@ class Dynamo(Service):
 
     def __init__(self, python: str) -> None:
         self.port = free_port()
+        self.log = tempfile.TemporaryFile()  # its stderr, shown if it fails to start
         self.proc = subprocess.Popen(
             [python, "-m", "dynamo.indexer", "--port", str(self.port), "--block-size", str(BS), "--threads", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.wait_up()
+            stdout=subprocess.DEVNULL, stderr=self.log)
+        try:
+            self.wait_up()
+        except RuntimeError as exc:
+            self.log.seek(0)
+            tail = self.log.read().decode("utf-8", "replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"{exc}: {' | '.join(tail)}") from None
 
     def register(self, i: int, ep: str, rep: str) -> None:
         st, body = self.http.post("/register", json.dumps({"instance_id": i, "endpoint": ep, "block_size": BS,
@@ -205,18 +227,18 @@ class Dynamo(Service):
         scores = msgspec.json.decode(body).get("scores", {})
         return {f"w{k}": max(v.values()) for k, v in scores.items()}
 
-    def queries(self) -> dict[str, Callable[[list[int]], bytes]]:
-        def q(t: list[int]) -> bytes:
-            st, out = self.http.post("/query", msgspec.json.encode({"token_ids": t, "model_name": "default"}),
-                                     "application/json")
+    def queries(self) -> dict[str, tuple[Callable[[list[int]], bytes], Callable[[bytes], bytes]]]:
+        def q(body: bytes) -> bytes:
+            st, out = self.http.post("/query", body, "application/json")
             assert st == 200, out
             return out
-        return {"json": q}
+        return {"json": (lambda t: msgspec.json.encode({"token_ids": t, "model_name": "default"}), q)}
 
 
 # --- one measured run ---------------------------------------------------------------------------
 
-def run_one(svc: Service, stream: Stream, n_queries: int) -> dict[str, Any]:
+def ingest(svc: Service, stream: Stream) -> tuple[dict[str, Any], list[ZmqEventPublisher]]:
+    """Feed the whole stream; returns the ingestion figures and the (still open) publishers."""
     pubs = []
     for i in range(len(stream.payloads)):
         ep, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
@@ -236,6 +258,7 @@ def run_one(svc: Service, stream: Stream, n_queries: int) -> dict[str, Any]:
         return False
     wait_for(all_probed, 60, f"{svc.name} subscriptions", interval=0.05)
     rss0 = rss_kib(svc.proc.pid)
+    cpu0 = cpu_s(svc.proc.pid)
 
     t0 = time.perf_counter()
     # Interleave workers the way a fleet would send.
@@ -244,6 +267,9 @@ def run_one(svc: Service, stream: Stream, n_queries: int) -> dict[str, Any]:
         for i, p in enumerate(pubs):
             if k < len(stream.payloads[i]):
                 p.publish_payload(stream.payloads[i][k])
+    for p in pubs:
+        p.flush(60)
+    t_sent = time.perf_counter()
     markers = stream.markers
 
     def visible() -> bool:
@@ -252,25 +278,39 @@ def run_one(svc: Service, stream: Stream, n_queries: int) -> dict[str, Any]:
                 return False
         return True
     t1 = wait_for(visible, 600, f"{svc.name} ingestion", interval=0.02)
+    cpu1 = cpu_s(svc.proc.pid)
     rss1 = rss_kib(svc.proc.pid)
+    # Settled: what the process keeps once the burst's buffers are released (same wait for both).
+    wait_for(lambda: time.perf_counter() - t1 >= 1.0, 5, "settle", interval=0.05)
+    rss2 = rss_kib(svc.proc.pid)
+    return ({"blocks": stream.blocks, "ingest_s": t1 - t0, "blocks_per_s": stream.blocks / (t1 - t0),
+             "send_s": t_sent - t0, "cpu_us_per_block": (cpu1 - cpu0) * 1e6 / stream.blocks,
+             "rss_per_block_b": (rss1 - rss0) * 1024 / stream.blocks,
+             "rss_settled_per_block_b": (rss2 - rss0) * 1024 / stream.blocks}, pubs)
 
+
+def latencies(svcs: list[Service], stream: Stream, n_queries: int) -> dict[str, dict[str, dict[int, list[float]]]]:
+    """Per service, body format and size: request latencies. Requests to the services (and formats)
+    are interleaved one by one, so a noisy neighbour on a shared host slows every series alike."""
     rng = random.Random(1)
-    lat: dict[str, dict[int, list[float]]] = {}
-    for fmt, fn in svc.queries().items():
-        for size in SIZES:
-            qs = [stream.docs[rng.randrange(len(stream.docs))][:size] for _ in range(n_queries)]
-            for q in qs[:10]:
-                fn(q)  # warm-up
-            ts = []
-            for q in qs:
+    out: dict[str, dict[str, dict[int, list[float]]]] = {svc.name: {} for svc in svcs}
+    for size in SIZES:
+        docs = [stream.docs[rng.randrange(len(stream.docs))][:size] for _ in range(n_queries)]
+        series = []
+        for svc in svcs:
+            for fmt, (encode, fn) in svc.queries().items():
+                # Bodies are encoded before timing: the figures are the service's, not the client's encoder.
+                series.append((svc.name, fmt, fn, [encode(d) for d in docs]))
+        for name, fmt, fn, bodies in series:
+            for b in bodies[:10]:
+                fn(b)  # warm-up
+            out[name].setdefault(fmt, {})[size] = []
+        for i in range(n_queries):
+            for name, fmt, fn, bodies in series:
                 a = time.perf_counter()
-                fn(q)
-                ts.append(time.perf_counter() - a)
-            lat.setdefault(fmt, {})[size] = ts
-    for p in pubs:
-        p.close(timeout=2)
-    return {"blocks": stream.blocks, "ingest_s": t1 - t0, "blocks_per_s": stream.blocks / (t1 - t0),
-            "rss_per_block_b": (rss1 - rss0) * 1024 / stream.blocks, "lat": lat}
+                fn(bodies[i])
+                out[name][fmt][size].append(time.perf_counter() - a)
+    return out
 
 
 def pct(ts: list[float], q: float) -> float:
@@ -296,19 +336,29 @@ def main() -> int:
         dyn_reason = f"{args.bench_python} missing: run bash bench/setup_bench_env.sh"
     elif (ROOT / ".venv-bench" / ".dynamo-install-failed").exists():
         dyn_reason = (ROOT / ".venv-bench" / ".dynamo-install-failed").read_text().strip()
-    for name, make in (("kvatlas", Kvatlas), ("dynamo", lambda: Dynamo(args.bench_python))):
-        if name == "dynamo" and dyn_reason:
-            continue
-        try:
-            svc = make()
-        except Exception as exc:  # Dynamo may not run on this host: report why, keep our numbers
-            if name == "dynamo":
-                dyn_reason = f"python -m dynamo.indexer failed to start: {exc}"
+    running: list[Service] = []
+    pubs: list[ZmqEventPublisher] = []
+    try:
+        # Ingestion one service at a time (the other is idle), then latency with both up.
+        for name, make in (("kvatlas", Kvatlas), ("dynamo", lambda: Dynamo(args.bench_python))):
+            if name == "dynamo" and dyn_reason:
                 continue
-            raise
-        try:
-            results[name] = run_one(svc, stream, args.queries)
-        finally:
+            try:
+                svc = make()
+            except Exception as exc:  # Dynamo may not run on this host: report why, keep our numbers
+                if name == "dynamo":
+                    dyn_reason = f"python -m dynamo.indexer failed to start: {exc}"
+                    continue
+                raise
+            running.append(svc)
+            results[name], svc_pubs = ingest(svc, stream)
+            pubs += svc_pubs
+        for name, lat in latencies(running, stream, args.queries).items():
+            results[name]["lat"] = lat
+    finally:
+        for p in pubs:
+            p.close(timeout=2)
+        for svc in running:
             svc.stop()
 
     ours, dyn = results["kvatlas"], results.get("dynamo")
@@ -319,18 +369,26 @@ def main() -> int:
         print(f"{label:28}{fmt.format(a)}{fmt.format(b) if b is not None else '':>14}{r}")
 
     row("ingest blocks/s", ours["blocks_per_s"], dyn and dyn["blocks_per_s"], "{:14,.0f}")
+    row("  (sender done after, s)", ours["send_s"], dyn and dyn["send_s"])
+    row("ingest CPU us / block", ours["cpu_us_per_block"], dyn and dyn["cpu_us_per_block"])
     row("RSS bytes / block", ours["rss_per_block_b"], dyn and dyn["rss_per_block_b"], "{:14.1f}")
+    row("RSS bytes / block, 1 s on", ours["rss_settled_per_block_b"], dyn and dyn["rss_settled_per_block_b"],
+        "{:14.1f}")
     for size in SIZES:
         for q, qn in ((0.5, "p50"), (0.99, "p99")):
             d = dyn and pct(dyn["lat"]["json"][size], q)
             row(f"{size // 1024}k tok {qn} JSON (ms)", pct(ours["lat"]["json"][size], q), d)
+            row(f"{size // 1024}k tok {qn} msgpack (ms)", pct(ours["lat"]["msgpack"][size], q), d)
             row(f"{size // 1024}k tok {qn} binary (ms)", pct(ours["lat"]["binary"][size], q), d)
     if dyn is None:
         print(f"\nDynamo not measured: {dyn_reason}")
     else:
         print("\nratios are kvatlas / dynamo; targets: ingest >= 1.0, /score p50 JSON <= 1.0, binary <= 0.5, RSS <= 1.0")
-        print("dynamo: --threads 1; its /query answers JSON only, so 'binary' rows compare our raw-u32 body"
-              " + msgpack answer against its JSON /query")
+        print("ingest blocks/s is bounded by this process's publishers when the service keeps up (compare with"
+              " 'sender done after'); CPU us/block is the service's own cost (all its threads, incl. the"
+              " visibility queries)")
+        print("dynamo: --threads 1; its /query takes and answers JSON only, so the 'msgpack' (msgpack body and"
+              " answer) and 'binary' (raw u32 body, msgpack answer) rows compare against its JSON /query")
     return 0
 
 

@@ -29,6 +29,7 @@ import msgspec
 from indexer.eventlog import LogFrame
 from indexer.index import KVIndex
 from indexer.sequencing import DeliverStep, GapStep, RestartStep, SeqTracker, on_live
+from schemas.batchhead import read_head as _read_head
 from schemas.codec import DecodeError, decode_batch
 from schemas.events import BlockStored
 
@@ -337,43 +338,6 @@ class LogReplayer:
             elapsed_s=elapsed_s, frames_per_s=self.frames / elapsed_s if elapsed_s > 0 else 0.0,
             workers=workers,
         )
-
-
-class _Tag(msgspec.Struct, tag_field="type"):
-    """An event with every field but its tag skipped (unknown fields are ignored)."""
-
-    @property
-    def type_name(self) -> str:
-        return self.__struct_config__.tag  # type: ignore[return-value]
-
-
-class _StoredTag(_Tag, tag="BlockStored"):
-    pass
-
-
-class _RemovedTag(_Tag, tag="BlockRemoved"):
-    pass
-
-
-class _ClearedTag(_Tag, tag="AllBlocksCleared"):
-    pass
-
-
-class _Head(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[Union[_StoredTag, _RemovedTag, _ClearedTag]]
-    data_parallel_rank: Union[int, None] = None
-
-
-_head_decoder = msgspec.msgpack.Decoder(_Head)
-
-
-def _read_head(payload: bytes) -> _Head | None:
-    """dp_rank and event types of a map-form batch, or None (array-form events, bad input)."""
-    try:
-        return _head_decoder.decode(payload)
-    except msgspec.MsgspecError:
-        return None
 
 
 def _no_replay(first: int, last: int) -> tuple[()]:

@@ -1,8 +1,11 @@
-"""FastAPI app around an IndexerService. `create_app(service)` — no globals.
+"""HTTP app around an IndexerService. `create_app(service)` — no globals.
 
-Hot paths read the raw body and decode it with msgspec (JSON, msgpack or raw little-endian u32
-tokens), so large token lists never go through pydantic. Every error is JSON `{"error": msg}`;
-bodies above the limit get 413 before any parsing; bad input is counted per endpoint and reason.
+The hot endpoints (`POST /score`, `POST /query`) are served by a pure ASGI front (`ScoreFront`)
+ahead of FastAPI: it reads the raw body and decodes it with cached msgspec decoders (JSON, msgpack,
+or raw little-endian u32 tokens viewed with `np.frombuffer`, no list), and answers with cached
+encoders — no routing, dependency solving or Request/Response objects per query. Everything else
+goes through FastAPI. Every error is JSON `{"error": msg}`; bodies above the limit get 413 before
+any parsing; bad input is counted per endpoint and reason. The bearer check wraps both.
 """
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import hmac
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
+from urllib.parse import parse_qsl
 
 import msgspec
 import numpy as np
@@ -42,6 +46,11 @@ _dec_msgpack: dict[type, msgspec.msgpack.Decoder[Any]] = {
 }
 
 
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+_JSON_HEADERS = (b"content-type", b"application/json")
+_MSGPACK_HEADERS = (b"content-type", b"application/msgpack")
+
+
 class ApiError(Exception):
     """An error answered as JSON; `reason` labels the reject counter."""
 
@@ -57,13 +66,183 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
                     media_type="application/json", headers=headers)
 
 
+def content_kind(ctype: str) -> str:
+    """"json" | "msgpack" | "octet" for a Content-Type header value; ApiError(415) otherwise."""
+    ctype = ctype.split(";", 1)[0].strip().lower()
+    if ctype in ("application/json", "", "text/json"):
+        return "json"
+    if ctype in MSGPACK_TYPES:
+        return "msgpack"
+    if ctype == "application/octet-stream":
+        return "octet"
+    raise ApiError(415, f"unsupported content type {ctype!r}: use application/json, "
+                        "application/msgpack or application/octet-stream", "bad_content_type")
+
+
+def decode_body(kind: str, body: bytes, typ: type) -> Any:
+    if not body:
+        raise ApiError(400, "empty body", "empty_body")
+    try:
+        if kind == "json":
+            return _dec_json[typ].decode(body)
+        return _dec_msgpack[typ].decode(body)
+    except msgspec.ValidationError as exc:
+        raise ApiError(422, f"invalid request: {exc}", "invalid") from None
+    except msgspec.DecodeError as exc:
+        reason = "bad_json" if kind == "json" else "bad_msgpack"
+        raise ApiError(400, f"malformed {kind} body: {exc}", reason) from None
+
+
+def octet_tokens(body: bytes) -> np.ndarray:
+    """Raw little-endian u32 tokens, viewed in place (no copy, no Python ints); empty = no tokens."""
+    if len(body) % 4:
+        raise ApiError(422, f"octet-stream body of {len(body)} bytes is not a whole number of "
+                            "little-endian u32 tokens", "invalid")
+    if len(body) // 4 > MAX_QUERY_TOKENS:
+        raise ApiError(422, f"{len(body) // 4} tokens exceeds the {MAX_QUERY_TOKENS}-token limit",
+                       "invalid")
+    return np.frombuffer(body, dtype="<u4")
+
+
+def check_length(value: str | bytes | None, max_body: int) -> None:
+    """A declared Content-Length above the limit is refused before any body is read."""
+    if value is None:
+        return
+    try:
+        n = int(value)
+    except ValueError:
+        raise ApiError(400, "invalid Content-Length", "bad_header") from None
+    if n > max_body:
+        raise ApiError(413, f"body of {n} bytes exceeds the {max_body}-byte limit", "too_large")
+
+
+class _ClientGone(Exception):
+    """The client disconnected before sending its whole body: nothing to answer."""
+
+
+class ScoreFront:
+    """Pure ASGI front serving `/score` and `/query` without the framework; every other request
+    goes to `app` (FastAPI). Behaviour (status codes, error bodies, reject counters, latency
+    metrics) is the same the FastAPI routes had."""
+
+    __slots__ = ("app", "service", "metrics", "max_body", "default_model", "_routes", "fastapi")
+
+    def __init__(self, app: ASGIApp, service: IndexerService) -> None:
+        self.app = app
+        self.fastapi = app
+        self.service = service
+        self.metrics = service.metrics
+        self.max_body = service.config.max_body_bytes
+        self.default_model = service.config.model
+        self._routes = {"/score": ("score", ScoreRequest, service.score),
+                        "/query": ("query", QueryRequest, service.query_compat)}
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        route = self._routes.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] != "POST":
+            await _send(send, 405, _json.encode(ErrorResponse(error="method not allowed: use POST")),
+                        _JSON_HEADERS, ((b"allow", b"POST"),))
+            return
+        await self._serve(route, scope, receive, send)
+
+    async def _serve(self, route: tuple[str, type, Callable[..., Any]], scope: dict, receive: Callable,
+                     send: Callable) -> None:
+        t0 = time.perf_counter()
+        endpoint, typ, handler = route
+        ctype = accept = clen = None
+        for k, v in scope["headers"]:
+            if k == b"content-type":
+                ctype = v
+            elif k == b"accept":
+                accept = v
+            elif k == b"content-length":
+                clen = v
+        try:
+            kind = content_kind("application/json" if ctype is None else ctype.decode("latin-1"))
+            check_length(clen, self.max_body)
+            body = await self._read(receive)
+            if kind == "octet":
+                qp = dict(parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)) \
+                    if scope["query_string"] else {}
+                model = qp.get("model") or qp.get("model_name") or self.default_model
+                res = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None)
+            else:
+                req = decode_body(kind, body, typ)
+                if typ is QueryRequest:
+                    model = req.model_name or req.model or self.default_model
+                else:
+                    model = req.model
+                res = handler(model, req.token_ids, req.lora_name, req.cache_salt)
+        except _ClientGone:
+            return
+        except ApiError as exc:
+            self.metrics.http_rejects.inc(endpoint, exc.reason)
+            await _send(send, exc.status, _json.encode(ErrorResponse(error=exc.message)), _JSON_HEADERS)
+            return
+        except UnknownModel as exc:
+            self.metrics.http_rejects.inc(endpoint, "unknown_model")
+            await _send(send, 404, _json.encode(ErrorResponse(error=str(exc))), _JSON_HEADERS)
+            return
+        except Exception as exc:  # a bug must answer 500 and be counted, never kill the connection
+            self.metrics.http_rejects.inc(scope["path"], "internal_error")
+            log.exception("event=internal_error path=%s", scope["path"])
+            await _send(send, 500, _json.encode(ErrorResponse(error=f"internal error: {type(exc).__name__}: {exc}")),
+                        _JSON_HEADERS)
+            return
+        if accept is not None and b"msgpack" in accept:
+            await _send(send, 200, _msgpack.encode(res), _MSGPACK_HEADERS)
+        else:
+            await _send(send, 200, _json.encode(res), _JSON_HEADERS)
+        dt = time.perf_counter() - t0
+        self.metrics.request_latency.observe(dt, endpoint)
+        if endpoint == "score":
+            self.metrics.recent_score.add(dt)
+
+    async def _read(self, receive: Callable) -> bytes:
+        """The whole body; 413 as soon as it passes the limit (whatever Content-Length said)."""
+        msg = await receive()
+        if msg["type"] != "http.request":
+            raise _ClientGone
+        body = msg.get("body", b"")
+        if not msg.get("more_body", False):  # the common case: one message, no copy
+            if len(body) > self.max_body:
+                raise ApiError(413, f"body exceeds the {self.max_body}-byte limit", "too_large")
+            return body
+        buf = bytearray(body)
+        while True:
+            if len(buf) > self.max_body:
+                raise ApiError(413, f"body exceeds the {self.max_body}-byte limit", "too_large")
+            msg = await receive()
+            if msg["type"] != "http.request":
+                raise _ClientGone
+            buf += msg.get("body", b"")
+            if not msg.get("more_body", False):
+                break
+        if len(buf) > self.max_body:
+            raise ApiError(413, f"body exceeds the {self.max_body}-byte limit", "too_large")
+        return bytes(buf)
+
+
+async def _send(send: Callable, status: int, body: bytes, ctype: tuple[bytes, bytes],
+                extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [ctype, (b"content-length", str(len(body)).encode()), *extra]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class BearerAuth:
     """Pure ASGI middleware: every path but /health needs `Authorization: Bearer <token>`.
     The dashboard page (`GET /`) may also carry it as `?token=` since a browser cannot set headers
     on navigation; the page then sends the header on its own requests."""
 
+    __slots__ = ("app", "fastapi", "expected", "token")
+
     def __init__(self, app: Any, token: str) -> None:
         self.app = app
+        self.fastapi = getattr(app, "fastapi", app)
         self.expected = b"Bearer " + token.encode()
         self.token = token.encode()
 
@@ -89,29 +268,22 @@ class BearerAuth:
         await resp(scope, receive, send)
 
 
-def create_app(service: IndexerService) -> FastAPI:
+def create_app(service: IndexerService) -> ASGIApp:
+    """The service's ASGI app: bearer check (when configured) -> ScoreFront -> FastAPI.
+    The FastAPI app itself is reachable as `.fastapi` on the result."""
     cfg = service.config
     metrics = service.metrics
     max_body = cfg.max_body_bytes
     dashboard_html = (STATIC_DIR / "dashboard.html").read_text(encoding="utf-8")
 
     app = FastAPI(title="kvatlas indexer", version="0.1.0", docs_url="/docs", redoc_url=None)
-    if cfg.auth_token:
-        app.add_middleware(BearerAuth, token=cfg.auth_token)
 
     def reject(endpoint: str, exc: ApiError) -> Response:
         metrics.http_rejects.inc(endpoint, exc.reason)
         return _error(exc.status, exc.message)
 
     async def read_body(request: Request) -> bytes:
-        cl = request.headers.get("content-length")
-        if cl is not None:
-            try:
-                n = int(cl)
-            except ValueError:
-                raise ApiError(400, "invalid Content-Length", "bad_header") from None
-            if n > max_body:
-                raise ApiError(413, f"body of {n} bytes exceeds the {max_body}-byte limit", "too_large")
+        check_length(request.headers.get("content-length"), max_body)
         chunks: list[bytes] = []
         total = 0
         async for chunk in request.stream():
@@ -121,39 +293,6 @@ def create_app(service: IndexerService) -> FastAPI:
             chunks.append(chunk)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def content_kind(request: Request) -> str:
-        ctype = request.headers.get("content-type", "application/json").split(";", 1)[0].strip().lower()
-        if ctype in ("application/json", "", "text/json"):
-            return "json"
-        if ctype in MSGPACK_TYPES:
-            return "msgpack"
-        if ctype == "application/octet-stream":
-            return "octet"
-        raise ApiError(415, f"unsupported content type {ctype!r}: use application/json, "
-                            "application/msgpack or application/octet-stream", "bad_content_type")
-
-    def decode(kind: str, body: bytes, typ: type) -> Any:
-        if not body:
-            raise ApiError(400, "empty body", "empty_body")
-        try:
-            if kind == "json":
-                return _dec_json[typ].decode(body)
-            return _dec_msgpack[typ].decode(body)
-        except msgspec.ValidationError as exc:
-            raise ApiError(422, f"invalid request: {exc}", "invalid") from None
-        except msgspec.DecodeError as exc:
-            reason = "bad_json" if kind == "json" else "bad_msgpack"
-            raise ApiError(400, f"malformed {kind} body: {exc}", reason) from None
-
-    def octet_tokens(body: bytes) -> np.ndarray:
-        if len(body) % 4:
-            raise ApiError(422, f"octet-stream body of {len(body)} bytes is not a whole number of "
-                                "little-endian u32 tokens", "invalid")
-        if len(body) // 4 > MAX_QUERY_TOKENS:
-            raise ApiError(422, f"{len(body) // 4} tokens exceeds the {MAX_QUERY_TOKENS}-token limit",
-                           "invalid")
-        return np.frombuffer(body, dtype="<u4")
-
     def encode_for(request: Request, obj: Any, status: int = 200) -> Response:
         accept = request.headers.get("accept", "")
         if "msgpack" in accept:
@@ -161,61 +300,16 @@ def create_app(service: IndexerService) -> FastAPI:
         return Response(_json.encode(obj), status_code=status, media_type="application/json")
 
     def observe(endpoint: str, t0: float) -> None:
-        dt = time.perf_counter() - t0
-        metrics.request_latency.observe(dt, endpoint)
-        if endpoint == "score":
-            metrics.recent_score.add(dt)
-
-    async def parse_query(request: Request, typ: type) -> tuple[str, Any, str | None, str | None]:
-        kind = content_kind(request)
-        body = await read_body(request)
-        if kind == "octet":
-            qp = request.query_params
-            model = qp.get("model") or qp.get("model_name") or cfg.model
-            return model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None
-        req = decode(kind, body, typ)
-        if typ is QueryRequest:
-            model = req.model_name or req.model or cfg.model
-        else:
-            model = req.model
-        return model, req.token_ids, req.lora_name, req.cache_salt
-
-    @app.post("/score")
-    async def score(request: Request) -> Response:
-        t0 = time.perf_counter()
-        try:
-            model, tokens, lora, salt = await parse_query(request, ScoreRequest)
-            res = service.score(model, tokens, lora, salt)
-        except ApiError as exc:
-            return reject("score", exc)
-        except UnknownModel as exc:
-            return reject("score", ApiError(404, str(exc), "unknown_model"))
-        resp = encode_for(request, res)
-        observe("score", t0)
-        return resp
-
-    @app.post("/query")
-    async def query(request: Request) -> Response:
-        t0 = time.perf_counter()
-        try:
-            model, tokens, lora, salt = await parse_query(request, QueryRequest)
-            res = service.query_compat(model, tokens, lora, salt)
-        except ApiError as exc:
-            return reject("query", exc)
-        except UnknownModel as exc:
-            return reject("query", ApiError(404, str(exc), "unknown_model"))
-        resp = encode_for(request, res)
-        observe("query", t0)
-        return resp
+        metrics.request_latency.observe(time.perf_counter() - t0, endpoint)
 
     @app.post("/workers")
     async def register(request: Request) -> Response:
         t0 = time.perf_counter()
         try:
-            kind = content_kind(request)
+            kind = content_kind(request.headers.get("content-type", "application/json"))
             if kind == "octet":
                 raise ApiError(415, "register with a JSON or msgpack body", "bad_content_type")
-            reg = decode(kind, await read_body(request), RegisterWorker)
+            reg = decode_body(kind, await read_body(request), RegisterWorker)
             status = service.register(reg)
         except ApiError as exc:
             return reject("register", exc)
@@ -267,4 +361,5 @@ def create_app(service: IndexerService) -> FastAPI:
         log.exception("event=internal_error path=%s", request.url.path)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    return app
+    front: Any = ScoreFront(app, service)
+    return BearerAuth(front, cfg.auth_token) if cfg.auth_token else front

@@ -5,6 +5,16 @@ Threading: the Subscriber's sockets are touched only by this thread; the HTTP si
 subscription changes through a command queue. The shared `lock` guards the index and the registry
 together and is held for one batch at a time, so /score never waits for more than one batch and
 ingestion never waits for more than one query.
+
+Fast path: only the payload's head (ts, dp_rank, event tags; `schemas.batchhead`) is read here;
+the payload itself goes to `KVIndex.apply_payload`, which hashes token ids straight from the
+msgpack bytes. A payload whose head does not read (array-form events, bad bytes) takes the full
+decoder, which also gives the exact error label.
+
+Resync: when a worker has to be cleared after a loss (a gap replay could not cover, or orphans
+that expired on a clean stream) its publisher is asked for a snapshot if the subscriber can
+(`request_snapshot`): a kvatlas producer answers in-stream with AllBlocksCleared + its full state,
+and that AllBlocksCleared marks the worker clean again (registry.on_reset).
 """
 from __future__ import annotations
 
@@ -14,9 +24,11 @@ import threading
 import time
 from typing import Any, Callable
 
+from router_api.memtrim import MemoryTrimmer
 from router_api.metrics import ServiceMetrics
 from router_api.registry import Registry
 from schemas.api import RegisterWorker
+from schemas.batchhead import read_head
 from schemas.codec import DecodeError, decode_batch
 
 log = logging.getLogger("kvatlas.ingest")
@@ -38,6 +50,9 @@ class ApplyAdapter:
     def apply(self, model: str, worker_id: str, dp_rank: int, batch: Any) -> Any:
         return self.index.apply(model, worker_id, dp_rank, batch)
 
+    def apply_payload(self, model: str, worker_id: str, dp_rank: int, payload: bytes) -> Any:
+        return self.index.apply_payload(model, worker_id, dp_rank, payload)
+
     def record(self, stats: Any) -> tuple[bool, bool]:
         """Feed ApplyStats into metrics; returns (orphans expired, batch held AllBlocksCleared)."""
         return record_apply_stats(self.metrics, stats)
@@ -57,6 +72,16 @@ def record_apply_stats(metrics: ServiceMetrics, stats: Any) -> tuple[bool, bool]
         if n:
             metrics.drops.inc(reason, amount=n)
     return bool(stats.resync_needed), cleared
+
+
+def _decode_failure(stats: Any) -> str | None:
+    """The `decode_*` drop reason when `apply_payload` found the payload undecodable, else None."""
+    if stats is None:
+        return None
+    for reason, n in stats.drops.items():
+        if n and reason.startswith("decode_"):
+            return reason
+    return None
 
 
 class _Cmd:
@@ -87,6 +112,7 @@ class IngestLoop:
         tick_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        trimmer: MemoryTrimmer | None = None,
     ) -> None:
         self.index = index
         self.registry = registry
@@ -103,6 +129,9 @@ class IngestLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._logged: dict[str, int] = {}
+        self._sub: Any = None  # set by the thread; only the thread uses it
+        # Returns burst buffers to the OS once ingestion goes idle (see router_api.memtrim).
+        self.trimmer = trimmer if trimmer is not None else MemoryTrimmer()
         self.applied_batches = 0  # read by /health and the dashboard
         self.deliveries = 0  # every Batch/Gap/Restart handled (snapshots skip when unchanged)
         self.last_error: str | None = None
@@ -135,7 +164,7 @@ class IngestLoop:
 
     # -- the thread --------------------------------------------------------------------------
     def _run(self) -> None:
-        sub = self._subscriber_factory()
+        sub = self._sub = self._subscriber_factory()
         next_tick = self._clock()
         log.info("event=ingest_started poll_ms=%d", self._poll_ms)
         try:
@@ -152,6 +181,10 @@ class IngestLoop:
                 for d in deliveries:
                     self._handle(d)
                 now = self._clock()
+                if deliveries:
+                    self.trimmer.note(len(deliveries))
+                elif self.trimmer.maybe_trim(now):  # a quiet poll: the burst is over
+                    log.debug("event=memory_trimmed trims=%d", self.trimmer.trims)
                 if now >= next_tick:
                     next_tick = now + self._tick_s
                     self._tick(now)
@@ -209,12 +242,25 @@ class IngestLoop:
 
     def _on_batch(self, d: Any) -> None:
         wid = d.worker_id
-        batch = decode_batch(d.payload)
-        if isinstance(batch, DecodeError):
-            self._count_bad("decode_" + batch.reason, f"worker={wid} seq={d.seq}: {batch.message}")
+        payload = d.payload
+        head = read_head(payload)
+        batch: Any = None
+        bad: tuple[str, str] | None = None  # (reason, message) of a payload that does not decode
+        if head is None or not head.events:
+            # No head: only the full decoder can judge. An empty head (heartbeat) is decoded fully
+            # too — it is a few bytes — so a heartbeat is accepted exactly when decode_batch accepts it.
+            batch = decode_batch(payload)
+            if isinstance(batch, DecodeError):
+                bad = ("decode_" + batch.reason, batch.message)
+                ts, raw_rank, n_events = 0.0, None, 0
+            else:
+                ts, raw_rank, n_events = batch.ts, batch.data_parallel_rank, len(batch.events)
+        else:
+            ts, raw_rank, n_events = head.ts, head.data_parallel_rank, len(head.events)
         now = self._clock()
         wall = self._wall()
         resync = orphans = False
+        heartbeat = False
         with self.lock:
             state = self.registry.get(wid)
             if state is None:  # removed while its messages were in flight
@@ -223,27 +269,38 @@ class IngestLoop:
             reg = state.reg
             dp_rank: int | None = None
             lag = None
-            heartbeat = False
-            if not isinstance(batch, DecodeError):
-                dp_rank = batch.data_parallel_rank
-                if dp_rank is None or dp_rank < 0:
-                    dp_rank = reg.dp_rank
-                heartbeat = not batch.events
-                lag = wall - batch.ts if batch.ts > 0 else None
-                if batch.events:
+            if bad is None:
+                dp_rank = raw_rank if raw_rank is not None and raw_rank >= 0 else reg.dp_rank
+                if n_events:
                     try:
-                        stats = self.adapter.apply(reg.model, wid, dp_rank, batch)
+                        if batch is None:
+                            stats = self.adapter.apply_payload(reg.model, wid, dp_rank, payload)
+                        else:
+                            stats = self.adapter.apply(reg.model, wid, dp_rank, batch)
                     except Exception as exc:  # the index promises not to raise; never trust it blindly
                         self._count_bad("apply_error", f"worker={wid} seq={d.seq}: {exc!r}")
                         stats = None
-                    orphans, cleared = self.adapter.record(stats)
-                    if cleared:
-                        self.registry.on_reset(wid)
+                    reason = _decode_failure(stats)
+                    if reason is not None:
+                        # The head read but the events do not decode: a whole-batch drop, exactly
+                        # as when the full decoder rejects the payload up front.
+                        bad = (reason, "payload does not decode")
+                        dp_rank = None
+                    else:
+                        orphans, cleared = self.adapter.record(stats)
+                        if cleared:
+                            self.registry.on_reset(wid)
+                else:
+                    heartbeat = True
+                if bad is None:
+                    lag = wall - ts if ts > 0 else None
             self.registry.on_batch(wid, d.seq, now, heartbeat=heartbeat, dp_rank=dp_rank, lag=lag)
             if orphans and self.registry.on_orphans(wid, now):
                 # First sign of loss on a clean stream: same path as an unrecoverable gap.
                 self.index.clear_worker(reg.model, wid)
                 resync = True
+        if bad is not None:
+            self._count_bad(bad[0], f"worker={wid} seq={d.seq}: {bad[1]}")
         self.applied_batches += 1
         self.metrics.batches.inc(wid, "replayed" if d.replayed else ("heartbeat" if heartbeat else "live"))
         if lag is not None:
@@ -251,8 +308,23 @@ class IngestLoop:
         if resync:
             self.metrics.resyncs.inc(wid)
             log.warning("event=resync worker=%s reason=orphans_expired seq=%d", wid, d.seq)
+            self._request_snapshot(wid)
         elif orphans:
             self._count_bad("orphans_after_resync", f"worker={wid} seq={d.seq}: parents lost in an earlier resync")
+
+    def _request_snapshot(self, wid: str) -> None:
+        """Ask the worker's publisher to re-publish its state in-stream (kvatlas producers do;
+        engines ignore it). Its AllBlocksCleared, when it arrives, ends the resync."""
+        ask = getattr(self._sub, "request_snapshot", None)
+        if ask is None:
+            return
+        try:
+            outcome = "sent" if ask(wid) else "not_sent"
+        except Exception as exc:  # a subscriber bug must not kill ingestion
+            outcome = "error"
+            log.error("event=snapshot_request_error worker=%s error=%r", wid, exc)
+        self.metrics.snapshot_requests.inc(wid, outcome)
+        log.info("event=snapshot_requested worker=%s outcome=%s", wid, outcome)
 
     def _on_gap(self, d: Any) -> None:
         wid = d.worker_id
@@ -272,6 +344,7 @@ class IngestLoop:
             self.metrics.resyncs.inc(wid)
             log.warning("event=resync worker=%s reason=replay_cannot_cover first=%d last=%d",
                         wid, d.first, d.last)
+            self._request_snapshot(wid)
 
     def _on_restart(self, d: Any) -> None:
         wid = d.worker_id

@@ -60,9 +60,12 @@ class Counter(_Metric):
         self._values: dict[LabelValues, float] = {}
 
     def inc(self, *labels: str, amount: float = 1.0) -> None:
-        self._check(labels)
         with self._lock:
-            self._values[labels] = self._values.get(labels, 0.0) + amount
+            v = self._values.get(labels)
+            if v is None:  # labels are checked once per label set, not on every hot-path inc
+                self._check(labels)
+                v = 0.0
+            self._values[labels] = v + amount
 
     def get(self, *labels: str) -> float:
         return self._values.get(labels, 0.0)
@@ -87,8 +90,9 @@ class Gauge(Counter):
     kind = "gauge"
 
     def set(self, *labels: str, value: float) -> None:
-        self._check(labels)
         with self._lock:
+            if labels not in self._values:
+                self._check(labels)
             self._values[labels] = value
 
     def replace(self, values: dict[LabelValues, float]) -> None:
@@ -170,7 +174,8 @@ class ServiceMetrics:
 
     __slots__ = (
         "events", "drops", "batches", "gaps", "replays", "resyncs", "restarts", "worker_lag",
-        "worker_blocks", "request_latency", "http_rejects", "snapshots", "recent_score", "_all",
+        "worker_blocks", "request_latency", "http_rejects", "snapshots", "snapshot_requests",
+        "recent_score", "_all",
     )
 
     def __init__(self) -> None:
@@ -190,11 +195,15 @@ class ServiceMetrics:
         self.http_rejects = Counter(p + "http_rejects_total", "Rejected HTTP requests by endpoint and reason",
                                     ("endpoint", "reason"))
         self.snapshots = Counter(p + "snapshots_total", "Snapshots written or loaded, by outcome", ("outcome",))
+        self.snapshot_requests = Counter(
+            p + "snapshot_requests_total",
+            "Resyncs that asked the worker's publisher to re-publish its state in-stream, by outcome "
+            "(sent; not_sent: no replay endpoint or the send failed; error)", ("worker", "outcome"))
         self.recent_score = RecentWindow(2048)
         self._all: tuple[_Metric, ...] = (
             self.events, self.drops, self.batches, self.gaps, self.replays, self.resyncs,
             self.restarts, self.worker_lag, self.worker_blocks, self.request_latency,
-            self.http_rejects, self.snapshots,
+            self.http_rejects, self.snapshots, self.snapshot_requests,
         )
 
     def render(self) -> str:

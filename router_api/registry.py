@@ -247,10 +247,13 @@ class Registry:
         return True
 
     def on_reset(self, worker_id: str) -> None:
-        """The worker's own cache was reset (AllBlocksCleared): our view is complete again."""
+        """The worker's cache was reset, or it answered a snapshot request (both start with
+        AllBlocksCleared): what follows in the batch rebuilds our view exactly, so it is complete
+        again and no longer resyncing."""
         w = self._workers.get(worker_id)
         if w is not None:
             w.clean = True
+            w.resync_until = None
 
     def on_restart(self, worker_id: str, now: float) -> None:
         w = self._workers.get(worker_id)

@@ -121,7 +121,8 @@ def _default_subscriber(config: ServiceConfig) -> Callable[[], Any]:
     def factory() -> Any:
         from indexer.subscriber import Subscriber
 
-        return Subscriber(replay_timeout=config.replay_timeout_s)
+        # Bounded per poll: fewer payloads alive at once, and commands/ticks are served between chunks.
+        return Subscriber(replay_timeout=config.replay_timeout_s, max_per_poll=1024)
 
     return factory
 
@@ -371,7 +372,7 @@ class IndexerService:
             "batches_total": m.batches.total(),
             "drops": {labels[0]: n for labels, n in m.drops.items()},
             "gaps": m.gaps.total(), "replays": m.replays.total(), "resyncs": m.resyncs.total(),
-            "restarts": m.restarts.total(),
+            "restarts": m.restarts.total(), "snapshot_requests": m.snapshot_requests.total(),
             "score": {"count": m.request_latency.count("score"),
                       "p50_ms": None if p50 is None else p50 * 1e3,
                       "p99_ms": None if p99 is None else p99 * 1e3},

@@ -46,6 +46,7 @@ def test_dashboard_renders_workers_and_numbers() -> None:
     try:
         marks = fleet.run(40, random.Random(31))
         fleet.pubs["w1"].publish_payload(b"\xc1 garbage")  # one drop to show
+        fleet.pubs["w1"].flush(10)  # next_seq counts sent batches: exact once the queue is empty
         marks["w1"] = fleet.pubs["w1"].next_seq - 1
         fleet.settle(marks)
         for _ in range(3):

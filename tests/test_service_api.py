@@ -165,6 +165,29 @@ def test_binary_bodies_give_the_same_answer(fed: tuple[LiveIndexer, dict[str, Wo
         assert msgspec.msgpack.decode(mp_out.content) == as_json
 
 
+def test_streamed_bodies_and_other_methods_on_the_fast_endpoints(fed: tuple[LiveIndexer, dict[str, WorkerSim]]) -> None:
+    """/score and /query are served ahead of FastAPI: a body arriving in many chunks (no
+    Content-Length) gives the same answer, and a non-POST gets a JSON 405."""
+    live, sims = fed
+    c = live.client
+    q = next(iter(sims.values())).sample_queries(1)[0] * 3
+    want = c.post("/score", json={"token_ids": q}).json()
+    assert want["query_blocks"] == len(q) // BS
+    raw = np.asarray(q, dtype="<u4").tobytes()
+    pieces = [raw[i:i + 7] for i in range(0, len(raw), 7)]
+    got = c.post("/score", content=iter(pieces), headers={"content-type": "application/octet-stream"})
+    assert got.status_code == 200 and got.json() == want
+    body = msgspec.json.encode({"token_ids": q})
+    got = c.post("/score", content=iter([body[:5], body[5:]]), headers={"content-type": "application/json"})
+    assert got.status_code == 200 and got.json() == want
+    compat = c.post("/query", content=iter([raw[:4], raw[4:]]),
+                    headers={"content-type": "application/octet-stream"})
+    assert compat.status_code == 200 and set(compat.json()["instances"]) == set(sims)
+    for path in ("/score", "/query"):
+        r = c.get(path)
+        assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]
+
+
 def test_namespaces_do_not_mix(fed: tuple[LiveIndexer, dict[str, WorkerSim]]) -> None:
     live, sims = fed
     q = next(iter(sims.values())).history[-1]

@@ -52,6 +52,8 @@ class Fleet:
         return {w["worker_id"]: w for w in self.client.get("/workers").json()["workers"]}
 
     def publish(self, wid: str, events: list) -> int:
+        # next_seq is the seq the next batch *sent* carries: exact only once the queue is empty.
+        self.pubs[wid].flush(10)
         seq = self.pubs[wid].next_seq
         self.pubs[wid].publish(events)
         self.ref.apply("default", wid, 0, KVEventBatch(time.time(), events))
@@ -70,6 +72,8 @@ class Fleet:
 
     def settle(self, marks: dict[str, int]) -> None:
         wait_applied(self.client, marks, pubs=self.pubs)
+        for p in self.pubs.values():  # heartbeats of the last probe sent: next_seq is exact again
+            p.flush(10)
 
     def check_reference(self, queries: list[list[int]]) -> None:
         for q in queries:
@@ -320,3 +324,45 @@ def test_silent_worker_goes_stale_then_is_removed() -> None:
             if wid != "w0":
                 p.close()
         li.stop()
+
+
+def test_fast_path_keeps_dp_rank_and_judges_events_like_the_full_decoder(live: LiveIndexer) -> None:
+    """Ingest hands payloads to `apply_payload` after reading only their head: dp_rank still comes
+    from the batch (a negative one falls back to the registered rank), events the head skipped but
+    that do not decode drop the whole batch under the full decoder's label, and array-form events
+    (which the head does not read) still apply through the full decoder."""
+    import msgspec
+
+    fleet = Fleet(live.client, 1, seed=8)
+    try:
+        pub = fleet.pubs["w0"]
+        c = live.client
+        before = live.client.get("/stats").json()["drops"].get("decode_invalid", 0)
+        rank3 = [9] * (BS * 2)
+        pub.publish([BlockStored(block_hashes=[31, 32], parent_block_hash=None, token_ids=rank3, block_size=BS)],
+                    dp_rank=3)
+        neg = [8] * BS
+        pub.publish_payload(msgspec.msgpack.encode(
+            [1.0, [{"type": "BlockStored", "block_hashes": [41], "parent_block_hash": None, "token_ids": neg,
+                    "block_size": BS}], -1]))
+        pub.publish_payload(msgspec.msgpack.encode(  # tags fine, token ids are not ints
+            [1.0, [{"type": "BlockStored", "block_hashes": [51], "parent_block_hash": None,
+                    "token_ids": ["x"] * BS, "block_size": BS}], None]))
+        arr = [6] * BS
+        pub.publish_payload(msgspec.msgpack.encode(  # Dynamo-style positional event
+            [1.0, [["BlockStored", [61], None, arr, BS, None, "GPU"]], None]))
+        pub.heartbeat()
+        pub.flush(10)
+        fleet.settle({"w0": pub.next_seq - 1})
+        row = {w["worker_id"]: w for w in c.get("/workers").json()["workers"]}["w0"]
+        assert row["dp_ranks"] == [0, 3]
+        by_rank = {w["dp_rank"]: w for w in c.post("/score", json={"token_ids": rank3}).json()["workers"]}
+        assert by_rank[3]["device_blocks"] == 2 and by_rank[0]["device_blocks"] == 0
+        by_rank = {w["dp_rank"]: w for w in c.post("/score", json={"token_ids": neg}).json()["workers"]}
+        assert by_rank[0]["device_blocks"] == 1 and by_rank[3]["device_blocks"] == 0
+        assert c.post("/score", json={"token_ids": arr}).json()["workers"][0]["device_blocks"] == 1
+        assert c.get("/stats").json()["drops"]["decode_invalid"] == before + 1
+        assert _metric(c, 'kvatlas_events_applied_total{type="stored",tier="GPU",outcome="new"}') >= 4
+        assert _metric(c, 'kvatlas_batches_total{worker="w0",kind="heartbeat"}') >= 1
+    finally:
+        fleet.close()

@@ -1,0 +1,154 @@
+"""Resync by snapshot through the live service: a real producer cache publishing over real ZeroMQ
+with a tiny replay buffer loses more batches than the buffer holds; the indexer service clears the
+worker, asks the publisher for a snapshot, and the in-stream answer (AllBlocksCleared + the whole
+state) makes the worker's view exact at once — not only after later churn refreshes it."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from conftest import free_port, wait_until
+from indexer.subscriber import Subscriber
+from producer.driver import Driver, StreamSpec, build_cache, synthetic_stream
+from producer.events import EventRecorder
+from producer.publisher import ZmqEventPublisher
+from producer.sinks import ZmqSink
+from router_api.service import ServiceConfig
+from test_service_support import LiveIndexer, wait_applied
+
+PAGE = 4
+MASK = (1 << 64) - 1
+
+
+def _index_view(client: Any, wid: str) -> set[tuple[int, str]]:
+    """The worker's blocks as the service holds them (GET /dump), as (engine hash, medium)."""
+    out: set[tuple[int, str]] = set()
+    for entry in client.get("/dump").json()["models"]["default"]["workers"]:
+        if entry["worker_id"] == wid:
+            for ev in entry["events"]:
+                out.update((h & MASK, ev["medium"]) for h in ev["block_hashes"])
+    return out
+
+
+def _cache_view(cache: Any) -> set[tuple[int, str]]:
+    return {(i & MASK, m.name) for i, m in cache.resident_blocks()}
+
+
+def _metric(client: Any, prefix: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
+               if line.startswith(prefix))
+
+
+def test_loss_beyond_the_buffer_is_repaired_by_a_snapshot_at_once() -> None:
+    lost: set[int] = set()
+    li = LiveIndexer(
+        ServiceConfig(port=free_port(), block_size=PAGE, replay_timeout_s=1.0, stats_ttl_s=0.0, resync_hold_s=60.0),
+        subscriber_factory=lambda: Subscriber(replay_timeout=1.0, drop_live=lambda w, s: w == "w0" and s in lost),
+    ).start()
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+                            buffer_steps=3)
+    cache = build_cache(page_size=PAGE, device_pages=40, host_pages=120, transfer="thread",
+                        recorder=EventRecorder(ZmqSink(pub), heartbeat_interval_s=3600.0))
+    driver = Driver(cache, lookahead=0)
+    requests = list(synthetic_stream(StreamSpec(requests=80, prefixes=6, prefix_tokens=48, suffix_tokens=12,
+                                                seed=5)))
+    random.Random(5).shuffle(requests)
+    c = li.client
+    try:
+        r = c.post("/workers", json={"worker_id": "w0", "endpoint": pub.endpoint,
+                                     "replay_endpoint": pub.replay_endpoint, "block_size": PAGE})
+        assert r.status_code == 201, r.text
+
+        def settle() -> None:
+            pub.flush(5.0)
+            wait_applied(c, {"w0": pub.next_seq - 1}, pubs={"w0": pub})
+
+        pub.heartbeat()
+        settle()  # subscription up (slow joiner)
+        # A slow joiner may have lost more than the buffer already: then its snapshot request must
+        # reach the publisher before we count (the next step answers it, in-stream).
+        sent = 'kvatlas_snapshot_requests_total{worker="w0",outcome="sent"}'
+        wait_until(lambda: pub.stats.snapshot_requests == _metric(c, sent), timeout=10, interval=0.02)
+        for tokens in requests[:40]:
+            driver.serve(tokens)
+        cache.wait_transfers(10.0)
+        cache.step()
+        settle()
+        assert _index_view(c, "w0") == _cache_view(cache) != set()
+        before = {w["worker_id"]: w for w in c.get("/workers").json()["workers"]}["w0"]
+        # Relative counts: a slow joiner may already have needed one resync (and snapshot) above.
+        asked0, snaps0, sent0 = pub.stats.snapshot_requests, cache.stats.get("snapshots", 0), _metric(c, sent)
+
+        # Lose 10 batches on the wire: far more than the 3-batch replay buffer holds.
+        lost.update(range(pub.next_seq, pub.next_seq + 10))
+        for tokens in requests[40:50]:
+            driver.serve(tokens)
+        cache.wait_transfers(10.0)
+        cache.step()
+        while pub.next_seq <= max(lost) + 1:  # a step with nothing to say sends nothing: top up
+            pub.heartbeat()
+        pub.flush(5.0)
+        # The service sees the gap, resyncs, and asks the publisher for a snapshot.
+        wait_until(lambda: pub.stats.snapshot_requests == asked0 + 1, timeout=10, interval=0.02)
+        row = {w["worker_id"]: w for w in c.get("/workers").json()["workers"]}["w0"]
+        assert row["status"] == "resyncing" and row["resyncs"] == before["resyncs"] + 1
+        assert _metric(c, sent) == sent0 + 1
+
+        # The producer's next step answers in-stream; right after that batch the view is exact.
+        snap_seq = pub.next_seq
+        cache.step()
+        assert cache.stats.get("snapshots") == snaps0 + 1
+        pub.flush(5.0)
+        wait_applied(c, {"w0": snap_seq})
+        assert _index_view(c, "w0") == _cache_view(cache) != set()
+        row = {w["worker_id"]: w for w in c.get("/workers").json()["workers"]}["w0"]
+        assert row["status"] == "live"  # the snapshot's AllBlocksCleared ended the resync
+        assert row["resyncs"] == before["resyncs"] + 1  # one loss, one resync, no second clear
+        assert _metric(c, 'kvatlas_events_applied_total{type="cleared"') >= 1
+
+        # And the stream goes on exactly from there.
+        for tokens in requests[50:]:
+            driver.serve(tokens)
+        cache.wait_transfers(10.0)
+        cache.step()
+        settle()
+        assert _index_view(c, "w0") == _cache_view(cache)
+        assert pub.stats.snapshot_requests == asked0 + 1
+    finally:
+        cache.transfer.close()
+        pub.close()
+        li.stop()
+
+
+def test_a_publisher_without_replay_endpoint_is_resynced_without_asking() -> None:
+    """No replay endpoint: nothing to ask; the resync is still counted, the request as not sent."""
+    lost: set[int] = set()
+    li = LiveIndexer(
+        ServiceConfig(port=free_port(), block_size=PAGE, replay_timeout_s=0.5, stats_ttl_s=0.0),
+        subscriber_factory=lambda: Subscriber(replay_timeout=0.5, drop_live=lambda w, s: s in lost),
+    ).start()
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}")
+    c = li.client
+    try:
+        assert c.post("/workers", json={"worker_id": "w1", "endpoint": pub.endpoint,
+                                        "block_size": PAGE}).status_code == 201
+        pub.heartbeat()
+        pub.flush(5.0)
+        # Slow joiner: heartbeats sent before the SUB connected are lost for good (no replay) and
+        # may already count as a resync; compare against the counters once the stream is up.
+        wait_applied(c, {"w1": pub.next_seq - 1}, pubs={"w1": pub})
+        base = {w["worker_id"]: w for w in c.get("/workers").json()["workers"]}["w1"]["resyncs"]
+        asked = 'kvatlas_snapshot_requests_total{worker="w1",outcome="not_sent"}'
+        assert _metric(c, asked) == base
+        lost.update(range(pub.next_seq, pub.next_seq + 3))
+        for _ in range(4):
+            pub.heartbeat()
+        pub.flush(5.0)
+        wait_applied(c, {"w1": pub.next_seq - 1})
+        row = {w["worker_id"]: w for w in c.get("/workers").json()["workers"]}["w1"]
+        assert row["resyncs"] == base + 1
+        assert _metric(c, asked) == base + 1
+        assert _metric(c, 'kvatlas_snapshot_requests_total{worker="w1",outcome="sent"}') == 0
+    finally:
+        pub.close()
+        li.stop()
