@@ -693,6 +693,7 @@ class TieredCache:
                 node = self._backup_retry.popleft()
                 self._backup_to_storage(node)
         if self.recorder.snapshot_requested():
+            self.recorder.flush(now)  # what happened so far goes first: the snapshot batch starts with the clear
             self.emit_snapshot()
         self.recorder.flush(now)
 
