@@ -85,6 +85,16 @@ class SeqTracker:
             return _APPLY
         return Verdict(Action.GAP, expected, seq - 1)
 
+    def take_next(self, seq: int) -> bool:
+        """The hot path: if `seq` is the in-order successor on a caught-up live stream (nothing
+        replayed ahead of it, so `on_live` would deliver exactly it and nothing else), record it
+        and return True. Otherwise touch nothing and return False: the caller runs `on_live`."""
+        last = self.last
+        if last is not None and seq == last + 1 and self.live_last == last:
+            self.last = self.live_last = seq
+            return True
+        return False
+
     def restart(self) -> None:
         """The publisher started over: forget everything (the consumer clears the worker)."""
         self.last = None

@@ -67,6 +67,17 @@ class Counter(_Metric):
                 v = 0.0
             self._values[labels] = v + amount
 
+    def inc_many(self, amounts: dict[LabelValues, float]) -> None:
+        """Add several label sets at once under one lock (the ingest loop's per-poll tally)."""
+        with self._lock:
+            values = self._values
+            for labels, amount in amounts.items():
+                v = values.get(labels)
+                if v is None:
+                    self._check(labels)
+                    v = 0.0
+                values[labels] = v + amount
+
     def get(self, *labels: str) -> float:
         return self._values.get(labels, 0.0)
 
@@ -94,6 +105,13 @@ class Gauge(Counter):
             if labels not in self._values:
                 self._check(labels)
             self._values[labels] = value
+
+    def set_many(self, values: dict[LabelValues, float]) -> None:
+        with self._lock:
+            for labels, value in values.items():
+                if labels not in self._values:
+                    self._check(labels)
+                self._values[labels] = value
 
     def replace(self, values: dict[LabelValues, float]) -> None:
         """Swap in a fresh set of samples (e.g. per-worker gauges after a removal)."""
