@@ -47,6 +47,7 @@ from indexer.core.types import (
     TIER_NAMES, ApplyStats, BlockSizeConflict, ScoreResult, TierWeights, WorkerScore,
 )
 from indexer.hashing import extra_digest, query_keys
+from schemas.batchhead import read_head
 from schemas.codec import DecodeError, decode_batch
 from schemas.events import KVEvent, KVEventBatch
 
@@ -110,7 +111,15 @@ class KVIndex:
             return stats
         return apply_events(m, w, events, self.orphan_grace_batches, stats)
 
-    def apply_payload(self, model: str, worker_id: str, dp_rank: int, payload: bytes) -> ApplyStats:
+    def apply_payload(
+        self, model: str, worker_id: str, dp_rank: int, payload: bytes, *, rank_from_batch: bool = False,
+    ) -> ApplyStats:
+        """Decode + apply one payload. With `rank_from_batch` the batch's own dp_rank decides the worker
+        (when it is a non-negative int; else `dp_rank`) and the stats report it with the batch's ts and
+        event count; a batch without events is not applied (a heartbeat: its worker is not registered).
+        That is exactly `schemas.batchhead.read_head` + `apply_payload`, in one pass over the bytes."""
+        if rank_from_batch:
+            return self._apply_ranked(self._models.get(model) or self._model(model), worker_id, int(dp_rank), payload)
         m = self._models.get(model) or self._model(model)
         nat = m.nat
         if nat is not None:
@@ -143,6 +152,62 @@ class KVIndex:
             stats.drop(f"decode_{batch.reason}")
             return stats
         return self.apply(model, worker_id, dp_rank, batch)
+
+    def _apply_ranked(self, m: ModelState, worker_id: str, default: int, payload: bytes) -> ApplyStats:
+        nat = m.nat
+        rank = default
+        # The C walk reads the rank at the batch's end before touching anything: the maps passed are
+        # those of the expected rank, and a batch naming another one is retried once with its maps.
+        for _ in range(2) if nat is not None else ():
+            w = m.by_id.get((worker_id, rank))
+            if w is not None and w.pending:
+                break
+            fresh = w is None
+            if fresh:
+                w = m.worker(worker_id, rank)
+            res = nat.apply_msgpack(
+                payload, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size,
+                m.seed0, KNOWN_EXT_LIMIT, FAST_KEYS, rank, default,
+            )
+            if type(res) is tuple:
+                stop, counts, drops, ts, rank, n = res
+                if not n:
+                    if fresh:
+                        m.remove(w)
+                    return ApplyStats(dp_rank=rank, ts=ts)
+                stats = ApplyStats(counts, drops, dp_rank=rank, ts=ts, n_events=n)
+                return stats if stop < 0 else self._apply_rest(m, w, payload, stop, stats)
+            if fresh:
+                m.remove(w)  # nothing was applied: a worker only its rank guess created goes again
+            if res is None:
+                break
+            rank = res
+        return self._apply_headed(m, worker_id, default, payload)
+
+    def _apply_headed(self, m: ModelState, worker_id: str, default: int, payload: bytes) -> ApplyStats:
+        """`rank_from_batch` for what the C walk does not take: the head read in Python, then the
+        general paths; a payload whose head does not read is judged by the full decoder."""
+        head = read_head(payload)
+        batch: KVEventBatch | None = None
+        if head is None or not head.events:
+            dec = decode_batch(payload)  # a heartbeat is a few bytes: accepted exactly when this accepts it
+            if isinstance(dec, DecodeError):
+                stats = ApplyStats()
+                stats.drop(f"decode_{dec.reason}")
+                return stats
+            batch = dec
+            ts, raw, n = dec.ts, dec.data_parallel_rank, len(dec.events)
+        else:
+            ts, raw, n = head.ts, head.data_parallel_rank, len(head.events)
+        rank = raw if raw is not None and raw >= 0 else default
+        if not n:
+            return ApplyStats(dp_rank=rank, ts=ts)
+        if batch is not None:
+            stats = self.apply(m.name, worker_id, rank, batch)
+        else:
+            stats = self.apply_payload(m.name, worker_id, rank, payload)
+        stats.dp_rank, stats.ts, stats.n_events = rank, ts, n
+        return stats
 
     @staticmethod
     def _decode_fast(m: ModelState, payload: bytes) -> tuple[list, dict] | None:

@@ -6,10 +6,10 @@ subscription changes through a command queue. The shared `lock` guards the index
 together and is held for one batch at a time, so /score never waits for more than one batch and
 ingestion never waits for more than one query.
 
-Fast path: only the payload's head (ts, dp_rank, event tags; `schemas.batchhead`) is read here;
-the payload itself goes to `KVIndex.apply_payload`, which hashes token ids straight from the
-msgpack bytes. A payload whose head does not read (array-form events, bad bytes) takes the full
-decoder, which also gives the exact error label.
+Fast path: the raw payload goes straight to `KVIndex.apply_payload(..., rank_from_batch=True)`,
+which reads the batch's dp_rank and ts in the same C walk that hashes token ids from the msgpack
+bytes and applies them; odd payloads (array-form events, bad bytes) take the index's general paths,
+which read the head in Python or use the full decoder (and give the exact error label).
 
 Resync: when a worker has to be cleared after a loss (a gap replay could not cover, or orphans
 that expired on a clean stream) its publisher is asked for a snapshot if the subscriber can
@@ -28,8 +28,6 @@ from router_api.memtrim import MemoryTrimmer
 from router_api.metrics import ServiceMetrics
 from router_api.registry import Registry
 from schemas.api import RegisterWorker
-from schemas.batchhead import read_head
-from schemas.codec import DecodeError, decode_batch
 
 log = logging.getLogger("kvatlas.ingest")
 
@@ -51,7 +49,8 @@ class ApplyAdapter:
         return self.index.apply(model, worker_id, dp_rank, batch)
 
     def apply_payload(self, model: str, worker_id: str, dp_rank: int, payload: bytes) -> Any:
-        return self.index.apply_payload(model, worker_id, dp_rank, payload)
+        """The batch's own dp_rank (else `dp_rank`), ts and event count come back in the stats."""
+        return self.index.apply_payload(model, worker_id, dp_rank, payload, rank_from_batch=True)
 
     def record(self, stats: Any) -> tuple[bool, bool]:
         """Feed ApplyStats into metrics; returns (orphans expired, batch held AllBlocksCleared)."""
@@ -287,27 +286,13 @@ class IngestLoop:
 
     def _on_batch(self, d: Any) -> None:
         wid = d.worker_id
-        payload = d.payload
-        head = read_head(payload)
-        batch: Any = None
-        bad: tuple[str, str] | None = None  # (reason, message) of a payload that does not decode
-        if head is None or not head.events:
-            # No head: only the full decoder can judge. An empty head (heartbeat) is decoded fully
-            # too — it is a few bytes — so a heartbeat is accepted exactly when decode_batch accepts it.
-            batch = decode_batch(payload)
-            if isinstance(batch, DecodeError):
-                bad = ("decode_" + batch.reason, batch.message)
-                ts, raw_rank, n_events = 0.0, None, 0
-            else:
-                ts, raw_rank, n_events = batch.ts, batch.data_parallel_rank, len(batch.events)
-        else:
-            ts, raw_rank, n_events = head.ts, head.data_parallel_rank, len(head.events)
         now = self._clock()
         wall = self._wall()
         tally = self._tally
         resync = orphans = False
         heartbeat = False
         lag = None
+        bad: str | None = None  # the decode_* reason of a payload that does not decode
         with self.lock:  # one batch per hold: /score waits for at most this batch
             state = self.registry.get(wid)
             if state is None:  # removed while its messages were in flight
@@ -315,38 +300,31 @@ class IngestLoop:
                 return
             reg = state.reg
             dp_rank: int | None = None
-            if bad is None:
-                dp_rank = raw_rank if raw_rank is not None and raw_rank >= 0 else reg.dp_rank
-                if n_events:
-                    try:
-                        if batch is None:
-                            stats = self.adapter.apply_payload(reg.model, wid, dp_rank, payload)
-                        else:
-                            stats = self.adapter.apply(reg.model, wid, dp_rank, batch)
-                    except Exception as exc:  # the index promises not to raise; never trust it blindly
-                        self._count_bad("apply_error", f"worker={wid} seq={d.seq}: {exc!r}")
-                        stats = None
-                    reason = _decode_failure(stats) if stats is None or stats.drops else None
-                    if reason is not None:
-                        # The head read but the events do not decode: a whole-batch drop, exactly
-                        # as when the full decoder rejects the payload up front.
-                        bad = (reason, "payload does not decode")
-                        dp_rank = None
-                    elif stats is not None:
+            try:
+                stats = self.adapter.apply_payload(reg.model, wid, reg.dp_rank, d.payload)
+            except Exception as exc:  # the index promises not to raise; never trust it blindly
+                self._count_bad("apply_error", f"worker={wid} seq={d.seq}: {exc!r}")
+                stats = None
+            if stats is not None:
+                # A decode_* drop is a whole-batch drop (the head or the events do not decode).
+                bad = _decode_failure(stats) if stats.drops else None
+                if bad is None:
+                    dp_rank = stats.dp_rank
+                    if stats.n_events:
                         orphans, cleared = tally.add_stats(stats)
                         if cleared:
                             self.registry.on_reset(wid)
-                else:
-                    heartbeat = True
-                if bad is None and ts > 0:
-                    lag = wall - ts
+                    else:
+                        heartbeat = True
+                    if stats.ts > 0:
+                        lag = wall - stats.ts
             self.registry.on_batch(wid, d.seq, now, heartbeat=heartbeat, dp_rank=dp_rank, lag=lag)
             if orphans and self.registry.on_orphans(wid, now):
                 # First sign of loss on a clean stream: same path as an unrecoverable gap.
                 self.index.clear_worker(reg.model, wid)
                 resync = True
         if bad is not None:
-            self._count_bad(bad[0], f"worker={wid} seq={d.seq}: {bad[1]}")
+            self._count_bad(bad, f"worker={wid} seq={d.seq}: payload does not decode")
         self.applied_batches += 1
         key = (wid, "replayed" if d.replayed else ("heartbeat" if heartbeat else "live"))
         tally.batches[key] = tally.batches.get(key, 0) + 1

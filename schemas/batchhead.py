@@ -4,7 +4,9 @@ materialised).
 
 Consumers that hand the payload itself to `KVIndex.apply_payload` (its fastest decoder) read
 this first for what they need around the apply: dp_rank, lag, heartbeat (no events), event
-counts. Used by the live ingest (`router_api.ingest`) and the offline replay (`indexer.replay`).
+counts. Used by the offline replay (`indexer.replay`) and by `KVIndex.apply_payload(...,
+rank_from_batch=True)` (the live ingest's call) for payloads its C walk does not take — the C walk
+reads the same dp_rank and ts itself, and tests/test_index_fastpath.py holds the two to each other.
 
 `read_head` accepts exactly the map-form batches whose outer shape `schemas.codec.decode_batch`
 accepts; it returns None for everything else (array-form events, unknown tags, malformed bytes),

@@ -6,13 +6,16 @@ identical state — node table, every worker's engine-hash map and pending orpha
 from __future__ import annotations
 
 import random
+import struct
 
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from indexer.core import native as native_core
-from indexer.index import KVIndex
+from indexer.index import ApplyStats, KVIndex
+from schemas.batchhead import read_head
+from schemas.codec import DecodeError, decode_batch
 
 pytestmark = pytest.mark.skipif(not native_core.available(), reason="native accelerator not built")
 
@@ -188,3 +191,75 @@ def test_fresh_worker_registered_only_by_a_payload_that_decodes() -> None:
     assert ix.apply_payload(MODEL, "y", 0, lora).counts == {("stored", "GPU", "new"): 1}
     assert ix.workers(MODEL) == [("y", 0)]
     assert ix.score(MODEL, [1, 2], lora_name="l").workers[0].device_blocks == 1
+
+
+RANKS = [(), (None,), (-1,), (0,), (1,), (3,), (2**64 - 1,), ("x",)]  # () = no rank element
+
+
+def _ranked_payload(rng: random.Random, pool: list, blocks: list[list[int]]) -> bytes:
+    events = [_event(rng, pool, blocks) for _ in range(rng.choice([0, 0, 1, 2, 4]))]
+    ts = rng.choice([1.5, 0.0, -2.0, 7, 2**64 - 1, 1e9 + 0.25])
+    raw = msgspec.msgpack.encode([ts, events, *rng.choice(RANKS)])
+    if rng.random() < 0.1 and raw[1:2] == b"\xcb":  # ts as a float32, as some encoders write it
+        raw = raw[:1] + b"\xca" + struct.pack(">f", 0.5) + raw[10:]
+    if rng.random() < 0.03:
+        raw += b"\x00"
+    return raw
+
+
+def _read_head_then_apply(ix: KVIndex, wid: str, default: int, payload: bytes) -> ApplyStats:
+    """What ingest did before `rank_from_batch`: the head read in Python, then the apply."""
+    head = read_head(payload)
+    batch = None
+    if head is None or not head.events:
+        batch = decode_batch(payload)
+        if isinstance(batch, DecodeError):
+            return ApplyStats(drops={f"decode_{batch.reason}": 1})
+        ts, raw, n = batch.ts, batch.data_parallel_rank, len(batch.events)
+    else:
+        ts, raw, n = head.ts, head.data_parallel_rank, len(head.events)
+    rank = raw if raw is not None and raw >= 0 else default
+    if not n:
+        return ApplyStats(dp_rank=rank, ts=ts)
+    st_ = ix.apply(MODEL, wid, rank, batch) if batch is not None else ix.apply_payload(MODEL, wid, rank, payload)
+    st_.dp_rank, st_.ts, st_.n_events = rank, ts, n
+    return st_
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n_batches=st.integers(1, 30), trust=st.booleans())
+def test_rank_from_batch_matches_read_head_then_apply(seed: int, n_batches: int, trust: bool) -> None:
+    """`apply_payload(..., rank_from_batch=True)` (one C walk reading dp_rank and ts; the Python core's
+    twin) gives exactly the stats and state of `read_head` + `apply_payload` with the rank it picks:
+    the batch's dp_rank when a non-negative int (3, 2**64-1), else the caller's (absent, None, -1)."""
+    rng = random.Random(seed)
+    pool = [rng.getrandbits(64) for _ in range(8)]
+    blocks = [[rng.randrange(300) for _ in range(BS)] for _ in range(4)]
+    fast, slow, ref = (KVIndex(trust_engine_hashes=trust, native=n) for n in (True, False, False))
+    for ix in (fast, slow, ref):
+        ix.ensure_model(MODEL, BS)
+    for _ in range(n_batches):
+        wid, default = rng.choice(WORKERS)
+        payload = _ranked_payload(rng, pool, blocks)
+        want = _read_head_then_apply(ref, wid, default, payload)
+        for ix in (fast, slow):
+            got = ix.apply_payload(MODEL, wid, default, payload, rank_from_batch=True)
+            assert got == want, payload
+            assert _state(ix) == _state(ref), payload
+        assert fast.workers(MODEL) == ref.workers(MODEL)  # heartbeats and bad payloads register nobody
+
+
+def test_rank_from_batch_cases() -> None:
+    enc = msgspec.msgpack.encode
+    ev = [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [5, 6], "block_size": BS}]
+    ix = KVIndex(native=True)
+    ix.ensure_model(MODEL, BS)
+    for tail, rank in (((), 2), ((None,), 2), ((-1,), 2), ((3,), 3), ((0,), 0)):
+        st_ = ix.apply_payload(MODEL, "w", 2, enc([4.25, ev, *tail]), rank_from_batch=True)
+        assert (st_.dp_rank, st_.ts, st_.n_events) == (rank, 4.25, 1)
+    assert sorted(ix.workers(MODEL)) == [("w", 0), ("w", 2), ("w", 3)]
+    hb = ix.apply_payload(MODEL, "h", 0, enc([9.0, [], 5]), rank_from_batch=True)
+    assert (hb.dp_rank, hb.ts, hb.n_events, hb.counts) == (5, 9.0, 0, {})
+    assert ("h", 5) not in ix.workers(MODEL)
+    bad = ix.apply_payload(MODEL, "z", 0, b"\xc1", rank_from_batch=True)
+    assert (bad.dp_rank, bad.drops) == (None, {"decode_malformed": 1})

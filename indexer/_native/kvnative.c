@@ -1440,24 +1440,56 @@ static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
     return 0;
 }
 
+/* The batch's head as schemas.batchhead reads it: ts (any msgpack float or int, as a double) and
+ * dp_rank (rank_kind 0 absent or nil, 1 a non-negative int in rank, 2 negative, 3 above INT64_MAX). */
+typedef struct { double ts; int rank_kind; int64_t rank; } FHead;
+
+static double be_double(const unsigned char *q) {
+    uint64_t x;
+    memcpy(&x, q, 8);
+    x = __builtin_bswap64(x);
+    double d;
+    memcpy(&d, &x, 8);
+    return d;
+}
+
+static double be_float(const unsigned char *q) {
+    uint32_t x;
+    memcpy(&x, q, 4);
+    x = __builtin_bswap32(x);
+    float f;
+    memcpy(&f, &x, 4);
+    return (double)f;
+}
+
 /* Whole payload: `[ts, [event maps], dp_rank?]`. 0 ok, 1 outside the subset, -1 error. */
-static int parse_batch(const unsigned char *p, Py_ssize_t len, Py_ssize_t bs, FBatch *b) {
+static int parse_batch(const unsigned char *p, Py_ssize_t len, Py_ssize_t bs, FBatch *b, FHead *hd) {
     Rd r = {p, 0, len};
     Py_ssize_t top = rd_container(&r, 0);
     if (top != 2 && top != 3) return 1;
     if (r.pos >= len) return 1;
     unsigned char c = p[r.pos];
-    if (c == 0xCB) r.pos += 9;
-    else if (c == 0xCA) r.pos += 5;
-    else { uint64_t v; int neg; if (rd_int(&r, &v, &neg) != 1) return 1; }
-    if (r.pos > len) return 1;
+    if (c == 0xCB) { if (r.pos + 9 > len) return 1; hd->ts = be_double(p + r.pos + 1); r.pos += 9; }
+    else if (c == 0xCA) { if (r.pos + 5 > len) return 1; hd->ts = be_float(p + r.pos + 1); r.pos += 5; }
+    else {
+        uint64_t v; int neg;
+        if (rd_int(&r, &v, &neg) != 1) return 1;
+        hd->ts = neg ? (double)(int64_t)v : (double)v;
+    }
     Py_ssize_t nev = rd_container(&r, 0);
     if (nev < 0) return 1;
     for (Py_ssize_t i = 0; i < nev; i++) {
         int rc = parse_event(&r, bs, b);
         if (rc) return rc;
     }
-    if (top == 3 && rd_int_or_nil(&r) < 0) return 1;
+    hd->rank_kind = 0;
+    hd->rank = 0;
+    if (top == 3 && !rd_nil(&r)) {
+        uint64_t v; int neg;
+        if (rd_int(&r, &v, &neg) != 1) return 1;
+        hd->rank_kind = neg ? 2 : v > (uint64_t)INT64_MAX ? 3 : 1;
+        hd->rank = (int64_t)v;
+    }
     return r.pos == len ? 0 : 1; /* trailing bytes: the full decoder rejects them */
 }
 
@@ -1669,17 +1701,27 @@ static int add_count(PyObject *d, PyObject *key, Py_ssize_t n) {
     return r;
 }
 
-/* apply_msgpack(payload, ext, nodes, known|None, shift, block_size, seed, known_limit, keys)
+/* apply_msgpack(payload, ext, nodes, known|None, shift, block_size, seed, known_limit, keys[, want, default])
  *   -> None (outside the fast subset: nothing was touched) | (stop, counts, drops)
- * stop = -1 when the whole batch was applied, else the index of the first event left to Python. */
+ * stop = -1 when the whole batch was applied, else the index of the first event left to Python.
+ * With `want` (an int): the maps passed are those of dp_rank `want`, and the batch's own rank decides
+ * (the batch's dp_rank when a non-negative int, else `default`). A batch of another rank touches
+ * nothing and returns that rank (an int); one without events touches nothing either. Otherwise the
+ * answer is (stop, counts, drops, ts, rank, n_events). */
 static PyObject *py_apply_msgpack(PyObject *self, PyObject *args) {
-    PyObject *payload, *knowno, *seedo, *keys;
+    PyObject *payload, *knowno, *seedo, *keys, *wanto = Py_None;
     U64Map *ext, *nodes;
     int shift;
-    Py_ssize_t bs, limit;
-    if (!PyArg_ParseTuple(args, "OO!O!OinOnO!", &payload, &U64MapType, &ext, &U64MapType, &nodes, &knowno,
-                          &shift, &bs, &seedo, &limit, &PyTuple_Type, &keys))
+    Py_ssize_t bs, limit, defrank = 0;
+    if (!PyArg_ParseTuple(args, "OO!O!OinOnO!|On", &payload, &U64MapType, &ext, &U64MapType, &nodes, &knowno,
+                          &shift, &bs, &seedo, &limit, &PyTuple_Type, &keys, &wanto, &defrank))
         return NULL;
+    int ranked = wanto != Py_None;
+    long long want = 0;
+    if (ranked) {
+        want = PyLong_AsLongLong(wanto);
+        if (want == -1 && PyErr_Occurred()) return NULL;
+    }
     if (PyTuple_GET_SIZE(keys) != 25) { PyErr_SetString(PyExc_ValueError, "apply_msgpack: 25 count keys expected"); return NULL; }
     U64Map *known = NULL;
     if (knowno != Py_None) {
@@ -1695,8 +1737,15 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args) {
     memset(&b, 0, sizeof(b));
     PyObject *out = NULL, *counts = NULL, *drops = NULL;
     uint64_t *cols = NULL;
-    int rc = parse_batch(view.buf, view.len, bs, &b);
+    FHead hd;
+    int rc = parse_batch(view.buf, view.len, bs, &b, &hd);
     if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
+    long long rank = hd.rank_kind == 1 ? (long long)hd.rank : (long long)defrank;
+    if (ranked) {
+        if (hd.rank_kind == 3) { out = Py_None; Py_INCREF(out); goto done; } /* Python keeps big ints exact */
+        if (rank != want) { out = PyLong_FromLongLong(rank); goto done; }
+        if (b.nev == 0) { out = Py_BuildValue("(n{}{}dLn)", (Py_ssize_t)-1, hd.ts, rank, (Py_ssize_t)0); goto done; }
+    }
     cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
     if (!cols) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
@@ -1720,7 +1769,8 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args) {
     }
     if (add_count(counts, PyTuple_GET_ITEM(keys, 20), c.cleared) < 0) goto done;
     for (int d = 0; d < 4; d++) if (add_count(drops, PyTuple_GET_ITEM(keys, 21 + d), c.drops[d]) < 0) goto done;
-    out = Py_BuildValue("(nOO)", stop, counts, drops);
+    out = ranked ? Py_BuildValue("(nOOdLn)", stop, counts, drops, hd.ts, rank, b.nev)
+                 : Py_BuildValue("(nOO)", stop, counts, drops);
 done:
     Py_XDECREF(counts);
     Py_XDECREF(drops);

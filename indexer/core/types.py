@@ -38,6 +38,11 @@ class ApplyStats(msgspec.Struct):
     orphans_pending: int = 0
     orphans_dropped: int = 0
     resync_needed: bool = False
+    # Filled by `apply_payload(..., rank_from_batch=True)` only: the rank the batch applied to (None
+    # when the payload does not decode), its ts, and its event count (0: a heartbeat, not applied).
+    dp_rank: int | None = None
+    ts: float = 0.0
+    n_events: int = 0
 
     def count(self, etype: str, medium: str, outcome: str, n: int = 1) -> None:
         key = (etype, medium, outcome)
