@@ -3,9 +3,11 @@
 The hot endpoints (`POST /score`, `POST /query`) are served by a pure ASGI front (`ScoreFront`)
 ahead of FastAPI: it reads the raw body and decodes it with cached msgspec decoders (JSON, msgpack,
 or raw little-endian u32 tokens viewed with `np.frombuffer`, no list), and answers with cached
-encoders — no routing, dependency solving or Request/Response objects per query. Everything else
-goes through FastAPI. Every error is JSON `{"error": msg}`; bodies above the limit get 413 before
-any parsing; bad input is counted per endpoint and reason. The bearer check wraps both.
+encoders — no routing, dependency solving or Request/Response objects per query. With the native
+module, JSON / msgpack `token_ids` are left raw (`msgspec.Raw`) and parsed into a u32 buffer in C
+(`TokenBodies`), so no Python int is made per token. Everything else goes through FastAPI.
+Every error is JSON `{"error": msg}`; bodies above the limit get 413 before any parsing; bad
+input is counted per endpoint and reason. The bearer check wraps both.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import hmac
 import logging
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl
 
@@ -22,14 +25,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from indexer.core import native as native_core
 from router_api.registry import RegistryError
 from router_api.service import IndexerService, UnknownModel
 from schemas.api import (
     MAX_QUERY_TOKENS,
     ErrorResponse,
     QueryRequest,
+    QueryRequestRaw,
     RegisterWorker,
     ScoreRequest,
+    ScoreRequestRaw,
 )
 
 log = logging.getLogger("kvatlas.http")
@@ -44,6 +50,10 @@ _dec_json: dict[type, msgspec.json.Decoder[Any]] = {
 _dec_msgpack: dict[type, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(t) for t in (ScoreRequest, QueryRequest, RegisterWorker)
 }
+_RAW_TWIN: dict[type, type] = {ScoreRequest: ScoreRequestRaw, QueryRequest: QueryRequestRaw}
+_dec_raw: dict[tuple[str, type], Any] = {
+    ("json", t): msgspec.json.Decoder(r) for t, r in _RAW_TWIN.items()} | {
+    ("msgpack", t): msgspec.msgpack.Decoder(r) for t, r in _RAW_TWIN.items()}
 
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
@@ -93,6 +103,36 @@ def decode_body(kind: str, body: bytes, typ: type) -> Any:
         raise ApiError(400, f"malformed {kind} body: {exc}", reason) from None
 
 
+class TokenBodies:
+    """Decodes a /score or /query body to (request, token_ids). With the native module the tokens
+    come back as a u32 numpy buffer parsed in C from the raw array; whenever the fast path cannot
+    decide (any invalid or unusual input) the typed msgspec decoder judges the body, so statuses and
+    messages are the pure-Python path's, word for word. Without it (or KVATLAS_PURE_PYTHON=1),
+    that typed decoder is the only path and token_ids is a list of ints."""
+
+    __slots__ = ("native",)
+
+    def __init__(self, native: bool | None = None) -> None:
+        self.native: ModuleType | None = native_core.select(native)
+        if self.native is not None and not hasattr(self.native, "json_u32_array"):
+            self.native = None  # a stale build without the body parsers: the Python path serves
+
+    def decode(self, kind: str, body: bytes, typ: type) -> tuple[Any, Any]:
+        mod = self.native
+        if mod is not None and body:
+            try:
+                req = _dec_raw[kind, typ].decode(body)
+            except msgspec.DecodeError:  # incl. ValidationError: the typed decoder words it
+                req = None
+            if req is not None:
+                parse = mod.json_u32_array if kind == "json" else mod.msgpack_u32_array
+                buf = parse(req.token_ids, MAX_QUERY_TOKENS)
+                if buf is not None:
+                    return req, np.frombuffer(buf, dtype="<u4")
+        req = decode_body(kind, body, typ)
+        return req, req.token_ids
+
+
 def octet_tokens(body: bytes) -> np.ndarray:
     """Raw little-endian u32 tokens, viewed in place (no copy, no Python ints); empty = no tokens."""
     if len(body) % 4:
@@ -125,10 +165,11 @@ class ScoreFront:
     goes to `app` (FastAPI). Behaviour (status codes, error bodies, reject counters, latency
     metrics) is the same the FastAPI routes had."""
 
-    __slots__ = ("app", "service", "metrics", "max_body", "default_model", "_routes", "fastapi")
+    __slots__ = ("app", "service", "metrics", "max_body", "default_model", "_routes", "fastapi", "bodies")
 
-    def __init__(self, app: ASGIApp, service: IndexerService) -> None:
+    def __init__(self, app: ASGIApp, service: IndexerService, native: bool | None = None) -> None:
         self.app = app
+        self.bodies = TokenBodies(native)
         self.fastapi = app
         self.service = service
         self.metrics = service.metrics
@@ -170,12 +211,12 @@ class ScoreFront:
                 model = qp.get("model") or qp.get("model_name") or self.default_model
                 res = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None)
             else:
-                req = decode_body(kind, body, typ)
+                req, tokens = self.bodies.decode(kind, body, typ)
                 if typ is QueryRequest:
                     model = req.model_name or req.model or self.default_model
                 else:
                     model = req.model
-                res = handler(model, req.token_ids, req.lora_name, req.cache_salt)
+                res = handler(model, tokens, req.lora_name, req.cache_salt)
         except _ClientGone:
             return
         except ApiError as exc:
@@ -268,9 +309,10 @@ class BearerAuth:
         await resp(scope, receive, send)
 
 
-def create_app(service: IndexerService) -> ASGIApp:
+def create_app(service: IndexerService, native_bodies: bool | None = None) -> ASGIApp:
     """The service's ASGI app: bearer check (when configured) -> ScoreFront -> FastAPI.
-    The FastAPI app itself is reachable as `.fastapi` on the result."""
+    The FastAPI app itself is reachable as `.fastapi` on the result. `native_bodies` picks the
+    /score body decoder like `indexer.core.native.select` (None: native when built)."""
     cfg = service.config
     metrics = service.metrics
     max_body = cfg.max_body_bytes
@@ -361,5 +403,5 @@ def create_app(service: IndexerService) -> ASGIApp:
         log.exception("event=internal_error path=%s", request.url.path)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    front: Any = ScoreFront(app, service)
+    front: Any = ScoreFront(app, service, native_bodies)
     return BearerAuth(front, cfg.auth_token) if cfg.auth_token else front

@@ -81,6 +81,16 @@ class ScoreRequest(Struct, omit_defaults=True):
     cache_salt: OptName = None
 
 
+class ScoreRequestRaw(Struct, omit_defaults=True):
+    """Twin of ScoreRequest with `token_ids` left undecoded, for the native u32 fast path; the other
+    fields (and their limits) must stay identical to ScoreRequest's."""
+
+    token_ids: msgspec.Raw
+    model: Name = "default"
+    lora_name: OptName = None
+    cache_salt: OptName = None
+
+
 class WorkerScoreOut(Struct):
     worker_id: str
     dp_rank: int
@@ -110,6 +120,16 @@ class QueryRequest(Struct):
     """`POST /query`, the Dynamo / Mooncake-RFC shape. `model` is accepted as an alias."""
 
     token_ids: TokenList
+    model_name: OptName = None
+    model: OptName = None
+    lora_name: OptName = None
+    cache_salt: OptName = None
+
+
+class QueryRequestRaw(Struct):
+    """Twin of QueryRequest with `token_ids` left undecoded (see ScoreRequestRaw)."""
+
+    token_ids: msgspec.Raw
     model_name: OptName = None
     model: OptName = None
     lora_name: OptName = None

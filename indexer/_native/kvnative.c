@@ -210,6 +210,97 @@ static PyObject *py_digest_msgpack(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ---------------------------------------------------------------- request bodies -> u32 tokens
+ * json_u32_array / msgpack_u32_array(raw, max_tokens) -> bytes of little-endian u32 | None.
+ * `raw` is the msgspec.Raw of a request's `token_ids`. Only the plain valid case is answered: an
+ * array of non-negative integers < 2^32, at most max_tokens of them. Anything else (floats, `1e3`,
+ * booleans, negatives, `-0`, leading zeros, big ints, too many, not an array) gives None and the
+ * caller decodes the body with the typed msgspec decoder, so every reject is judged, and worded,
+ * exactly as before. */
+
+static PyObject *u32_bytes(const uint64_t *t, Py_ssize_t n) {
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (!out) return NULL;
+    uint32_t *o = (uint32_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) o[i] = (uint32_t)t[i];
+    return out;
+}
+
+static inline int json_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+static PyObject *py_json_u32_array(PyObject *self, PyObject *args) {
+    PyObject *raw;
+    Py_ssize_t maxn;
+    if (!PyArg_ParseTuple(args, "On", &raw, &maxn)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    const unsigned char *q = view.buf, *end = q + view.len;
+    /* every token but the last takes >= 2 bytes ("1,"): len / 2 + 1 bounds the count */
+    Py_ssize_t cap = view.len / 2 + 1, n = 0;
+    if (cap > maxn) cap = maxn < 0 ? 0 : maxn;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, cap * 4);
+    if (!out) { PyBuffer_Release(&view); return NULL; }
+    uint32_t *o = (uint32_t *)PyBytes_AS_STRING(out);
+    while (q < end && json_ws(*q)) q++;
+    if (q >= end || *q != '[') goto undecided;
+    q++;
+    while (q < end && json_ws(*q)) q++;
+    if (q < end && *q == ']') { q++; goto done; }
+    for (;;) {
+        unsigned d;
+        if (q >= end || (d = (unsigned)*q - '0') > 9) goto undecided;
+        q++;
+        if (d == 0 && q < end && (unsigned)*q - '0' <= 9) goto undecided; /* leading zero */
+        uint64_t v = d;
+        /* at most 10 digits fit below 2^32; a leading 0 must stand alone */
+        const unsigned char *lim = end - q > 9 ? q + 9 : end;
+        while (q < lim && (d = (unsigned)*q - '0') <= 9) { v = v * 10 + d; q++; }
+        if (v > 0xFFFFFFFFULL || (q < end && (unsigned)*q - '0' <= 9)) goto undecided; /* the typed decoder words it */
+        if (n >= cap) goto undecided; /* more than max tokens */
+        o[n++] = (uint32_t)v;
+        if (q < end && *q == ',') { /* the common case first */
+            q++;
+            while (q < end && json_ws(*q)) q++;
+            continue;
+        }
+        while (q < end && json_ws(*q)) q++;
+        if (q >= end) goto undecided;
+        if (*q == ']') { q++; break; }
+        if (*q != ',') goto undecided; /* '.', 'e', 'E' land here: a float is not a token */
+        q++;
+        while (q < end && json_ws(*q)) q++;
+    }
+done:
+    while (q < end && json_ws(*q)) q++;
+    if (q != end) goto undecided;
+    PyBuffer_Release(&view);
+    if (n != cap && _PyBytes_Resize(&out, n * 4) < 0) return NULL;
+    return out;
+undecided:
+    PyBuffer_Release(&view);
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_msgpack_u32_array(PyObject *self, PyObject *args) {
+    PyObject *raw;
+    Py_ssize_t maxn;
+    if (!PyArg_ParseTuple(args, "On", &raw, &maxn)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    uint64_t *t = NULL;
+    Py_ssize_t n = msgpack_int_array(view.buf, view.len, &t);
+    PyBuffer_Release(&view);
+    if (n == -2) return NULL;
+    if (n < 0) Py_RETURN_NONE;
+    int ok = n <= maxn;
+    /* negatives come back sign-extended (>= 2^63), so one bound rejects both */
+    for (Py_ssize_t i = 0; i < n && ok; i++) ok = t[i] <= 0xFFFFFFFFULL;
+    PyObject *out = ok ? u32_bytes(t, n) : (Py_INCREF(Py_None), Py_None);
+    PyMem_Free(t);
+    return out;
+}
+
 /* digest_tokens(tokens, block_size, max_blocks, extras) -> [digest per full block] | None */
 static PyObject *py_digest_tokens(PyObject *self, PyObject *args) {
     PyObject *seq, *extras;
@@ -1831,6 +1922,8 @@ static PyTypeObject U64MapType = {
 static PyMethodDef module_methods[] = {
     {"digest_msgpack", py_digest_msgpack, METH_VARARGS, "block digests from a msgpack int array"},
     {"digest_tokens", py_digest_tokens, METH_VARARGS, "block digests from a list/buffer of ints"},
+    {"json_u32_array", py_json_u32_array, METH_VARARGS, "u32 tokens from a raw JSON int array"},
+    {"msgpack_u32_array", py_msgpack_u32_array, METH_VARARGS, "u32 tokens from a raw msgpack int array"},
     {"chain_keys", py_chain_keys, METH_VARARGS, "chained content keys of every full block"},
     {"attach", py_attach, METH_VARARGS, "store a chain of blocks for one worker"},
     {"remove", py_remove, METH_VARARGS, "remove blocks of one worker on one tier"},
