@@ -56,6 +56,20 @@ def check_bytes(cache) -> None:
                 assert page_matches(cache.host, page, d), f"host page {page} of {node!r} wrong"
 
 
+class SettledStorageWorker(StorageWorker):
+    """The real worker thread and backend, but every poll first waits until the operations submitted
+    so far have finished: what the cache sees then depends on the program alone, not on thread timing,
+    so hypothesis can replay and shrink an example (acks of device/host copies stay test-controlled)."""
+
+    def drain_evicted(self) -> list[str]:
+        assert self.wait_idle(5.0), "storage worker stuck"
+        return super().drain_evicted()
+
+    def poll(self):  # noqa: ANN201
+        assert self.wait_idle(5.0), "storage worker stuck"
+        return super().poll()
+
+
 # (kind, a, b, c); the kind list is weighted toward requests and acks by repetition
 ops = st.tuples(
     st.sampled_from(["req"] * 6 + ["ack"] * 3 + ["step", "time", "evict_host", "reset"]),
@@ -83,7 +97,7 @@ def test_events_replay_to_acknowledged_residency(data, page_size, policy, device
         worker = None
         if l3_pages:
             page_bytes = page_size * 2 * 8 * 4  # build_cache: page (page_size, 2, 8) float32
-            worker = StorageWorker(FileStorageBackend(root, capacity_bytes=l3_pages * page_bytes))
+            worker = SettledStorageWorker(FileStorageBackend(root, capacity_bytes=l3_pages * page_bytes))
         try:
             cache = build_cache(page_size=page_size, device_pages=device_pages, host_pages=host_pages,
                                 transfer=engine, storage=worker, recorder=EventRecorder(sink),
