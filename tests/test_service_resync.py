@@ -39,11 +39,27 @@ def _metric(client: Any, prefix: str) -> float:
                if line.startswith(prefix))
 
 
+class _Outage:
+    """Drops w0's live batches with seq in [start, end) — end open while the outage lasts — and
+    records what it dropped, so the test knows when the wire has really lost them."""
+
+    def __init__(self) -> None:
+        self.start: int | None = None
+        self.end: int | None = None
+        self.dropped: list[int] = []
+
+    def __call__(self, wid: str, seq: int) -> bool:
+        if wid != "w0" or self.start is None or seq < self.start or (self.end is not None and seq >= self.end):
+            return False
+        self.dropped.append(seq)
+        return True
+
+
 def test_loss_beyond_the_buffer_is_repaired_by_a_snapshot_at_once() -> None:
-    lost: set[int] = set()
+    outage = _Outage()
     li = LiveIndexer(
         ServiceConfig(port=free_port(), block_size=PAGE, replay_timeout_s=1.0, stats_ttl_s=0.0, resync_hold_s=60.0),
-        subscriber_factory=lambda: Subscriber(replay_timeout=1.0, drop_live=lambda w, s: w == "w0" and s in lost),
+        subscriber_factory=lambda: Subscriber(replay_timeout=1.0, drop_live=outage),
     ).start()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
                             buffer_steps=3)
@@ -79,14 +95,19 @@ def test_loss_beyond_the_buffer_is_repaired_by_a_snapshot_at_once() -> None:
         # Relative counts: a slow joiner may already have needed one resync (and snapshot) above.
         asked0, snaps0, sent0 = pub.stats.snapshot_requests, cache.stats.get("snapshots", 0), _metric(c, sent)
 
-        # Lose 10 batches on the wire: far more than the 3-batch replay buffer holds.
-        lost.update(range(pub.next_seq, pub.next_seq + 10))
+        # An outage on the wire while 10 requests are served: far more batches than the 3-batch
+        # replay buffer holds. Nothing reaches the service until the outage ends, so the gap is
+        # seen only afterwards (the service cannot ask for, nor the cache answer, a snapshot early).
+        outage.start = pub.next_seq
         for tokens in requests[40:50]:
             driver.serve(tokens)
         cache.wait_transfers(10.0)
         cache.step()
-        while pub.next_seq <= max(lost) + 1:  # a step with nothing to say sends nothing: top up
-            pub.heartbeat()
+        pub.flush(5.0)
+        outage.end = pub.next_seq
+        assert outage.end - outage.start > 3
+        wait_until(lambda: len(outage.dropped) == outage.end - outage.start, timeout=10, interval=0.02)
+        pub.heartbeat()  # the first live batch after the outage reveals the gap
         pub.flush(5.0)
         # The service sees the gap, resyncs, and asks the publisher for a snapshot.
         wait_until(lambda: pub.stats.snapshot_requests == asked0 + 1, timeout=10, interval=0.02)
