@@ -424,6 +424,26 @@ class TieredCache:
             self.evict_host(short)
         return self.host.alloc(n)  # type: ignore[union-attr]
 
+    # -- releasing a tier's pages (the caller emits the event, if any) --------------------------
+    def _free_device(self, n: TreeNode) -> int:
+        k = len(n.value)  # type: ignore[arg-type]
+        self.device.free(n.value)  # type: ignore[arg-type]
+        n.value = None
+        n.device_ready = False
+        return k
+
+    def _free_host(self, n: TreeNode) -> int:
+        k = len(n.host_value)  # type: ignore[arg-type]
+        self.host.free(n.host_value)  # type: ignore[union-attr, arg-type]
+        n.host_value = None
+        n.host_ready = False
+        return k
+
+    def _prune_if_empty(self, n: TreeNode) -> None:
+        """A node no tier holds any more and with no children leaves the tree."""
+        if n.hollow and not n.children and n.parent is not None:
+            self.tree.prune(n)
+
     def _device_candidate(self, n: TreeNode) -> bool:
         if n.value is None or not n.device_ready or n.lock_ref > 0:
             return False
@@ -443,13 +463,10 @@ class TieredCache:
                 if self._write_backup(n):
                     writeback_budget[0] -= k
                     return 0
-            self.device.free(n.value)  # type: ignore[arg-type]
+            self._free_device(n)
             self._emit_removed(n, Medium.GPU)
-            n.value = None
-            n.device_ready = False
             self._count("device_evicted_pages", k)
-            if n.hollow and not n.children:
-                self.tree.prune(n)
+            self._prune_if_empty(n)
             return k
 
         return self.tree.evict_lru(num_pages, self._device_candidate, evict_one)
@@ -469,14 +486,10 @@ class TieredCache:
             return 0
 
         def evict_one(n: TreeNode) -> int:
-            k = len(n.host_value)  # type: ignore[arg-type]
-            self.host.free(n.host_value)  # type: ignore[union-attr, arg-type]
+            k = self._free_host(n)
             self._emit_removed(n, Medium.CPU_PINNED)
-            n.host_value = None
-            n.host_ready = False
             self._count("host_evicted_pages", k)
-            if n.hollow and not n.children:
-                self.tree.prune(n)
+            self._prune_if_empty(n)
             return k
 
         return self.tree.evict_lru(num_pages, self._host_candidate, evict_one)
@@ -555,13 +568,9 @@ class TieredCache:
         f.detach_all()
         for n in nodes:
             if f.kind == "d2h":
-                self.host.free(n.host_value)  # type: ignore[union-attr, arg-type]
-                n.host_value = None
-                n.host_ready = False
+                self._free_host(n)
             else:
-                self.device.free(n.value)  # type: ignore[arg-type]
-                n.value = None
-                n.device_ready = False
+                self._free_device(n)
                 n.host_ref -= 1
         self.tree.dec_lock(f.lock_node)  # type: ignore[arg-type]
 
@@ -658,8 +667,7 @@ class TieredCache:
                 n.stored = False
                 self._emit_removed(n, self.l3_medium)  # type: ignore[arg-type]
                 self._count("l3_evicted_nodes")
-            if n.hollow and not n.children and n.parent is not None:
-                self.tree.prune(n)
+            self._prune_if_empty(n)
 
     # ------------------------------------------------------------------------------------------
     # the per-step pump

@@ -18,8 +18,8 @@ import threading
 import zlib
 from collections.abc import Sequence
 
-from .base import BytesLike, StorageCapacity, check_batch
-from .ledger import LruLedger
+from .base import BytesLike, check_batch
+from .ledger import LedgerAccounting, LruLedger
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def encode_entry_header(key: bytes, value_len: int, crc: int) -> bytes:
     return _HEADER.pack(MAGIC, len(key), value_len, crc) + key
 
 
-class FileStorageBackend:
+class FileStorageBackend(LedgerAccounting):
     __slots__ = (
         "root", "shared", "name", "_fsync", "_ledger", "_evicted", "_lock", "_tmp_ids",
         "corrupt_entries", "write_failures",
@@ -234,17 +234,6 @@ class FileStorageBackend:
                     log.warning("L3 delete of %r failed: %s", key, exc)
         return n
 
-    def capacity(self) -> StorageCapacity:
-        with self._lock:
-            return StorageCapacity(self._ledger.used_bytes, self._ledger.limit_bytes)
-
-    def drain_evicted(self) -> list[str]:
-        with self._lock:
-            out, self._evicted = self._evicted, []
-        return out
-
-    def close(self) -> None:
-        pass
 
 
 def _decode_entry(data: bytes, key: str) -> bytes | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from .base import StorageCapacity
+
 
 class LruLedger:
     """Tracks key sizes in LRU order and decides what to evict to honour a byte limit.
@@ -70,3 +72,22 @@ class LruLedger:
             if need <= 0:
                 break
         return out
+
+
+class LedgerAccounting:
+    """capacity / drain_evicted / close for backends that keep their bytes in an `LruLedger`
+    (`_ledger`), log what they drop on their own in `_evicted`, and guard both with `_lock`."""
+
+    __slots__ = ()
+
+    def capacity(self) -> StorageCapacity:
+        with self._lock:
+            return StorageCapacity(self._ledger.used_bytes, self._ledger.limit_bytes)
+
+    def drain_evicted(self) -> list[str]:
+        with self._lock:
+            out, self._evicted = self._evicted, []
+        return out
+
+    def close(self) -> None:
+        pass

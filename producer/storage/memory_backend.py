@@ -4,11 +4,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from .base import BytesLike, StorageCapacity, check_batch
-from .ledger import LruLedger
+from .base import BytesLike, check_batch
+from .ledger import LedgerAccounting, LruLedger
 
 
-class MemoryStorageBackend:
+class MemoryStorageBackend(LedgerAccounting):
     __slots__ = ("name", "shared", "_data", "_ledger", "_evicted", "_lock")
 
     def __init__(self, capacity_bytes: int | None = None, shared: bool = False, *, name: str = "memory") -> None:
@@ -62,14 +62,3 @@ class MemoryStorageBackend:
                     n += 1
             return n
 
-    def capacity(self) -> StorageCapacity:
-        with self._lock:
-            return StorageCapacity(self._ledger.used_bytes, self._ledger.limit_bytes)
-
-    def drain_evicted(self) -> list[str]:
-        with self._lock:
-            out, self._evicted = self._evicted, []
-            return out
-
-    def close(self) -> None:
-        pass
