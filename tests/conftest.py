@@ -110,10 +110,10 @@ def start_redis_server(tmp_dir: Path, attempts: int = 3) -> RedisServer:
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A fresh, empty redis-server for this test (`.url`, `.host`, `.port`); killed afterwards.
 
-    Skips (with the reason) when the binary is missing, as the README promises.
+    Fails (with the reason) when the binary is missing: a skipped test is a test that did not run.
     """
     if not (os.path.exists(REDIS_BIN) or shutil.which("redis-server")):
-        pytest.skip(f"redis-server not found at {REDIS_BIN} (install it, e.g. apt-get install redis-server)")
+        pytest.fail(f"redis-server not found at {REDIS_BIN} (make test installs it: scripts/ensure-system-deps.sh)")
     server = start_redis_server(tmp_path_factory.mktemp("redis"))
     try:
         yield server
@@ -121,26 +121,16 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         server.stop()
 
 
-def _find_wire_samples() -> Path | None:
-    candidates = [
-        os.environ.get("KVATLAS_WIRE_SAMPLES", ""),
-        str(REPO_ROOT / "tests" / "data" / "wire-samples"),
-        str(REPO_ROOT.parent / "shared" / "wire-samples"),
-        "/work/shared/wire-samples",
-    ]
-    for c in candidates:
-        if c and (Path(c) / "sglang.msgpack").is_file():
-            return Path(c)
-    return None
+WIRE_SAMPLES = REPO_ROOT / "tests" / "data" / "wire-samples"
 
 
 @pytest.fixture(scope="session")
 def wire_samples_dir() -> Path:
-    """Directory with the captured engine bytes (`*.msgpack`) and `*.expected.json` final states."""
-    found = _find_wire_samples()
-    if found is None:
-        pytest.skip("wire samples not found (set KVATLAS_WIRE_SAMPLES to the wire-samples directory)")
-    return found
+    """Directory with the captured engine bytes (`*.msgpack`) and `*.expected.json` final states
+    (tests/data/wire-samples; provenance in its README)."""
+    if not (WIRE_SAMPLES / "sglang.msgpack").is_file():
+        pytest.fail(f"wire samples missing from the repository: {WIRE_SAMPLES}")
+    return WIRE_SAMPLES
 
 
 @pytest.fixture
