@@ -23,7 +23,9 @@ from indexer.snapshot import (
 from indexer.core.types import WorkerScore
 from router_api.ingest import IngestLoop
 from router_api.metrics import ServiceMetrics
-from router_api.registry import LivenessPolicy, Registry, RegistryError, UnknownWorker, InvalidRegistration
+from indexer.protocol import Index
+from indexer.reconcile import LivenessPolicy
+from router_api.registry import InvalidRegistration, Registry, RegistryError, UnknownWorker
 from schemas.api import (
     BestWorker,
     HealthResponse,
@@ -106,7 +108,7 @@ class ServiceConfig:
         self.stats_ttl_s = stats_ttl_s  # how stale /workers block counts may be (they cost O(blocks))
 
 
-def _default_index(config: ServiceConfig) -> Any:
+def _default_index(config: ServiceConfig) -> Index:
     from indexer.index import KVIndex
 
     weights = None
@@ -139,14 +141,14 @@ class IndexerService:
         self,
         config: ServiceConfig,
         *,
-        index: Any | None = None,
+        index: Index | None = None,
         subscriber_factory: Callable[[], Any] | None = None,
         snapshot_store: SnapshotStore | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.clock = clock
-        self.index = index if index is not None else _default_index(config)
+        self.index: Index = index if index is not None else _default_index(config)
         self.registry = Registry(LivenessPolicy(
             stale_after_s=config.stale_after_s, remove_after_s=config.remove_after_s,
             silent_engine_factor=config.silent_engine_factor, resync_hold_s=config.resync_hold_s,
