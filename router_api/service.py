@@ -44,6 +44,17 @@ log = logging.getLogger("kvatlas.service")
 TIER_KEYS = ("gpu", "host", "disk", "shared")
 
 
+class ServiceHealth(HealthResponse):
+    """`GET /health`: the shared HealthResponse plus which index core serves (docs/service.md)."""
+
+    core: str = "python"
+
+
+def core_name(index: Index) -> str:
+    """"native" when the index runs on the C accelerator, else "python"."""
+    return "native" if getattr(index, "native", False) else "python"
+
+
 class UnknownModel(Exception):
     """Scored a model no worker is registered for (HTTP 404)."""
 
@@ -154,6 +165,8 @@ class IndexerService:
             silent_engine_factor=config.silent_engine_factor, resync_hold_s=config.resync_hold_s,
         ))
         self.metrics = ServiceMetrics()
+        self.core = core_name(self.index)
+        self.metrics.index_core.set(self.core, value=1.0)
         self.lock = threading.Lock()
         self.store = snapshot_store if snapshot_store is not None else make_snapshot_store(
             config.snapshot_target, key=config.snapshot_key)
@@ -352,13 +365,13 @@ class IndexerService:
             marks = self.registry.watermarks()
         return {"generation": self.generation, "models": out, "watermarks": marks}
 
-    def health(self) -> HealthResponse:
+    def health(self) -> ServiceHealth:
         with self.lock:
             n = len(self.registry)
             models = dict(self.index.models())
         alive = self.ingest.alive
-        return HealthResponse(status="ok" if alive else "degraded", workers=n, ingest_alive=alive,
-                              uptime_s=self.clock() - self.started_at, models=models)
+        return ServiceHealth(status="ok" if alive else "degraded", workers=n, ingest_alive=alive,
+                             uptime_s=self.clock() - self.started_at, models=models, core=self.core)
 
     def stats(self) -> dict[str, Any]:
         """Numbers the dashboard polls; rates are computed client-side from these totals."""
