@@ -261,9 +261,9 @@ class IngestLoop:
         if kind == "Batch":
             self._on_batch(d)
         elif kind == "Gap":
-            self._on_gap(d)
+            self._on_seq_event(d, True)
         elif kind == "Restart":
-            self._on_restart(d)
+            self._on_seq_event(d, False)
         else:
             self._count_bad("unknown_delivery", f"unknown delivery {kind}")
 
@@ -349,30 +349,27 @@ class IngestLoop:
         self.metrics.snapshot_requests.inc(wid, outcome)
         log.info("event=snapshot_requested worker=%s outcome=%s", wid, outcome)
 
-    def _on_gap(self, d: Any) -> None:
+    def _on_seq_event(self, d: Any, gap: bool) -> None:
+        """A Gap or a Restart: the policy decides; a clear happens under the lock, before any
+        batch that follows it is applied."""
         wid = d.worker_id
         now = self._clock()
         with self.lock:
             state = self.registry.get(wid)
             if state is None:
                 return
-            decision = reconcile.on_gap(state, d.first, d.last, now, self.registry.policy, recovered=d.recovered)
+            if gap:
+                decision = reconcile.on_gap(state, d.first, d.last, now, self.registry.policy,
+                                            recovered=d.recovered)
+            else:
+                decision = reconcile.on_restart(state, now)
             if decision.clear:
                 self.index.clear_worker(state.reg.model, wid)
-        self.metrics.gaps.inc(wid)
-        self._carry_out(decision, wid, f"first={d.first} last={d.last}")
-
-    def _on_restart(self, d: Any) -> None:
-        wid = d.worker_id
-        now = self._clock()
-        with self.lock:
-            state = self.registry.get(wid)
-            if state is None:
-                return
-            decision = reconcile.on_restart(state, now)
-            if decision.clear:
-                self.index.clear_worker(state.reg.model, wid)
-        self._carry_out(decision, wid, f"old_seq={d.old_seq} new_seq={d.new_seq}")
+        if gap:
+            self.metrics.gaps.inc(wid)
+            self._carry_out(decision, wid, f"first={d.first} last={d.last}")
+        else:
+            self._carry_out(decision, wid, f"old_seq={d.old_seq} new_seq={d.new_seq}")
 
     def _tick(self, now: float) -> None:
         with self.lock:
