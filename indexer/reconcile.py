@@ -130,7 +130,7 @@ class StreamState:
 
 # --- inputs ------------------------------------------------------------------------------------
 
-def on_batch(s: StreamState, seq: int, now: float, policy: LivenessPolicy, *, heartbeat: bool = False,
+def on_batch(s: StreamState, seq: int, now: float, policy: LivenessPolicy, heartbeat: bool = False,
              cleared: bool = False, orphans: bool = False) -> Decision:
     """A batch was applied (or was a heartbeat). `cleared`: it held an AllBlocksCleared;
     `orphans`: the apply reported expired orphans (a parent never arrived)."""

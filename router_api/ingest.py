@@ -305,9 +305,12 @@ class IngestLoop:
                         heartbeat = True
                     if stats.ts > 0:
                         lag = self._wall() - stats.ts
-            decision = reconcile.on_batch(state, d.seq, now, self.registry.policy, heartbeat=heartbeat,
-                                          cleared=cleared, orphans=orphans)
-            self.registry.note_batch(state, dp_rank=dp_rank, lag=lag)
+            decision = reconcile.on_batch(state, d.seq, now, self.registry.policy, heartbeat, cleared, orphans)
+            # What the API reports beyond the policy: the batch's rank and lag.
+            if dp_rank is not None:
+                state.dp_ranks.add(dp_rank)
+            if lag is not None:
+                state.lag = lag if lag > 0.0 else 0.0
             if decision.clear:
                 self.index.clear_worker(model, wid)
         if bad is not None:

@@ -138,13 +138,5 @@ class Registry:
     def watermarks(self) -> dict[str, int]:
         return {w.worker_id: w.last_seq for w in self._workers.values() if w.last_seq is not None}
 
-    # -- what arrived (the policy's decisions are indexer.reconcile's) --------------------
-    def note_batch(self, w: WorkerState, *, dp_rank: int | None, lag: float | None) -> None:
-        """What the API reports of a batch beyond the policy: its rank and lag."""
-        if dp_rank is not None:
-            w.dp_ranks.add(dp_rank)
-        if lag is not None:
-            w.lag = max(0.0, lag)
-
     def statuses(self, now: float, workers: Iterable[WorkerState] | None = None) -> dict[str, str]:
         return {w.worker_id: w.status(now, self.policy) for w in (workers or self._workers.values())}
