@@ -3,15 +3,14 @@
 No I/O beyond what callers hand in, no threads, no clocks: the shell (router_api/cmd_replay.py)
 opens files, measures time, paces and owns sockets.
 
-Applying a log mirrors the live ingest (router_api/ingest.py) decision for decision, so a log
-applied here ends in the state the live indexer reached from the same stream:
+Applying a log runs the same reconciliation policy as live ingestion (indexer.reconcile,
+docs/service.md), so a log applied here ends in the state the live indexer reached from the same
+stream. What is offline-specific lives here:
 - per worker, every frame goes through `indexer.sequencing.on_live` with a replay fetch that
   returns nothing — the log already holds every batch the live subscriber recovered, so a seq jump
-  in the log is a gap nobody could fill: clear the worker (resync), then apply what follows;
-- seq going back is a publisher restart: clear the worker, then apply;
-- dp_rank comes from the payload, else the frame, else `default_dp_rank` (the live registration's);
-- expired orphans clear the worker on the first loss of a clean stream only (like the registry's
-  `clean` flag); `AllBlocksCleared` and restarts make the stream clean again.
+  in the log is a gap nobody could fill (the policy clears the worker, a resync);
+- the policy's stream time is each frame's recv_ts; there is no publisher to ask for a snapshot;
+- the batch's event tags are read from its head so the summary can count events by type.
 Known difference: when a live replay filled a gap only partly, the log shows two jumps where the
 live subscriber saw one gap, and the offline replay clears twice (losing the partly replayed run).
 
@@ -27,8 +26,9 @@ from typing import Union
 import msgspec
 
 from indexer.eventlog import LogFrame
-from indexer.index import KVIndex
-from indexer.sequencing import DeliverStep, GapStep, RestartStep, SeqTracker, on_live
+from indexer import reconcile
+from indexer.protocol import Index
+from indexer.sequencing import DeliverStep, GapStep, SeqTracker, on_live
 from schemas.batchhead import read_head as _read_head
 from schemas.codec import DecodeError, decode_batch
 from schemas.events import BlockStored
@@ -131,21 +131,15 @@ class QueryAnswer(msgspec.Struct):
 # --- applying a log ---------------------------------------------------------------------------------
 
 class WorkerReplay:
-    """What the replay saw of one publisher (worker)."""
+    """What the replay saw of one publisher (worker): its seq tracker, the reconciliation policy's
+    stream state (batches, gaps, restarts, resyncs, clean) and the log-level counts."""
 
-    __slots__ = ("tracker", "clean", "frames", "batches", "heartbeats", "gaps", "missing",
-                 "restarts", "resyncs", "first_seq", "last_seq", "dp_ranks")
+    __slots__ = ("tracker", "stream", "frames", "first_seq", "last_seq", "dp_ranks")
 
-    def __init__(self) -> None:
+    def __init__(self, worker_id: str, now: float) -> None:
         self.tracker = SeqTracker()
-        self.clean = True  # False once a loss cleared it; orphans after that are its echo
+        self.stream = reconcile.StreamState(worker_id, now)
         self.frames = 0
-        self.batches = 0
-        self.heartbeats = 0
-        self.gaps = 0
-        self.missing = 0  # seqs lost in gaps
-        self.restarts = 0
-        self.resyncs = 0
         self.first_seq: int | None = None
         self.last_seq: int | None = None
         self.dp_ranks: set[int] = set()
@@ -191,11 +185,13 @@ class LogReplayer:
     """Applies log frames to an index the way live ingestion would. Callers serialise access."""
 
     __slots__ = ("index", "model", "default_dp_rank", "workers", "frames", "batches", "heartbeats",
-                 "events", "blocks", "drops", "_logged")
+                 "events", "blocks", "drops", "policy", "_logged")
 
-    def __init__(self, index: KVIndex, model: str, block_size: int, default_dp_rank: int = 0) -> None:
+    def __init__(self, index: Index, model: str, block_size: int, default_dp_rank: int = 0) -> None:
         index.ensure_model(model, block_size)
         self.index = index
+        # Liveness plays no part offline; the policy's stream rules are the live ones.
+        self.policy = reconcile.LivenessPolicy()
         self.model = model
         self.default_dp_rank = default_dp_rank
         self.workers: dict[str, WorkerReplay] = {}
@@ -212,7 +208,7 @@ class LogReplayer:
         wid = frame.worker
         w = self.workers.get(wid)
         if w is None:
-            w = self.workers[wid] = WorkerReplay()
+            w = self.workers[wid] = WorkerReplay(wid, frame.recv_ts)
             # The live service registers every worker (at its configured dp_rank) before any event.
             self.index.register_worker(self.model, wid, self.default_dp_rank)
         w.frames += 1
@@ -221,79 +217,74 @@ class LogReplayer:
             return
         if w.first_seq is None:
             w.first_seq = frame.seq
+        now = frame.recv_ts
         for step in on_live(w.tracker, frame.seq, frame, _no_replay):
-            if isinstance(step, RestartStep):
-                w.restarts += 1
-                w.clean = True
-                self.index.clear_worker(self.model, wid)
-                log.info("worker %s restarted (seq %d -> %d): cleared", wid, step.old_seq, step.new_seq)
+            if isinstance(step, DeliverStep):
+                self._apply_batch(wid, w, step.item)
             elif isinstance(step, GapStep):
                 res = step.resolution
-                w.gaps += 1
-                w.missing += res.last - res.first + 1
-                w.resyncs += 1
-                w.clean = False
-                self.index.clear_worker(self.model, wid)
-                log.info("worker %s: gap %d..%d in the log: cleared (resync)", wid, res.first, res.last)
-            elif isinstance(step, DeliverStep):
-                self._apply_batch(wid, w, step.item)
+                self._carry_out(reconcile.on_gap(w.stream, res.first, res.last, now, self.policy,
+                                                 recovered=res.recovered), wid, f"gap {res.first}..{res.last}")
+            else:
+                self._carry_out(reconcile.on_restart(w.stream, now), wid,
+                                f"restart (seq {step.old_seq} -> {step.new_seq})")
         w.last_seq = frame.seq
+
+    def _carry_out(self, decision: reconcile.Decision, wid: str, where: str) -> None:
+        """The offline half of a reconciliation decision: clear, count (no snapshot to ask for)."""
+        if decision.clear:
+            self.index.clear_worker(self.model, wid)
+            log.info("worker %s: %s: cleared%s", wid, where, " (resync)" if decision.resync else "")
+        if decision.drop is not None:
+            self.drops[decision.drop] = self.drops.get(decision.drop, 0) + 1
 
     def _apply_batch(self, wid: str, w: WorkerReplay, frame: LogFrame) -> None:
         # Fast path: read only dp_rank and the event tags, and let the index decode the payload its
         # own (fastest) way. Anything the head cannot read goes through the full decoder, as live.
         head = _read_head(frame.payload)
         if head is not None:
-            dp_rank, types = head.data_parallel_rank, [e.type_name for e in head.events]
+            batch_rank, types = head.data_parallel_rank, [e.type_name for e in head.events]
             batch = None
         else:
             batch = decode_batch(frame.payload)
             if isinstance(batch, DecodeError):
                 self._drop("decode_" + batch.reason, f"worker={wid} seq={frame.seq}: {batch.message}")
                 return
-            dp_rank, types = batch.data_parallel_rank, [type(ev).__name__ for ev in batch.events]
-        if dp_rank is None or dp_rank < 0:
-            dp_rank = frame.dp_rank if frame.dp_rank is not None and frame.dp_rank >= 0 else self.default_dp_rank
+            batch_rank, types = batch.data_parallel_rank, [type(ev).__name__ for ev in batch.events]
+        dp_rank = reconcile.batch_rank(batch_rank, frame.dp_rank, self.default_dp_rank)
+        now = frame.recv_ts
         if not types:
             if batch is None and isinstance(decode_batch(frame.payload), DecodeError):
                 self._drop("decode_invalid", f"worker={wid} seq={frame.seq}: empty batch that does not decode")
                 return
-            self.batches += 1
-            w.batches += 1
             self.heartbeats += 1
-            w.heartbeats += 1
+            self.batches += 1
             w.dp_ranks.add(dp_rank)
+            reconcile.on_batch(w.stream, frame.seq, now, self.policy, heartbeat=True)
             return
         if batch is None:
             stats = self.index.apply_payload(self.model, wid, dp_rank, frame.payload)
-            bad = [k for k in stats.drops if k.startswith("decode_")]
-            if bad:  # the head read but the full decode did not: a whole-batch drop, as live
-                self._drop(bad[0], f"worker={wid} seq={frame.seq}: payload does not decode")
+            bad = reconcile.whole_batch_drop(stats.drops)
+            if bad is not None:  # the head read but the full decode did not: a whole-batch drop, as live
+                self._drop(bad, f"worker={wid} seq={frame.seq}: payload does not decode")
                 return
         else:
             stats = self.index.apply(self.model, wid, dp_rank, batch)
         self.batches += 1
-        w.batches += 1
         w.dp_ranks.add(dp_rank)
         for name in types:
             self.events[name] = self.events.get(name, 0) + 1
-        cleared = False
         for (typ, medium, outcome), n in stats.counts.items():
             if n:
                 key = f"{typ}/{medium}/{outcome}"
                 self.blocks[key] = self.blocks.get(key, 0) + n
-                cleared = cleared or typ == "cleared"
         for reason, n in stats.drops.items():
             if n:
                 self.drops[reason] = self.drops.get(reason, 0) + n
-        if cleared:
-            w.clean = True
-        if stats.resync_needed and w.clean:
-            # First sign of loss on a clean stream: the live ingest clears the worker here too.
-            w.clean = False
-            w.resyncs += 1
-            self.index.clear_worker(self.model, wid)
-            log.info("worker %s seq %d: orphans expired: cleared (resync)", wid, frame.seq)
+        self._carry_out(reconcile.on_batch(w.stream, frame.seq, now, self.policy,
+                                           cleared=reconcile.cleared_in(stats.counts),
+                                           orphans=bool(stats.resync_needed)),
+                        wid, f"seq {frame.seq}: orphans expired")
 
     def _drop(self, reason: str, detail: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
@@ -323,8 +314,8 @@ class LogReplayer:
         for (wid, rank), tiers in sorted(stats.items()):
             per_worker.setdefault(wid, {})[str(rank)] = dict(tiers)
         workers = [
-            WorkerSummary(wid, w.frames, w.batches, w.heartbeats, w.gaps, w.missing, w.restarts, w.resyncs,
-                          w.first_seq, w.last_seq, per_worker.get(wid, {}))
+            WorkerSummary(wid, w.frames, w.stream.batches, w.stream.heartbeats, w.stream.gaps, w.stream.missing,
+                          w.stream.restarts, w.stream.resyncs, w.first_seq, w.last_seq, per_worker.get(wid, {}))
             for wid, w in sorted(self.workers.items())
         ]
         return ReplaySummary(
@@ -332,9 +323,9 @@ class LogReplayer:
             batches=self.batches, heartbeats=self.heartbeats, bytes=nbytes, truncated=truncated,
             corrupt_frames=corrupt_frames, events=dict(sorted(self.events.items())),
             blocks=dict(sorted(self.blocks.items())), drops=dict(sorted(self.drops.items())),
-            gaps=sum(w.gaps for w in self.workers.values()),
-            restarts=sum(w.restarts for w in self.workers.values()),
-            resyncs=sum(w.resyncs for w in self.workers.values()), queries=queries,
+            gaps=sum(w.stream.gaps for w in self.workers.values()),
+            restarts=sum(w.stream.restarts for w in self.workers.values()),
+            resyncs=sum(w.stream.resyncs for w in self.workers.values()), queries=queries,
             elapsed_s=elapsed_s, frames_per_s=self.frames / elapsed_s if elapsed_s > 0 else 0.0,
             workers=workers,
         )

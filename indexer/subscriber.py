@@ -22,13 +22,10 @@ import msgspec
 import zmq
 
 from indexer.sequencing import DeliverStep, GapStep, SeqTracker, on_live
+from schemas.frames import END_SEQ, SEQ_BYTES, SNAPSHOT_REQUEST, seq_bytes, seq_of
 
 log = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-# kvatlas producers answer this on the replay socket by publishing their full state in-stream (a
-# batch starting with AllBlocksCleared); see producer.publisher. Engines without it ignore it.
-SNAPSHOT_REQUEST = b"KVATLAS-SNAPSHOT"
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int: the flag enum costs a conversion per recv
 
 
@@ -96,9 +93,9 @@ def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None | str:
         return f"unexpected replay reply shape ({len(frames)} frames)"
     if seq_b == END_SEQ:
         return None
-    if len(seq_b) != 8:
+    if len(seq_b) != SEQ_BYTES:
         return f"replay seq frame of {len(seq_b)} bytes"
-    return int.from_bytes(seq_b, "big"), payload
+    return seq_of(seq_b), payload
 
 
 class Subscriber:
@@ -267,10 +264,10 @@ class Subscriber:
                 self._bad_frame(f"live message from {wid!r}: {3 + extra} frames")
                 continue
             seq_b = f1.bytes
-            if len(seq_b) != 8:
+            if len(seq_b) != SEQ_BYTES:
                 self._bad_frame(f"live message from {wid!r}: seq frame of {len(seq_b)} bytes")
                 continue
-            seq = int.from_bytes(seq_b, "big")
+            seq = seq_of(seq_b)
             if drop is not None and drop(wid, seq):
                 self.stats.dropped_by_hook += 1
                 continue
@@ -320,7 +317,7 @@ class Subscriber:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.connect(src.replay_endpoint)
-            sock.send_multipart([b"", first.to_bytes(8, "big")])
+            sock.send_multipart([b"", seq_bytes(first)])
             timeout_ms = max(1, int(self.replay_timeout * 1000))
             while True:
                 if not sock.poll(timeout_ms, zmq.POLLIN):

@@ -28,15 +28,10 @@ import msgspec
 import zmq
 
 from schemas.events import KVEvent, KVEventBatch
+from schemas.frames import END_SEQ, SEQ_BYTES, SNAPSHOT_REQUEST, seq_bytes, seq_of
 
 log = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-# A kvatlas extension on the replay socket: `[b"", SNAPSHOT_REQUEST]` asks the producer to publish,
-# in-stream, one batch that starts with AllBlocksCleared and re-stores everything it holds, so a
-# subscriber that lost more than the replay buffer covers can rebuild that worker exactly. No reply
-# is sent. Engines without the extension read it as a replay from a huge seq and send only an end marker.
-SNAPSHOT_REQUEST = b"KVATLAS-SNAPSHOT"
 _CLOSE = object()  # queue sentinel
 
 
@@ -266,7 +261,7 @@ class ZmqEventPublisher:
             return
         seq = self._next_seq
         try:
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+            self._pub.send_multipart((self._topic, seq_bytes(seq), payload), copy=False)
         except zmq.ZMQError as exc:
             # The seq is consumed anyway, so subscribers see a gap and can replay it.
             self.stats.send_errors += 1
@@ -288,21 +283,21 @@ class ZmqEventPublisher:
                 continue
             self.stats.replay_requests += 1
             # DEALER: [id, b"", start]; REQ-less clients may omit the delimiter: [id, start].
-            if len(frames) == 3 and frames[1] == b"" and len(frames[2]) == 8:
+            if len(frames) == 3 and frames[1] == b"" and len(frames[2]) == SEQ_BYTES:
                 ident, delim, start_b = frames[0], [b""], frames[2]
-            elif len(frames) == 2 and len(frames[1]) == 8:
+            elif len(frames) == 2 and len(frames[1]) == SEQ_BYTES:
                 ident, delim, start_b = frames[0], [], frames[1]
             else:
                 self.stats.bad_replay_requests += 1
                 log.warning("invalid replay request (%d frames) ignored", len(frames))
                 continue
-            start = int.from_bytes(start_b, "big")
+            start = seq_of(start_b)
             n = 0
             try:
                 for seq, payload in self._buffer:
                     if seq >= start:
                         self._replay.send_multipart(
-                            [ident, *delim, self._topic, seq.to_bytes(8, "big"), payload], copy=False)
+                            [ident, *delim, self._topic, seq_bytes(seq), payload], copy=False)
                         n += 1
                 self._replay.send_multipart([ident, *delim, b"", END_SEQ, b""])
             except zmq.ZMQError as exc:

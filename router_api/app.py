@@ -26,6 +26,7 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from indexer.core import native as native_core
+from router_api.metrics import CONTENT_TYPE_LATEST
 from router_api.registry import RegistryError
 from router_api.service import IndexerService, UnknownModel
 from schemas.api import (
@@ -379,7 +380,7 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(service.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(service.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/stats")
     async def stats() -> Response:

@@ -215,6 +215,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # e.g. stale-after > remove-after, bad snapshot target
         print(f"kvatlas indexer: bad configuration: {exc}", file=sys.stderr)
         return 2
+    if service.core != "native":
+        # Loud on purpose: the pure-Python core ingests and scores several times slower (docs/service.md).
+        banner = ("kvatlas indexer: WARNING: the C accelerator (indexer/_native) is not in use; running the "
+                  "pure-Python index core, several times slower. Rebuild with `pip install -e .` (needs a C "
+                  "compiler) or unset KVATLAS_PURE_PYTHON. /health and /metrics report core=python.")
+        print(banner, file=sys.stderr, flush=True)
+        log.warning("event=slow_core core=python")
     service.start()
     app = create_app(service)
     # Everything imported and built so far lives as long as the process: keep it out of the

@@ -1,20 +1,21 @@
-"""The ingestion thread: owns the ZMQ Subscriber, applies its Deliveries to the KVIndex in order
-per worker, and turns gaps, restarts and silence into index/registry updates and metrics.
+"""The live ingestion thread: the shell that owns the ZMQ Subscriber, applies its Deliveries to
+the Index in order per worker, and carries out the reconciliation policy's decisions
+(indexer.reconcile, docs/service.md) as index clears, snapshot requests, metrics and logs. The
+policy itself — what a gap, a restart, expired orphans or silence mean — is not written here.
 
 Threading: the Subscriber's sockets are touched only by this thread; the HTTP side asks for
 subscription changes through a command queue. The shared `lock` guards the index and the registry
 together and is held for one batch at a time, so /score never waits for more than one batch and
 ingestion never waits for more than one query.
 
-Fast path: the raw payload goes straight to `KVIndex.apply_payload(..., rank_from_batch=True)`,
+Fast path: the raw payload goes straight to `Index.apply_payload(..., rank_from_batch=True)`,
 which reads the batch's dp_rank and ts in the same C walk that hashes token ids from the msgpack
 bytes and applies them; odd payloads (array-form events, bad bytes) take the index's general paths,
 which read the head in Python or use the full decoder (and give the exact error label).
 
-Resync: when a worker has to be cleared after a loss (a gap replay could not cover, or orphans
-that expired on a clean stream) its publisher is asked for a snapshot if the subscriber can
-(`request_snapshot`): a kvatlas producer answers in-stream with AllBlocksCleared + its full state,
-and that AllBlocksCleared marks the worker clean again (registry.on_reset).
+Resync: when the policy resyncs a worker its publisher is asked for a snapshot if the subscriber
+can (`request_snapshot`): a kvatlas producer answers in-stream with AllBlocksCleared + its full
+state, and that AllBlocksCleared makes the stream clean again.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from indexer import reconcile
+from indexer.protocol import Index
 from router_api.memtrim import MemoryTrimmer
 from router_api.metrics import ServiceMetrics
 from router_api.registry import Registry
@@ -41,7 +44,7 @@ class ApplyAdapter:
 
     __slots__ = ("index", "metrics")
 
-    def __init__(self, index: Any, metrics: ServiceMetrics) -> None:
+    def __init__(self, index: Index, metrics: ServiceMetrics) -> None:
         self.index = index
         self.metrics = metrics
 
@@ -71,20 +74,17 @@ class Tally:
 
     def add_stats(self, stats: Any) -> tuple[bool, bool]:
         """ApplyStats -> tallies; returns (orphans expired, the batch held an AllBlocksCleared)."""
-        cleared = False
         events = self.events
         for key, n in stats.counts.items():
             if n:
                 events[key] = events.get(key, 0) + n
-                if key[0] == "cleared":
-                    cleared = True
         if stats.drops:
             drops = self.drops
             for reason, n in stats.drops.items():
                 if n:
                     k = (reason,)
                     drops[k] = drops.get(k, 0) + n
-        return bool(stats.resync_needed), cleared
+        return bool(stats.resync_needed), reconcile.cleared_in(stats.counts)
 
     def flush(self, metrics: ServiceMetrics) -> None:
         if self.events:
@@ -112,16 +112,6 @@ def record_apply_stats(metrics: ServiceMetrics, stats: Any) -> tuple[bool, bool]
     return out
 
 
-def _decode_failure(stats: Any) -> str | None:
-    """The `decode_*` drop reason when `apply_payload` found the payload undecodable, else None."""
-    if stats is None or not stats.drops:
-        return None
-    for reason, n in stats.drops.items():
-        if n and reason.startswith("decode_"):
-            return reason
-    return None
-
-
 class _Cmd:
     __slots__ = ("kind", "reg", "last_seq", "worker_id", "done")
 
@@ -140,7 +130,7 @@ class IngestLoop:
     def __init__(
         self,
         *,
-        index: Any,
+        index: Index,
         registry: Registry,
         lock: threading.Lock,
         metrics: ServiceMetrics,
@@ -271,9 +261,9 @@ class IngestLoop:
         if kind == "Batch":
             self._on_batch(d)
         elif kind == "Gap":
-            self._on_gap(d)
+            self._on_seq_event(d, True)
         elif kind == "Restart":
-            self._on_restart(d)
+            self._on_seq_event(d, False)
         else:
             self._count_bad("unknown_delivery", f"unknown delivery {kind}")
 
@@ -287,42 +277,42 @@ class IngestLoop:
     def _on_batch(self, d: Any) -> None:
         wid = d.worker_id
         now = self._clock()
-        wall = self._wall()
         tally = self._tally
-        resync = orphans = False
         heartbeat = False
         lag = None
         bad: str | None = None  # the decode_* reason of a payload that does not decode
+        decision = reconcile.NOTHING
         with self.lock:  # one batch per hold: /score waits for at most this batch
             state = self.registry.get(wid)
             if state is None:  # removed while its messages were in flight
                 self.metrics.drops.inc("unregistered_worker")
                 return
-            reg = state.reg
+            model = state.reg.model
             dp_rank: int | None = None
+            orphans = cleared = False
             try:
-                stats = self.adapter.apply_payload(reg.model, wid, reg.dp_rank, d.payload)
+                stats = self.adapter.apply_payload(model, wid, state.reg.dp_rank, d.payload)
             except Exception as exc:  # the index promises not to raise; never trust it blindly
                 self._count_bad("apply_error", f"worker={wid} seq={d.seq}: {exc!r}")
                 stats = None
             if stats is not None:
-                # A decode_* drop is a whole-batch drop (the head or the events do not decode).
-                bad = _decode_failure(stats) if stats.drops else None
+                bad = reconcile.whole_batch_drop(stats.drops) if stats.drops else None
                 if bad is None:
                     dp_rank = stats.dp_rank
                     if stats.n_events:
                         orphans, cleared = tally.add_stats(stats)
-                        if cleared:
-                            self.registry.on_reset(wid)
                     else:
                         heartbeat = True
                     if stats.ts > 0:
-                        lag = wall - stats.ts
-            self.registry.on_batch(wid, d.seq, now, heartbeat=heartbeat, dp_rank=dp_rank, lag=lag)
-            if orphans and self.registry.on_orphans(wid, now):
-                # First sign of loss on a clean stream: same path as an unrecoverable gap.
-                self.index.clear_worker(reg.model, wid)
-                resync = True
+                        lag = self._wall() - stats.ts
+            decision = reconcile.on_batch(state, d.seq, now, self.registry.policy, heartbeat, cleared, orphans)
+            # What the API reports beyond the policy: the batch's rank and lag.
+            if dp_rank is not None:
+                state.dp_ranks.add(dp_rank)
+            if lag is not None:
+                state.lag = lag if lag > 0.0 else 0.0
+            if decision.clear:
+                self.index.clear_worker(model, wid)
         if bad is not None:
             self._count_bad(bad, f"worker={wid} seq={d.seq}: payload does not decode")
         self.applied_batches += 1
@@ -330,12 +320,23 @@ class IngestLoop:
         tally.batches[key] = tally.batches.get(key, 0) + 1
         if lag is not None:
             tally.lag[(wid,)] = lag if lag > 0.0 else 0.0
-        if resync:
+        if decision is not reconcile.NOTHING:
+            self._carry_out(decision, wid, f"seq={d.seq}")
+
+    def _carry_out(self, decision: reconcile.Decision, wid: str, where: str) -> None:
+        """The counting and asking half of a reconciliation decision (the clear ran under the lock)."""
+        if decision.replayed:
+            self.metrics.replays.inc(wid)
+            log.info("event=gap_replayed worker=%s %s", wid, where)
+        if decision.restart:
+            self.metrics.restarts.inc(wid)
+            log.warning("event=publisher_restart worker=%s %s", wid, where)
+        if decision.resync is not None:
             self.metrics.resyncs.inc(wid)
-            log.warning("event=resync worker=%s reason=orphans_expired seq=%d", wid, d.seq)
+            log.warning("event=resync worker=%s reason=%s %s", wid, decision.resync, where)
             self._request_snapshot(wid)
-        elif orphans:
-            self._count_bad("orphans_after_resync", f"worker={wid} seq={d.seq}: parents lost in an earlier resync")
+        if decision.drop is not None:
+            self._count_bad(decision.drop, f"worker={wid} {where}")
 
     def _request_snapshot(self, wid: str) -> None:
         """Ask the worker's publisher to re-publish its state in-stream (kvatlas producers do;
@@ -351,41 +352,31 @@ class IngestLoop:
         self.metrics.snapshot_requests.inc(wid, outcome)
         log.info("event=snapshot_requested worker=%s outcome=%s", wid, outcome)
 
-    def _on_gap(self, d: Any) -> None:
+    def _on_seq_event(self, d: Any, gap: bool) -> None:
+        """A Gap or a Restart: the policy decides; a clear happens under the lock, before any
+        batch that follows it is applied."""
         wid = d.worker_id
         now = self._clock()
         with self.lock:
             state = self.registry.get(wid)
             if state is None:
                 return
-            if not d.recovered:
+            if gap:
+                decision = reconcile.on_gap(state, d.first, d.last, now, self.registry.policy,
+                                            recovered=d.recovered)
+            else:
+                decision = reconcile.on_restart(state, now)
+            if decision.clear:
                 self.index.clear_worker(state.reg.model, wid)
-            self.registry.on_gap(wid, now, recovered=d.recovered)
-        self.metrics.gaps.inc(wid)
-        if d.recovered:
-            self.metrics.replays.inc(wid)
-            log.info("event=gap_replayed worker=%s first=%d last=%d", wid, d.first, d.last)
+        if gap:
+            self.metrics.gaps.inc(wid)
+            self._carry_out(decision, wid, f"first={d.first} last={d.last}")
         else:
-            self.metrics.resyncs.inc(wid)
-            log.warning("event=resync worker=%s reason=replay_cannot_cover first=%d last=%d",
-                        wid, d.first, d.last)
-            self._request_snapshot(wid)
-
-    def _on_restart(self, d: Any) -> None:
-        wid = d.worker_id
-        now = self._clock()
-        with self.lock:
-            state = self.registry.get(wid)
-            if state is None:
-                return
-            self.index.clear_worker(state.reg.model, wid)
-            self.registry.on_restart(wid, now)
-        self.metrics.restarts.inc(wid)
-        log.warning("event=publisher_restart worker=%s old_seq=%d new_seq=%d", wid, d.old_seq, d.new_seq)
+            self._carry_out(decision, wid, f"old_seq={d.old_seq} new_seq={d.new_seq}")
 
     def _tick(self, now: float) -> None:
         with self.lock:
-            changes, expired = self.registry.tick(now)
+            changes, expired = reconcile.on_tick(self.registry, now, self.registry.policy)
         for wid, old, new in changes:
             log.info("event=status worker=%s from=%s to=%s", wid, old, new)
         for wid in expired:

@@ -1,4 +1,9 @@
-"""A small Prometheus text-exposition of our own counters, gauges and histograms.
+"""Our own counters, gauges and histograms, exposed through `prometheus_client`.
+
+The metric objects stay ours (the ingest loop adds a whole poll's tally under one lock, which the
+client library's per-sample objects cannot); `prometheus_client` renders them: each metric becomes
+a MetricFamily in a custom collector and `generate_latest` writes the text format (escaping, float
+formatting, `_total` / `_bucket` naming are the library's).
 
 Data structures only: no clock, no I/O. Each metric has its own lock because the ingestion thread
 and the HTTP thread both write (dict read-modify-write is not atomic across threads).
@@ -9,28 +14,34 @@ import bisect
 import math
 import threading
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 LabelValues = tuple[str, ...]
+__all__ = ["CONTENT_TYPE_LATEST", "Counter", "Gauge", "Histogram", "ServiceMetrics", "exposition"]
 
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _Collector:
+    """A prometheus_client collector over our metric objects (read at scrape time)."""
+
+    __slots__ = ("_metrics",)
+
+    def __init__(self, metrics: Iterable["_Metric"]) -> None:
+        self._metrics = tuple(metrics)
+
+    def collect(self) -> Iterator[Any]:
+        for m in self._metrics:
+            yield m.family()
 
 
-def _fmt(v: float) -> str:
-    if v == math.inf:
-        return "+Inf"
-    if float(v).is_integer():
-        return str(int(v))
-    return repr(float(v))
-
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(str(v))}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
+def exposition(metrics: Iterable["_Metric"]) -> str:
+    """The Prometheus text format of `metrics`, written by prometheus_client."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(metrics))  # type: ignore[arg-type]
+    return generate_latest(registry).decode("utf-8")
 
 
 class _Metric:
@@ -47,8 +58,12 @@ class _Metric:
         if len(labels) != len(self.labelnames):
             raise ValueError(f"{self.name} takes labels {self.labelnames}, got {labels}")
 
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+    def family(self) -> Any:
+        raise NotImplementedError
+
+    def render(self) -> list[str]:
+        """This metric alone in the text format, one line per item."""
+        return exposition([self]).splitlines()
 
 
 class Counter(_Metric):
@@ -89,11 +104,11 @@ class Counter(_Metric):
         with self._lock:
             return sorted(self._values.items())
 
-    def render(self) -> list[str]:
-        out = self.header()
+    def family(self) -> Any:
+        fam = CounterMetricFamily(self.name, self.help, labels=self.labelnames)
         for labels, v in self.items():
-            out.append(f"{self.name}{_labels(self.labelnames, labels)} {_fmt(v)}")
-        return out
+            fam.add_metric(labels, v)
+        return fam
 
 
 class Gauge(Counter):
@@ -117,6 +132,12 @@ class Gauge(Counter):
         """Swap in a fresh set of samples (e.g. per-worker gauges after a removal)."""
         with self._lock:
             self._values = dict(values)
+
+    def family(self) -> Any:
+        fam = GaugeMetricFamily(self.name, self.help, labels=self.labelnames)
+        for labels, v in self.items():
+            fam.add_metric(labels, v)
+        return fam
 
 
 class Histogram(_Metric):
@@ -144,19 +165,18 @@ class Histogram(_Metric):
     def count(self, *labels: str) -> int:
         return sum(self._counts.get(labels, ()))
 
-    def render(self) -> list[str]:
-        out = self.header()
+    def family(self) -> Any:
+        fam = HistogramMetricFamily(self.name, self.help, labels=self.labelnames)
         with self._lock:
             snap = sorted((k, list(v), self._sums[k]) for k, v in self._counts.items())
         for labels, counts, total in snap:
             acc = 0
+            buckets = []
             for bound, c in zip(self.buckets, counts):
                 acc += c
-                le = f'le="{_fmt(bound)}"'
-                out.append(f"{self.name}_bucket{_labels(self.labelnames, labels, le)} {acc}")
-            out.append(f"{self.name}_sum{_labels(self.labelnames, labels)} {_fmt(total)}")
-            out.append(f"{self.name}_count{_labels(self.labelnames, labels)} {acc}")
-        return out
+                buckets.append((floatToGoString(bound), acc))
+            fam.add_metric(labels, buckets, total)
+        return fam
 
 
 class RecentWindow:
@@ -193,7 +213,7 @@ class ServiceMetrics:
     __slots__ = (
         "events", "drops", "batches", "gaps", "replays", "resyncs", "restarts", "worker_lag",
         "worker_blocks", "request_latency", "http_rejects", "snapshots", "snapshot_requests",
-        "recent_score", "_all",
+        "recent_score", "index_core", "_all",
     )
 
     def __init__(self) -> None:
@@ -218,14 +238,14 @@ class ServiceMetrics:
             "Resyncs that asked the worker's publisher to re-publish its state in-stream, by outcome "
             "(sent; not_sent: no replay endpoint or the send failed; error)", ("worker", "outcome"))
         self.recent_score = RecentWindow(2048)
+        self.index_core = Gauge(p + "index_core", "1 for the index core in use: native (the C accelerator) "
+                                "or python (the pure-Python reference core, several times slower)", ("core",))
         self._all: tuple[_Metric, ...] = (
+            self.index_core,
             self.events, self.drops, self.batches, self.gaps, self.replays, self.resyncs,
             self.restarts, self.worker_lag, self.worker_blocks, self.request_latency,
             self.http_rejects, self.snapshots, self.snapshot_requests,
         )
 
     def render(self) -> str:
-        lines: list[str] = []
-        for m in self._all:
-            lines.extend(m.render())
-        return "\n".join(lines) + "\n"
+        return exposition(self._all)

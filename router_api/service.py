@@ -23,7 +23,9 @@ from indexer.snapshot import (
 from indexer.core.types import WorkerScore
 from router_api.ingest import IngestLoop
 from router_api.metrics import ServiceMetrics
-from router_api.registry import LivenessPolicy, Registry, RegistryError, UnknownWorker, InvalidRegistration
+from indexer.protocol import Index
+from indexer.reconcile import LivenessPolicy
+from router_api.registry import InvalidRegistration, Registry, RegistryError, UnknownWorker
 from schemas.api import (
     BestWorker,
     HealthResponse,
@@ -40,6 +42,17 @@ from schemas.api import (
 log = logging.getLogger("kvatlas.service")
 
 TIER_KEYS = ("gpu", "host", "disk", "shared")
+
+
+class ServiceHealth(HealthResponse):
+    """`GET /health`: the shared HealthResponse plus which index core serves (docs/service.md)."""
+
+    core: str = "python"
+
+
+def core_name(index: Index) -> str:
+    """"native" when the index runs on the C accelerator, else "python"."""
+    return "native" if getattr(index, "native", False) else "python"
 
 
 class UnknownModel(Exception):
@@ -106,7 +119,7 @@ class ServiceConfig:
         self.stats_ttl_s = stats_ttl_s  # how stale /workers block counts may be (they cost O(blocks))
 
 
-def _default_index(config: ServiceConfig) -> Any:
+def _default_index(config: ServiceConfig) -> Index:
     from indexer.index import KVIndex
 
     weights = None
@@ -139,19 +152,21 @@ class IndexerService:
         self,
         config: ServiceConfig,
         *,
-        index: Any | None = None,
+        index: Index | None = None,
         subscriber_factory: Callable[[], Any] | None = None,
         snapshot_store: SnapshotStore | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.clock = clock
-        self.index = index if index is not None else _default_index(config)
+        self.index: Index = index if index is not None else _default_index(config)
         self.registry = Registry(LivenessPolicy(
             stale_after_s=config.stale_after_s, remove_after_s=config.remove_after_s,
             silent_engine_factor=config.silent_engine_factor, resync_hold_s=config.resync_hold_s,
         ))
         self.metrics = ServiceMetrics()
+        self.core = core_name(self.index)
+        self.metrics.index_core.set(self.core, value=1.0)
         self.lock = threading.Lock()
         self.store = snapshot_store if snapshot_store is not None else make_snapshot_store(
             config.snapshot_target, key=config.snapshot_key)
@@ -350,13 +365,13 @@ class IndexerService:
             marks = self.registry.watermarks()
         return {"generation": self.generation, "models": out, "watermarks": marks}
 
-    def health(self) -> HealthResponse:
+    def health(self) -> ServiceHealth:
         with self.lock:
             n = len(self.registry)
             models = dict(self.index.models())
         alive = self.ingest.alive
-        return HealthResponse(status="ok" if alive else "degraded", workers=n, ingest_alive=alive,
-                              uptime_s=self.clock() - self.started_at, models=models)
+        return ServiceHealth(status="ok" if alive else "degraded", workers=n, ingest_alive=alive,
+                             uptime_s=self.clock() - self.started_at, models=models, core=self.core)
 
     def stats(self) -> dict[str, Any]:
         """Numbers the dashboard polls; rates are computed client-side from these totals."""

@@ -150,9 +150,9 @@ def test_record_then_apply_equals_the_live_index(tmp_path: Path) -> None:
             assert (ws.device_blocks, ws.cached_blocks, ws.tiers) == (
                 exp["device_blocks"], exp["cached_blocks"], exp["tiers"]), (wid, q)
     assert hits >= len(queries) // 2, "queries must exercise cached prefixes"
-    w1 = replayer.workers["w1"]
+    w1 = replayer.workers["w1"].stream
     assert (w1.restarts, w1.gaps) == (1, 0)
-    assert replayer.workers["w0"].restarts == 0
+    assert replayer.workers["w0"].stream.restarts == 0
 
     # Through the CLI: summary JSON and answers at the end of the log agree with the live index.
     qfile = tmp_path / "q.jsonl"
@@ -242,7 +242,7 @@ def test_gaps_and_restarts_in_the_log_clear_the_worker(tmp_path: Path) -> None:
         replayer.apply_frame(f)
     stats = replayer.index.worker_stats("m")
     assert stats[("a", 0)]["gpu"] == 1 and stats[("b", 0)]["gpu"] == 1  # only what followed the clear
-    a, b = replayer.workers["a"], replayer.workers["b"]
+    a, b = replayer.workers["a"].stream, replayer.workers["b"].stream
     assert (a.gaps, a.missing, a.resyncs, a.restarts) == (1, 3, 1, 0)
     assert (b.gaps, b.restarts, b.batches, b.heartbeats) == (0, 1, 3, 1)  # the bad payload is no batch
     assert sum(replayer.drops.values()) == 1 and all(k.startswith("decode_") for k in replayer.drops)
@@ -273,7 +273,7 @@ def test_clear_event_makes_a_resynced_stream_clean_again() -> None:
     for seq, ev in enumerate(frames):
         r.apply_frame(LogFrame(T0 + seq, "w", 0, seq, payload([ev])))
         gpu_after.append(idx.worker_stats("m")[("w", 0)]["gpu"])
-    assert r.workers["w"].resyncs == 2
+    assert r.workers["w"].stream.resyncs == 2
     assert gpu_after == [1, 1, 0, 0, 1, 1, 2, 0, 1, 1, 0]
 
 

@@ -264,6 +264,8 @@ def test_health_dump_metrics(fed: tuple[LiveIndexer, dict[str, WorkerSim]]) -> N
     c = live.client
     h = c.get("/health").json()
     assert h["status"] == "ok" and h["ingest_alive"] and h["workers"] >= 2 and h["models"]["default"] == BS
+    core = "native" if live.service.index.native else "python"
+    assert h["core"] == core  # the index core in use is visible (docs/service.md)
     dump = c.get("/dump").json()
     workers = {w["worker_id"]: w for w in dump["models"]["default"]["workers"]}
     for wid, sim in sims.items():
@@ -271,14 +273,15 @@ def test_health_dump_metrics(fed: tuple[LiveIndexer, dict[str, WorkerSim]]) -> N
         assert stored == {h for h, b in sim.blocks.items() if b.tiers}
         assert dump["watermarks"][wid] >= 59
     text = c.get("/metrics").text
-    assert 'kvatlas_events_applied_total{type="stored",tier="GPU",outcome="new"}' in text
+    assert 'kvatlas_events_applied_total{outcome="new",tier="GPU",type="stored"}' in text
     assert 'kvatlas_request_seconds_bucket{endpoint="score",le="+Inf"}' in text
+    assert f'kvatlas_index_core{{core="{core}"}} 1.0' in text
     rows = {w["worker_id"]: w for w in c.get("/workers").json()["workers"]}
     for wid, sim in sims.items():
         assert rows[wid]["status"] == "live" and rows[wid]["last_seq"] >= 59
         assert rows[wid]["blocks"]["gpu"] == sum("GPU" in b.tiers for b in sim.blocks.values())
         assert rows[wid]["blocks"]["host"] == sum("CPU_PINNED" in b.tiers for b in sim.blocks.values())
-        assert f'kvatlas_worker_blocks{{worker="{wid}",tier="gpu"}} {rows[wid]["blocks"]["gpu"]}' in text
+        assert f'kvatlas_worker_blocks{{tier="gpu",worker="{wid}"}} {rows[wid]["blocks"]["gpu"]}' in text
 
 
 def test_bearer_token() -> None:

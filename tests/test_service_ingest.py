@@ -170,7 +170,7 @@ def test_lost_batches_are_replayed() -> None:
         assert delta("w0") == (1, 1, 0) and delta("w2") == (1, 1, 0) and delta("w1") == (0, 0, 0)
         assert rows["w0"]["status"] == "live"
         assert _metric(li.client, "kvatlas_replays_total") == sum(r["replays"] for r in rows.values())
-        assert _metric(li.client, 'kvatlas_batches_total{worker="w0",kind="replayed"}') == 5
+        assert _metric(li.client, 'kvatlas_batches_total{kind="replayed",worker="w0"}') == 5
     finally:
         fleet.close()
         li.stop()
@@ -278,7 +278,7 @@ def test_bad_input_is_counted_and_the_service_stays_up(live: LiveIndexer) -> Non
         text = live.client.get("/metrics").text
         for reason in ("decode_malformed", "unknown_medium", "block_size_mismatch"):
             assert _metric(live.client, f'kvatlas_drops_total{{reason="{reason}"}}') >= 1, (reason, text)
-        assert _metric(live.client, 'kvatlas_events_applied_total{type="removed",tier="GPU",outcome="absent"}') == 1
+        assert _metric(live.client, 'kvatlas_events_applied_total{outcome="absent",tier="GPU",type="removed"}') == 1
         drops = live.client.get("/stats").json()["drops"]
         assert drops["decode_malformed"] == 2 and drops["unknown_medium"] >= 1 and drops["block_size_mismatch"] >= 1
         # Good batches around the bad ones applied; nothing from the bad ones leaked in.
@@ -287,8 +287,10 @@ def test_bad_input_is_counted_and_the_service_stays_up(live: LiveIndexer) -> Non
         assert live.client.post("/score", json={"token_ids": [1] * BS}).json()["workers"][0]["cached_blocks"] == 0
         assert live.client.post("/score", json={"token_ids": [2] * 8}).json()["workers"][0]["cached_blocks"] == 0
         fleet.check_reference([[7] * (BS * 2), [9] * (BS * 3)])
+        core = "native" if live.service.index.native else "python"
         assert live.client.get("/health").json() | {"uptime_s": 0} == {
-            "status": "ok", "workers": 1, "ingest_alive": True, "uptime_s": 0, "models": {"default": BS}}
+            "status": "ok", "workers": 1, "ingest_alive": True, "uptime_s": 0, "models": {"default": BS},
+            "core": core}
         assert fleet.pubs["w0"] and AllBlocksCleared  # imported types used above
     finally:
         fleet.close()
@@ -362,7 +364,7 @@ def test_fast_path_keeps_dp_rank_and_judges_events_like_the_full_decoder(live: L
         assert by_rank[0]["device_blocks"] == 1 and by_rank[3]["device_blocks"] == 0
         assert c.post("/score", json={"token_ids": arr}).json()["workers"][0]["device_blocks"] == 1
         assert c.get("/stats").json()["drops"]["decode_invalid"] == before + 1
-        assert _metric(c, 'kvatlas_events_applied_total{type="stored",tier="GPU",outcome="new"}') >= 4
-        assert _metric(c, 'kvatlas_batches_total{worker="w0",kind="heartbeat"}') >= 1
+        assert _metric(c, 'kvatlas_events_applied_total{outcome="new",tier="GPU",type="stored"}') >= 4
+        assert _metric(c, 'kvatlas_batches_total{kind="heartbeat",worker="w0"}') >= 1
     finally:
         fleet.close()

@@ -1,5 +1,5 @@
-"""Pure parts of the service: the registry's liveness state machine (time passed in), the
-Prometheus exposition, and the CLI's config parsing."""
+"""Pure parts of the service: registration checks, the Prometheus exposition, and the CLI's config
+parsing (the liveness state machine is tests/test_reconcile.py's)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,6 @@ from router_api.metrics import Counter, Histogram, ServiceMetrics
 from router_api.registry import (
     DuplicateWorker,
     InvalidRegistration,
-    LivenessPolicy,
     Registry,
     UnknownWorker,
     validate_endpoint,
@@ -24,44 +23,6 @@ from schemas.api import RegisterWorker
 
 def _reg(wid: str, port: int = 5000, **kw: object) -> RegisterWorker:
     return RegisterWorker(worker_id=wid, endpoint=f"tcp://127.0.0.1:{port}", **kw)  # type: ignore[arg-type]
-
-
-def test_status_machine_with_heartbeats() -> None:
-    r = Registry(LivenessPolicy(stale_after_s=10, remove_after_s=100, silent_engine_factor=3, resync_hold_s=5))
-    r.add(_reg("a"), now=0.0)
-    w = r.get("a")
-    assert w is not None and w.status(1.0, r.policy) == "connecting"
-    # No heartbeat seen yet: judged by the looser deadline (10 * 3).
-    assert w.status(25.0, r.policy) == "connecting" and w.status(31.0, r.policy) == "stale"
-    r.on_batch("a", 0, 2.0, heartbeat=True, dp_rank=None, lag=0.01)
-    assert w.status(2.0, r.policy) == "live" and w.status(12.5, r.policy) == "stale"
-    r.on_gap("a", 3.0, recovered=False)
-    assert w.status(4.0, r.policy) == "resyncing" and w.status(8.1, r.policy) == "live"
-    changes, expired = r.tick(4.0)
-    assert changes == [("a", "connecting", "resyncing")] and expired == []
-    assert r.tick(4.5) == ([], [])
-    assert r.tick(104.0)[1] == ["a"]  # silent past remove_after, and known to heartbeat
-
-
-def test_engines_without_heartbeats_are_never_expired() -> None:
-    r = Registry(LivenessPolicy(stale_after_s=1, remove_after_s=2))
-    r.add(_reg("vllm"), now=0.0)
-    r.on_batch("vllm", 0, 0.0, heartbeat=False, dp_rank=3, lag=None)
-    assert r.get("vllm").dp_ranks == {0, 3}
-    changes, expired = r.tick(1e6)
-    assert expired == [] and changes == [("vllm", "connecting", "stale")]
-
-
-def test_orphans_clear_once_then_only_extend_resyncing() -> None:
-    r = Registry(LivenessPolicy(resync_hold_s=5))
-    r.add(_reg("a"), now=0.0)
-    assert r.on_orphans("a", 1.0) is True  # clean stream: clear
-    assert r.on_orphans("a", 2.0) is False  # echo of the same loss: keep what was rebuilt
-    assert r.get("a").resyncs == 1 and r.get("a").status(6.5, r.policy) == "resyncing"
-    r.on_reset("a")
-    assert r.on_orphans("a", 7.0) is True
-    r.on_restart("a", 8.0)
-    assert r.get("a").clean and r.get("a").last_seq is None and r.get("a").restarts == 1
 
 
 def test_registration_errors() -> None:

@@ -34,9 +34,10 @@ def _cache_view(cache: Any) -> set[tuple[int, str]]:
     return {(i & MASK, m.name) for i, m in cache.resident_blocks()}
 
 
-def _metric(client: Any, prefix: str) -> float:
+def _metric(client: Any, prefix: str, *contains: str) -> float:
+    """Sum of the samples whose line starts with `prefix` and holds every `contains` label."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
-               if line.startswith(prefix))
+               if line.startswith(prefix) and all(c in line for c in contains))
 
 
 class _Outage:
@@ -83,7 +84,7 @@ def test_loss_beyond_the_buffer_is_repaired_by_a_snapshot_at_once() -> None:
         settle()  # subscription up (slow joiner)
         # A slow joiner may have lost more than the buffer already: then its snapshot request must
         # reach the publisher before we count (the next step answers it, in-stream).
-        sent = 'kvatlas_snapshot_requests_total{worker="w0",outcome="sent"}'
+        sent = 'kvatlas_snapshot_requests_total{outcome="sent",worker="w0"}'
         wait_until(lambda: pub.stats.snapshot_requests == _metric(c, sent), timeout=10, interval=0.02)
         for tokens in requests[:40]:
             driver.serve(tokens)
@@ -125,7 +126,7 @@ def test_loss_beyond_the_buffer_is_repaired_by_a_snapshot_at_once() -> None:
         row = {w["worker_id"]: w for w in c.get("/workers").json()["workers"]}["w0"]
         assert row["status"] == "live"  # the snapshot's AllBlocksCleared ended the resync
         assert row["resyncs"] == before["resyncs"] + 1  # one loss, one resync, no second clear
-        assert _metric(c, 'kvatlas_events_applied_total{type="cleared"') >= 1
+        assert _metric(c, 'kvatlas_events_applied_total{', 'type="cleared"') >= 1
 
         # And the stream goes on exactly from there.
         for tokens in requests[50:]:
@@ -159,7 +160,7 @@ def test_a_publisher_without_replay_endpoint_is_resynced_without_asking() -> Non
         # may already count as a resync; compare against the counters once the stream is up.
         wait_applied(c, {"w1": pub.next_seq - 1}, pubs={"w1": pub})
         base = {w["worker_id"]: w for w in c.get("/workers").json()["workers"]}["w1"]["resyncs"]
-        asked = 'kvatlas_snapshot_requests_total{worker="w1",outcome="not_sent"}'
+        asked = 'kvatlas_snapshot_requests_total{outcome="not_sent",worker="w1"}'
         assert _metric(c, asked) == base
         lost.update(range(pub.next_seq, pub.next_seq + 3))
         for _ in range(4):
@@ -169,7 +170,7 @@ def test_a_publisher_without_replay_endpoint_is_resynced_without_asking() -> Non
         row = {w["worker_id"]: w for w in c.get("/workers").json()["workers"]}["w1"]
         assert row["resyncs"] == base + 1
         assert _metric(c, asked) == base + 1
-        assert _metric(c, 'kvatlas_snapshot_requests_total{worker="w1",outcome="sent"}') == 0
+        assert _metric(c, 'kvatlas_snapshot_requests_total{outcome="sent",worker="w1"}') == 0
     finally:
         pub.close()
         li.stop()
