@@ -3,8 +3,21 @@ from __future__ import annotations
 
 import msgspec
 
+from schemas.media import Medium
+
 TIER_NAMES: tuple[str, str, str, str] = ("gpu", "host", "disk", "shared")
-MEDIUM_NAMES: tuple[str, str, str, str] = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
+MEDIUM_NAMES: tuple[str, ...] = tuple(m.name for m in Medium)  # indexed by tier (Medium value)
+
+# The `ApplyStats` vocabulary the accelerator also fills (its tables are generated from these,
+# indexer/_native/wire.py): outcomes per event type, and the drop reasons its walk can decide.
+STORE_OUTCOMES: tuple[str, str, str] = ("new", "duplicate", "tier_added")
+REMOVE_OUTCOMES: tuple[str, str] = ("removed", "absent")
+CLEARED_KEY: tuple[str, str, str] = ("cleared", "ALL", "cleared")
+DROP_NON_FULL = "non_full_attention"
+DROP_PLACEHOLDER = "placeholder_unknown"
+DROP_BLOCK_SIZE = "block_size_mismatch"
+DROP_PARTIAL = "partial_block"
+ACCEL_DROPS: tuple[str, str, str, str] = (DROP_NON_FULL, DROP_PLACEHOLDER, DROP_BLOCK_SIZE, DROP_PARTIAL)
 
 
 class BlockSizeConflict(ValueError):
