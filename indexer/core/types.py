@@ -57,12 +57,15 @@ class ApplyStats(msgspec.Struct):
     ts: float = 0.0
     n_events: int = 0
 
+    # Zero adds nothing (an event with no blocks): the accelerator reports only non-zero counts too.
     def count(self, etype: str, medium: str, outcome: str, n: int = 1) -> None:
-        key = (etype, medium, outcome)
-        self.counts[key] = self.counts.get(key, 0) + n
+        if n:
+            key = (etype, medium, outcome)
+            self.counts[key] = self.counts.get(key, 0) + n
 
     def drop(self, reason: str, n: int = 1) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + n
+        if n:
+            self.drops[reason] = self.drops.get(reason, 0) + n
 
     def merge(self, other: "ApplyStats") -> None:
         for k, v in other.counts.items():
