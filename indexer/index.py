@@ -41,7 +41,7 @@ import numpy as np
 
 from indexer.core import native as _native
 from indexer.core.accel import Accelerator
-from indexer.core.apply import apply_events
+from indexer.core.apply import apply_events, decode_or_drop
 from indexer.core.dump import dump_model, load_model_dump
 from indexer.core.scoring import score_keys
 from indexer.core.state import ModelState
@@ -50,7 +50,6 @@ from indexer.core.types import (
 )
 from indexer.hashing import extra_digest, query_keys
 from schemas.batchhead import read_head
-from schemas.codec import DecodeError, decode_batch
 from schemas.events import KVEvent, KVEventBatch
 
 __all__ = [
@@ -132,12 +131,9 @@ class KVIndex:
                 return stats
         if rank_from_batch:
             return self._apply_headed(m, worker_id, rank, payload)
-        batch = decode_batch(payload)
-        if isinstance(batch, DecodeError):
-            stats = ApplyStats()
-            stats.drop(f"decode_{batch.reason}")
-            return stats
-        return self.apply(model, worker_id, rank, batch)
+        stats = ApplyStats()
+        batch = decode_or_drop(payload, stats)
+        return stats if batch is None else self.apply(model, worker_id, rank, batch)
 
     def _apply_headed(self, m: ModelState, worker_id: str, default: int, payload: bytes) -> ApplyStats:
         """`rank_from_batch` on the pure path: the head read first (rank, ts, heartbeat), then the
@@ -145,26 +141,21 @@ class KVIndex:
         head = read_head(payload)
         batch: KVEventBatch | None = None
         if head is None or not head.events:
-            dec = decode_batch(payload)  # a heartbeat is a few bytes: accepted exactly when this accepts it
-            if isinstance(dec, DecodeError):
-                stats = ApplyStats()
-                stats.drop(f"decode_{dec.reason}")
+            stats = ApplyStats()
+            batch = decode_or_drop(payload, stats)  # a heartbeat is a few bytes: accepted exactly when this accepts it
+            if batch is None:
                 return stats
-            batch = dec
-            ts, raw, n = dec.ts, dec.data_parallel_rank, len(dec.events)
+            ts, raw, n = batch.ts, batch.data_parallel_rank, len(batch.events)
         else:
             ts, raw, n = head.ts, head.data_parallel_rank, len(head.events)
         rank = raw if raw is not None and raw >= 0 else default
         if not n:
             return ApplyStats(dp_rank=rank, ts=ts)
         if batch is None:
-            dec = decode_batch(payload)
-            if isinstance(dec, DecodeError):
-                stats = ApplyStats()
-                stats.drop(f"decode_{dec.reason}")
-                stats.dp_rank, stats.ts, stats.n_events = rank, ts, n
+            stats = ApplyStats(dp_rank=rank, ts=ts, n_events=n)
+            batch = decode_or_drop(payload, stats)
+            if batch is None:
                 return stats
-            batch = dec
         stats = self.apply(m.name, worker_id, rank, batch)
         stats.dp_rank, stats.ts, stats.n_events = rank, ts, n
         return stats

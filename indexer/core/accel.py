@@ -16,10 +16,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from indexer.core.apply import KNOWN_EXT_LIMIT, apply_events
+from indexer.core.apply import KNOWN_EXT_LIMIT, apply_events, decode_or_drop
 from indexer.core.state import ModelState, WorkerState
 from indexer.core.types import TIER_NAMES, ApplyStats, ScoreResult, TierWeights, WorkerScore
-from schemas.codec import DecodeError, decode_batch
 
 
 class Accelerator:
@@ -73,11 +72,9 @@ class Accelerator:
     @staticmethod
     def _apply_rest(m: ModelState, w: WorkerState, payload: bytes, start: int, grace: int, stats: ApplyStats) -> None:
         """Events `start`.. of a payload whose earlier events the C walk applied into `stats`."""
-        batch = decode_batch(payload)  # the C walk accepted it, so this decodes; judged here regardless
-        if isinstance(batch, DecodeError):
-            stats.drop(f"decode_{batch.reason}")
-            return
-        apply_events(m, w, batch.events, grace, stats, start)
+        batch = decode_or_drop(payload, stats)  # the C walk accepted it, so this decodes; judged regardless
+        if batch is not None:
+            apply_events(m, w, batch.events, grace, stats, start)
 
     # --- score ------------------------------------------------------------------------------
     def score(

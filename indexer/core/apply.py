@@ -18,10 +18,12 @@ import numpy as np
 
 from indexer.core.state import NIBBLE, ModelState, PendingOrphan, WorkerState
 from indexer.core.types import (
-    CLEARED_KEY, DROP_BLOCK_SIZE, DROP_NON_FULL, DROP_PARTIAL, DROP_PLACEHOLDER, MEDIUM_NAMES, ApplyStats,
+    CLEARED_KEY, DROP_BLOCK_SIZE, DROP_NON_FULL, DROP_PARTIAL, DROP_PLACEHOLDER, MEDIUM_NAMES, REMOVE_OUTCOMES,
+    STORE_OUTCOMES, ApplyStats,
 )
-from indexer.hashing import MASK64, block_digest_py, block_digests, extra_digest, step_py
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, is_full_attention
+from indexer.hashing import CHAIN_P, MASK64, block_digest_py, block_digests, extra_digest
+from schemas.codec import DecodeError, decode_batch
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, is_full_attention
 from schemas.media import parse_medium
 
 KNOWN_EXT_LIMIT = 4_000_000  # trust-mode cache of engine hash -> key; cleared when it grows past this
@@ -110,7 +112,7 @@ def _attach(
                     digests = _digests_scalar(ev, m.block_size, len(hashes)) if ev is not None else None
                     if digests is None:
                         return None
-                key = step_py(state, digests[j])
+                key = (state * CHAIN_P + digests[j]) & MASK64  # hashing.step_py, inlined (hot loop)
                 if known is not None:
                     if len(known) >= KNOWN_EXT_LIMIT:
                         known.clear()
@@ -196,13 +198,8 @@ def _store(m: ModelState, w: WorkerState, ev: BlockStored, digests: list[int] | 
 
 
 def _count_store(stats: ApplyStats, mname: str, res: tuple[int, int, int]) -> None:
-    new, dup, added = res
-    if new:
-        stats.count("stored", mname, "new", new)
-    if dup:
-        stats.count("stored", mname, "duplicate", dup)
-    if added:
-        stats.count("stored", mname, "tier_added", added)
+    for outcome, n in zip(STORE_OUTCOMES, res):
+        stats.count("stored", mname, outcome, n)
 
 
 def _remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplyStats) -> None:
@@ -238,12 +235,8 @@ def _remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplyStats) 
             nodes[key] = r
         elif key in nodes:
             del nodes[key]
-    if removed:
-        stats.count("removed", mname, "removed", removed)
-    if absent:
-        stats.count("removed", mname, "absent", absent)
-    if cancelled:
-        stats.count("removed", mname, "pending_cancelled", cancelled)
+    for outcome, n in zip((*REMOVE_OUTCOMES, "pending_cancelled"), (removed, absent, cancelled)):
+        stats.count("removed", mname, outcome, n)
 
 
 def _cancel_pending(w: WorkerState, h: Any, tier: int) -> bool:
@@ -319,3 +312,12 @@ def apply_events(
             stats.drop("bad_event")
     _resolve_orphans(m, w, orphan_grace, stats)
     return stats
+
+
+def decode_or_drop(payload: bytes, stats: ApplyStats) -> KVEventBatch | None:
+    """The full decoder's verdict on a payload: the batch, or None with its `decode_<reason>` drop counted."""
+    batch = decode_batch(payload)
+    if isinstance(batch, DecodeError):
+        stats.drop(f"decode_{batch.reason}")
+        return None
+    return batch
