@@ -29,6 +29,7 @@ import numpy as np
 
 MASK64 = (1 << 64) - 1
 _P = 0x9E3779B97F4A7C15  # odd, so invertible mod 2^64
+CHAIN_P = _P  # the chain multiplier, for hot loops that inline `step_py`
 _PINV = pow(_P, -1, 1 << 64)
 _K1 = 0xBF58476D1CE4E5B9
 _K2 = 0x94D049BB133111EB

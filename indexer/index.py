@@ -26,9 +26,11 @@ Semantics (design §4/§5; details decided here):
   tier holding it (gpu < host < disk < shared); score = block_size * sum(weight[tier]).
 No I/O, threads or clocks here; callers serialise access.
 
-Implementation: the hot loops run in the optional C accelerator when it is built (`native=None`,
-the default, unless KVATLAS_PURE_PYTHON=1); `native=False` forces the pure-Python core, which is
-the reference — both give identical keys, scores and stats (tests/test_index_property.py).
+Implementation: the rules live once, in the pure-Python core (`indexer.core`). The optional C
+accelerator (`native=None`, the default, uses it when built unless KVATLAS_PURE_PYTHON=1;
+`native=False` forces pure Python) takes two whole calls off it — applying a raw payload and
+scoring — through `indexer.core.accel`; both give identical keys, scores and stats
+(tests/test_index_conformance.py). docs/index-core.md describes the layout.
 """
 from __future__ import annotations
 
@@ -38,17 +40,16 @@ from typing import Any
 import numpy as np
 
 from indexer.core import native as _native
-from indexer.core.apply import FAST_KEYS, KNOWN_EXT_LIMIT, apply_events, prepare_raw
+from indexer.core.accel import Accelerator
+from indexer.core.apply import apply_events, decode_or_drop
 from indexer.core.dump import dump_model, load_model_dump
-from indexer.core.scoring import score_keys, score_native
-from indexer.core.rawdecode import RawStored, decode_raw_unnormalised, normalise_raw
-from indexer.core.state import ModelState, WorkerState
+from indexer.core.scoring import score_keys
+from indexer.core.state import ModelState
 from indexer.core.types import (
     TIER_NAMES, ApplyStats, BlockSizeConflict, ScoreResult, TierWeights, WorkerScore,
 )
 from indexer.hashing import extra_digest, query_keys
 from schemas.batchhead import read_head
-from schemas.codec import DecodeError, decode_batch
 from schemas.events import KVEvent, KVEventBatch
 
 __all__ = [
@@ -57,7 +58,7 @@ __all__ = [
 
 
 class KVIndex:
-    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "_models", "_nat")
+    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "_models", "_accel")
 
     def __init__(
         self,
@@ -70,12 +71,16 @@ class KVIndex:
         self.trust_engine_hashes = trust_engine_hashes
         self.orphan_grace_batches = orphan_grace_batches
         self._models: dict[str, ModelState] = {}
-        self._nat = _native.select(native)
+        mod = _native.select(native)
+        self._accel = Accelerator(mod) if mod is not None else None
 
     @property
     def native(self) -> bool:
         """True when this index runs on the C accelerator, False on the pure-Python reference core."""
-        return self._nat is not None
+        return self._accel is not None
+
+    def _new_model(self, model: str, block_size: int, trust: bool) -> ModelState:
+        return ModelState(model, block_size, trust, self._accel.new_map if self._accel is not None else dict)
 
     # --- namespaces -------------------------------------------------------------------------
     def ensure_model(self, model: str, block_size: int, trust_engine_hashes: bool | None = None) -> None:
@@ -84,7 +89,7 @@ class KVIndex:
         m = self._models.get(model)
         if m is None:
             trust = self.trust_engine_hashes if trust_engine_hashes is None else trust_engine_hashes
-            self._models[model] = ModelState(model, block_size, trust, self._nat)
+            self._models[model] = self._new_model(model, block_size, trust)
         elif m.block_size != block_size:
             raise BlockSizeConflict(f"model {model!r} has block size {m.block_size}, not {block_size}")
         elif trust_engine_hashes is not None:
@@ -118,121 +123,42 @@ class KVIndex:
         (when it is a non-negative int; else `dp_rank`) and the stats report it with the batch's ts and
         event count; a batch without events is not applied (a heartbeat: its worker is not registered).
         That is exactly `schemas.batchhead.read_head` + `apply_payload`, in one pass over the bytes."""
-        if rank_from_batch:
-            return self._apply_ranked(self._models.get(model) or self._model(model), worker_id, int(dp_rank), payload)
         m = self._models.get(model) or self._model(model)
-        nat = m.nat
-        if nat is not None:
-            rank = int(dp_rank or 0)
-            w = m.by_id.get((worker_id, rank))
-            fresh = w is None
-            if fresh:
-                w = m.worker(worker_id, rank)
-            if not w.pending:
-                # Common case, all in C: the raw payload walked and applied to the maps. None means
-                # it holds something only the paths below judge (nothing was touched); a stop index
-                # means an orphan there: the Python path applies the rest of the batch.
-                res = nat.apply_msgpack(
-                    payload, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size,
-                    m.seed0, KNOWN_EXT_LIMIT, FAST_KEYS,
-                )
-                if res is not None:
-                    stop, counts, drops = res
-                    stats = ApplyStats(counts, drops)
-                    return stats if stop < 0 else self._apply_rest(m, w, payload, stop, stats)
-                if fresh:
-                    m.remove(w)  # a payload the decoders reject must not register its worker
-            dec = self._decode_fast(m, payload)
-            if dec is not None:
-                w = m.worker(worker_id, int(dp_rank or 0))
-                return apply_events(m, w, dec[0], self.orphan_grace_batches, ApplyStats(), dec[1])
-        batch = decode_batch(payload)
-        if isinstance(batch, DecodeError):
-            stats = ApplyStats()
-            stats.drop(f"decode_{batch.reason}")
-            return stats
-        return self.apply(model, worker_id, dp_rank, batch)
-
-    def _apply_ranked(self, m: ModelState, worker_id: str, default: int, payload: bytes) -> ApplyStats:
-        nat = m.nat
-        rank = default
-        # The C walk reads the rank at the batch's end before touching anything: the maps passed are
-        # those of the expected rank, and a batch naming another one is retried once with its maps.
-        for _ in range(2) if nat is not None else ():
-            w = m.by_id.get((worker_id, rank))
-            if w is not None and w.pending:
-                break
-            fresh = w is None
-            if fresh:
-                w = m.worker(worker_id, rank)
-            res = nat.apply_msgpack(
-                payload, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size,
-                m.seed0, KNOWN_EXT_LIMIT, FAST_KEYS, rank, default,
-            )
-            if type(res) is tuple:
-                stop, counts, drops, ts, rank, n = res
-                if not n:
-                    if fresh:
-                        m.remove(w)
-                    return ApplyStats(dp_rank=rank, ts=ts)
-                stats = ApplyStats(counts, drops, dp_rank=rank, ts=ts, n_events=n)
-                return stats if stop < 0 else self._apply_rest(m, w, payload, stop, stats)
-            if fresh:
-                m.remove(w)  # nothing was applied: a worker only its rank guess created goes again
-            if res is None:
-                break
-            rank = res
-        return self._apply_headed(m, worker_id, default, payload)
+        rank = int(dp_rank) if rank_from_batch else int(dp_rank or 0)
+        if self._accel is not None:
+            stats = self._accel.apply_payload(m, worker_id, rank, payload, self.orphan_grace_batches, rank_from_batch)
+            if stats is not None:
+                return stats
+        if rank_from_batch:
+            return self._apply_headed(m, worker_id, rank, payload)
+        stats = ApplyStats()
+        batch = decode_or_drop(payload, stats)
+        return stats if batch is None else self.apply(model, worker_id, rank, batch)
 
     def _apply_headed(self, m: ModelState, worker_id: str, default: int, payload: bytes) -> ApplyStats:
-        """`rank_from_batch` for what the C walk does not take: the head read in Python, then the
-        general paths; a payload whose head does not read is judged by the full decoder."""
+        """`rank_from_batch` on the pure path: the head read first (rank, ts, heartbeat), then the
+        batch decoded and applied; a payload whose head does not read is judged by the full decoder."""
         head = read_head(payload)
         batch: KVEventBatch | None = None
         if head is None or not head.events:
-            dec = decode_batch(payload)  # a heartbeat is a few bytes: accepted exactly when this accepts it
-            if isinstance(dec, DecodeError):
-                stats = ApplyStats()
-                stats.drop(f"decode_{dec.reason}")
+            stats = ApplyStats()
+            batch = decode_or_drop(payload, stats)  # a heartbeat is a few bytes: accepted exactly when this accepts it
+            if batch is None:
                 return stats
-            batch = dec
-            ts, raw, n = dec.ts, dec.data_parallel_rank, len(dec.events)
+            ts, raw, n = batch.ts, batch.data_parallel_rank, len(batch.events)
         else:
             ts, raw, n = head.ts, head.data_parallel_rank, len(head.events)
         rank = raw if raw is not None and raw >= 0 else default
         if not n:
             return ApplyStats(dp_rank=rank, ts=ts)
-        if batch is not None:
-            stats = self.apply(m.name, worker_id, rank, batch)
-        else:
-            stats = self.apply_payload(m.name, worker_id, rank, payload)
+        if batch is None:
+            stats = ApplyStats(dp_rank=rank, ts=ts, n_events=n)
+            batch = decode_or_drop(payload, stats)
+            if batch is None:
+                return stats
+        stats = self.apply(m.name, worker_id, rank, batch)
         stats.dp_rank, stats.ts, stats.n_events = rank, ts, n
         return stats
-
-    @staticmethod
-    def _decode_fast(m: ModelState, payload: bytes) -> tuple[list, dict] | None:
-        """Raw decode (token ids hashed from their msgpack bytes), or None when only the full decoder
-        can judge the payload exactly."""
-        rb = decode_raw_unnormalised(payload)
-        if rb is None:
-            return None
-        # One C call normalises and digests the whole batch; the Python twin covers what it leaves
-        # (extra keys, odd values) and judges exactly like the full decoder.
-        raw = m.nat.prepare_raw(rb.events, RawStored, m.block_size)
-        if raw is None:
-            raw = prepare_raw(m, rb.events) if normalise_raw(rb, m.nat.norm_hashes) is not None else None
-        return None if raw is None else (rb.events, raw)
-
-    def _apply_rest(self, m: ModelState, w: WorkerState, payload: bytes, start: int, stats: ApplyStats) -> ApplyStats:
-        """Events `start`.. of a payload whose earlier events the C path applied into `stats`."""
-        dec = self._decode_fast(m, payload)
-        if dec is not None:
-            return apply_events(m, w, dec[0], self.orphan_grace_batches, stats, dec[1], start)
-        batch = decode_batch(payload)  # the C path accepted it, so this decodes; judged here regardless
-        if isinstance(batch, DecodeError):
-            stats.drop(f"decode_{batch.reason}")
-            return stats
-        return apply_events(m, w, batch.events, self.orphan_grace_batches, stats, None, start)
 
     # --- worker lifecycle -------------------------------------------------------------------
     def _select(self, m: ModelState, worker_id: str, dp_rank: int | None) -> list:
@@ -275,8 +201,8 @@ class KVIndex:
         m = self._model(model)
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
         wl = list(workers) if workers is not None else None
-        if m.nat is not None and extras is None and type(token_ids) in (list, tuple, np.ndarray):
-            res = score_native(m, None, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
+        if self._accel is not None and extras is None and type(token_ids) in (list, tuple, np.ndarray):
+            res = self._accel.score(m, None, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
             if res is not None:
                 return res
         keys = self._keys(m, token_ids, lora_name, cache_salt, extras)
@@ -285,7 +211,12 @@ class KVIndex:
     def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
         """Score pre-hashed blocks (keys from `indexer.hashing.query_keys`)."""
         m = self._model(model)
-        return score_keys(m, keys, self.weights, list(workers) if workers is not None else None)
+        wl = list(workers) if workers is not None else None
+        if self._accel is not None and type(keys) is list:
+            res = self._accel.score(m, keys, None, 0, self.weights, wl)
+            if res is not None:
+                return res
+        return score_keys(m, keys, self.weights, wl)
 
     def query_keys(
         self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
@@ -297,12 +228,7 @@ class KVIndex:
         self, m: ModelState, token_ids: Sequence[int] | np.ndarray, lora_name: str | None,
         cache_salt: str | None, extras: list[int] | None,
     ) -> list[int]:
-        seed = m.seed(lora_name, cache_salt)
-        if m.nat is not None and type(token_ids) in (list, tuple, np.ndarray):
-            keys = m.nat.chain_keys(token_ids, m.block_size, seed, extras)
-            if keys is not None:
-                return keys
-        return query_keys(token_ids, m.block_size, seed, extras)  # reference path; judges odd input
+        return query_keys(token_ids, m.block_size, m.seed(lora_name, cache_salt), extras)
 
     # --- snapshots --------------------------------------------------------------------------
     def dump(self, model: str) -> list[tuple[str, int, list[KVEvent]]]:
@@ -312,7 +238,7 @@ class KVIndex:
         """Rebuild a model from `dump` output (replaces whatever the model held)."""
         m = self._models.get(model)
         trust = m.trust if m is not None else self.trust_engine_hashes
-        self._models[model] = fresh = ModelState(model, block_size, trust, self._nat)
+        self._models[model] = fresh = self._new_model(model, block_size, trust)
         return load_model_dump(fresh, dump)
 
     def num_nodes(self, model: str) -> int:

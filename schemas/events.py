@@ -46,6 +46,21 @@ class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
+# vLLM's `kv_cache_spec_kind`: a store is indexed only for full-attention groups (MLA included).
+# A kind counts as full when it contains one of these markers (case-insensitive) and none of the
+# excluding ones; None (SGLang, older vLLM) means full attention. The C accelerator's copy of this
+# rule is generated from these tuples (indexer/_native/wire.py, docs/index-core.md).
+FULL_ATTENTION_MARKERS: tuple[str, ...] = ("full", "mla")
+NOT_FULL_ATTENTION_MARKERS: tuple[str, ...] = ("sliding",)
+
+
+def is_full_attention(kind: str | None) -> bool:
+    """True when a store of this `kv_cache_spec_kind` belongs in the prefix index."""
+    if kind is None:
+        return True
+    k = kind.lower()
+    return any(f in k for f in FULL_ATTENTION_MARKERS) and not any(x in k for x in NOT_FULL_ATTENTION_MARKERS)
+
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     """One published batch: positional `[ts, events, dp_rank]`."""

@@ -153,17 +153,17 @@ def test_fast_path_takes_the_common_case_and_hands_over_at_orphans() -> None:
     ix.apply_payload(MODEL, "a", 0, enc([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
                                                 "token_ids": [5, 6], "block_size": BS}]]))
     calls = []
-    nat = ix._models[MODEL].nat
+    nat = ix._accel.mod
 
     class Spy:
         def __getattr__(self, name):
             return getattr(nat, name)
 
-        def apply_msgpack(self, *a):
-            calls.append(res := nat.apply_msgpack(*a))
+        def apply_msgpack(self, *a, **kw):
+            calls.append(res := nat.apply_msgpack(*a, **kw))
             return res
 
-    ix._models[MODEL].nat = Spy()
+    ix._accel.mod = Spy()
     batch = enc([0.0, [
         {"type": "BlockStored", "block_hashes": [2, 3], "parent_block_hash": 1, "token_ids": [7, 8, 9, 9, 4], "block_size": BS,
          "medium": "cpu"},

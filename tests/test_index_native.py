@@ -10,6 +10,7 @@ import pytest
 
 from indexer import hashing as H
 from indexer.core import native as native_core
+from indexer.core.types import TIER_NAMES, WorkerScore
 from indexer.index import KVIndex
 from schemas.codec import encode_batch
 from schemas.events import BlockRemoved, BlockStored, KVEventBatch
@@ -64,35 +65,52 @@ def test_u64map_rejects_bad_values() -> None:
     assert len(m) == 0
 
 
+def _score_depth(nodes, tokens, bs: int, seed: int) -> int:
+    res = N.score_rows(nodes, keys=None, tokens=tokens, seed=seed, block_size=bs, slots=[0], worker_ids=["w"], ranks=[0],
+                       weights=(1.0, 0.8, 0.5, 0.4), row_type=WorkerScore, tier_names=TIER_NAMES)
+    return res[1][0].device_blocks
+
+
 def test_hashing_native_equals_python() -> None:
+    """The C hashing (tokens of a query, token arrays of a raw payload) gives the pure core's keys bit for bit."""
     rng = np.random.default_rng(3)
     for bs in (1, 4, 16, 64):
         toks = rng.integers(-(2**63), 2**63 - 1, size=bs * 9 + 3, dtype=np.int64)
         seed = H.namespace_seed(bs, "l", None)
-        ex = [0] * (len(toks) // bs)
-        ex[2] = H.extra_digest(["img", 1])
-        want = H.chain_keys_py(toks.tolist(), bs, seed, ex)
-        assert N.chain_keys(toks.tolist(), bs, seed, ex) == want
-        assert N.chain_keys(toks, bs, seed, ex) == want
-        assert N.chain_keys(tuple(toks.tolist()), bs, seed, ex) == want
+        want = H.chain_keys_py(toks.tolist(), bs, seed)
+        nodes = N.U64Map()
+        for k in want:
+            nodes[k] = 1  # slot 0 on GPU: a query whose keys all match scores every block
+        for form in (toks.tolist(), toks, tuple(toks.tolist())):
+            assert _score_depth(nodes, form, bs, seed) == len(want)
         small = rng.integers(0, 2**31, size=bs * 5, dtype=np.int64)
-        want_small = H.chain_keys_py(small.tolist(), bs, seed)
+        nodes = N.U64Map()
+        for k in H.chain_keys_py(small.tolist(), bs, seed):
+            nodes[k] = 1
         for dt in (np.uint32, np.int32, np.uint64):
-            assert N.chain_keys(small.astype(dt), bs, seed, None) == want_small
-        # msgpack-encoded token arrays: every int width msgpack uses, signed and unsigned
+            assert _score_depth(nodes, small.astype(dt), bs, seed) == 5
+        # msgpack token arrays in a payload: every int width msgpack uses, signed and unsigned
         for arr in (toks.tolist(), small.tolist(), [0, 1, 127, 128, 255, 256, 65535, 65536, -1, -32, -33, -200,
                                                      -40000, -(2**40), 2**64 - 1, 2**63] * bs):
-            raw = msgspec.msgpack.encode(arr)
-            ntok, d = N.digest_msgpack(raw, bs, 10**9, None)
-            assert ntok == len(arr)
-            got = np.frombuffer(d, dtype="<u8").tolist()
-            assert got == [H.block_digest_py(arr[i * bs : (i + 1) * bs]) for i in range(len(arr) // bs)]
+            n = len(arr) // bs
+            payload = encode_batch(KVEventBatch(0.0, [BlockStored(list(range(1, n + 1)), None, arr, bs)]))
+            ext, nodes = N.U64Map(), N.U64Map()
+            s0 = H.namespace_seed(bs)
+            res = N.apply_msgpack(payload, ext=ext, nodes=nodes, known=None, shift=0, block_size=bs, seed=s0,
+                                  known_limit=10)
+            assert res[0] == -1
+            pure = H.chain_keys_py([t & MASK for t in arr], bs, s0)
+            assert [ext[h] for h in range(1, n + 1)] == pure
     # what it cannot judge goes back to the Python path
-    assert N.digest_msgpack(msgspec.msgpack.encode([1, "x"]), 1, 10, None) is None
-    assert N.digest_msgpack(msgspec.msgpack.encode([1.5]), 1, 10, None) is None
-    assert N.digest_msgpack(msgspec.msgpack.encode([1, 2])[:-1], 1, 10, None) is None
-    assert N.chain_keys([1, 2**64], 1, 1, None) is None
-    assert N.chain_keys(np.array([1.0, 2.0]), 1, 1, None) is None
+    assert N.score_rows(N.U64Map(), keys=None, tokens=[1, 2**64], seed=1, block_size=1, slots=[], worker_ids=[],
+                        ranks=[], weights=(1.0, 1.0, 1.0, 1.0), row_type=WorkerScore, tier_names=TIER_NAMES) is None
+    assert N.score_rows(N.U64Map(), keys=None, tokens=np.array([1.0, 2.0]), seed=1, block_size=1, slots=[],
+                        worker_ids=[], ranks=[], weights=(1.0, 1.0, 1.0, 1.0), row_type=WorkerScore,
+                        tier_names=TIER_NAMES) is None
+    bad = msgspec.msgpack.encode([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                         "token_ids": [1, 1.5], "block_size": 1}], None])
+    assert N.apply_msgpack(bad, ext=N.U64Map(), nodes=N.U64Map(), known=None, shift=0, block_size=1, seed=1,
+                           known_limit=10) is None
 
 
 @pytest.mark.parametrize("native", [False, True])

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from indexer.core import native as native_core
 from indexer.index import KVIndex
-from indexer.reference import ReferenceIndex
+from support.reference import ReferenceIndex
 from schemas.codec import encode_batch
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from conftest import free_port, wait_until
-from indexer.reference import ReferenceIndex
+from support.reference import ReferenceIndex
 from indexer.subscriber import Subscriber
 from producer.publisher import ZmqEventPublisher
 from router_api.service import ServiceConfig

@@ -24,11 +24,9 @@
 #error "kvnative assumes a little-endian host (residency words are little-endian byte strings)"
 #endif
 
-#define P_MUL 0x9E3779B97F4A7C15ULL
-#define K1 0xBF58476D1CE4E5B9ULL
-#define K2 0x94D049BB133111EBULL
-#define K3 0xD6E8FEB86659FD93ULL
-#define EXTRA_SALT 0xA0761D6478BD642FULL
+/* Hash constants, event tags, field names, media aliases, the full-attention rule and the ApplyStats
+ * keys: generated from schemas/ and indexer/ (indexer/_native/wire.py), never written here. */
+#include "wire_tables.h"
 
 /* ---------------------------------------------------------------- hashing (twin of hashing.py) */
 
@@ -150,66 +148,6 @@ static Py_ssize_t tokens_u64(PyObject *obj, uint64_t **out) {
     return n;
 }
 
-/* extras: None or a list of ints (u64 digests); missing entries count as 0. 0 ok, -1 fallback. */
-static int extra_at(PyObject *extras, Py_ssize_t j, uint64_t *out) {
-    *out = 0;
-    if (extras == Py_None) return 0;
-    if (!PyList_Check(extras)) return -1;
-    if (j >= PyList_GET_SIZE(extras)) return 0;
-    PyObject *o = PyList_GET_ITEM(extras, j);
-    if (!PyLong_Check(o)) return -1;
-    uint64_t v = PyLong_AsUnsignedLongLongMask(o);
-    if (v == (uint64_t)-1 && PyErr_Occurred()) { PyErr_Clear(); return -1; }
-    *out = v;
-    return 0;
-}
-
-/* Digests (or chained keys) of `nblocks` blocks: a list of ints, or with `as_bytes` a bytes object of
- * little-endian u64 (no int object per block; `attach` reads it directly). */
-static PyObject *digest_list(const uint64_t *t, Py_ssize_t nblocks, Py_ssize_t bs, PyObject *extras,
-                             int chained, uint64_t state, int as_bytes) {
-    uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
-    if (!cols) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
-    PyObject *res = as_bytes ? PyBytes_FromStringAndSize(NULL, nblocks * 8) : PyList_New(nblocks);
-    if (!res) { PyMem_Free(cols); return NULL; }
-    uint64_t *raw = as_bytes ? (uint64_t *)PyBytes_AS_STRING(res) : NULL;
-    for (Py_ssize_t j = 0; j < nblocks; j++) {
-        uint64_t ex;
-        if (extra_at(extras, j, &ex) < 0) { Py_DECREF(res); PyMem_Free(cols); Py_RETURN_NONE; }
-        uint64_t d = block_digest(t + j * bs, bs, ex, cols);
-        if (chained) { state = state * P_MUL + d; d = state; }
-        if (raw) { memcpy(raw + j, &d, 8); continue; }
-        PyObject *v = PyLong_FromUnsignedLongLong(d);
-        if (!v) { Py_DECREF(res); PyMem_Free(cols); return NULL; }
-        PyList_SET_ITEM(res, j, v);
-    }
-    PyMem_Free(cols);
-    return res;
-}
-
-/* digest_msgpack(raw, block_size, max_blocks, extras) -> (ntokens, [digest per full block]) | None */
-static PyObject *py_digest_msgpack(PyObject *self, PyObject *args) {
-    PyObject *raw, *extras;
-    Py_ssize_t bs, maxb;
-    if (!PyArg_ParseTuple(args, "OnnO", &raw, &bs, &maxb, &extras)) return NULL;
-    if (bs <= 0) Py_RETURN_NONE;
-    Py_buffer view;
-    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
-    uint64_t *t = NULL;
-    Py_ssize_t n = msgpack_int_array(view.buf, view.len, &t);
-    PyBuffer_Release(&view);
-    if (n == -2) return NULL;
-    if (n < 0) Py_RETURN_NONE;
-    Py_ssize_t nb = n / bs;
-    if (nb > maxb) nb = maxb < 0 ? 0 : maxb;
-    PyObject *d = digest_list(t, nb, bs, extras, 0, 0, 1);
-    PyMem_Free(t);
-    if (!d || d == Py_None) return d;
-    PyObject *out = Py_BuildValue("(nN)", n, d);
-    return out;
-}
-
 /* ---------------------------------------------------------------- request bodies -> u32 tokens
  * json_u32_array / msgpack_u32_array(raw, max_tokens) -> bytes of little-endian u32 | None.
  * `raw` is the msgspec.Raw of a request's `token_ids`. Only the plain valid case is answered: an
@@ -299,40 +237,6 @@ static PyObject *py_msgpack_u32_array(PyObject *self, PyObject *args) {
     PyObject *out = ok ? u32_bytes(t, n) : (Py_INCREF(Py_None), Py_None);
     PyMem_Free(t);
     return out;
-}
-
-/* digest_tokens(tokens, block_size, max_blocks, extras) -> [digest per full block] | None */
-static PyObject *py_digest_tokens(PyObject *self, PyObject *args) {
-    PyObject *seq, *extras;
-    Py_ssize_t bs, maxb;
-    if (!PyArg_ParseTuple(args, "OnnO", &seq, &bs, &maxb, &extras)) return NULL;
-    if (bs <= 0) Py_RETURN_NONE;
-    uint64_t *t = NULL;
-    Py_ssize_t n = tokens_u64(seq, &t);
-    if (n == -2) return NULL;
-    if (n < 0) Py_RETURN_NONE;
-    Py_ssize_t nb = n / bs;
-    if (nb > maxb) nb = maxb < 0 ? 0 : maxb;
-    PyObject *d = digest_list(t, nb, bs, extras, 0, 0, 1);
-    PyMem_Free(t);
-    return d;
-}
-
-/* chain_keys(tokens, block_size, seed, extras) -> [chained key per full block] | None */
-static PyObject *py_chain_keys(PyObject *self, PyObject *args) {
-    PyObject *seq, *extras, *seedo;
-    Py_ssize_t bs;
-    if (!PyArg_ParseTuple(args, "OnOO", &seq, &bs, &seedo, &extras)) return NULL;
-    if (bs <= 0) Py_RETURN_NONE;
-    uint64_t seed = PyLong_AsUnsignedLongLongMask(seedo);
-    if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    uint64_t *t = NULL;
-    Py_ssize_t n = tokens_u64(seq, &t);
-    if (n == -2) return NULL;
-    if (n < 0) Py_RETURN_NONE;
-    PyObject *d = digest_list(t, n / bs, bs, extras, 1, seed, 0);
-    PyMem_Free(t);
-    return d;
 }
 
 /* ---------------------------------------------------------------- U64Map */
@@ -765,137 +669,6 @@ static int node_drop(U64Map *m, uint64_t key) {
     return 0;
 }
 
-/* attach(ext, nodes, known|None, hashes, state, digests|callable|None, pos, cancelled|None, known_limit)
- *   -> (new, duplicate, tier_added) | None  (None: digests were needed and the callable gave None)
- * Twin of indexer.core.apply._attach: `pos` = 4*slot + tier. */
-static PyObject *py_attach(PyObject *self, PyObject *args) {
-    U64Map *ext, *nodes;
-    PyObject *knowno, *hashes, *stateo, *digests, *cancelled;
-    int pos;
-    Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "O!O!OO!OOiOn", &U64MapType, &ext, &U64MapType, &nodes, &knowno,
-                          &PyList_Type, &hashes, &stateo, &digests, &pos, &cancelled, &limit))
-        return NULL;
-    U64Map *known = NULL;
-    if (knowno != Py_None) {
-        if (!PyObject_TypeCheck(knowno, &U64MapType)) { PyErr_SetString(PyExc_TypeError, "known must be U64Map"); return NULL; }
-        known = (U64Map *)knowno;
-    }
-    uint64_t state = PyLong_AsUnsignedLongLongMask(stateo);
-    if (state == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    PyObject *dl = NULL; /* owned list/bytes of digests once resolved */
-    if (PyList_Check(digests) || PyBytes_Check(digests)) { dl = digests; Py_INCREF(dl); }
-    Py_ssize_t n = PyList_GET_SIZE(hashes), newc = 0, dup = 0, added = 0;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        PyObject *h = PyList_GET_ITEM(hashes, j);
-        uint64_t key;
-        int r = get_u64(ext, h, &key);
-        if (r < 0) goto fail;
-        int is_new = !r;
-        if (is_new) {
-            r = known ? get_u64(known, h, &key) : 0;
-            if (r < 0) goto fail;
-            if (!r) {
-                if (!dl) {
-                    if (digests == Py_None) { PyErr_SetString(PyExc_RuntimeError, "attach needs digests"); goto fail; }
-                    dl = PyObject_CallNoArgs(digests);
-                    if (!dl) goto fail;
-                    if (dl == Py_None) { Py_DECREF(dl); Py_RETURN_NONE; }
-                    if (!PyList_Check(dl) && !PyBytes_Check(dl)) { PyErr_SetString(PyExc_TypeError, "digests must be a list"); goto fail; }
-                }
-                uint64_t d;
-                if (PyBytes_Check(dl)) {
-                    if (j >= PyBytes_GET_SIZE(dl) / 8) { PyErr_SetString(PyExc_IndexError, "too few digests"); goto fail; }
-                    memcpy(&d, PyBytes_AS_STRING(dl) + 8 * j, 8);
-                } else {
-                    if (j >= PyList_GET_SIZE(dl)) { PyErr_SetString(PyExc_IndexError, "too few digests"); goto fail; }
-                    d = PyLong_AsUnsignedLongLongMask(PyList_GET_ITEM(dl, j));
-                    if (d == (uint64_t)-1 && PyErr_Occurred()) goto fail;
-                }
-                key = state * P_MUL + d;
-                if (known) {
-                    if (U64Map_len(known) >= limit) { /* bounded trust cache: start afresh */
-                        PyObject *cr = U64Map_clear(known, NULL);
-                        if (!cr) goto fail;
-                        Py_DECREF(cr);
-                    }
-                    if (set_u64(known, h, key) < 0) goto fail;
-                }
-            }
-        }
-        state = key;
-        if (cancelled != Py_None) {
-            int c = PySet_Contains(cancelled, h);
-            if (c < 0) goto fail;
-            if (c) continue; /* stored and removed again while it waited for its parent */
-        }
-        if (is_new && set_u64(ext, h, key) < 0) goto fail;
-        int was = node_bit(nodes, key, pos, 1);
-        if (was < 0) goto fail;
-        if (was) dup++;
-        else if (is_new) newc++;
-        else added++;
-    }
-    Py_XDECREF(dl);
-    return Py_BuildValue("(nnn)", newc, dup, added);
-fail:
-    Py_XDECREF(dl);
-    return NULL;
-}
-
-/* remove(ext, nodes, hashes, shift, tier) -> (removed, absent, [hashes the worker does not map])
- * Twin of the mapped part of indexer.core.apply._remove. */
-static PyObject *py_remove(PyObject *self, PyObject *args) {
-    U64Map *ext, *nodes;
-    PyObject *hashes;
-    int shift, tier;
-    if (!PyArg_ParseTuple(args, "O!O!O!ii", &U64MapType, &ext, &U64MapType, &nodes, &PyList_Type, &hashes, &shift, &tier))
-        return NULL;
-    PyObject *missing = PyList_New(0);
-    if (!missing) return NULL;
-    Py_ssize_t removed = 0, absent = 0, n = PyList_GET_SIZE(hashes);
-    for (Py_ssize_t j = 0; j < n; j++) {
-        PyObject *h = PyList_GET_ITEM(hashes, j);
-        uint64_t key;
-        int r = get_u64(ext, h, &key);
-        if (r < 0) goto fail;
-        if (!r) { if (PyList_Append(missing, h) < 0) goto fail; continue; }
-        int was = node_bit(nodes, key, shift + tier, 2);
-        if (was < 0) goto fail;
-        if (was) removed++; else absent++;
-        int any;
-        int nib = node_nibble(nodes, key, shift, &any);
-        if (nib < 0) goto fail;
-        if (!nib && U64Map_ass(ext, h, NULL) < 0) goto fail;
-        if (!any && node_drop(nodes, key) < 0) goto fail;
-    }
-    return Py_BuildValue("(nnN)", removed, absent, missing);
-fail:
-    Py_DECREF(missing);
-    return NULL;
-}
-
-/* prefix_values(nodes, keys, start, stop) -> values of keys[start:stop] up to the first absent one */
-static PyObject *py_prefix_values(PyObject *self, PyObject *args) {
-    U64Map *m;
-    PyObject *keys;
-    Py_ssize_t start, stop;
-    if (!PyArg_ParseTuple(args, "O!O!nn", &U64MapType, &m, &PyList_Type, &keys, &start, &stop)) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(keys);
-    if (stop > n) stop = n;
-    if (start < 0) start = 0;
-    PyObject *out = PyList_New(0);
-    if (!out) return NULL;
-    for (Py_ssize_t j = start; j < stop; j++) {
-        PyObject *v = lookup(m, PyList_GET_ITEM(keys, j));
-        if (!v) { if (PyErr_Occurred()) { Py_DECREF(out); return NULL; } break; }
-        int r = PyList_Append(out, v);
-        Py_DECREF(v);
-        if (r < 0) { Py_DECREF(out); return NULL; }
-    }
-    return out;
-}
-
 /* Per-slot prefix match of chained keys (twin of indexer.core.scoring.walk). `slot[s]` are the worker
  * slots to score; fills per slot device / cached depth and the per-tier split of the cached blocks.
  * Returns 0, or -1 on memory error. */
@@ -978,37 +751,6 @@ static int slots_of(PyObject *slotso, Py_ssize_t **out) {
     return 0;
 }
 
-/* walk(nodes, keys, slots) -> [(device, cached, gpu, host, disk, shared) per slot] | None
- * Twin of indexer.core.scoring.walk for the listed worker slots (None: a key needs the Python path). */
-static PyObject *py_walk(PyObject *self, PyObject *args) {
-    U64Map *m;
-    PyObject *keys, *slotso;
-    if (!PyArg_ParseTuple(args, "O!O!O!", &U64MapType, &m, &PyList_Type, &keys, &PyList_Type, &slotso)) return NULL;
-    Py_ssize_t ns = PyList_GET_SIZE(slotso), nk = PyList_GET_SIZE(keys);
-    uint64_t *k = NULL;
-    Py_ssize_t *slot = NULL;
-    WRow *rows = NULL;
-    PyObject *out = NULL;
-    int rc = keys_u64(keys, &k);
-    if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } return out; }
-    if (slots_of(slotso, &slot) < 0) goto done;
-    rows = PyMem_Malloc(sizeof(WRow) * (size_t)(ns ? ns : 1));
-    if (!rows) { PyErr_NoMemory(); goto done; }
-    if (walk_core(m, k, nk, slot, ns, rows) < 0) goto done;
-    out = PyList_New(ns);
-    if (!out) goto done;
-    for (Py_ssize_t s = 0; s < ns; s++) {
-        PyObject *t = Py_BuildValue("(nnnnnn)", rows[s].dev, rows[s].cach, rows[s].sp[0], rows[s].sp[1], rows[s].sp[2], rows[s].sp[3]);
-        if (!t) { Py_CLEAR(out); goto done; }
-        PyList_SET_ITEM(out, s, t);
-    }
-done:
-    PyMem_Free(k);
-    PyMem_Free(slot);
-    PyMem_Free(rows);
-    return out;
-}
-
 /* Ranked result rows: score like scoring.score_keys, sort best first by (-score, -cached, rank) where
  * rank = position in the caller's (worker_id, dp_rank)-sorted list, and build the WorkerScore objects. */
 typedef struct { double score; Py_ssize_t idx; } Ranked;
@@ -1069,12 +811,15 @@ fail:
  * The whole native score: chained keys (from `keys`, or hashed from `tokens` without extra keys), the
  * walk, weights, ranking and result objects. Lists are in (worker_id, dp_rank) order. None: odd input
  * (the Python path judges it). */
-static PyObject *py_score_rows(PyObject *self, PyObject *args) {
+static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"nodes", "keys", "tokens", "seed", "block_size", "slots", "worker_ids", "ranks",
+                             "weights", "row_type", "tier_names", NULL};
     U64Map *m;
     PyObject *keys, *toks, *seedo, *slotso, *wids, *ranks, *wto, *cls, *names;
     Py_ssize_t bs;
-    if (!PyArg_ParseTuple(args, "O!OOOnO!O!O!O!OO!", &U64MapType, &m, &keys, &toks, &seedo, &bs, &PyList_Type, &slotso,
-                          &PyList_Type, &wids, &PyList_Type, &ranks, &PyTuple_Type, &wto, &cls, &PyTuple_Type, &names))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOOnO!O!O!O!OO!", kwlist, &U64MapType, &m, &keys, &toks, &seedo, &bs,
+                                     &PyList_Type, &slotso, &PyList_Type, &wids, &PyList_Type, &ranks, &PyTuple_Type,
+                                     &wto, &cls, &PyTuple_Type, &names))
         return NULL;
     Py_ssize_t ns = PyList_GET_SIZE(slotso);
     if (bs <= 0 || PyList_GET_SIZE(wids) != ns || PyList_GET_SIZE(ranks) != ns || PyTuple_GET_SIZE(wto) != 4 ||
@@ -1125,108 +870,6 @@ done:
     PyMem_Free(slot);
     PyMem_Free(rows);
     return out;
-}
-
-/* norm_hashes(list) -> the list (ints made unsigned u64) | None when the wire decoder would reject
- * it (int outside int64/u64, empty bytes). Twin of schemas.codec's hash checks. */
-static PyObject *py_norm_hashes(PyObject *self, PyObject *lst) {
-    if (!PyList_Check(lst)) Py_RETURN_NONE;
-    Py_ssize_t n = PyList_GET_SIZE(lst);
-    int neg = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = PyList_GET_ITEM(lst, i);
-        if (PyLong_CheckExact(h)) {
-            int ovf = 0;
-            long long v = PyLong_AsLongLongAndOverflow(h, &ovf);
-            if (ovf < 0) Py_RETURN_NONE;
-            if (ovf > 0) {
-                PyLong_AsUnsignedLongLong(h);
-                if (PyErr_Occurred()) { PyErr_Clear(); Py_RETURN_NONE; }
-            } else if (v < 0) neg = 1;
-        } else if (PyBytes_CheckExact(h)) {
-            if (PyBytes_GET_SIZE(h) == 0) Py_RETURN_NONE;
-        } else Py_RETURN_NONE;
-    }
-    if (!neg) { Py_INCREF(lst); return lst; }
-    PyObject *out = PyList_New(n);
-    if (!out) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = PyList_GET_ITEM(lst, i), *x;
-        if (PyLong_CheckExact(h) && _PyLong_Sign(h) < 0) x = PyLong_FromUnsignedLongLong(PyLong_AsUnsignedLongLongMask(h));
-        else { x = h; Py_INCREF(x); }
-        if (!x) { Py_DECREF(out); return NULL; }
-        PyList_SET_ITEM(out, i, x);
-    }
-    return out;
-}
-
-/* prepare_raw(events, RawStored, block_size) -> {index: (ntokens, digests bytes)} | None
- * One call per batch for the fast payload path: normalises engine hashes (and parents) in place like
- * schemas.codec, and digests every RawStored's token array. None: something only the Python path
- * judges (bad hash or token array, extra keys to digest) — it then redoes the batch from scratch. */
-static PyObject *py_prepare_raw(PyObject *self, PyObject *args) {
-    PyObject *events, *stored_t;
-    Py_ssize_t bs;
-    if (!PyArg_ParseTuple(args, "O!On", &PyList_Type, &events, &stored_t, &bs)) return NULL;
-    PyObject *out = PyDict_New();
-    if (!out) return NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
-        PyObject *ev = PyList_GET_ITEM(events, i), *tmp;
-        int is_store = (PyObject *)Py_TYPE(ev) == stored_t;
-        PyObject *hashes = PyObject_GetAttrString(ev, "block_hashes");
-        if (!hashes) { PyErr_Clear(); continue; } /* AllBlocksCleared */
-        PyObject *norm = py_norm_hashes(NULL, hashes);
-        Py_DECREF(hashes);
-        if (!norm) goto fail;
-        if (norm == Py_None) { Py_DECREF(norm); goto none; }
-        int r = norm != hashes ? PyObject_SetAttrString(ev, "block_hashes", norm) : 0;
-        Py_ssize_t nh = PyList_GET_SIZE(norm);
-        Py_DECREF(norm);
-        if (r < 0) goto fail;
-        if (!is_store) continue;
-        PyObject *parent = PyObject_GetAttrString(ev, "parent_block_hash");
-        if (!parent) goto fail;
-        if (PyBytes_Check(parent) && PyBytes_GET_SIZE(parent) == 0) { Py_DECREF(parent); goto none; } /* bad_hash */
-        if (PyLong_CheckExact(parent)) {
-            int ovf = 0;
-            long long v = PyLong_AsLongLongAndOverflow(parent, &ovf);
-            if (ovf > 0) { PyLong_AsUnsignedLongLong(parent); if (PyErr_Occurred()) { PyErr_Clear(); ovf = -1; } }
-            if (ovf < 0) { Py_DECREF(parent); goto none; }
-            if (!ovf && v < 0) {
-                PyObject *u = PyLong_FromUnsignedLongLong((uint64_t)v);
-                r = u ? PyObject_SetAttrString(ev, "parent_block_hash", u) : -1;
-                Py_XDECREF(u);
-                if (r < 0) { Py_DECREF(parent); goto fail; }
-            }
-        }
-        Py_DECREF(parent);
-        PyObject *xk = PyObject_GetAttrString(ev, "extra_keys");
-        if (!xk) goto fail;
-        int has_extra = PyObject_IsTrue(xk);
-        Py_DECREF(xk);
-        if (has_extra) goto none; /* extra-key digests are computed in Python */
-        PyObject *raw = PyObject_GetAttrString(ev, "token_ids");
-        if (!raw) goto fail;
-        PyObject *targs = Py_BuildValue("(OnnO)", raw, bs, nh, Py_None);
-        Py_DECREF(raw);
-        if (!targs) goto fail;
-        tmp = py_digest_msgpack(NULL, targs);
-        Py_DECREF(targs);
-        if (!tmp) goto fail;
-        if (tmp == Py_None) { Py_DECREF(tmp); goto none; }
-        PyObject *key = PyLong_FromSsize_t(i);
-        r = key ? PyDict_SetItem(out, key, tmp) : -1;
-        Py_XDECREF(key);
-        Py_DECREF(tmp);
-        if (r < 0) goto fail;
-    }
-    return out;
-none:
-    Py_DECREF(out);
-    Py_RETURN_NONE;
-fail:
-    Py_DECREF(out);
-    return NULL;
 }
 
 /* ---------------------------------------------------------------- whole-batch fast path
@@ -1370,39 +1013,40 @@ static int rd_hash(Rd *r, HRef *h) {
     return 0;
 }
 
-/* Canonical tier of a wire medium (twin of schemas.media.parse_medium for ASCII), -1 unknown. */
+/* Canonical tier of a wire medium (schemas.media.parse_medium for ASCII, generated MEDIA table), -1 unknown. */
 static int medium_tier(const unsigned char *s, Py_ssize_t n) {
-    static const struct { const char *name; int tier; } aliases[] = {
-        {"GPU", 0}, {"DEVICE", 0}, {"CUDA", 0}, {"CPU_PINNED", 1}, {"CPU", 1}, {"CPU_TIER1", 1}, {"HOST", 1},
-        {"DISK", 2}, {"CPU_TIER2", 2}, {"NVME", 2}, {"STORAGE", 2}, {"LOCAL_DISK", 2},
-        {"EXTERNAL", 3}, {"SHARED", 3}, {"REMOTE", 3}, {"NETWORK", 3},
-    };
     if (!s) return 0; /* None means GPU */
     /* str.strip(): ASCII whitespace incl. the \x1c-\x1f separators */
 #define WS(c) ((c) == ' ' || ((c) >= 0x09 && (c) <= 0x0D) || ((c) >= 0x1C && (c) <= 0x1F))
     while (n && WS(s[0])) { s++; n--; }
     while (n && WS(s[n - 1])) n--;
 #undef WS
-    char up[16];
+    char up[64];
     if (n == 0 || n >= (Py_ssize_t)sizeof(up)) return -1;
     for (Py_ssize_t i = 0; i < n; i++) up[i] = (char)((s[i] >= 'a' && s[i] <= 'z') ? s[i] - 32 : s[i]);
-    for (size_t a = 0; a < sizeof(aliases) / sizeof(aliases[0]); a++)
-        if ((Py_ssize_t)strlen(aliases[a].name) == n && memcmp(aliases[a].name, up, (size_t)n) == 0) return aliases[a].tier;
+    for (int a = 0; a < N_MEDIA; a++)
+        if ((Py_ssize_t)strlen(MEDIA[a].name) == n && memcmp(MEDIA[a].name, up, (size_t)n) == 0) return MEDIA[a].tier;
     return -1;
 }
 
-/* Twin of apply._is_full_attention for an ASCII kind (None: full). */
+/* Does the ASCII-lowered `s` contain marker `m`? */
+static int has_marker(const char *s, Py_ssize_t n, const char *m) {
+    Py_ssize_t k = (Py_ssize_t)strlen(m);
+    for (Py_ssize_t i = 0; i + k <= n; i++) if (memcmp(s + i, m, (size_t)k) == 0) return 1;
+    return 0;
+}
+
+/* schemas.events.is_full_attention for an ASCII kind (None: full), on the generated marker tables. */
 static int full_attention(const unsigned char *s, Py_ssize_t n) {
     if (!s) return 1;
-    int full = 0, sliding = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        char c[7];
-        Py_ssize_t m = n - i < 7 ? n - i : 7;
-        for (Py_ssize_t k = 0; k < m; k++) c[k] = (char)((s[i + k] >= 'A' && s[i + k] <= 'Z') ? s[i + k] + 32 : s[i + k]);
-        if ((m >= 4 && memcmp(c, "full", 4) == 0) || (m >= 3 && memcmp(c, "mla", 3) == 0)) full = 1;
-        if (m >= 7 && memcmp(c, "sliding", 7) == 0) sliding = 1;
-    }
-    return full && !sliding;
+    char *low = PyMem_Malloc((size_t)(n ? n : 1));
+    if (!low) return 0; /* treated as not full: counted, never misapplied */
+    for (Py_ssize_t i = 0; i < n; i++) low[i] = (char)((s[i] >= 'A' && s[i] <= 'Z') ? s[i] + 32 : s[i]);
+    int full = 0;
+    for (int i = 0; i < N_FULL && !full; i++) full = has_marker(low, n, FULL_MARKERS[i]);
+    for (int i = 0; i < N_NOT_FULL && full; i++) full = !has_marker(low, n, NOT_FULL_MARKERS[i]);
+    PyMem_Free(low);
+    return full;
 }
 
 enum { EV_STORED, EV_REMOVED, EV_CLEARED };
@@ -1430,20 +1074,8 @@ static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
     return 0;
 }
 
-/* field ids; bit i set in `seen` once field i was read */
-enum { F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_SALT, F_SESSION, F_EXTRA,
-       F_GROUP, F_KIND, F_WINDOW, F_LOCALITY, F_OWNERSHIP, F_N };
-static const char *const FIELD_NAMES[F_N] = {
-    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "cache_salt",
-    "session_id", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality", "ownership",
-};
-#define FB(f) (1u << (f))
-static const unsigned ALLOWED[3] = {
-    (1u << F_N) - 1,
-    FB(F_HASHES) | FB(F_MEDIUM) | FB(F_GROUP) | FB(F_LOCALITY) | FB(F_OWNERSHIP),
-    0,
-};
-static const unsigned REQUIRED[3] = {FB(F_HASHES) | FB(F_PARENT) | FB(F_TOKENS) | FB(F_BS), FB(F_HASHES), 0};
+/* field ids (F_*), FIELD_NAMES, ALLOWED and REQUIRED per event type: wire_tables.h. Bit i of `seen`
+ * is set once field i was read. */
 
 /* Parse one event map into b. 0 ok, 1 outside the fast subset, -1 memory error. */
 static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
@@ -1455,10 +1087,10 @@ static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
     if (rd_bytes(r, 0, &s, &n) < 0) return 1;
     FEv e;
     memset(&e, 0, sizeof(e));
-    if (n == 11 && memcmp(s, "BlockStored", 11) == 0) e.type = EV_STORED;
-    else if (n == 12 && memcmp(s, "BlockRemoved", 12) == 0) e.type = EV_REMOVED;
-    else if (n == 16 && memcmp(s, "AllBlocksCleared", 16) == 0) e.type = EV_CLEARED;
-    else return 1;
+    e.type = -1;
+    for (int t = 0; t < 3; t++)
+        if ((Py_ssize_t)strlen(EVENT_TAGS[t]) == n && memcmp(EVENT_TAGS[t], s, (size_t)n) == 0) e.type = t;
+    if (e.type < 0) return 1;
     unsigned seen = 0;
     Py_ssize_t nextra = 0;
     e.full = 1;
@@ -1471,7 +1103,7 @@ static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
         const unsigned char *str;
         Py_ssize_t slen;
         switch (f) {
-            case F_HASHES: {
+            case F_BLOCK_HASHES: {
                 Py_ssize_t nh = rd_container(r, 0);
                 if (nh < 0 || grow((void **)&b->h, &b->ch, b->nh + nh, sizeof(HRef)) < 0) return nh < 0 ? 1 : -1;
                 e.h0 = b->nh; e.nh = nh;
@@ -1479,12 +1111,12 @@ static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
                 b->nh += nh;
                 break;
             }
-            case F_PARENT:
+            case F_PARENT_BLOCK_HASH:
                 if (rd_nil(r)) break;
                 if (rd_hash(r, &e.parent) < 0) return 1;
                 e.has_parent = 1;
                 break;
-            case F_TOKENS: {
+            case F_TOKEN_IDS: {
                 Py_ssize_t nt = rd_container(r, 0);
                 if (nt < 0 || grow((void **)&b->t, &b->ct, b->nt + nt, sizeof(uint64_t)) < 0) return nt < 0 ? 1 : -1;
                 e.t0 = b->nt; e.nt = nt;
@@ -1492,7 +1124,7 @@ static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
                 b->nt += nt;
                 break;
             }
-            case F_BS: {
+            case F_BLOCK_SIZE: {
                 uint64_t v; int neg;
                 if (rd_int(r, &v, &neg) != 1) return 1;
                 e.bsz = (!neg && v == 0) ? 0 : (!neg && v == (uint64_t)bs) ? 1 : 2;
@@ -1502,10 +1134,10 @@ static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
                 if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
                 if ((e.tier = medium_tier(str, slen)) < 0) return 1; /* unknown medium: Python counts it */
                 break;
-            case F_LORA_NAME: case F_SALT: /* their seeds are derived in Python */
+            case F_LORA_NAME: case F_CACHE_SALT: /* their seeds are derived in Python */
                 if (!rd_nil(r)) return 1;
                 break;
-            case F_EXTRA: {
+            case F_EXTRA_KEYS: {
                 if (rd_nil(r)) break;
                 Py_ssize_t nx = rd_container(r, 0);
                 if (nx < 0) return 1;
@@ -1513,11 +1145,11 @@ static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
                 nextra = nx;
                 break;
             }
-            case F_KIND:
+            case F_KV_CACHE_SPEC_KIND:
                 if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
                 e.full = full_attention(str, slen);
                 break;
-            case F_SESSION: case F_LOCALITY: case F_OWNERSHIP:
+            case F_SESSION_ID: case F_LOCALITY: case F_OWNERSHIP:
                 if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
                 break;
             default: /* lora_id, group_idx, kv_cache_spec_sliding_window */
@@ -1638,9 +1270,8 @@ typedef struct {
     Py_ssize_t bs, limit;
     uint64_t seed;
     const uint64_t *cols;
-    Py_ssize_t stored[4][3], removed[4][2], cleared, drops[4];
+    Py_ssize_t stored[4][3], removed[4][2], cleared, drops[N_DROPS];
 } FCtx;
-enum { D_NON_FULL, D_PLACEHOLDER, D_BS_MISMATCH, D_PARTIAL };
 
 /* Twin of apply._attach (no cancellations: the fast path only runs with no pending orphans). */
 static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *toks, int tier) {
@@ -1696,21 +1327,21 @@ out:
 /* Twin of apply._store. 0 done, 1 orphan (nothing of this event applied), -1 error. */
 static int fp_store(FCtx *c, const FEv *e, const HRef *hs, const uint64_t *toks) {
     Py_ssize_t n = e->nh;
-    if (!e->full) { c->drops[D_NON_FULL] += n; return 0; }
+    if (!e->full) { c->drops[D_NON_FULL_ATTENTION] += n; return 0; }
     if (e->bsz == 0 || e->nt == 0) { /* placeholder: a new tier on blocks this worker already maps */
         for (Py_ssize_t j = 0; j < n; j++) if (!hs[j].b) pf_slot(c->ext, hs[j].k);
         for (Py_ssize_t j = 0; j < n; j++) {
             uint64_t k;
             int r = href_get(c->ext, hs + j, &k);
             if (r < 0) return -1;
-            if (!r) { c->drops[D_PLACEHOLDER] += n; return 0; }
+            if (!r) { c->drops[D_PLACEHOLDER_UNKNOWN] += n; return 0; }
             pf_slot(c->nodes, k);
         }
         return fp_attach(c, hs, n, 0, NULL, e->tier);
     }
-    if (e->bsz != 1) { c->drops[D_BS_MISMATCH] += n; return 0; }
+    if (e->bsz != 1) { c->drops[D_BLOCK_SIZE_MISMATCH] += n; return 0; }
     Py_ssize_t nfull = e->nt / c->bs < n ? e->nt / c->bs : n;
-    if (nfull == 0) { c->drops[D_PARTIAL] += n; return 0; }
+    if (nfull == 0) { c->drops[D_PARTIAL_BLOCK] += n; return 0; }
     uint64_t state = c->seed;
     if (e->has_parent) {
         int r = href_get(c->ext, &e->parent, &state);
@@ -1722,7 +1353,7 @@ static int fp_store(FCtx *c, const FEv *e, const HRef *hs, const uint64_t *toks)
             state = 0; /* the first block is already mapped: its key, not the parent, starts the chain */
         }
     }
-    c->drops[D_PARTIAL] += n - nfull;
+    c->drops[D_PARTIAL_BLOCK] += n - nfull;
     return fp_attach(c, hs, nfull, state, toks, e->tier);
 }
 
@@ -1781,8 +1412,9 @@ static int fp_clear(FCtx *c) {
     return 0;
 }
 
-/* Nonzero counters into the ApplyStats dicts; `keys` = 12 stored, 8 removed, 1 cleared count keys,
- * then 4 drop reasons (the layout of indexer.core.apply.FAST_KEYS). */
+/* ApplyStats keys as Python objects (tuples / str), built once at import from wire_tables.h. */
+static PyObject *COUNT_KEY_OBJS, *DROP_KEY_OBJS;
+
 static int add_count(PyObject *d, PyObject *key, Py_ssize_t n) {
     if (!n) return 0;
     PyObject *v = PyLong_FromSsize_t(n);
@@ -1792,20 +1424,23 @@ static int add_count(PyObject *d, PyObject *key, Py_ssize_t n) {
     return r;
 }
 
-/* apply_msgpack(payload, ext, nodes, known|None, shift, block_size, seed, known_limit, keys[, want, default])
- *   -> None (outside the fast subset: nothing was touched) | (stop, counts, drops)
- * stop = -1 when the whole batch was applied, else the index of the first event left to Python.
- * With `want` (an int): the maps passed are those of dp_rank `want`, and the batch's own rank decides
- * (the batch's dp_rank when a non-negative int, else `default`). A batch of another rank touches
- * nothing and returns that rank (an int); one without events touches nothing either. Otherwise the
- * answer is (stop, counts, drops, ts, rank, n_events). */
-static PyObject *py_apply_msgpack(PyObject *self, PyObject *args) {
-    PyObject *payload, *knowno, *seedo, *keys, *wanto = Py_None;
+/* apply_msgpack(payload, *, ext, nodes, known, shift, block_size, seed, known_limit, want_rank=None,
+ *               default_rank=0) -> None | (stop, counts, drops, ts, rank, n_events)
+ * One raw batch of one worker, applied straight to its maps (see the section comment above).
+ * None: outside the fast subset, nothing was touched. Otherwise `rank` is the batch's dp_rank when
+ * a non-negative int, else `default_rank`. With `want_rank` (the rank whose maps were passed) a batch
+ * of another rank, or one without events, touches nothing (stop -1, empty counts); the caller
+ * compares `rank` with what it passed. stop = -1 when the whole batch was applied, else the index of
+ * the first event left to the Python core (an orphan: nothing of it was applied). */
+static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"payload", "ext", "nodes", "known", "shift", "block_size", "seed", "known_limit",
+                             "want_rank", "default_rank", NULL};
+    PyObject *payload, *knowno, *seedo, *wanto = Py_None;
     U64Map *ext, *nodes;
     int shift;
     Py_ssize_t bs, limit, defrank = 0;
-    if (!PyArg_ParseTuple(args, "OO!O!OinOnO!|On", &payload, &U64MapType, &ext, &U64MapType, &nodes, &knowno,
-                          &shift, &bs, &seedo, &limit, &PyTuple_Type, &keys, &wanto, &defrank))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|On", kwlist, &payload, &U64MapType, &ext, &U64MapType,
+                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank))
         return NULL;
     int ranked = wanto != Py_None;
     long long want = 0;
@@ -1813,7 +1448,6 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args) {
         want = PyLong_AsLongLong(wanto);
         if (want == -1 && PyErr_Occurred()) return NULL;
     }
-    if (PyTuple_GET_SIZE(keys) != 25) { PyErr_SetString(PyExc_ValueError, "apply_msgpack: 25 count keys expected"); return NULL; }
     U64Map *known = NULL;
     if (knowno != Py_None) {
         if (!PyObject_TypeCheck(knowno, &U64MapType)) { PyErr_SetString(PyExc_TypeError, "known must be U64Map"); return NULL; }
@@ -1826,24 +1460,22 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args) {
     if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
     FBatch b;
     memset(&b, 0, sizeof(b));
-    PyObject *out = NULL, *counts = NULL, *drops = NULL;
+    PyObject *out = NULL, *counts = PyDict_New(), *drops = PyDict_New();
     uint64_t *cols = NULL;
     FHead hd;
+    FCtx c;
+    memset(&c, 0, sizeof(c));
+    Py_ssize_t stop = -1;
+    if (!counts || !drops) goto done;
     int rc = parse_batch(view.buf, view.len, bs, &b, &hd);
     if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
+    if (ranked && hd.rank_kind == 3) { out = Py_None; Py_INCREF(out); goto done; } /* Python keeps big ints exact */
     long long rank = hd.rank_kind == 1 ? (long long)hd.rank : (long long)defrank;
-    if (ranked) {
-        if (hd.rank_kind == 3) { out = Py_None; Py_INCREF(out); goto done; } /* Python keeps big ints exact */
-        if (rank != want) { out = PyLong_FromLongLong(rank); goto done; }
-        if (b.nev == 0) { out = Py_BuildValue("(n{}{}dLn)", (Py_ssize_t)-1, hd.ts, rank, (Py_ssize_t)0); goto done; }
-    }
+    if (ranked && (rank != want || b.nev == 0)) goto result; /* nothing to apply to these maps */
     cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
     if (!cols) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
-    FCtx c;
-    memset(&c, 0, sizeof(c));
     c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
-    Py_ssize_t stop = -1;
     for (Py_ssize_t i = 0; i < b.nev; i++) {
         const FEv *e = b.ev + i;
         int r = e->type == EV_STORED ? fp_store(&c, e, b.h + e->h0, b.t + e->t0)
@@ -1851,17 +1483,16 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args) {
         if (r < 0) goto done;
         if (r > 0) { stop = i; break; }
     }
-    counts = PyDict_New();
-    drops = PyDict_New();
-    if (!counts || !drops) goto done;
     for (int t = 0; t < 4; t++) {
-        for (int o = 0; o < 3; o++) if (add_count(counts, PyTuple_GET_ITEM(keys, 3 * t + o), c.stored[t][o]) < 0) goto done;
-        for (int o = 0; o < 2; o++) if (add_count(counts, PyTuple_GET_ITEM(keys, 12 + 2 * t + o), c.removed[t][o]) < 0) goto done;
+        for (int o = 0; o < 3; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_STORED(t, o)), c.stored[t][o]) < 0) goto done;
+        for (int o = 0; o < 2; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_REMOVED(t, o)), c.removed[t][o]) < 0) goto done;
     }
-    if (add_count(counts, PyTuple_GET_ITEM(keys, 20), c.cleared) < 0) goto done;
-    for (int d = 0; d < 4; d++) if (add_count(drops, PyTuple_GET_ITEM(keys, 21 + d), c.drops[d]) < 0) goto done;
-    out = ranked ? Py_BuildValue("(nOOdLn)", stop, counts, drops, hd.ts, rank, b.nev)
-                 : Py_BuildValue("(nOO)", stop, counts, drops);
+    if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_CLEARED), c.cleared) < 0) goto done;
+    for (int d = 0; d < N_DROPS; d++) if (add_count(drops, PyTuple_GET_ITEM(DROP_KEY_OBJS, d), c.drops[d]) < 0) goto done;
+result:
+    out = Py_BuildValue("(nOOdLn)", stop, counts, drops, hd.ts, rank, b.nev);
 done:
     Py_XDECREF(counts);
     Py_XDECREF(drops);
@@ -1873,17 +1504,58 @@ done:
     return out;
 }
 
-/* all_in(map, hashes) -> True when every hash is a key (placeholder stores need it) */
-static PyObject *py_all_in(PyObject *self, PyObject *args) {
-    U64Map *m;
-    PyObject *hashes;
-    if (!PyArg_ParseTuple(args, "O!O!", &U64MapType, &m, &PyList_Type, &hashes)) return NULL;
-    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(hashes); j++) {
-        int r = U64Map_contains(m, PyList_GET_ITEM(hashes, j));
-        if (r < 0) return NULL;
-        if (!r) Py_RETURN_FALSE;
+/* ---------------------------------------------------------------- tables, for the import-time check */
+
+static PyObject *str_tuple(const char *const *xs, Py_ssize_t n) {
+    PyObject *t = PyTuple_New(n);
+    for (Py_ssize_t i = 0; t && i < n; i++) {
+        PyObject *s = PyUnicode_FromString(xs[i]);
+        if (!s) { Py_CLEAR(t); break; }
+        PyTuple_SET_ITEM(t, i, s);
     }
-    Py_RETURN_TRUE;
+    return t;
+}
+
+static Py_ssize_t field_count(unsigned mask) {
+    Py_ssize_t n = 0;
+    while (n < F_N && (mask & FB(n))) n++;
+    return n;
+}
+
+/* wire_tables() -> dict, the shape of indexer._native.wire.tables() */
+static PyObject *py_wire_tables(PyObject *self, PyObject *unused) {
+    const char *removed[F_N];
+    Py_ssize_t nr = 0;
+    for (int f = 0; f < F_N; f++) if (ALLOWED[EV_REMOVED] & FB(f)) removed[nr++] = FIELD_NAMES[f];
+    PyObject *media = PyTuple_New(N_MEDIA);
+    for (int i = 0; media && i < N_MEDIA; i++) {
+        PyObject *e = Py_BuildValue("(si)", MEDIA[i].name, MEDIA[i].tier);
+        if (!e) { Py_CLEAR(media); break; }
+        PyTuple_SET_ITEM(media, i, e);
+    }
+    if (!media) return NULL;
+    return Py_BuildValue(
+        "{s:N,s:N,s:n,s:N,s:n,s:N,s:N,s:N,s:N,s:(KKKKK),s:O,s:O}",
+        "tags", str_tuple(EVENT_TAGS, 3),
+        "stored_fields", str_tuple(FIELD_NAMES, F_N), "stored_required", field_count(REQUIRED[EV_STORED]),
+        "removed_fields", str_tuple(removed, nr), "removed_required", field_count(REQUIRED[EV_REMOVED]),
+        "media", media, "medium_names", str_tuple(MEDIUM_NAMES, 4),
+        "full_markers", str_tuple(FULL_MARKERS, N_FULL), "not_full_markers", str_tuple(NOT_FULL_MARKERS, N_NOT_FULL),
+        "hash_consts", (unsigned long long)P_MUL, (unsigned long long)K1, (unsigned long long)K2,
+        (unsigned long long)K3, (unsigned long long)EXTRA_SALT,
+        "count_keys", COUNT_KEY_OBJS, "drops", DROP_KEY_OBJS);
+}
+
+static int build_key_objs(void) {
+    COUNT_KEY_OBJS = PyTuple_New(N_COUNT_KEYS);
+    if (!COUNT_KEY_OBJS) return -1;
+    for (int i = 0; i < N_COUNT_KEYS; i++) {
+        PyObject *k = str_tuple(COUNT_KEYS[i], 3);
+        if (!k) return -1;
+        PyTuple_SET_ITEM(COUNT_KEY_OBJS, i, k);
+    }
+    DROP_KEY_OBJS = str_tuple(DROP_NAMES, N_DROPS);
+    return DROP_KEY_OBJS ? 0 : -1;
 }
 
 static PyMethodDef U64Map_methods[] = {
@@ -1920,27 +1592,20 @@ static PyTypeObject U64MapType = {
 };
 
 static PyMethodDef module_methods[] = {
-    {"digest_msgpack", py_digest_msgpack, METH_VARARGS, "block digests from a msgpack int array"},
-    {"digest_tokens", py_digest_tokens, METH_VARARGS, "block digests from a list/buffer of ints"},
+    {"apply_msgpack", (PyCFunction)(void (*)(void))py_apply_msgpack, METH_VARARGS | METH_KEYWORDS,
+     "apply the common case of one worker's raw batch to its maps"},
+    {"score_rows", (PyCFunction)(void (*)(void))py_score_rows, METH_VARARGS | METH_KEYWORDS,
+     "score, rank and build the result rows"},
     {"json_u32_array", py_json_u32_array, METH_VARARGS, "u32 tokens from a raw JSON int array"},
     {"msgpack_u32_array", py_msgpack_u32_array, METH_VARARGS, "u32 tokens from a raw msgpack int array"},
-    {"chain_keys", py_chain_keys, METH_VARARGS, "chained content keys of every full block"},
-    {"attach", py_attach, METH_VARARGS, "store a chain of blocks for one worker"},
-    {"remove", py_remove, METH_VARARGS, "remove blocks of one worker on one tier"},
-    {"prefix_values", py_prefix_values, METH_VARARGS, "node values up to the first absent key"},
-    {"walk", py_walk, METH_VARARGS, "per-slot prefix match of chained keys"},
-    {"score_rows", py_score_rows, METH_VARARGS, "score, rank and build the result rows"},
-    {"norm_hashes", py_norm_hashes, METH_O, "validate and normalise engine hashes"},
-    {"all_in", py_all_in, METH_VARARGS, "every hash is a key of the map"},
-    {"prepare_raw", py_prepare_raw, METH_VARARGS, "normalise a raw-decoded batch and digest its stores"},
-    {"apply_msgpack", py_apply_msgpack, METH_VARARGS, "apply the common case of a whole raw batch"},
+    {"wire_tables", py_wire_tables, METH_NOARGS, "the generated wire tables this module was built with"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_kvnative", "kvatlas index accelerator", -1, module_methods};
 
 PyMODINIT_FUNC PyInit__kvnative(void) {
-    if (PyType_Ready(&U64MapType) < 0) return NULL;
+    if (PyType_Ready(&U64MapType) < 0 || build_key_objs() < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     Py_INCREF(&U64MapType);

@@ -5,8 +5,10 @@ are not yet known, in a single vectorised call (`block_digests`); the ordered pa
 scalar chain step (`s*P + b`) and dict/bit updates per new block. Known hashes (tier changes,
 load-backs, placeholders, and in trust mode hashes already seen on another worker) skip hashing.
 
-With the native accelerator (`m.nat`) the same rules run through its twins: digests straight from
-the token list (or from raw msgpack bytes, `RawStored`), and `attach`/`remove` loops over U64Maps.
+This module is the reference for the rules: the C accelerator applies the common case of a raw
+payload by the same rules and hands anything else (orphans, odd events) back here
+(`indexer.core.accel`, docs/index-core.md). The maps may be dicts or the accelerator's U64Maps:
+only the mapping interface is used.
 """
 from __future__ import annotations
 
@@ -14,36 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from indexer.core.rawdecode import RawStored
 from indexer.core.state import NIBBLE, ModelState, PendingOrphan, WorkerState
-from indexer.core.types import MEDIUM_NAMES, ApplyStats
-from indexer.hashing import MASK64, block_digest_py, block_digests, extra_digest
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from indexer.core.types import (
+    CLEARED_KEY, DROP_BLOCK_SIZE, DROP_NON_FULL, DROP_PARTIAL, DROP_PLACEHOLDER, MEDIUM_NAMES, REMOVE_OUTCOMES,
+    STORE_OUTCOMES, ApplyStats,
+)
+from indexer.hashing import CHAIN_P, MASK64, block_digest_py, block_digests, extra_digest
+from schemas.codec import DecodeError, decode_batch
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, is_full_attention
 from schemas.media import parse_medium
 
-_P = 0x9E3779B97F4A7C15
 KNOWN_EXT_LIMIT = 4_000_000  # trust-mode cache of engine hash -> key; cleared when it grows past this
 
-_FULL_KINDS = ("full", "mla")
-
-# Count keys of the native whole-batch path (`nat.apply_msgpack`), in the layout its C code fills:
-# per medium stored new/duplicate/tier_added, then per medium removed/absent, then cleared, then drops.
-FAST_KEYS: tuple = (
-    *(("stored", m, o) for m in MEDIUM_NAMES for o in ("new", "duplicate", "tier_added")),
-    *(("removed", m, o) for m in MEDIUM_NAMES for o in ("removed", "absent")),
-    ("cleared", "ALL", "cleared"),
-    "non_full_attention", "placeholder_unknown", "block_size_mismatch", "partial_block",
-)
-
-
-def _is_full_attention(kind: str | None) -> bool:
-    if kind is None:
-        return True
-    k = kind.lower()
-    return any(f in k for f in _FULL_KINDS) and "sliding" not in k
-
-
-def _extras_for(ev: BlockStored | RawStored, n: int) -> list[int] | None:
+def _extras_for(ev: BlockStored, n: int) -> list[int] | None:
     """Per-block extra-key digests (vLLM: one entry per block, None where the block has none)."""
     xk = ev.extra_keys
     if not xk:
@@ -54,40 +39,8 @@ def _extras_for(ev: BlockStored | RawStored, n: int) -> list[int] | None:
     return [d] * n
 
 
-def prepare_raw(m: ModelState, events: list) -> dict[int, tuple[int, list[int]]] | None:
-    """(token count, digests of the full blocks) per `RawStored`; None if any token array is not a
-    plain msgpack int array (the caller then decodes the payload fully, which judges it)."""
-    nat = m.nat
-    bs = m.block_size
-    out: dict[int, tuple[int, list[int]]] = {}
-    for i, ev in enumerate(events):
-        if type(ev) is RawStored:
-            n = len(ev.block_hashes)
-            res = nat.digest_msgpack(ev.token_ids, bs, n, _extras_for(ev, n))
-            if res is None:
-                return None
-            out[i] = res
-    return out
-
-
-def _precompute_native(m: ModelState, events: list) -> dict[int, list[int]]:
-    nat = m.nat
-    bs = m.block_size
-    out: dict[int, list[int]] = {}
-    for i, ev in enumerate(events):
-        if type(ev) is not BlockStored or ev.block_size != bs or not ev.token_ids:
-            continue
-        n = len(ev.block_hashes)
-        d = nat.digest_tokens(ev.token_ids, bs, n, _extras_for(ev, n))
-        if d is not None:  # odd token values: hashed (and judged) by the scalar path
-            out[i] = d
-    return out
-
-
 def _precompute(m: ModelState, w: WorkerState, events: list) -> dict[int, list[int]]:
     """Digests for stores that (as far as the pre-batch state tells) contain unknown hashes."""
-    if m.nat is not None:
-        return _precompute_native(m, events)
     bs = m.block_size
     ext = w.ext
     known = m.known_ext if m.trust else None
@@ -142,15 +95,8 @@ def _attach(
     m: ModelState, w: WorkerState, hashes: list, state: int, digests: list[int] | None,
     ev: BlockStored | None, tier: int, cancelled: set | None,
 ) -> tuple[int, int, int] | None:
-    """Store a chain of blocks starting from `state`. Returns (new, duplicate, tier_added)."""
-    if m.nat is not None:
-        lazy: Any = digests
-        if digests is None and ev is not None:
-            lazy = lambda: _digests_scalar(ev, m.block_size, len(hashes))  # noqa: E731 - only on a miss
-        return m.nat.attach(
-            w.ext, m.nodes, m.known_ext if m.trust else None, hashes if type(hashes) is list else list(hashes),
-            state, lazy, w.shift + tier, cancelled, KNOWN_EXT_LIMIT,
-        )
+    """Store a chain of blocks starting from `state`. Returns (new, duplicate, tier_added), or None when
+    digests were needed and the event's tokens do not hash (bad values)."""
     nodes = m.nodes
     ext = w.ext
     known = m.known_ext if m.trust else None
@@ -166,7 +112,7 @@ def _attach(
                     digests = _digests_scalar(ev, m.block_size, len(hashes)) if ev is not None else None
                     if digests is None:
                         return None
-                key = (state * _P + digests[j]) & MASK64
+                key = (state * CHAIN_P + digests[j]) & MASK64  # hashing.step_py, inlined (hot loop)
                 if known is not None:
                     if len(known) >= KNOWN_EXT_LIMIT:
                         known.clear()
@@ -194,10 +140,7 @@ def _attach(
     return new, dup, added
 
 
-def _store(
-    m: ModelState, w: WorkerState, ev: BlockStored | RawStored, ntok: int, digests: list[int] | None,
-    stats: ApplyStats,
-) -> None:
+def _store(m: ModelState, w: WorkerState, ev: BlockStored, digests: list[int] | None, stats: ApplyStats) -> None:
     hashes = ev.block_hashes
     n = len(hashes)
     medium = parse_medium(ev.medium)
@@ -205,36 +148,32 @@ def _store(
         stats.drop("unknown_medium", n)
         return
     mname = MEDIUM_NAMES[medium]
-    if not _is_full_attention(ev.kv_cache_spec_kind):
-        stats.drop("non_full_attention", n)
+    if not is_full_attention(ev.kv_cache_spec_kind):
+        stats.drop(DROP_NON_FULL, n)
         return
     tier = int(medium)
     bs = m.block_size
     ext = w.ext
+    ntok = len(ev.token_ids) if ev.token_ids else 0
     if ev.block_size == 0 or not ntok:
         # Placeholder: only records a new tier on blocks this worker already maps.
-        if m.nat is not None and type(hashes) is list:
-            if not m.nat.all_in(ext, hashes):
-                stats.drop("placeholder_unknown", n)
+        for h in hashes:
+            if h not in ext:
+                stats.drop(DROP_PLACEHOLDER, n)
                 return
-        else:
-            for h in hashes:
-                if h not in ext:
-                    stats.drop("placeholder_unknown", n)
-                    return
         res = _attach(m, w, hashes, 0, None, None, tier, None)
         assert res is not None
         _count_store(stats, mname, res)
         return
     if ev.block_size != bs:
-        stats.drop("block_size_mismatch", n)
+        stats.drop(DROP_BLOCK_SIZE, n)
         return
     nfull = min(n, ntok // bs)
     if nfull < n:
-        stats.drop("partial_block", n - nfull)
+        stats.drop(DROP_PARTIAL, n - nfull)
         hashes = hashes[:nfull]
-        if not hashes:
-            return
+    if not hashes:
+        return  # nothing to store (an event with no full block), whatever its parent
     parent = ev.parent_block_hash
     if parent is None:
         state = m.seed(ev.lora_name, ev.cache_salt)
@@ -259,13 +198,8 @@ def _store(
 
 
 def _count_store(stats: ApplyStats, mname: str, res: tuple[int, int, int]) -> None:
-    new, dup, added = res
-    if new:
-        stats.count("stored", mname, "new", new)
-    if dup:
-        stats.count("stored", mname, "duplicate", dup)
-    if added:
-        stats.count("stored", mname, "tier_added", added)
+    for outcome, n in zip(STORE_OUTCOMES, res):
+        stats.count("stored", mname, outcome, n)
 
 
 def _remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplyStats) -> None:
@@ -281,9 +215,6 @@ def _remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplyStats) 
     sh = w.shift
     bit = 1 << (sh + tier)
     removed = absent = cancelled = 0
-    if m.nat is not None:
-        removed, absent, missing = m.nat.remove(ext, nodes, hashes if type(hashes) is list else list(hashes), sh, tier)
-        hashes = missing  # only the ones the worker does not map are left: pending or absent
     for h in hashes:
         key = ext.get(h)
         if key is None:
@@ -304,12 +235,8 @@ def _remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplyStats) 
             nodes[key] = r
         elif key in nodes:
             del nodes[key]
-    if removed:
-        stats.count("removed", mname, "removed", removed)
-    if absent:
-        stats.count("removed", mname, "absent", absent)
-    if cancelled:
-        stats.count("removed", mname, "pending_cancelled", cancelled)
+    for outcome, n in zip((*REMOVE_OUTCOMES, "pending_cancelled"), (removed, absent, cancelled)):
+        stats.count("removed", mname, outcome, n)
 
 
 def _cancel_pending(w: WorkerState, h: Any, tier: int) -> bool:
@@ -358,13 +285,11 @@ def _resolve_orphans(m: ModelState, w: WorkerState, grace: int, stats: ApplyStat
 
 
 def apply_events(
-    m: ModelState, w: WorkerState, events: list, orphan_grace: int, stats: ApplyStats,
-    raw: dict[int, tuple[int, list[int]]] | None = None, start: int = 0,
+    m: ModelState, w: WorkerState, events: list, orphan_grace: int, stats: ApplyStats, start: int = 0,
 ) -> ApplyStats:
     """Apply one batch of one worker, in order. Never raises for bad data: it counts it.
 
-    `raw`: `prepare_raw` output when `events` holds `RawStored` (native fast decode).
-    `start`: events before it were already applied (by the native whole-batch path) into `stats`."""
+    `start`: events before it were already applied (by the accelerator's whole-batch walk) into `stats`."""
     try:
         digests = _precompute(m, w, events[start:] if start else events)
     except (TypeError, ValueError, AttributeError):
@@ -373,16 +298,13 @@ def apply_events(
         ev = events[i]
         cls = type(ev)
         try:
-            if cls is RawStored:
-                ntok, d = raw[i]  # type: ignore[index]
-                _store(m, w, ev, ntok, d, stats)
-            elif cls is BlockStored:
-                _store(m, w, ev, len(ev.token_ids) if ev.token_ids else 0, digests.get(i - start), stats)
+            if cls is BlockStored:
+                _store(m, w, ev, digests.get(i - start), stats)
             elif cls is BlockRemoved:
                 _remove(m, w, ev, stats)
             elif cls is AllBlocksCleared or isinstance(ev, AllBlocksCleared):
                 m.clear(w)
-                stats.count("cleared", "ALL", "cleared")
+                stats.count(*CLEARED_KEY)
             else:
                 stats.drop("bad_event")
         except (TypeError, ValueError, OverflowError, AttributeError):
@@ -390,3 +312,12 @@ def apply_events(
             stats.drop("bad_event")
     _resolve_orphans(m, w, orphan_grace, stats)
     return stats
+
+
+def decode_or_drop(payload: bytes, stats: ApplyStats) -> KVEventBatch | None:
+    """The full decoder's verdict on a payload: the batch, or None with its `decode_<reason>` drop counted."""
+    batch = decode_batch(payload)
+    if isinstance(batch, DecodeError):
+        stats.drop(f"decode_{batch.reason}")
+        return None
+    return batch

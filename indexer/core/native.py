@@ -1,9 +1,10 @@
-"""Choice of implementation for the index core's hot loops: the C accelerator or the pure-Python reference.
+"""Whether the C accelerator is available, and the switch between it and the pure-Python core.
 
-`indexer._native._kvnative` (built by setup.py; optional) provides faster twins of the hashing
-functions, a compact u64 map and the per-block store/remove loops. The pure-Python core is the
+`indexer._native._kvnative` (built by setup.py; optional at install) is one accelerator of the
+pure-Python core, used through `indexer.core.accel` only (docs/index-core.md). The pure core is the
 reference and is always available: `KVATLAS_PURE_PYTHON=1` forces it, and `KVIndex(native=False)`
-picks it per index (the property tests run both and require identical answers).
+picks it per index. A build whose wire tables differ from `schemas/` (a stale .so) is refused here,
+at import, so it can never judge events by old rules.
 """
 from __future__ import annotations
 
@@ -13,18 +14,32 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-try:
-    from indexer._native import _kvnative as _mod
-    _IMPORT_ERROR: str | None = None
-except ImportError as exc:  # not built (no compiler at install time): the Python core serves
-    _mod = None
-    _IMPORT_ERROR = str(exc)
-
 ENV_PURE = "KVATLAS_PURE_PYTHON"
+
+
+def _load() -> tuple[ModuleType | None, str | None]:
+    try:
+        from indexer._native import _kvnative as mod
+    except ImportError as exc:  # not built (no compiler at install time): the Python core serves
+        return None, str(exc)
+    from indexer._native.wire import tables
+
+    tabs = getattr(mod, "wire_tables", None)
+    if tabs is None or tabs() != tables():
+        return None, "stale build: its wire tables differ from schemas/ (rebuild: pip install -e .)"
+    return mod, None
+
+
+_mod, _IMPORT_ERROR = _load()
 
 
 def available() -> bool:
     return _mod is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the accelerator cannot be used (None when it can)."""
+    return _IMPORT_ERROR
 
 
 def select(native: bool | None) -> ModuleType | None:
@@ -39,7 +54,7 @@ def select(native: bool | None) -> ModuleType | None:
         return None
     if _mod is None:
         if native:
-            raise RuntimeError(f"native index core requested but not built: {_IMPORT_ERROR}")
-        log.warning("kvatlas native index core not built (%s); using the pure-Python core (slower)", _IMPORT_ERROR)
+            raise RuntimeError(f"native index core requested but not available: {_IMPORT_ERROR}")
+        log.warning("kvatlas native index core not available (%s); using the pure-Python core (slower)", _IMPORT_ERROR)
         return None
     return _mod

@@ -5,6 +5,8 @@ value are one run (typical: a shared prefix held by the same workers), so per-wo
 done once per run, not once per block; the walk stops at the first block no live worker can use.
 Keys are looked up in growing chunks (`map(dict.get)` runs in C) so a short match does not pay
 for the whole query and a long one pays little more than the dict lookups.
+This is the reference; the C accelerator's `score_rows` does the same walk and ranking in one call
+(`indexer.core.accel`, docs/index-core.md).
 """
 from __future__ import annotations
 
@@ -41,20 +43,15 @@ def walk(m: ModelState, keys: list[int], live: int) -> tuple[dict[int, int], dic
     n = len(keys)
     chunk = _FIRST_CHUNK
     get = nodes.get
-    nat = m.nat if type(keys) is list else None
     while pos < n and cache_alive:
-        if nat is not None:
-            vals = nat.prefix_values(nodes, keys, pos, pos + chunk)  # stops at the first absent key
-            stop = len(vals) < min(chunk, n - pos)
-        else:
-            vals = list(map(get, keys[pos : pos + chunk]))
-            stop = False
-            try:
-                cut = vals.index(None)
-                vals = vals[:cut]
-                stop = True
-            except ValueError:
-                pass
+        vals = list(map(get, keys[pos : pos + chunk]))
+        stop = False
+        try:
+            cut = vals.index(None)
+            vals = vals[:cut]
+            stop = True
+        except ValueError:
+            pass
         pos += chunk
         chunk *= 4
         for r, grp in groupby(vals):
@@ -97,48 +94,20 @@ def walk(m: ModelState, keys: list[int], live: int) -> tuple[dict[int, int], dic
     return device, cached, split
 
 
-def score_native(
-    m: ModelState, keys: list[int] | None, tokens: object, seed: int, weights: TierWeights,
-    workers: list[tuple[str, int]] | None = None,
-) -> ScoreResult | None:
-    """The whole score in one accelerator call (keys hashed from `tokens` when `keys` is None): walk,
-    weights, ranking and the result rows. None when it cannot judge the input (the Python path does)."""
-    if workers is None:
-        _, slots, wids, ranks = m.ranked()
-    else:
-        ws = sorted(
-            (w for w in (m.by_id.get((wid, int(r))) for wid, r in workers) if w is not None),
-            key=lambda w: (w.worker_id, w.dp_rank),
-        )
-        slots, wids, ranks = [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
-    res = m.nat.score_rows(
-        m.nodes, keys, tokens, seed, m.block_size, slots, wids, ranks, weights.as_tuple(), WorkerScore, TIER_NAMES,
-    )
-    if res is None:
-        return None
-    return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
-
-
 def score_keys(
     m: ModelState, keys: list[int], weights: TierWeights, workers: list[tuple[str, int]] | None = None
 ) -> ScoreResult:
-    if m.nat is not None and type(keys) is list:
-        res = score_native(m, keys, None, 0, weights, workers)
-        if res is not None:
-            return res
+    """Per-worker prefix match of chained keys, weighted and ranked best first (the tie-break: more
+    cached blocks, then (worker_id, dp_rank))."""
     if workers is None:
         slots = [w for w in m.workers if w is not None]
     else:
         slots = [w for w in (m.by_id.get((wid, int(r))) for wid, r in workers) if w is not None]
-    rows = None
-    if m.nat is not None and type(keys) is list and keys and slots:
-        rows = m.nat.walk(m.nodes, keys, [w.slot for w in slots])  # None: odd key, Python walk below
-    if rows is None:
-        live = 0
-        for w in slots:
-            live |= 1 << w.shift
-        device, cached, split = walk(m, keys, live) if keys and live else ({}, {}, {})
-        rows = [(device.get(w.slot, 0), cached.get(w.slot, 0), *split.get(w.slot, (0, 0, 0, 0))) for w in slots]
+    live = 0
+    for w in slots:
+        live |= 1 << w.shift
+    device, cached, split = walk(m, keys, live) if keys and live else ({}, {}, {})
+    rows = [(device.get(w.slot, 0), cached.get(w.slot, 0), *split.get(w.slot, (0, 0, 0, 0))) for w in slots]
     bs = m.block_size
     wg, wh, wd, ws = weights.as_tuple()
     out = []
@@ -147,9 +116,9 @@ def score_keys(
             w.worker_id, w.dp_rank, dev, cach, {"gpu": g, "host": h, "disk": d, "shared": sh},
             float(bs * (g * wg + h * wh + d * wd + sh * ws)),
         ))
-    out.sort(key=_rank)
+    out.sort(key=rank_key)
     return ScoreResult(query_blocks=len(keys), block_size=bs, workers=out)
 
 
-def _rank(s: WorkerScore) -> tuple:
+def rank_key(s: WorkerScore) -> tuple:
     return (-s.score, -s.cached_blocks, s.worker_id, s.dp_rank)

@@ -13,13 +13,14 @@ Layout (chosen for speed and size in pure Python):
   any worker's events still claim it (a claim lives and dies with that worker's ext-hash mapping).
 - Per worker `ext: dict[engine hash -> key]`, for parents and removes (engine hashes are scoped
   per (worker, dp_rank)).
-- With the native accelerator (`nat`, see `indexer.core.native`) these dicts are `U64Map`s: the
-  same mapping interface with u64 keys and int values stored inline (about 16-24 bytes an entry
+- The maps come from `new_map` (a dict by default). With the C accelerator they are its `U64Map`s:
+  the same mapping interface with u64 keys and int values stored inline (about 16-24 bytes an entry
   instead of ~100 for a dict slot plus two int objects); bytes engine hashes go to its side dict.
+  The core only uses the mapping interface, so it runs unchanged on either (docs/index-core.md).
 """
 from __future__ import annotations
 
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
 from indexer.hashing import namespace_seed
@@ -57,14 +58,14 @@ class WorkerState:
 class ModelState:
     __slots__ = (
         "name", "block_size", "trust", "nodes", "workers", "by_id", "free_slots",
-        "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "nat", "_ranked",
+        "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "new_map", "_ranked",
     )
 
-    def __init__(self, name: str, block_size: int, trust: bool, nat: ModuleType | None = None) -> None:
+    def __init__(self, name: str, block_size: int, trust: bool, new_map: Callable[[], Any] = dict) -> None:
         self.name = name
         self.block_size = block_size
         self.trust = trust
-        self.nat = nat  # native accelerator module, or None for the pure-Python reference
+        self.new_map = new_map  # an empty key -> non-negative int map: dict, or the accelerator's U64Map
         self.nodes: dict[int, int] = self.new_map()
         self.workers: list[WorkerState | None] = []
         self.by_id: dict[tuple[str, int], WorkerState] = {}
@@ -85,10 +86,6 @@ class ModelState:
             ws = sorted(self.by_id.values(), key=lambda w: (w.worker_id, w.dp_rank))
             r = self._ranked = (ws, [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws])
         return r
-
-    def new_map(self) -> Any:
-        """An empty key -> non-negative int map: a dict, or the accelerator's compact U64Map."""
-        return {} if self.nat is None else self.nat.U64Map()
 
     def seed(self, lora_name: str | None, cache_salt: str | None) -> int:
         k = (lora_name, cache_salt)

@@ -3,8 +3,21 @@ from __future__ import annotations
 
 import msgspec
 
+from schemas.media import Medium
+
 TIER_NAMES: tuple[str, str, str, str] = ("gpu", "host", "disk", "shared")
-MEDIUM_NAMES: tuple[str, str, str, str] = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
+MEDIUM_NAMES: tuple[str, ...] = tuple(m.name for m in Medium)  # indexed by tier (Medium value)
+
+# The `ApplyStats` vocabulary the accelerator also fills (its tables are generated from these,
+# indexer/_native/wire.py): outcomes per event type, and the drop reasons its walk can decide.
+STORE_OUTCOMES: tuple[str, str, str] = ("new", "duplicate", "tier_added")
+REMOVE_OUTCOMES: tuple[str, str] = ("removed", "absent")
+CLEARED_KEY: tuple[str, str, str] = ("cleared", "ALL", "cleared")
+DROP_NON_FULL = "non_full_attention"
+DROP_PLACEHOLDER = "placeholder_unknown"
+DROP_BLOCK_SIZE = "block_size_mismatch"
+DROP_PARTIAL = "partial_block"
+ACCEL_DROPS: tuple[str, str, str, str] = (DROP_NON_FULL, DROP_PLACEHOLDER, DROP_BLOCK_SIZE, DROP_PARTIAL)
 
 
 class BlockSizeConflict(ValueError):
@@ -44,12 +57,15 @@ class ApplyStats(msgspec.Struct):
     ts: float = 0.0
     n_events: int = 0
 
+    # Zero adds nothing (an event with no blocks): the accelerator reports only non-zero counts too.
     def count(self, etype: str, medium: str, outcome: str, n: int = 1) -> None:
-        key = (etype, medium, outcome)
-        self.counts[key] = self.counts.get(key, 0) + n
+        if n:
+            key = (etype, medium, outcome)
+            self.counts[key] = self.counts.get(key, 0) + n
 
     def drop(self, reason: str, n: int = 1) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + n
+        if n:
+            self.drops[reason] = self.drops.get(reason, 0) + n
 
     def merge(self, other: "ApplyStats") -> None:
         for k, v in other.counts.items():

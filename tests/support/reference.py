@@ -1,7 +1,9 @@
 """Brute-force reference model of the index, for tests (ours and other engineers').
 
-Same public surface as `indexer.index.KVIndex` for what it models (ensure_model, apply, clear_worker,
-remove_worker, score, worker_stats), same semantics, no cleverness: a block's identity is the full
+Same public surface as `indexer.index.KVIndex` for what it models (ensure_model, models, apply,
+apply_payload, register_worker, clear_worker, remove_worker, workers, score, worker_stats: the part of
+`indexer.protocol.Index` that has observable state; tests/test_index_conformance.py runs the same
+suite on it and on both KVIndex cores), same semantics, no cleverness: a block's identity is the full
 tuple of (namespace, every block's tokens and extra keys from the root), kept per worker as
 `ext hash -> identity` plus `identity -> set of tiers`. It does not hash, does not hold orphans
 (a store whose parent the worker does not hold is dropped at once) and has no trust mode; tests feed it
@@ -15,19 +17,13 @@ from typing import Any
 import msgspec
 
 from indexer.core.types import MEDIUM_NAMES, TIER_NAMES, ScoreResult, TierWeights, WorkerScore
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from schemas.codec import DecodeError, decode_batch
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, is_full_attention
 from schemas.media import parse_medium
 
 
 def _extra_id(x: Any) -> bytes | None:
     return None if x is None else msgspec.msgpack.encode(x)
-
-
-def _full_attention(kind: str | None) -> bool:
-    if kind is None:
-        return True
-    k = kind.lower()
-    return ("full" in k or "mla" in k) and "sliding" not in k
 
 
 class _RefWorker:
@@ -53,6 +49,17 @@ class ReferenceIndex:
 
     def ensure_model(self, model: str, block_size: int) -> None:
         self.models.setdefault(model, _RefModel(block_size))
+
+    def model_sizes(self) -> dict[str, int]:
+        return {name: m.block_size for name, m in self.models.items()}
+
+    def workers(self, model: str) -> list[tuple[str, int]]:
+        return list(self.models[model].workers)
+
+    def apply_payload(self, model: str, worker_id: str, dp_rank: int, payload: bytes) -> None:
+        batch = decode_batch(payload)
+        if not isinstance(batch, DecodeError):
+            self.apply(model, worker_id, dp_rank, batch)
 
     def register_worker(self, model: str, worker_id: str, dp_rank: int = 0) -> None:
         self.models[model].workers.setdefault((worker_id, dp_rank), _RefWorker())
@@ -82,7 +89,7 @@ class ReferenceIndex:
 
     def _store(self, m: _RefModel, w: _RefWorker, ev: BlockStored) -> None:
         medium = parse_medium(ev.medium)
-        if medium is None or not _full_attention(ev.kv_cache_spec_kind):
+        if medium is None or not is_full_attention(ev.kv_cache_spec_kind):
             return
         tier = int(medium)
         hashes = ev.block_hashes

@@ -1,0 +1,100 @@
+"""The C accelerator as seen by `KVIndex`: two whole-call hot paths over the core's own state.
+
+- `apply_payload`: one raw msgpack batch of one worker, walked and applied in C (`apply_msgpack`)
+  when it is the common case; it stops before an orphan and the pure core (`apply_events`) applies
+  the rest. None means "nothing was touched: take the pure path" (odd payloads, workers with pending
+  orphans, LoRA / salt / extra-key stores), which judges the payload exactly.
+- `score`: the walk, weights, ranking and result rows in one call (`score_rows`).
+Plus `new_map`: the compact U64Map the core's maps are made of. Nothing else of the core is in C;
+the rules live once in `indexer.core.apply` / `indexer.core.scoring` and the C walk follows them
+(wire tables generated from `schemas/`; the conformance suite holds the two to each other;
+docs/index-core.md says what stays in C and why).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from indexer.core.apply import KNOWN_EXT_LIMIT, apply_events, decode_or_drop
+from indexer.core.state import ModelState, WorkerState
+from indexer.core.types import TIER_NAMES, ApplyStats, ScoreResult, TierWeights, WorkerScore
+
+
+class Accelerator:
+    __slots__ = ("mod", "new_map")
+
+    def __init__(self, mod: ModuleType) -> None:
+        self.mod = mod
+        self.new_map: Callable[[], Any] = mod.U64Map
+
+    # --- apply ------------------------------------------------------------------------------
+    def apply_payload(
+        self, m: ModelState, worker_id: str, rank: int, payload: bytes, grace: int, rank_from_batch: bool,
+    ) -> ApplyStats | None:
+        """`KVIndex.apply_payload` for what the C walk takes, or None (nothing touched, no worker
+        registered). With `rank_from_batch` the walk reads the batch's rank before touching anything:
+        the maps passed are those of `rank` (the default), and a batch naming another rank is retried
+        once with that rank's maps."""
+        default = rank
+        for _ in range(2 if rank_from_batch else 1):
+            w = m.by_id.get((worker_id, rank))
+            if w is not None and w.pending:
+                return None  # orphans wait on this worker: only the pure core resolves them
+            fresh = w is None
+            if fresh:
+                w = m.worker(worker_id, rank)
+            res = self.mod.apply_msgpack(
+                payload, ext=w.ext, nodes=m.nodes, known=m.known_ext if m.trust else None, shift=w.shift,
+                block_size=m.block_size, seed=m.seed0, known_limit=KNOWN_EXT_LIMIT,
+                want_rank=rank if rank_from_batch else None, default_rank=default,
+            )
+            if res is None:
+                if fresh:
+                    m.remove(w)  # a payload the C walk does not take must not register its worker
+                return None
+            stop, counts, drops, ts, got, n = res
+            if rank_from_batch and (got != rank or not n):
+                if fresh:
+                    m.remove(w)  # nothing applied: a worker only the rank guess created goes again
+                if not n:
+                    return ApplyStats(dp_rank=got, ts=ts)  # a heartbeat
+                rank = got
+                continue
+            stats = ApplyStats(counts, drops)
+            if rank_from_batch:
+                stats.dp_rank, stats.ts, stats.n_events = got, ts, n
+            if stop >= 0:
+                self._apply_rest(m, w, payload, stop, grace, stats)
+            return stats
+        return None
+
+    @staticmethod
+    def _apply_rest(m: ModelState, w: WorkerState, payload: bytes, start: int, grace: int, stats: ApplyStats) -> None:
+        """Events `start`.. of a payload whose earlier events the C walk applied into `stats`."""
+        batch = decode_or_drop(payload, stats)  # the C walk accepted it, so this decodes; judged regardless
+        if batch is not None:
+            apply_events(m, w, batch.events, grace, stats, start)
+
+    # --- score ------------------------------------------------------------------------------
+    def score(
+        self, m: ModelState, keys: list[int] | None, tokens: object, seed: int, weights: TierWeights,
+        workers: list[tuple[str, int]] | None,
+    ) -> ScoreResult | None:
+        """The whole score (keys hashed from `tokens` when `keys` is None), or None when the C call
+        cannot judge the input (the pure core does)."""
+        if workers is None:
+            _, slots, wids, ranks = m.ranked()
+        else:
+            ws = sorted(
+                (w for w in (m.by_id.get((wid, int(r))) for wid, r in workers) if w is not None),
+                key=lambda w: (w.worker_id, w.dp_rank),
+            )
+            slots, wids, ranks = [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
+        res = self.mod.score_rows(
+            m.nodes, keys=keys, tokens=tokens, seed=seed, block_size=m.block_size, slots=slots, worker_ids=wids,
+            ranks=ranks, weights=weights.as_tuple(), row_type=WorkerScore, tier_names=TIER_NAMES,
+        )
+        if res is None:
+            return None
+        return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
