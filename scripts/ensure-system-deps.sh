@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # System packages the test suite uses beyond Python: redis-server (real server for snapshot and
-# L3 tests) and chromium (headless dashboard test). Installs them when it can (root + apt-get),
-# otherwise says exactly what is missing; tests that need a missing one are skipped with that reason.
+# L3 tests), nats-server (JetStream tests) and chromium (headless dashboard test). Installs them when it
+# can (root + apt-get), otherwise says exactly what is missing; tests that need a missing one fail with that reason.
 set -u
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+{ command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ]; } || missing+=(nats-server)
 command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
@@ -17,5 +18,5 @@ if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
 else
   echo "WARNING: missing system packages: ${missing[*]} (install with: sudo apt-get install ${missing[*]})"
 fi
-echo "         tests that need them will be skipped and say so."
+echo "         tests that need them will fail and say so."
 exit 0

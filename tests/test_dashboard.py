@@ -21,6 +21,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def _render(url: str) -> str:
+    assert CHROMIUM, "chromium not installed: make test installs it (scripts/ensure-system-deps.sh)"
     with tempfile.TemporaryDirectory() as profile:
         out = subprocess.run(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -38,7 +39,6 @@ def _cell(dom: str, worker: str, tier: str) -> int:
     return int(m.group(1).replace(",", ""))
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install chromium)")
 def test_dashboard_renders_workers_and_numbers() -> None:
     li = LiveIndexer(ServiceConfig(port=free_port(), block_size=BS, auth_token="dash-token",
                                    stats_ttl_s=0.0)).start()

@@ -15,7 +15,6 @@ from schemas.codec import decode_batch
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 BS = 4
-SAMPLES = Path(__file__).resolve().parents[2] / "shared" / "wire-samples"
 
 
 def toks(n_blocks: int, base: int = 0) -> list[int]:
@@ -181,11 +180,9 @@ def test_trust_mode_skips_rehash_but_agrees() -> None:
 
 
 @pytest.mark.parametrize("name", ["sglang", "vllm", "vllm_bytes"])
-def test_wire_samples_final_state(name: str) -> None:
-    if not SAMPLES.exists():
-        pytest.skip(f"{SAMPLES} not present")
-    expected = json.loads((SAMPLES / f"{name}.expected.json").read_text())
-    msgs = msgspec.msgpack.decode((SAMPLES / f"{name}.msgpack").read_bytes())
+def test_wire_samples_final_state(name: str, wire_samples_dir: Path) -> None:
+    expected = json.loads((wire_samples_dir / f"{name}.expected.json").read_text())
+    msgs = msgspec.msgpack.decode((wire_samples_dir / f"{name}.msgpack").read_bytes())
     ix = KVIndex()
     ix.ensure_model("m", expected["block_size"])
     for widx, _topic, _seq, payload in msgs:
