@@ -57,32 +57,42 @@ class EventRecorder:
 
     # -- recording -----------------------------------------------------------------------------
     def stored(self, ids: Sequence[int], parent_id: int | None, tokens: Sequence[int], block_size: int,
-               medium: Medium) -> None:
+               medium: Medium, *, group_idx: int | None = None, kind: str | None = None,
+               window: int | None = None) -> None:
+        """`group_idx` / `kind` / `window` are vLLM's KV-cache-group fields (docs/hybrid.md); left
+        None they are omitted on the wire (SGLang's shape)."""
         if not self.enabled or not ids:
             return
         name = self.names[medium]
         pending = self._pending
         if pending:
             last = pending[-1]
-            # Coalesce: the same tier continuing the chain the previous store ended.
+            # Coalesce: the same tier and group continuing the chain the previous store ended.
             if (type(last) is BlockStored and last.medium == name and last.block_size == block_size
-                    and parent_id is not None and last.block_hashes[-1] == parent_id):
+                    and parent_id is not None and last.block_hashes[-1] == parent_id
+                    and last.group_idx == group_idx and last.kv_cache_spec_kind == kind):
                 last.block_hashes.extend(ids)
                 last.token_ids.extend(tokens)
                 return
-        pending.append(BlockStored(list(ids), parent_id, list(tokens), block_size, None, name))
+        if group_idx is None and kind is None and window is None:
+            pending.append(BlockStored(list(ids), parent_id, list(tokens), block_size, None, name))
+        else:
+            pending.append(BlockStored(list(ids), parent_id, list(tokens), block_size, None, name,
+                                       group_idx=group_idx, kv_cache_spec_kind=kind,
+                                       kv_cache_spec_sliding_window=window))
 
-    def removed(self, ids: Sequence[int], medium: Medium) -> None:
+    def removed(self, ids: Sequence[int], medium: Medium, *, group_idx: int | None = None) -> None:
         if not self.enabled or not ids:
             return
         name = self.names[medium]
         pending = self._pending
         if pending:
             last = pending[-1]
-            if type(last) is BlockRemoved and last.medium == name:
+            if type(last) is BlockRemoved and last.medium == name and last.group_idx == group_idx:
                 last.block_hashes.extend(ids)
                 return
-        pending.append(BlockRemoved(list(ids), name))
+        pending.append(BlockRemoved(list(ids), name) if group_idx is None
+                       else BlockRemoved(list(ids), name, group_idx=group_idx))
 
     def cleared(self) -> None:
         if not self.enabled:

@@ -84,6 +84,12 @@ class LedgerAccounting:
         with self._lock:
             return StorageCapacity(self._ledger.used_bytes, self._ledger.limit_bytes)
 
+    def knows(self, keys: list[str]) -> list[bool]:
+        """Whether each key is in this backend's own index (no I/O; safe from any thread). For a
+        node-local store this is what it holds; the cache uses it to size prefetches."""
+        with self._lock:
+            return [k in self._ledger for k in keys]
+
     def drain_evicted(self) -> list[str]:
         with self._lock:
             out, self._evicted = self._evicted, []
