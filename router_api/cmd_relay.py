@@ -81,3 +81,16 @@ def run(args: argparse.Namespace) -> int:
     log.info("event=relay_stopped forwarded=%d restarts=%d gaps_unrecovered=%d", relay.stats.forwarded,
              relay.stats.restarts, relay.stats.gaps_unrecovered)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m router_api.cmd_relay ...`), same flags as `kvatlas relay`."""
+    parser = argparse.ArgumentParser(prog="kvatlas relay", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
