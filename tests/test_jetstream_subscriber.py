@@ -233,3 +233,35 @@ def test_bad_messages_are_counted_not_fatal(nats: NatsServer) -> None:
         r.close()
         for p in pubs.values():
             p.close()
+
+
+def test_routed_subscriber_serves_zeromq_and_jetstream_workers(nats: NatsServer) -> None:
+    from conftest import free_port, wait_until
+    from indexer.jetstream_subscriber import JetStreamSubscriber
+    from indexer.routed_subscriber import RoutedSubscriber
+    from indexer.subscriber import Subscriber
+    from producer.publisher import ZmqEventPublisher
+
+    zpub = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    jpub = JetStreamEventPublisher(nats.url, model=MODEL, worker_id="j0")
+    sub = RoutedSubscriber(Subscriber(), JetStreamSubscriber(nats.url))
+    got: list = []
+    try:
+        sub.add("z0", zpub.endpoint, replay_endpoint=zpub.replay_endpoint)
+        sub.add("j0", jetstream_endpoint(MODEL, "j0"))
+        assert sorted(sub.workers()) == ["j0", "z0"]
+        jpub.heartbeat()
+
+        def both() -> bool:
+            zpub.heartbeat()
+            got.extend(sub.poll(20))
+            return {d.worker_id for d in got} == {"j0", "z0"}
+        wait_until(both, timeout=10.0, interval=0.0)
+        assert sub.watermark("j0") == 1 and sub.request_snapshot("j0")
+        sub.remove("z0")
+        with pytest.raises(KeyError):
+            sub.remove("z0")
+    finally:
+        sub.close()
+        zpub.close()
+        jpub.close()
