@@ -131,7 +131,8 @@ def _replica(kind: str, target: str, endpoints: list[tuple[str, str]], expect: i
     index.ensure_model(MODEL, BS)
     if kind == "js":
         from indexer.jetstream_subscriber import JetStreamSubscriber
-        sub = JetStreamSubscriber(target, stream=StreamSettings(name="BENCH"), ensure=False)
+        sub = JetStreamSubscriber(target, stream=StreamSettings(name="BENCH"), ensure=False,
+                                  shared=os.environ.get("KVATLAS_BENCH_SHARED") == "1")
     else:
         from indexer.subscriber import Subscriber
         sub = Subscriber()
@@ -283,7 +284,12 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=40, help="backlog batches per worker (capacity phase)")
     ap.add_argument("--rate", type=float, default=3000.0, help="live batches/s over the fleet (latency phase)")
     ap.add_argument("--seconds", type=float, default=5.0, help="latency phase length")
+    ap.add_argument("--shared", action="store_true",
+                    help="JetStream replicas use one shared consumer instead of one per worker")
     args = ap.parse_args()
+    if args.shared:
+        os.environ["KVATLAS_BENCH_SHARED"] = "1"  # read by the spawned replica processes
+    print(f"jetstream consumers: {'one shared per replica' if args.shared else 'one per worker'}")
     if args.quick:
         args.workers, args.batches, args.rate, args.seconds = 200, 20, 2000.0, 2.0
     W, B = args.workers, args.batches
@@ -381,7 +387,8 @@ def _replica_from(target: str, endpoints: list[tuple[str, str]], expect: int, st
 
     index = KVIndex()
     index.ensure_model(MODEL, BS)
-    sub = JetStreamSubscriber(target, stream=StreamSettings(name="BENCH"), ensure=False)
+    sub = JetStreamSubscriber(target, stream=StreamSettings(name="BENCH"), ensure=False,
+                              shared=os.environ.get("KVATLAS_BENCH_SHARED") == "1")
     for wid, ep in endpoints:
         sub.add(wid, ep, last_seq=start)
     ready.set()

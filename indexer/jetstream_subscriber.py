@@ -76,7 +76,8 @@ def _reply_positions(reply: str) -> tuple[int, int] | None:
 class JetStreamSubscriber:
     """Same interface as `indexer.subscriber.Subscriber`, reading from one JetStream stream."""
 
-    __slots__ = ("_nats", "_own_nats", "settings", "_workers", "_q", "_max_per_poll", "stats", "_closed")
+    __slots__ = ("_nats", "_own_nats", "settings", "_workers", "_q", "_max_per_poll", "stats", "_closed",
+                 "shared", "_by_subject", "_shared_sub", "_shared_from", "_dirty", "_shared_pending")
 
     def __init__(
         self,
@@ -85,9 +86,13 @@ class JetStreamSubscriber:
         stream: StreamSettings | None = None,
         ensure: bool = True,
         max_per_poll: int = 10_000,
+        shared: bool = False,
     ) -> None:
         """`nats`: a URL (own connection) or a shared `NatsThread`. `ensure`: create the stream
-        when missing (never changes an existing one's limits)."""
+        when missing (never changes an existing one's limits). `shared`: one ordered consumer on
+        the whole prefix for every worker (started at the lowest watermark; each worker skips what
+        it already has) instead of one per worker — O(1) server consumers per replica, for
+        fleets of thousands of workers (docs/scaling.md)."""
         self.settings = stream or StreamSettings()
         self._own_nats = isinstance(nats, str)
         self._nats = NatsThread(nats, name="kvatlas-js-sub") if isinstance(nats, str) else nats
@@ -96,6 +101,12 @@ class JetStreamSubscriber:
         self._max_per_poll = max_per_poll
         self.stats = JetStreamSubscriberStats()
         self._closed = False
+        self.shared = shared
+        self._by_subject: dict[str, _Worker] = {}
+        self._shared_sub: Any = None
+        self._shared_from: int | None = None  # stream seq the shared consumer started at
+        self._dirty = False
+        self._shared_pending = 0
         if ensure:
             try:
                 self._nats.call(lambda: ensure_stream(self._js, self.settings, update=False))
@@ -129,6 +140,11 @@ class JetStreamSubscriber:
             self.stats.subscribe_errors += 1
             raise ValueError(f"cannot subscribe worker {worker_id!r} to {subject!r}: {exc!r}") from exc
         self._workers[worker_id] = w
+        if self.shared:
+            self._by_subject[subject] = w
+            start = 1 if last_seq is None else last_seq + 1
+            if self._shared_sub is None or self._shared_from is None or start < self._shared_from:
+                self._dirty = True  # (re)started by the next poll, once for many adds
 
     async def _start(self, w: _Worker) -> None:
         js = self._js
@@ -150,6 +166,8 @@ class JetStreamSubscriber:
                 w.cursor.maybe_trimmed = info.state.first_seq > last + 1
             config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
                                         opt_start_seq=last + 1)
+        if self.shared:
+            return
         q = self._q
 
         async def on_msg(msg: Any) -> None:
@@ -162,7 +180,34 @@ class JetStreamSubscriber:
         w = self._workers.pop(worker_id, None)
         if w is None:
             raise KeyError(f"unknown worker {worker_id!r}")
+        self._by_subject.pop(w.subject, None)
         self._unsubscribe(w)
+
+    def _restart_shared(self) -> None:
+        """(Re)start the one consumer at the lowest position any worker still needs."""
+        self._dirty = False
+        starts = [1 if w.cursor.last is None else w.cursor.last + 1 for w in self._workers.values()]
+        if not starts:
+            return
+        start = min(starts)
+        old = self._shared_sub
+        q = self._q
+        by_subject = self._by_subject
+
+        async def go() -> Any:
+            if old is not None:
+                await old.unsubscribe()
+            async def on_msg(msg: Any) -> None:
+                w = by_subject.get(msg.subject)
+                if w is not None:
+                    q.put((w, msg))
+
+            config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+            return await self._js.subscribe(self.settings.prefix + ".>", stream=self.settings.name, cb=on_msg,
+                                            ordered_consumer=True, config=config, idle_heartbeat=2.0)
+
+        self._shared_sub = self._nats.call(go, timeout=15.0)
+        self._shared_from = start
 
     def _unsubscribe(self, w: _Worker) -> None:
         sub = w.sub
@@ -181,7 +226,10 @@ class JetStreamSubscriber:
         return self._workers[worker_id].cursor.last
 
     def consumer_lag(self) -> dict[str, int]:
-        """Messages the server still holds for each worker's consumer, as of its last delivery."""
+        """Messages the server still holds for each worker's consumer, as of its last delivery
+        (shared mode: the one consumer's backlog, for every worker)."""
+        if self.shared:
+            return {wid: self._shared_pending for wid in self._workers}
         return {wid: w.pending for wid, w in self._workers.items()}
 
     def request_snapshot(self, worker_id: str) -> bool:
@@ -218,6 +266,11 @@ class JetStreamSubscriber:
         self._closed = True
         for w in list(self._workers.values()):
             self._unsubscribe(w)
+        if self._shared_sub is not None:
+            try:
+                self._nats.call(self._shared_sub.unsubscribe, timeout=5.0)
+            except Exception as exc:
+                log.warning("shared consumer unsubscribe failed: %r", exc)
         self._workers.clear()
         if self._own_nats:
             self._nats.close()
@@ -235,6 +288,8 @@ class JetStreamSubscriber:
         out: list[Delivery] = []
         if self._closed:
             return out
+        if self._dirty:
+            self._restart_shared()
         q = self._q
         try:
             item = q.get(timeout=timeout_ms / 1000.0) if timeout_ms > 0 else q.get_nowait()
@@ -263,6 +318,7 @@ class JetStreamSubscriber:
             self._bad(w, f"no JetStream metadata in reply subject {msg.reply!r}")
             return
         sseq, w.pending = pos
+        self._shared_pending = w.pending
         hdrs = parse_headers(msg.headers)
         if isinstance(hdrs, str):
             w.cursor.skip(sseq)

@@ -15,8 +15,9 @@ MODEL = "default"
 
 
 class Replica:
-    def __init__(self, url: str, block_size: int, stream: StreamSettings | None = None) -> None:
-        self.sub = JetStreamSubscriber(url, stream=stream)
+    def __init__(self, url: str, block_size: int, stream: StreamSettings | None = None, *,
+                 shared: bool = False) -> None:
+        self.sub = JetStreamSubscriber(url, stream=stream, shared=shared)
         self.index = KVIndex()
         self.index.ensure_model(MODEL, block_size)
         self.log: list[Any] = []

@@ -73,11 +73,12 @@ def test_cursor_rules() -> None:
     assert StreamCursor(10).take(11, "e", 0) == [Step(StepKind.RESTART, 10, 11)]
 
 
-def test_two_replicas_agree_with_the_reference_and_a_late_one_catches_up(nats: NatsServer) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["per_worker", "shared"])
+def test_two_replicas_agree_with_the_reference_and_a_late_one_catches_up(nats: NatsServer, shared: bool) -> None:
     sims, pubs = _fleet(nats.url, 3)
     ref = ReferenceIndex()
     ref.ensure_model(MODEL, BS)
-    a, b = Replica(nats.url, BS), Replica(nats.url, BS)
+    a, b = Replica(nats.url, BS, shared=shared), Replica(nats.url, BS, shared=shared)
     late = None
     try:
         for wid in sims:
@@ -88,7 +89,7 @@ def test_two_replicas_agree_with_the_reference_and_a_late_one_catches_up(nats: N
         # Per-worker marks: the last stream seq of each worker's own subject.
         for r in (a, b):
             r.catch_up({wid: 0 for wid in sims})
-        late = Replica(nats.url, BS)  # started after the fleet published everything
+        late = Replica(nats.url, BS, shared=shared)  # started after the fleet published everything
         for wid in sims:
             late.add(wid)
         _drive(pubs, sims, 30, ref)
@@ -125,11 +126,12 @@ def wait_all_applied(r: Replica, pubs: dict[str, JetStreamEventPublisher], last:
     wait_until(done, timeout=20.0, interval=0.0)
 
 
-def test_restarted_replica_continues_exactly_from_its_watermark(nats: NatsServer) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["per_worker", "shared"])
+def test_restarted_replica_continues_exactly_from_its_watermark(nats: NatsServer, shared: bool) -> None:
     sims, pubs = _fleet(nats.url, 2)
     ref = ReferenceIndex()
     ref.ensure_model(MODEL, BS)
-    r = Replica(nats.url, BS)
+    r = Replica(nats.url, BS, shared=shared)
     try:
         for wid in sims:
             r.add(wid)
@@ -139,7 +141,7 @@ def test_restarted_replica_continues_exactly_from_its_watermark(nats: NatsServer
         dump = r.index.dump(MODEL)  # what a snapshot would hold
         r.close()
         _drive(pubs, sims, 40, ref)  # published while the replica is down
-        r = Replica(nats.url, BS)
+        r = Replica(nats.url, BS, shared=shared)
         r.index.load_dump(MODEL, BS, dump)
         for wid in sims:
             r.add(wid, last_seq=marks[wid])
@@ -154,10 +156,11 @@ def test_restarted_replica_continues_exactly_from_its_watermark(nats: NatsServer
             p.close()
 
 
-def test_trimmed_stream_gives_an_unrecovered_gap(nats: NatsServer) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["per_worker", "shared"])
+def test_trimmed_stream_gives_an_unrecovered_gap(nats: NatsServer, shared: bool) -> None:
     settings = StreamSettings(name="TRIM", max_bytes=0)
     sims, pubs = _fleet(nats.url, 1, settings)
-    r = Replica(nats.url, BS, stream=settings)
+    r = Replica(nats.url, BS, stream=settings, shared=shared)
     try:
         r.add("w0")
         _drive(pubs, sims, 10)
@@ -169,14 +172,14 @@ def test_trimmed_stream_gives_an_unrecovered_gap(nats: NatsServer) -> None:
         js = nt.js
         purge_upto = stream_last_seq(pubs["w0"]) - 3  # retention removed everything but the tail
         nt.call(lambda: js.purge_stream("TRIM", seq=purge_upto))
-        r = Replica(nats.url, BS, stream=settings)
+        r = Replica(nats.url, BS, stream=settings, shared=shared)
         r.add("w0", last_seq=mark)
         wait_all_applied(r, pubs, stream_last_seq(pubs["w0"]))
         gaps = [d for d in r.log if type(d).__name__ == "Gap"]
         assert len(gaps) == 1 and not gaps[0].recovered
         assert r.kinds()[0] == "Gap"
         # A fresh replica reading a stream whose start was trimmed is told the same.
-        fresh = Replica(nats.url, BS, stream=settings)
+        fresh = Replica(nats.url, BS, stream=settings, shared=shared)
         fresh.add("w0")
         wait_all_applied(fresh, pubs, stream_last_seq(pubs["w0"]))
         assert fresh.kinds()[0] == "Gap" and not fresh.log[0].recovered
