@@ -77,7 +77,7 @@ class JetStreamSubscriber:
     """Same interface as `indexer.subscriber.Subscriber`, reading from one JetStream stream."""
 
     __slots__ = ("_nats", "_own_nats", "settings", "_workers", "_q", "_max_per_poll", "stats", "_closed",
-                 "shared", "_by_subject", "_shared_sub", "_shared_from", "_dirty", "_shared_pending")
+                 "shared", "_by_subject", "_shared_sub", "_shared_from", "_dirty", "_shared_pending", "_gen")
 
     def __init__(
         self,
@@ -97,7 +97,7 @@ class JetStreamSubscriber:
         self._own_nats = isinstance(nats, str)
         self._nats = NatsThread(nats, name="kvatlas-js-sub") if isinstance(nats, str) else nats
         self._workers: dict[str, _Worker] = {}
-        self._q: queue.SimpleQueue[tuple[_Worker, Any]] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[_Worker | None, Any, int]] = queue.SimpleQueue()
         self._max_per_poll = max_per_poll
         self.stats = JetStreamSubscriberStats()
         self._closed = False
@@ -107,6 +107,7 @@ class JetStreamSubscriber:
         self._shared_from: int | None = None  # stream seq the shared consumer started at
         self._dirty = False
         self._shared_pending = 0
+        self._gen = 0  # shared consumer generation: messages of a replaced consumer are ignored
         if ensure:
             try:
                 self._nats.call(lambda: ensure_stream(self._js, self.settings, update=False))
@@ -141,10 +142,10 @@ class JetStreamSubscriber:
             raise ValueError(f"cannot subscribe worker {worker_id!r} to {subject!r}: {exc!r}") from exc
         self._workers[worker_id] = w
         if self.shared:
+            # The consumer may already be past this worker's start: restart it at the lowest start
+            # (by the next poll, once for many adds); other workers skip what they already have.
             self._by_subject[subject] = w
-            start = 1 if last_seq is None else last_seq + 1
-            if self._shared_sub is None or self._shared_from is None or start < self._shared_from:
-                self._dirty = True  # (re)started by the next poll, once for many adds
+            self._dirty = True
 
     async def _start(self, w: _Worker) -> None:
         js = self._js
@@ -171,7 +172,7 @@ class JetStreamSubscriber:
         q = self._q
 
         async def on_msg(msg: Any) -> None:
-            q.put((w, msg))
+            q.put((w, msg, 0))
 
         w.sub = await js.subscribe(w.subject, stream=name, cb=on_msg, ordered_consumer=True, config=config,
                                    idle_heartbeat=2.0)
@@ -193,14 +194,16 @@ class JetStreamSubscriber:
         old = self._shared_sub
         q = self._q
         by_subject = self._by_subject
+        # Queued messages of the old consumer lie past the new start and will be delivered again.
+        self._gen += 1
+        gen = self._gen
 
         async def go() -> Any:
             if old is not None:
                 await old.unsubscribe()
             async def on_msg(msg: Any) -> None:
-                w = by_subject.get(msg.subject)
-                if w is not None:
-                    q.put((w, msg))
+                # Unregistered subjects still go through: they carry the consumer's backlog count.
+                q.put((by_subject.get(msg.subject), msg, gen))
 
             config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
             return await self._js.subscribe(self.settings.prefix + ".>", stream=self.settings.name, cb=on_msg,
@@ -224,6 +227,13 @@ class JetStreamSubscriber:
     def watermark(self, worker_id: str) -> int | None:
         """Stream seq of the last message delivered for this worker (what a snapshot stores)."""
         return self._workers[worker_id].cursor.last
+
+    def stream_state(self) -> dict[str, int]:
+        """The stream's messages, bytes, first and last sequence, and consumer count (metrics)."""
+        info = self._nats.call(lambda: self._js.stream_info(self.settings.name))
+        st = info.state
+        return {"messages": int(st.messages), "bytes": int(st.bytes), "first_seq": int(st.first_seq),
+                "last_seq": int(st.last_seq), "consumers": int(st.consumer_count)}
 
     def consumer_lag(self) -> dict[str, int]:
         """Messages the server still holds for each worker's consumer, as of its last delivery
@@ -299,8 +309,14 @@ class JetStreamSubscriber:
         workers = self._workers
         n = 0
         while True:
-            w, msg = item
-            if workers.get(w.worker_id) is w:  # else: removed while its messages were queued
+            w, msg, gen = item
+            if w is None:  # shared mode: a worker nobody registered here
+                if gen == self._gen:
+                    pos = _reply_positions(msg.reply or "")
+                    if pos is not None:
+                        self._shared_pending = pos[1]
+            # else: removed while its messages were queued, or from a replaced shared consumer
+            elif gen == self._gen and workers.get(w.worker_id) is w:
                 self._take(w, msg, now, out)
             n += 1
             if n >= self._max_per_poll:

@@ -268,3 +268,26 @@ def test_routed_subscriber_serves_zeromq_and_jetstream_workers(nats: NatsServer)
         sub.close()
         zpub.close()
         jpub.close()
+
+
+def test_shared_consumer_serves_a_worker_added_after_it_moved_on(nats: NatsServer) -> None:
+    sims, pubs = _fleet(nats.url, 2)
+    ref = ReferenceIndex()
+    ref.ensure_model(MODEL, BS)
+    r = Replica(nats.url, BS, shared=True)
+    try:
+        r.add("w0")
+        _drive(pubs, sims, 30, ref)
+        wait_all_applied(r, {"w0": pubs["w0"]}, stream_last_seq(pubs["w0"]))
+        r.add("w1")  # its whole history lies behind the shared consumer's position
+        _drive(pubs, sims, 10, ref)
+        wait_all_applied(r, pubs, stream_last_seq(pubs["w0"]))
+        assert "Gap" not in r.kinds() and "Restart" not in r.kinds()
+        queries = _queries(sims)
+        assert scores(r.index, queries) == scores(ref, queries)
+        state = r.sub.stream_state()
+        assert state["messages"] == 80 and state["bytes"] > 0
+    finally:
+        r.close()
+        for p in pubs.values():
+            p.close()
