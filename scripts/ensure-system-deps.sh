@@ -7,6 +7,8 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 { command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ]; } || missing+=(nats-server)
 command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+# nats-server (JetStream event-plane tests); Debian puts it in /usr/sbin.
+command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing system packages: ${missing[*]}"
