@@ -28,7 +28,7 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from indexer.jetstream_sequencing import StepKind, StreamCursor
-from indexer.natsio import NatsThread, ensure_stream
+from schemas.natsio import NatsThread, ensure_stream
 from indexer.subscriber import Batch, Delivery, Gap, Restart
 from schemas.jetstream import StreamSettings, control_subject, endpoint_subject, parse_headers, split_subject
 

@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "record": ("router_api.cmd_record", "record live publishers into an event log"),
     "replay": ("router_api.cmd_replay", "apply an event log offline or re-publish it over ZMQ"),
     "indexer": ("router_api.cmd_indexer", "run the indexer service: ZMQ ingestion + HTTP API"),
+    "relay": ("router_api.cmd_relay", "bridge ZeroMQ publishers into NATS JetStream"),
 }
 
 

@@ -22,7 +22,7 @@ log = logging.getLogger("kvatlas.relay")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from indexer.relay import parse_worker_spec
+    from router_api.relay import parse_worker_spec
     from schemas.jetstream import DEFAULT_KV_BUCKET, DEFAULT_STREAM, EVENTS_PREFIX
 
     parser.add_argument("--nats", required=True, metavar="URL", help="NATS server, e.g. nats://127.0.0.1:4222")
@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from indexer.natsio import NatsUnavailable
-    from indexer.relay import Relay
+    from schemas.natsio import NatsUnavailable
+    from router_api.relay import Relay
     from schemas.jetstream import StreamSettings
 
     if args.duration is not None and args.duration <= 0:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from indexer.jetstream_sequencing import Step, StepKind, StreamCursor
-from indexer.reference import ReferenceIndex
+from support.reference import ReferenceIndex
 from jetstream_support import MODEL, Replica, scores, stream_last_seq
 from producer.jetstream_publisher import JetStreamEventPublisher
 from schemas.codec import decode_batch

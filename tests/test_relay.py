@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import REPO_ROOT, free_port, wait_until
-from indexer.reference import ReferenceIndex
-from indexer.relay import Relay, RelayWorker, parse_worker_spec
+from support.reference import ReferenceIndex
+from router_api.relay import Relay, RelayWorker, parse_worker_spec
 from indexer.shared_registry import SharedRegistry
 from indexer.subscriber import Subscriber
 from jetstream_support import MODEL, Replica, scores, stream_last_seq

@@ -4,6 +4,9 @@ Callers on ordinary threads hand coroutines to the loop (`call` waits for the re
 deadline, `submit` returns a concurrent Future); nothing here sleeps to synchronise. The stream
 helpers create or update the events stream from `schemas.jetstream.StreamSettings`
 (docs/jetstream.md).
+
+It lives in `schemas/` because it is the transport layer both halves share: the producer's
+JetStream publisher and the indexer's JetStream subscriber import it, and neither imports the other.
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 from nats.js.errors import NotFoundError
 
-from indexer.natsio import NatsThread, ensure_stream
+from schemas.natsio import NatsThread, ensure_stream
 from indexer.shared_registry import SharedRegistry
 from indexer.subscriber import Batch, Gap, Restart, Subscriber
 from producer.jetstream_publisher import JetStreamEventPublisher, new_epoch
