@@ -58,6 +58,21 @@ def scores(index: KVIndex, queries: list[list[int]]) -> list[list[tuple[str, int
     return out
 
 
+def subject_last_seq(pub: Any) -> int:
+    """The stream seq of the last message stored on this publisher's own subject (after flush).
+    A worker's watermark reaches this, not the stream-wide last seq: other workers' messages may
+    come after its last one."""
+    nats = pub._nats
+    js = nats.js
+    return int(nats.call(lambda: js.get_last_msg(pub.stream.name, pub.subject)).seq)
+
+
+def wait_all_applied(r: Replica, pubs: dict[str, Any], timeout: float = 20.0) -> None:
+    """Every message each publisher stored has been taken by this replica (per-subject marks)."""
+    marks = {w: subject_last_seq(p) for w, p in pubs.items()}
+    r.catch_up(marks, timeout)
+
+
 def stream_last_seq(pub: Any) -> int:
     """The stream seq of the last message the publisher stored (after flush)."""
     nats = pub._nats

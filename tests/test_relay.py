@@ -14,7 +14,7 @@ from support.reference import ReferenceIndex
 from router_api.relay import Relay, RelayWorker, parse_worker_spec
 from indexer.shared_registry import SharedRegistry
 from indexer.subscriber import Subscriber
-from jetstream_support import MODEL, Replica, scores, stream_last_seq
+from jetstream_support import MODEL, Replica, scores, subject_last_seq
 from producer.publisher import ZmqEventPublisher
 from schemas.api import RegisterWorker
 from schemas.events import KVEventBatch
@@ -60,7 +60,7 @@ def _settle(relay: Relay, replica: Replica, engine: ZmqEventPublisher) -> None:
         replica.pump(0)
         return relay.sub.watermark("w0") == target and relay.flush(5.0)
     wait_until(relayed, timeout=20.0, interval=0.0)
-    last = stream_last_seq(relay.pubs["w0"])
+    last = subject_last_seq(relay.pubs["w0"])
 
     def applied() -> bool:
         replica.pump(10)
