@@ -15,15 +15,23 @@
 
 nats-py runs on a private loop thread; its callbacks only append to a queue that `poll` drains on
 the caller's thread, where all sequencing happens. Not thread-safe (one consumer thread).
+
+Memory is bounded at both hand-overs: the queue holds at most `max_queue` messages (a callback
+that finds it full waits on the loop for `poll` to make room: backpressure, counted in
+`stats.queue_full_waits`), and each NATS subscription buffers at most `sub_pending_msgs`. When that
+buffer overflows nats-py drops a message (a slow consumer); the consumer is then restarted at the
+worker's watermark, so the drop costs a re-read, never an event (`stats.slow_consumer_restarts`).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import time
 from typing import Any
 
 import msgspec
+from nats.errors import SlowConsumerError
 from nats.js import api
 from nats.js.errors import NotFoundError
 
@@ -45,10 +53,12 @@ class JetStreamSubscriberStats(msgspec.Struct):
     replay_batches: int = 0  # messages that were already in the stream when the worker was added
     snapshot_requests: int = 0
     subscribe_errors: int = 0
+    queue_full_waits: int = 0  # a callback found the in-process queue full and waited (backpressure)
+    slow_consumer_restarts: int = 0  # nats-py dropped a message; the consumer restarted at the watermark
 
 
 class _Worker:
-    __slots__ = ("worker_id", "subject", "cursor", "sub", "catchup_until", "pending", "stale")
+    __slots__ = ("worker_id", "subject", "cursor", "sub", "catchup_until", "pending", "stale", "gen")
 
     def __init__(self, worker_id: str, subject: str, cursor: StreamCursor) -> None:
         self.worker_id = worker_id
@@ -58,6 +68,7 @@ class _Worker:
         self.catchup_until = 0  # stream last_seq when added: messages up to it are catch-up
         self.pending = 0  # messages the server still holds for this consumer (consumer lag)
         self.stale = False
+        self.gen = 0  # this worker's consumer generation: messages of a replaced consumer are ignored
 
 
 def _reply_positions(reply: str) -> tuple[int, int] | None:
@@ -77,7 +88,8 @@ class JetStreamSubscriber:
     """Same interface as `indexer.subscriber.Subscriber`, reading from one JetStream stream."""
 
     __slots__ = ("_nats", "_own_nats", "settings", "_workers", "_q", "_max_per_poll", "stats", "_closed",
-                 "shared", "_by_subject", "_shared_sub", "_shared_from", "_dirty", "_shared_pending", "_gen")
+                 "shared", "_by_subject", "_shared_sub", "_shared_from", "_dirty", "_shared_pending", "_gen",
+                 "max_queue", "sub_pending_msgs", "_space", "_waiting", "_slow", "_listener", "_drop_at", "_shared_taken")
 
     def __init__(
         self,
@@ -87,17 +99,29 @@ class JetStreamSubscriber:
         ensure: bool = True,
         max_per_poll: int = 10_000,
         shared: bool = False,
+        max_queue: int = 50_000,
+        sub_pending_msgs: int = 65_536,
     ) -> None:
         """`nats`: a URL (own connection) or a shared `NatsThread`. `ensure`: create the stream
         when missing (never changes an existing one's limits). `shared`: one ordered consumer on
         the whole prefix for every worker (started at the lowest watermark; each worker skips what
         it already has) instead of one per worker — O(1) server consumers per replica, for
-        fleets of thousands of workers (docs/scaling.md)."""
+        fleets of thousands of workers (docs/scaling.md). `max_queue` / `sub_pending_msgs`: the
+        in-process bounds (module docstring)."""
+        if max_queue < 1 or sub_pending_msgs < 1:
+            raise ValueError("max_queue and sub_pending_msgs must be >= 1")
         self.settings = stream or StreamSettings()
         self._own_nats = isinstance(nats, str)
         self._nats = NatsThread(nats, name="kvatlas-js-sub") if isinstance(nats, str) else nats
         self._workers: dict[str, _Worker] = {}
-        self._q: queue.SimpleQueue[tuple[_Worker | None, Any, int]] = queue.SimpleQueue()
+        self.max_queue = max_queue
+        self.sub_pending_msgs = sub_pending_msgs
+        self._q: queue.Queue[tuple[_Worker | None, Any, int]] = queue.Queue(max_queue)
+        self._space = asyncio.Event()  # set on the loop when `poll` made room
+        self._waiting = False  # a callback waits for room
+        self._slow: queue.SimpleQueue[tuple[Any, int]] = queue.SimpleQueue()  # (subscription, dropped sseq)
+        self._drop_at: dict[int, int] = {}  # id(subscription) -> first stream seq nats-py dropped
+        self._shared_taken: int | None = None  # last stream seq the current shared consumer handed over
         self._max_per_poll = max_per_poll
         self.stats = JetStreamSubscriberStats()
         self._closed = False
@@ -108,13 +132,44 @@ class JetStreamSubscriber:
         self._dirty = False
         self._shared_pending = 0
         self._gen = 0  # shared consumer generation: messages of a replaced consumer are ignored
+        self._listener = self._on_nats_error
+        self._nats.error_listeners.append(self._listener)
         if ensure:
             try:
                 self._nats.call(lambda: ensure_stream(self._js, self.settings, update=False))
             except Exception:
+                self._nats.error_listeners.remove(self._listener)
                 if self._own_nats:
                     self._nats.close()
                 raise
+
+    def _on_nats_error(self, exc: Exception) -> None:
+        """On the loop: remember which subscription nats-py dropped a message from."""
+        if isinstance(exc, SlowConsumerError):
+            pos = _reply_positions(exc.reply or "")
+            self._slow.put((exc.sub, 0 if pos is None else pos[0]))
+
+    async def _enqueue(self, item: tuple[_Worker | None, Any, int]) -> None:
+        """On the loop: put, or wait until `poll` made room (this subscription stops meanwhile)."""
+        q = self._q
+        while True:
+            try:
+                q.put_nowait(item)
+                return
+            except queue.Full:
+                pass
+            # Announce the wait before re-checking, so a drain in between is never missed.
+            self._waiting = True
+            self._space.clear()
+            if not q.full():
+                continue
+            self.stats.queue_full_waits += 1
+            await self._space.wait()
+
+    @property
+    def queued(self) -> int:
+        """Messages received from NATS and not yet taken by `poll` (at most `max_queue`)."""
+        return self._q.qsize()
 
     @property
     def _js(self):  # noqa: ANN202 - touched on the loop only
@@ -169,13 +224,14 @@ class JetStreamSubscriber:
                                         opt_start_seq=last + 1)
         if self.shared:
             return
-        q = self._q
+        enqueue = self._enqueue
+        gen = w.gen
 
         async def on_msg(msg: Any) -> None:
-            q.put((w, msg, 0))
+            await enqueue((w, msg, gen))
 
         w.sub = await js.subscribe(w.subject, stream=name, cb=on_msg, ordered_consumer=True, config=config,
-                                   idle_heartbeat=2.0)
+                                   idle_heartbeat=2.0, pending_msgs_limit=self.sub_pending_msgs)
 
     def remove(self, worker_id: str) -> None:
         w = self._workers.pop(worker_id, None)
@@ -184,15 +240,17 @@ class JetStreamSubscriber:
         self._by_subject.pop(w.subject, None)
         self._unsubscribe(w)
 
-    def _restart_shared(self) -> None:
-        """(Re)start the one consumer at the lowest position any worker still needs."""
+    def _restart_shared(self, start: int | None = None) -> None:
+        """(Re)start the one consumer at `start`, by default the lowest position any worker needs."""
         self._dirty = False
         starts = [1 if w.cursor.last is None else w.cursor.last + 1 for w in self._workers.values()]
         if not starts:
             return
-        start = min(starts)
+        if start is None:
+            start = min(starts)
+        self._shared_taken = None
         old = self._shared_sub
-        q = self._q
+        enqueue = self._enqueue
         by_subject = self._by_subject
         # Queued messages of the old consumer lie past the new start and will be delivered again.
         self._gen += 1
@@ -203,14 +261,68 @@ class JetStreamSubscriber:
                 await old.unsubscribe()
             async def on_msg(msg: Any) -> None:
                 # Unregistered subjects still go through: they carry the consumer's backlog count.
-                q.put((by_subject.get(msg.subject), msg, gen))
+                await enqueue((by_subject.get(msg.subject), msg, gen))
 
             config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
             return await self._js.subscribe(self.settings.prefix + ".>", stream=self.settings.name, cb=on_msg,
-                                            ordered_consumer=True, config=config, idle_heartbeat=2.0)
+                                            ordered_consumer=True, config=config, idle_heartbeat=2.0,
+                                            pending_msgs_limit=self.sub_pending_msgs)
 
         self._shared_sub = self._nats.call(go, timeout=15.0)
         self._shared_from = start
+
+    def _restart_dropped(self, w: _Worker | None = None) -> None:
+        """Restart consumers nats-py dropped a message from (all, or only `w`'s) right after the
+        watermark. Called once everything before the drop was taken (a later message showed up,
+        or the queue ran dry), so each restart makes progress; what the old consumer still had
+        queued is ignored (new generation), so nothing is lost or applied twice."""
+        self._collect_drops()
+        if not self._drop_at:
+            return
+        if self.shared:
+            self._drop_at.clear()  # only the current consumer's drops matter; it is replaced
+            self.stats.slow_consumer_restarts += 1
+            # Everything it delivered up to `taken` was handled: going back to the lowest watermark
+            # would refill the same buffer with the same messages and never pass the drop.
+            taken = self._shared_taken
+            log.warning("shared consumer dropped messages (slow consumer): restarting after stream seq %s", taken)
+            self._restart_shared(None if taken is None or self._dirty else taken + 1)
+            return
+        for x in ([w] if w is not None else list(self._workers.values())):
+            if x.sub is None or self._drop_at.pop(id(x.sub._sub), None) is None:
+                continue
+            self.stats.slow_consumer_restarts += 1
+            log.warning("worker %s: consumer dropped messages (slow consumer): restarting after stream seq %s",
+                        x.worker_id, x.cursor.last)
+            self._unsubscribe(x)
+            x.sub = None
+            x.gen += 1
+            try:
+                self._nats.call(lambda x=x: self._start(x), timeout=15.0)
+            except Exception as exc:
+                self.stats.subscribe_errors += 1
+                log.error("worker %s: cannot restart its consumer: %r", x.worker_id, exc)
+        if not self._workers:
+            self._drop_at.clear()
+
+    def _collect_drops(self) -> None:
+        while True:
+            try:
+                sub, sseq = self._slow.get_nowait()
+            except queue.Empty:
+                return
+            key = id(sub)
+            self._drop_at[key] = min(sseq, self._drop_at.get(key, sseq))
+
+    def _past_drop(self, w: _Worker, msg: Any) -> bool:
+        """The message came after one nats-py dropped on its subscription: applying it would skip
+        the dropped one; the restart re-reads both."""
+        sub = self._shared_sub if self.shared else w.sub
+        at = None if sub is None else self._drop_at.get(id(sub._sub))
+        if at is None:
+            return False
+        pos = _reply_positions(msg.reply or "")
+        return pos is None or pos[0] >= at
 
     def _unsubscribe(self, w: _Worker) -> None:
         sub = w.sub
@@ -282,6 +394,10 @@ class JetStreamSubscriber:
             except Exception as exc:
                 log.warning("shared consumer unsubscribe failed: %r", exc)
         self._workers.clear()
+        try:
+            self._nats.error_listeners.remove(self._listener)
+        except ValueError:
+            pass
         if self._own_nats:
             self._nats.close()
 
@@ -304,7 +420,10 @@ class JetStreamSubscriber:
         try:
             item = q.get(timeout=timeout_ms / 1000.0) if timeout_ms > 0 else q.get_nowait()
         except queue.Empty:
+            self._restart_dropped()  # ran dry: everything before a drop was taken
             return out
+        finally:
+            self._wake()
         now = time.time()
         workers = self._workers
         n = 0
@@ -314,10 +433,23 @@ class JetStreamSubscriber:
                 if gen == self._gen:
                     pos = _reply_positions(msg.reply or "")
                     if pos is not None:
-                        self._shared_pending = pos[1]
+                        if not self._slow.empty():
+                            self._collect_drops()
+                        sub = self._shared_sub
+                        at = None if sub is None else self._drop_at.get(id(sub._sub))
+                        if at is not None and pos[0] >= at:
+                            self._restart_dropped()
+                        else:
+                            self._shared_pending = pos[1]
+                            self._shared_taken = pos[0]
             # else: removed while its messages were queued, or from a replaced shared consumer
-            elif gen == self._gen and workers.get(w.worker_id) is w:
-                self._take(w, msg, now, out)
+            elif gen == (self._gen if self.shared else w.gen) and workers.get(w.worker_id) is w:
+                if not self._slow.empty():
+                    self._collect_drops()
+                if not self._drop_at or not self._past_drop(w, msg):
+                    self._take(w, msg, now, out)
+                else:  # everything before the drop was taken: re-read from here
+                    self._restart_dropped(None if self.shared else w)
             n += 1
             if n >= self._max_per_poll:
                 break
@@ -326,7 +458,14 @@ class JetStreamSubscriber:
             except queue.Empty:
                 break
         self.stats.received += n
+        self._wake()
         return out
+
+    def _wake(self) -> None:
+        """Room was made: let a callback waiting for it go on (on the loop)."""
+        if self._waiting:
+            self._waiting = False
+            self._nats.call_soon(self._space.set)
 
     def _take(self, w: _Worker, msg: Any, now: float, out: list[Delivery]) -> None:
         pos = _reply_positions(msg.reply or "")
@@ -335,6 +474,7 @@ class JetStreamSubscriber:
             return
         sseq, w.pending = pos
         self._shared_pending = w.pending
+        self._shared_taken = sseq
         hdrs = parse_headers(msg.headers)
         if isinstance(hdrs, str):
             w.cursor.skip(sseq)

@@ -35,7 +35,7 @@ class NatsUnavailable(ConnectionError):
 class NatsThread:
     """Owns a loop thread and one connection. `nc`/`js` are touched only on the loop."""
 
-    __slots__ = ("url", "loop", "_thread", "nc", "js", "_closed", "reconnects", "errors")
+    __slots__ = ("url", "loop", "_thread", "nc", "js", "_closed", "reconnects", "errors", "error_listeners")
 
     def __init__(self, url: str, *, name: str = "kvatlas-nats", connect_timeout: float = 5.0) -> None:
         self.url = url
@@ -45,6 +45,8 @@ class NatsThread:
         self._closed = False
         self.reconnects = 0
         self.errors = 0
+        # Called on the loop with each asynchronous error (e.g. a slow consumer's drop); must not block.
+        self.error_listeners: list[Callable[[Exception], None]] = []
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
         try:
@@ -57,7 +59,14 @@ class NatsThread:
     async def _connect(self, name: str, connect_timeout: float) -> Client:
         async def on_error(exc: Exception) -> None:
             self.errors += 1
-            log.warning("nats %s: %r", self.url, exc)
+            n = self.errors
+            if n & (n - 1) == 0 or n % 1000 == 0:  # a slow consumer reports every dropped message
+                log.warning("nats %s: %r (%d errors so far)", self.url, exc, n)
+            for listener in list(self.error_listeners):
+                try:
+                    listener(exc)
+                except Exception:  # a listener bug must not break the connection's error path
+                    log.exception("nats %s: error listener failed", self.url)
 
         async def on_reconnect() -> None:
             self.reconnects += 1

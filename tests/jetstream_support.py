@@ -16,8 +16,8 @@ MODEL = "default"
 
 class Replica:
     def __init__(self, url: str, block_size: int, stream: StreamSettings | None = None, *,
-                 shared: bool = False) -> None:
-        self.sub = JetStreamSubscriber(url, stream=stream, shared=shared)
+                 shared: bool = False, **sub_options: Any) -> None:
+        self.sub = JetStreamSubscriber(url, stream=stream, shared=shared, **sub_options)
         self.index = KVIndex()
         self.index.ensure_model(MODEL, block_size)
         self.log: list[Any] = []

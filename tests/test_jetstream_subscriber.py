@@ -274,3 +274,31 @@ def test_shared_consumer_serves_a_worker_added_after_it_moved_on(nats: NatsServe
         r.close()
         for p in pubs.values():
             p.close()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per_worker", "shared"])
+def test_bounded_queue_and_slow_consumer_restarts_lose_nothing(nats: NatsServer, shared: bool) -> None:
+    """A tiny in-process queue and NATS buffer: the callbacks wait for room, nats-py drops what
+    overflows its buffer, the consumer restarts at the watermark, and the result is still exact."""
+    sims, pubs = _fleet(nats.url, 2)
+    ref = ReferenceIndex()
+    ref.ensure_model(MODEL, BS)
+    r = Replica(nats.url, BS, shared=shared, max_queue=4, sub_pending_msgs=8)
+    try:
+        for wid in sims:
+            r.add(wid)
+        r.pump(0)  # starts the shared consumer
+        _drive(pubs, sims, 100, ref)  # 200 messages while nobody polls
+        from conftest import wait_until
+        wait_until(lambda: r.sub.stats.queue_full_waits > 0, timeout=10.0)
+        assert r.sub.queued <= 4
+        wait_all_applied(r, pubs)
+        assert r.sub.queued <= 4
+        assert r.sub.stats.slow_consumer_restarts > 0
+        assert "Gap" not in r.kinds() and "Restart" not in r.kinds()
+        queries = _queries(sims)
+        assert scores(r.index, queries) == scores(ref, queries)
+    finally:
+        r.close()
+        for p in pubs.values():
+            p.close()
