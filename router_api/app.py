@@ -354,6 +354,8 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
                 raise ApiError(415, "register with a JSON or msgpack body", "bad_content_type")
             reg = decode_body(kind, await read_body(request), RegisterWorker)
             status = service.register(reg)
+            if service.plane is not None:  # `--nats`: every replica follows it (docs/jetstream.md)
+                service.plane.publish(reg)
         except ApiError as exc:
             return reject("register", exc)
         except RegistryError as exc:
@@ -365,6 +367,8 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
     async def unregister(worker_id: str) -> Response:
         try:
             service.unregister(worker_id)
+            if service.plane is not None:
+                service.plane.withdraw(worker_id)
         except RegistryError as exc:
             metrics.http_rejects.inc("unregister", "unknown_worker")
             return _error(exc.status, str(exc))

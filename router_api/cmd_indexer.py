@@ -56,6 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-mb", type=float, help="request body limit in MiB; larger bodies get 413 (default 8)")
     p.add_argument("--replay-timeout", type=float, help="seconds to wait for a publisher's replay (default 2)")
     p.add_argument("--log-format", choices=("text", "json"), help="log line format (default text)")
+    # The JetStream event plane (docs/jetstream.md); the logic lives in router_api.nats_plane.
+    p.add_argument("--nats", metavar="URL", help="consume every worker of the shared registry from NATS JetStream")
+    p.add_argument("--nats-stream", default="KVATLAS_EVENTS", help="JetStream events stream (default KVATLAS_EVENTS)")
+    p.add_argument("--nats-registry-bucket", default="kvatlas_workers",
+                   help="KV bucket of the shared registry (default kvatlas_workers)")
+    p.add_argument("--nats-per-worker", action="store_true",
+                   help="one ordered consumer per worker instead of one shared consumer per replica")
 
 
 def parse_worker_spec(spec: str) -> dict[str, Any]:
@@ -210,11 +217,24 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("kvatlas.indexer")
     # Short GIL slices keep /score latency low while the ingest thread is busy.
     sys.setswitchinterval(0.001)
+    plane = None
+    if getattr(args, "nats", None):
+        from router_api.nats_plane import plane_from_args
+
+        try:
+            plane = plane_from_args(args)
+        except Exception as exc:  # NatsUnavailable names the URL
+            print(f"kvatlas indexer: {exc}", file=sys.stderr)
+            return 2
     try:
-        service = IndexerService(config)
+        service = IndexerService(config, subscriber_factory=None if plane is None else
+                                 plane.subscriber_factory(config.replay_timeout_s))
     except ValueError as exc:  # e.g. stale-after > remove-after, bad snapshot target
         print(f"kvatlas indexer: bad configuration: {exc}", file=sys.stderr)
+        if plane is not None:
+            plane.close()
         return 2
+    service.plane = plane
     if service.core != "native":
         # Loud on purpose: the pure-Python core ingests and scores several times slower (docs/service.md).
         banner = ("kvatlas indexer: WARNING: the C accelerator (indexer/_native) is not in use; running the "
@@ -223,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
         print(banner, file=sys.stderr, flush=True)
         log.warning("event=slow_core core=python")
     service.start()
+    if plane is not None:
+        plane.attach(service)  # follow the shared registry
     app = create_app(service)
     # Everything imported and built so far lives as long as the process: keep it out of the
     # collector's full passes, which would otherwise walk it during /score requests (p99).
@@ -241,4 +263,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         log.info("event=shutting_down served_s=%.1f", time.monotonic() - t0)
         service.stop()
+        if plane is not None:
+            plane.close()
     return 0

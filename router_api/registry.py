@@ -40,6 +40,14 @@ class UnknownWorker(RegistryError):
 
 
 def validate_endpoint(endpoint: str, what: str = "endpoint") -> None:
+    if what == "endpoint" and endpoint.startswith("jetstream:"):  # a JetStream worker (docs/jetstream.md)
+        from schemas.jetstream import endpoint_subject
+
+        try:
+            endpoint_subject(endpoint)
+        except ValueError as exc:
+            raise InvalidRegistration(f"invalid {what} {endpoint!r}: {exc}") from None
+        return
     m = _ENDPOINT_RE.match(endpoint)
     if m is None:
         raise InvalidRegistration(

@@ -185,6 +185,7 @@ class IndexerService:
         self._blocks_cache: tuple[float, dict[tuple[str, int], dict[str, int]]] | None = None
         self._membership = 0  # bumped on (un)registration: a snapshot with nothing new is skipped
         self._saved_mark: tuple[int, int] | None = None
+        self.plane: Any = None  # router_api.nats_plane.NatsPlane under `kvatlas indexer --nats` (docs/jetstream.md)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -397,7 +398,7 @@ class IndexerService:
 
     def metrics_text(self) -> str:
         self.workers()  # refresh per-worker block gauges
-        return self.metrics.render()
+        return self.metrics.render() + ("" if self.plane is None else self.plane.metrics_text())
 
     # -- snapshots ---------------------------------------------------------------------------
     def build_snapshot(self) -> Snapshot:
