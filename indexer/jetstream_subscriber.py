@@ -238,6 +238,8 @@ class JetStreamSubscriber:
         if w is None:
             raise KeyError(f"unknown worker {worker_id!r}")
         self._by_subject.pop(w.subject, None)
+        if w.sub is not None:
+            self._drop_at.pop(id(w.sub._sub), None)
         self._unsubscribe(w)
 
     def _restart_shared(self, start: int | None = None) -> None:
