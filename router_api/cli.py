@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "record": ("router_api.cmd_record", "record live publishers into an event log"),
     "replay": ("router_api.cmd_replay", "apply an event log offline or re-publish it over ZMQ"),
     "indexer": ("router_api.cmd_indexer", "run the indexer service: ZMQ ingestion + HTTP API"),
+    "worker": ("producer.worker.cmd", "run a worker: simulated model over the tiered cache, KV events on ZMQ"),
+    "router": ("router_api.router.cmd", "run the KV-aware router: policies over /score, forwarding, trace replay"),
 }
 
 
