@@ -10,8 +10,8 @@ import sys
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="Mooncake JSONL trace (default: the bundled synthetic trace)")
     p.add_argument("--requests", type=int, default=None,
-                   help="requests in the slice (default 400; in-process: 400 synthetic requests)")
-    p.add_argument("--speed", type=float, default=10.0, help="replay speed, virtual s per wall s (default 10)")
+                   help="requests in the slice (default 300; in-process: 400 synthetic requests)")
+    p.add_argument("--speed", type=float, default=12.0, help="replay speed, virtual s per wall s (default 12)")
     p.add_argument("--policies", default=None,
                    help="comma-separated policies, each run with one router (default: all six)")
     p.add_argument("--routers", type=int, default=4,
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if bad or policies == ():
         raise SystemExit(f"--policies: unknown {bad or 'empty list'}; expected some of {', '.join(POLICIES)}")
     kw = {"policies": policies} if policies else {}
-    s = DemoSettings(trace=args.trace, requests=args.requests or 400, speed=args.speed, routers=args.routers,
+    s = DemoSettings(trace=args.trace, requests=args.requests or 300, speed=args.speed, routers=args.routers,
                      workers=args.workers, gpu_pages=args.gpu_pages, host_pages=args.host_pages, seed=args.seed,
                      **kw)
     if args.trace:

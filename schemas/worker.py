@@ -15,7 +15,7 @@ class SimModel(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
     name: str = "sim-8b"
     kv_bytes_per_token: int = 131_072          # 32 layers x 8 KV heads x 128 dims x K+V x fp16
-    prefill_tokens_per_s: float = 12_000.0     # compute-bound prefill throughput of one worker
+    prefill_tokens_per_s: float = 16_000.0     # compute-bound prefill throughput of one worker
     prefill_overhead_s: float = 0.02           # per prefill launch
     decode_s_per_token: float = 0.02           # TPOT
     h2d_bytes_per_s: float = 25e9              # host -> GPU (PCIe 5)

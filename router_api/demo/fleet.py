@@ -4,6 +4,7 @@ fleet of workers and K routers replaying the same bounded trace slice; one table
 times are virtual (the simulated model's), so sharing the CPU does not change the numbers."""
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 import time
@@ -20,12 +21,13 @@ from router_api.router.trace import DEFAULT_TRACE
 from schemas.worker import PolicyRow, RouterReport
 
 MODEL_BLOCK = 512
+_PROGRESS = re.compile(r" (\d+)/\d+ \(\d+%\)")
 
 
 class DemoSettings(msgspec.Struct, kw_only=True, frozen=True):
     trace: str | None = None
-    requests: int = 400
-    speed: float = 10.0
+    requests: int = 300
+    speed: float = 12.0
     policies: tuple[str, ...] = ("round_robin", "random", "least_loaded", "approximate", "precise_gpu",
                                  "precise_tiered")
     routers: int = 4
@@ -52,36 +54,53 @@ class Run:
 
     def start_workers(self) -> None:
         for j in range(self.s.workers):
-            wid, port = f"r{self.n}-w{j}", free_port()
-            argv = kvatlas_cmd("worker", "--id", wid, "--port", str(port), "--indexer", self.indexer,
-                               "--model", self.model, "--block-size", str(MODEL_BLOCK),
-                               "--gpu-pages", str(self.s.gpu_pages), "--host-pages", str(self.s.host_pages),
-                               "--l3", "file", "--l3-dir", str(self.dir / f"l3-{j}"), "--speed", str(self.s.speed))
-            self.workers.append((Child(wid, argv, self.dir), wid, f"http://127.0.0.1:{port}"))
+            self.workers.append(self._spawn_worker(j))
 
-    def wait_workers(self) -> None:
-        wait_healthy([(c, u) for c, _, u in self.workers])
+    def _spawn_worker(self, j: int) -> tuple[Child, str, str]:
+        wid, port = f"r{self.n}-w{j}", free_port()
+        argv = kvatlas_cmd("worker", "--id", wid, "--port", str(port), "--indexer", self.indexer,
+                           "--model", self.model, "--block-size", str(MODEL_BLOCK),
+                           "--gpu-pages", str(self.s.gpu_pages), "--host-pages", str(self.s.host_pages),
+                           "--l3", "file", "--l3-dir", str(self.dir / f"l3-{j}"), "--speed", str(self.s.speed))
+        return Child(wid, argv, self.dir), wid, f"http://127.0.0.1:{port}"
+
+    def wait_workers(self, attempts: int = 3) -> None:
+        for attempt in range(attempts):
+            try:
+                wait_healthy([(c, u) for c, _, u in self.workers])
+                return
+            except RuntimeError as exc:
+                # a free port picked for us can be taken by someone else before we bind it
+                if "address already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+                for j, (c, wid, _) in enumerate(self.workers):
+                    if not c.alive():
+                        c.stop()
+                        try:  # it registered before failing to bind its HTTP port
+                            http_json(f"{self.indexer}/workers/{wid}", method="DELETE")
+                        except (OSError, ValueError):
+                            pass
+                        self.workers[j] = self._spawn_worker(j)
 
     def start_routers(self) -> None:
         start_at = time.time() + (3.0 if self.routers > 1 else 0.0)  # replicas start the trace together
         for i in range(self.routers):
-            port = free_port()
             report = self.dir / f"router-{i}.json"
             argv = kvatlas_cmd("router", "--indexer", self.indexer, "--model", self.model, "--policy", self.policy,
-                               "--port", str(port), "--requests", str(self.s.requests), "--speed", str(self.s.speed),
+                               "--port", "0", "--requests", str(self.s.requests), "--speed", str(self.s.speed),
                                "--replicas", str(self.routers), "--replica-index", str(i), "--report", str(report),
-                               "--exit-after-replay", "--quiet", "--seed", str(self.s.seed),
+                               "--exit-after-replay", "--seed", str(self.s.seed),
                                "--start-at", f"{start_at:.3f}", "--trace", self.s.trace or str(DEFAULT_TRACE),
                                *[a for c, wid, u in self.workers for a in ("--worker", f"{wid}={u}")])
-            self.router_children.append((Child(f"router-{i}", argv, self.dir), f"http://127.0.0.1:{port}", report))
+            self.router_children.append((Child(f"router-{i}", argv, self.dir), "", report))
 
     def progress(self) -> int:
+        """Requests done, from the routers' own progress lines (they print one per 10%)."""
         done = 0
-        for c, url, _ in self.router_children:
-            try:
-                done += int(http_json(f"{url}/health", timeout=1.0).get("done", 0))
-            except (OSError, ValueError):
-                pass
+        for c, _, _ in self.router_children:
+            found = _PROGRESS.findall(c.tail(3))
+            if found:
+                done += int(found[-1])
         return done
 
     def wait_routers(self, bar: Progress, timeout: float = 600.0) -> PolicyRow:
