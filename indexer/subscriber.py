@@ -72,6 +72,7 @@ class SubscriberStats(msgspec.Struct):
     replay_batches: int = 0
     replay_extra: int = 0  # replayed batches outside the gap, left to the live stream
     replay_bad_frames: int = 0
+    reconnects: int = 0  # silent publishers reconnected (a refused oversize message ends a session)
     replay_capped: int = 0  # replays cut at the deadline or the byte / batch cap
     dropped_by_hook: int = 0
     snapshot_requests: int = 0
@@ -98,7 +99,7 @@ class _Replay:
 
 
 class _Source:
-    __slots__ = ("worker_id", "endpoint", "replay_endpoint", "topic", "sock", "tracker", "replay")
+    __slots__ = ("worker_id", "endpoint", "replay_endpoint", "topic", "sock", "tracker", "replay", "last_rx")
 
     def __init__(self, worker_id: str, endpoint: str, replay_endpoint: str | None, topic: bytes,
                  sock: zmq.Socket, tracker: SeqTracker) -> None:
@@ -109,6 +110,7 @@ class _Source:
         self.sock = sock
         self.tracker = tracker
         self.replay: _Replay | None = None
+        self.last_rx = time.monotonic()  # last time anything arrived (or the last reconnect)
 
 
 def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None | str:
@@ -132,7 +134,7 @@ class Subscriber:
 
     __slots__ = ("_ctx", "_own_ctx", "_sources", "_by_sock", "_by_replay", "_poller", "replay_timeout",
                  "replay_deadline", "replay_max_bytes", "replay_max_batches", "max_msg_bytes",
-                 "_drop_live", "_max_per_poll", "_rcvhwm", "stats", "_closed")
+                 "reconnect_after", "_next_reconnect_check", "_drop_live", "_max_per_poll", "_rcvhwm", "stats", "_closed")
 
     def __init__(
         self,
@@ -147,6 +149,7 @@ class Subscriber:
         replay_max_batches: int = 200_000,
         max_msg_bytes: int = DEFAULT_MAX_PAYLOAD,
         max_sockets: int | None = None,
+        reconnect_after: float = 5.0,
     ) -> None:
         """`replay_timeout`: seconds of silence on the replay socket before giving up;
         `replay_deadline`: seconds a whole replay may take (default 5 x replay_timeout, at least
@@ -154,6 +157,8 @@ class Subscriber:
         `max_msg_bytes`: ZMQ_MAXMSGSIZE of every socket (a larger message is refused by ZeroMQ,
         which drops that connection: the loss shows up as a gap). `max_sockets`: raise the
         context's socket limit (ZMQ_MAX_SOCKETS, default 1023) to this, capped by libzmq's.
+        `reconnect_after`: a publisher silent this long is reconnected — ZeroMQ ends a session
+        on a protocol error such as an oversize message and does not reconnect it by itself.
         `drop_live(worker_id, seq)`: test hook — live batches it returns True for are discarded as
         if lost on the wire (counted in `stats.dropped_by_hook`)."""
         if replay_timeout <= 0 or max_msg_bytes < 1 or replay_max_bytes < 1 or replay_max_batches < 1:
@@ -172,6 +177,8 @@ class Subscriber:
         self.replay_max_bytes = replay_max_bytes
         self.replay_max_batches = replay_max_batches
         self.max_msg_bytes = max_msg_bytes
+        self.reconnect_after = reconnect_after
+        self._next_reconnect_check = time.monotonic() + reconnect_after
         self._drop_live = drop_live
         self._max_per_poll = max_per_poll
         self._rcvhwm = rcvhwm
@@ -295,8 +302,11 @@ class Subscriber:
                     budget -= self._drain(src, min(budget, 1024), out)
             if budget > 0:
                 ready = self._poller.poll(0)
+        now = time.monotonic()
+        if now >= self._next_reconnect_check:
+            self._next_reconnect_check = now + min(1.0, self.reconnect_after)
+            self._reconnect_silent(now)
         if self._by_replay:
-            now = time.monotonic()
             for rsrc in list(self._by_replay.values()):
                 rp = rsrc.replay
                 if rp is not None and (now >= rp.deadline or now >= rp.quiet_until):
@@ -360,8 +370,26 @@ class Subscriber:
                 append(Batch(wid, seq, f2.bytes, clock(), False))
             elif self._on_live(src, seq, f2.bytes, out):
                 break  # a replay started: this publisher's live stream is parked until it ends
+        if n:
+            src.last_rx = time.monotonic()
         self.stats.received += n
         return n
+
+    def _reconnect_silent(self, now: float) -> None:
+        for src in self._sources.values():
+            if src.replay is None and now - src.last_rx > self.reconnect_after:
+                src.last_rx = now
+                try:
+                    src.sock.disconnect(src.endpoint)
+                except zmq.ZMQError:
+                    pass  # the session was already gone
+                try:
+                    src.sock.connect(src.endpoint)
+                except zmq.ZMQError as exc:
+                    log.warning("worker %s: reconnect to %s failed: %s", src.worker_id, src.endpoint, exc)
+                    continue
+                self.stats.reconnects += 1
+                log.debug("worker %s: silent for %.1fs, reconnected", src.worker_id, self.reconnect_after)
 
     def _on_live(self, src: _Source, seq: int, payload: bytes, out: list[Delivery],
                  replayed: list[tuple[int, bytes]] | None = None) -> bool:

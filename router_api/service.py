@@ -211,6 +211,7 @@ class IndexerService:
         self._snap_thread: threading.Thread | None = None
         self._snap_lock = threading.Lock()  # one snapshot write at a time
         self._started = False
+        self._running = False  # start() completed: only then may stop() write a final snapshot
         self._blocks_cache: tuple[float, dict[tuple[str, int], dict[str, int]]] | None = None
         self._membership = 0  # bumped on (un)registration: a snapshot with nothing new is skipped
         self._saved_mark: tuple[int, int] | None = None
@@ -230,6 +231,7 @@ class IndexerService:
             except RegistryError as exc:
                 log.error("event=static_worker_rejected worker=%s error=%s", reg.worker_id, exc)
         self.ingest.start()
+        self._running = True
         if self.store is not None:
             self._snap_thread = threading.Thread(target=self._snapshot_loop, name="kvatlas-snapshot",
                                                  daemon=True)
@@ -244,7 +246,7 @@ class IndexerService:
         if self._snap_thread is not None:
             self._snap_thread.join(30)
         self.ingest.stop()
-        if final_snapshot and self.store is not None:
+        if final_snapshot and self._running and self.store is not None:
             self.snapshot_now()
         if self.store is not None:
             self.store.close()
