@@ -21,6 +21,7 @@ A model with no group but the primary is full-attention-only and never comes her
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
 from indexer.core.types import (
@@ -283,50 +284,46 @@ def route_remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplySt
 
 
 # --- score -------------------------------------------------------------------------------------
+# Consecutive blocks whose full-attention residencies are equal form one run, so the full-attention
+# prefix and split cost one step per run and worker (like indexer/core/scoring.py). A window of a
+# sliding-window group is judged by its distinct residency values (few: blocks are held in runs).
 
-def _codes(vals: list, sh: int, pool_bits: int) -> list[int]:
-    """Per block, the cheapest tier (0 gpu .. 3 shared pool) holding it for the worker at shift `sh`."""
-    out = []
-    for r in vals:
-        if not r:
-            out.append(ABSENT)
-            continue
-        own = (r >> sh) & 7
-        if own:
-            out.append(0 if own & 1 else 1 if own & 2 else 2)
-        else:
-            out.append(3 if r & pool_bits else ABSENT)
-    return out
+def _code(r: int, sh: int, pool_bits: int) -> int:
+    """The cheapest tier (0 gpu .. 3 shared pool) holding a block for the worker at shift `sh`."""
+    own = (r >> sh) & 7
+    if own:
+        return 0 if own & 1 else 1 if own & 2 else 2
+    return 3 if r & pool_bits else ABSENT
 
 
-def _prefix(ok: list[bool]) -> int:
-    for i, v in enumerate(ok):
-        if not v:
-            return i
-    return len(ok)
-
-
-def _usable(full_ok: list[bool], parts: list[tuple[int, int | None, list[int]]], limit: int) -> int:
-    """Largest L <= the full-attention prefix for which every sliding-window / Mamba group validates
-    an end at L with tiers <= limit (0: GPU alone; 3: any tier)."""
-    top = _prefix(full_ok)
-    checks = []
-    for kind, span, codes in parts:
-        run = []
-        c = 0
-        for x in codes[:top]:
-            c = c + 1 if x <= limit else 0
-            run.append(c)
-        checks.append((kind, span, run))
-    for L in range(top, 0, -1):
-        for kind, span, run in checks:
+def _usable(top: int, parts: list[tuple[int, int | None, list[int]]], sh: int, pool_bits: int, limit: int) -> int:
+    """Largest L <= top (the full-attention prefix) at which every sliding-window / Mamba group
+    validates an end with tiers <= limit (0: the GPU alone; 3: any tier). L = 0 always."""
+    verified: list[int | None] = [None] * len(parts)  # per SWA group: blocks [v, >= L-1] known good
+    L = top
+    while L > 0:
+        for k, (kind, span, vals) in enumerate(parts):
             if kind == MAMBA:
-                if run[L - 1] == 0:
+                if _code(vals[L - 1], sh, pool_bits) > limit:
+                    L -= 1
                     break
-            else:
-                need = L if span is None else min(span, L)
-                if need and run[L - 1] < need:
+                continue
+            lo = 0 if span is None else max(0, L - span)
+            v = verified[k]
+            hi = L - 1 if v is None else min(L - 1, v - 1)
+            if hi >= lo:
+                seg = vals[lo : hi + 1]
+                bad = {x for x in set(seg) if _code(x, sh, pool_bits) > limit}
+                if bad:
+                    j = hi
+                    while seg[j - lo] not in bad:
+                        j -= 1
+                    while j and _code(vals[j - 1], sh, pool_bits) > limit:
+                        j -= 1  # the whole bad run: no end above its first block can use it
+                    verified[k] = None
+                    L = j
                     break
+            verified[k] = lo if v is None else min(v, lo)
         else:
             return L
     return 0
@@ -336,40 +333,58 @@ def score_groups(m: ModelState, keys: list[int], weights: TierWeights, slots: li
     """`score_keys` for a model with groups: usable prefixes (module docstring), ranked like it."""
     t = m.groups
     assert t is not None
-    get = m.nodes.get
     main = []
-    for k in keys:  # no worker holds KV past the first absent block: nothing is usable beyond it
-        r = get(k)
+    for r in map(m.nodes.get, keys):  # no worker holds KV past the first absent block
         if r is None:
             break
         main.append(r)
     n = len(main)
-    others = [(g.kind, g.span, [v or 0 for v in map(g.nodes.get, keys[:n])]) for g in t.groups.values()]
+    fulls = [main] + [[v or 0 for v in map(g.nodes.get, keys[:n])] for g in t.groups.values() if g.kind == FULL]
+    runs = [(vt, len(list(grp))) for vt, grp in groupby(zip(*fulls))]
+    parts = [(g.kind, g.span, [v or 0 for v in map(g.nodes.get, keys[:n])]) for g in t.groups.values() if g.kind != FULL]
     pool_bits = m.slot_mask << 3
     wt = weights.as_tuple()
     bs = m.block_size
     out = []
     for w in slots:
         sh = w.shift
-        full = [_codes(main, sh, pool_bits)]
-        parts = []
-        for kind, span, vals in others:
-            codes = _codes(vals, sh, pool_bits)
-            if kind == FULL:
-                full.append(codes)
-            else:
-                parts.append((kind, span, codes))
-        worst = [max(c) for c in zip(*full)] if n else []
-        kv = _prefix([c < ABSENT for c in worst])
-        dev = _usable([c == 0 for c in worst], parts, 0)
-        cached = _usable([c < ABSENT for c in worst], parts, 3)
+        coded: list[tuple[int, int, int]] = []  # (start, length, tier of the full-attention groups)
+        pos = 0
+        dev_top = -1
+        for vt, ln in runs:
+            c = max(_code(v, sh, pool_bits) for v in vt)
+            if c == ABSENT:
+                break
+            if c and dev_top < 0:
+                dev_top = pos
+            coded.append((pos, ln, c))
+            pos += ln
+        kv = pos
+        dev = _usable(kv if dev_top < 0 else dev_top, parts, sh, pool_bits, 0)
+        cached = _usable(kv, parts, sh, pool_bits, 3)
         split = [0, 0, 0, 0]
-        for i in range(cached):
-            c = worst[i]
-            for kind, span, codes in parts:
-                if (kind == MAMBA and i == cached - 1) or (kind == SWA and (span is None or i >= cached - span)):
-                    c = max(c, codes[i])
-            split[c] += 1
+        for start, ln, c in coded:
+            if start >= cached:
+                break
+            split[c] += min(ln, cached - start)
+        # A block a sliding-window / Mamba group needs at `cached` costs at least that group's tier.
+        raised: dict[int, int] = {}
+        for kind, span, vals in parts:
+            lo = cached - 1 if kind == MAMBA else 0 if span is None else max(0, cached - span)
+            if cached == 0 or lo >= cached:
+                continue
+            codes = {x: _code(x, sh, pool_bits) for x in set(vals[lo:cached])}
+            if max(codes.values()) == 0:
+                continue  # all on the GPU: costs nothing more than the KV
+            for i in range(lo, cached):
+                c = codes[vals[i]]
+                if c > raised.get(i, 0):
+                    raised[i] = c
+        for i, c in raised.items():
+            base = next(cc for start, ln, cc in coded if start <= i < start + ln)
+            if c > base:
+                split[base] -= 1
+                split[c] += 1
         out.append(WorkerScore(
             w.worker_id, w.dp_rank, dev, cached, {"gpu": split[0], "host": split[1], "disk": split[2], "shared": split[3]},
             float(bs * (split[0] * wt[0] + split[1] * wt[1] + split[2] * wt[2] + split[3] * wt[3])), kv,
