@@ -256,3 +256,26 @@ def test_random_group_histories_match_the_reference(ix, feed, seed: int) -> None
         back.load_dump(M, BS, ix.dump(M))
         for t in roots:
             assert back.score(M, t) == ref.score(M, t)
+
+
+def test_the_worked_example_of_docs_hybrid(ix, feed) -> None:
+    """docs/hybrid.md, "The indexer": window 9 tokens (2 blocks of 4), Mamba states at blocks 3 and 5."""
+    h = ids("int")
+    feed(ix, "w", [stored(h, range(6), 0, "full_attention"),
+                   stored(h, range(6), 1, "sliding_window", window=9),
+                   stored(h, [3], 2, "mamba"), stored(h, [5], 2, "mamba")])
+    feed(ix, "w", [stored(h, [2, 3], 1, "sliding_window", window=9, medium="CPU_PINNED"),
+                   BlockRemoved(h[:4], "GPU", group_idx=1), BlockRemoved([h[5]], "GPU", group_idx=1)])
+    s = ix.score(M, TOK).workers[0]
+    assert (s.device_blocks, s.cached_blocks, s.kv_blocks, s.tiers, s.score) == (
+        0, 4, 6, {"gpu": 2, "host": 2, "disk": 0, "shared": 0}, 14.4)
+
+
+def test_score_rows_carry_kv_blocks_only_for_hybrid_models() -> None:
+    from schemas.api import TierBlocks, WorkerScoreOut, json_encoder
+
+    base = dict(worker_id="w", dp_rank=0, device_blocks=1, cached_blocks=2, tiers=TierBlocks(1, 1), score=1.0,
+                stale=False, last_seq=None, status="live")
+    assert b"kv_blocks" not in json_encoder.encode(WorkerScoreOut(**base))
+    assert b'"last_seq":null' in json_encoder.encode(WorkerScoreOut(**base))
+    assert b'"kv_blocks":3' in json_encoder.encode(WorkerScoreOut(**base, kv_blocks=3))
