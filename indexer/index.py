@@ -17,7 +17,11 @@ Semantics (design §4/§5; details decided here):
   goes; a block no worker holds is pruned.
 - EXTERNAL stores put the block in the model's shared pool (usable by every worker of the model) for
   as long as any worker's events still claim it; the claiming worker's ext mapping is per worker.
-- Non-full-attention vLLM groups are skipped and counted; partial trailing blocks are ignored.
+- vLLM groups (`group_idx`): full-attention, sliding-window and Mamba groups each keep their own
+  residency; removes apply to their own group (a group never seen in a store: counted, ignored); a
+  model with more than one group scores usable prefixes (indexer/core/groups.py, docs/hybrid.md).
+  Stores of other kinds (and non-full stores without a group_idx) are skipped and counted; partial
+  trailing blocks are ignored.
 - trust_engine_hashes (per model): engines whose hashes are content-deterministic (SGLang, vLLM with
   a fixed seed) repeat the same engine hash for the same prefix on every worker; with trust on, a hash
   first seen (and hashed from its tokens) on one worker is reused for the others without re-hashing.
@@ -43,6 +47,7 @@ from indexer.core import native as _native
 from indexer.core.accel import Accelerator
 from indexer.core.apply import apply_events, decode_or_drop
 from indexer.core.dump import dump_model, load_model_dump
+from indexer.core.groups import dump_groups, load_groups
 from indexer.core.scoring import score_keys
 from indexer.core.state import ModelState
 from indexer.core.types import (
@@ -55,6 +60,11 @@ from schemas.events import KVEvent, KVEventBatch
 __all__ = [
     "ApplyStats", "BlockSizeConflict", "KVIndex", "ScoreResult", "TierWeights", "WorkerScore",
 ]
+
+
+def _hybrid(m: ModelState) -> bool:
+    """A model with more groups than its main tree scores usable prefixes on the pure core."""
+    return m.groups is not None and m.groups.hybrid
 
 
 class KVIndex:
@@ -125,7 +135,7 @@ class KVIndex:
         That is exactly `schemas.batchhead.read_head` + `apply_payload`, in one pass over the bytes."""
         m = self._models.get(model) or self._model(model)
         rank = int(dp_rank) if rank_from_batch else int(dp_rank or 0)
-        if self._accel is not None:
+        if self._accel is not None and m.groups is None:  # group stores are the pure core's (docs/hybrid.md)
             stats = self._accel.apply_payload(m, worker_id, rank, payload, self.orphan_grace_batches, rank_from_batch)
             if stats is not None:
                 return stats
@@ -201,7 +211,7 @@ class KVIndex:
         m = self._model(model)
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
         wl = list(workers) if workers is not None else None
-        if self._accel is not None and extras is None and type(token_ids) in (list, tuple, np.ndarray):
+        if self._accel is not None and extras is None and type(token_ids) in (list, tuple, np.ndarray) and not _hybrid(m):
             res = self._accel.score(m, None, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
             if res is not None:
                 return res
@@ -212,7 +222,7 @@ class KVIndex:
         """Score pre-hashed blocks (keys from `indexer.hashing.query_keys`)."""
         m = self._model(model)
         wl = list(workers) if workers is not None else None
-        if self._accel is not None and type(keys) is list:
+        if self._accel is not None and type(keys) is list and not _hybrid(m):
             res = self._accel.score(m, keys, None, 0, self.weights, wl)
             if res is not None:
                 return res
@@ -232,14 +242,17 @@ class KVIndex:
 
     # --- snapshots --------------------------------------------------------------------------
     def dump(self, model: str) -> list[tuple[str, int, list[KVEvent]]]:
-        return dump_model(self._model(model))
+        m = self._model(model)
+        out = dump_model(m)
+        dump_groups(m, out)
+        return out
 
     def load_dump(self, model: str, block_size: int, dump: list[tuple[str, int, list[KVEvent]]]) -> int:
         """Rebuild a model from `dump` output (replaces whatever the model held)."""
         m = self._models.get(model)
         trust = m.trust if m is not None else self.trust_engine_hashes
         self._models[model] = fresh = self._new_model(model, block_size, trust)
-        return load_model_dump(fresh, dump)
+        return load_model_dump(fresh, dump) + load_groups(fresh, dump)
 
     def num_nodes(self, model: str) -> int:
         return len(self._model(model).nodes)

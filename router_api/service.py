@@ -376,7 +376,7 @@ class IndexerService:
                 out.append(WorkerScoreOut(
                     worker_id=ws.worker_id, dp_rank=ws.dp_rank, device_blocks=ws.device_blocks,
                     cached_blocks=ws.cached_blocks, tiers=_tiers(ws.tiers), score=float(ws.score),
-                    stale=status == "stale", last_seq=w.last_seq, status=status,
+                    stale=status == "stale", last_seq=w.last_seq, status=status, kv_blocks=ws.kv_blocks,
                 ))
             query_blocks = result.query_blocks
         # Best first; a stale worker may be gone, so it sorts after every fresh one (stable).

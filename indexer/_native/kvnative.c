@@ -1148,11 +1148,18 @@ static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
             case F_KV_CACHE_SPEC_KIND:
                 if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
                 e.full = full_attention(str, slen);
+                if (!e.full) return 1; /* another group's kind: groups are the pure core's (docs/hybrid.md) */
                 break;
+            case F_GROUP_IDX: {
+                if (rd_nil(r)) break;
+                uint64_t v; int neg;
+                if (rd_int(r, &v, &neg) != 1 || v) return 1; /* a group other than 0: the pure core's */
+                break;
+            }
             case F_SESSION_ID: case F_LOCALITY: case F_OWNERSHIP:
                 if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
                 break;
-            default: /* lora_id, group_idx, kv_cache_spec_sliding_window */
+            default: /* lora_id, kv_cache_spec_sliding_window */
                 if (rd_int_or_nil(r) < 0) return 1;
         }
     }

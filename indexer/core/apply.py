@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from indexer.core.groups import route_remove, route_store
 from indexer.core.state import NIBBLE, ModelState, PendingOrphan, WorkerState
 from indexer.core.types import (
     CLEARED_KEY, DROP_BLOCK_SIZE, DROP_NON_FULL, DROP_PARTIAL, DROP_PLACEHOLDER, MEDIUM_NAMES, REMOVE_OUTCOMES,
@@ -148,6 +149,10 @@ def _store(m: ModelState, w: WorkerState, ev: BlockStored, digests: list[int] | 
         stats.drop("unknown_medium", n)
         return
     mname = MEDIUM_NAMES[medium]
+    gi = ev.group_idx  # another group than the main tree's goes to its own map (docs/hybrid.md)
+    if gi is not None and (gi or m.groups is not None or not is_full_attention(ev.kv_cache_spec_kind)):
+        if route_store(m, w, ev, stats):
+            return
     if not is_full_attention(ev.kv_cache_spec_kind):
         stats.drop(DROP_NON_FULL, n)
         return
@@ -203,6 +208,8 @@ def _count_store(stats: ApplyStats, mname: str, res: tuple[int, int, int]) -> No
 
 
 def _remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplyStats) -> None:
+    if (ev.group_idx or m.groups is not None) and route_remove(m, w, ev, stats):
+        return  # another group's remove: never the KV block with the same hash (docs/hybrid.md)
     hashes = ev.block_hashes
     medium = parse_medium(ev.medium)
     if medium is None:

@@ -58,7 +58,7 @@ class WorkerState:
 class ModelState:
     __slots__ = (
         "name", "block_size", "trust", "nodes", "workers", "by_id", "free_slots",
-        "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "new_map", "_ranked",
+        "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "new_map", "_ranked", "groups",
     )
 
     def __init__(self, name: str, block_size: int, trust: bool, new_map: Callable[[], Any] = dict) -> None:
@@ -77,6 +77,7 @@ class ModelState:
         # trust mode: first-seen engine hash -> key, shared by all workers of the model
         self.known_ext: dict[Any, int] = self.new_map()
         self._ranked: tuple[list[WorkerState], list[int], list[str], list[int]] | None = None
+        self.groups: Any = None  # a GroupTable once a store names a group (indexer/core/groups.py)
 
     def ranked(self) -> tuple[list[WorkerState], list[int], list[str], list[int]]:
         """Live workers in (worker_id, dp_rank) order (the scoring tie-break) with their slots, ids and
@@ -124,6 +125,8 @@ class ModelState:
                 nodes[key] = r
             else:
                 del nodes[key]
+        if self.groups is not None:
+            self.groups.clear_slot(w.slot)
         n = len(w.ext)
         w.ext = self.new_map()
         w.pending = []

@@ -84,6 +84,9 @@ class WorkerScore(msgspec.Struct):
     cached_blocks: int
     tiers: dict[str, int]
     score: float
+    # Models with groups only (indexer/core/groups.py): the full-attention-only match over any tier,
+    # while device_blocks / cached_blocks are the usable prefixes. None for full-attention-only models.
+    kv_blocks: int | None = None
 
 
 class ScoreResult(msgspec.Struct):
