@@ -17,7 +17,7 @@ install_sglang() {
   rm -f "$VENV/.sglang-install-failed"
   if "$VENV/bin/python" -m pip install -q torch==2.13.0 \
       && "$VENV/bin/python" -m pip install -q --no-deps 'sglang==0.5.23' \
-      && "$VENV/bin/python" -m pip install -q psutil requests pydantic packaging; then
+      && "$VENV/bin/python" -m pip install -q psutil requests pydantic packaging xxhash ninja; then
     touch "$stamp"
     echo "sglang==0.5.23 installed (--no-deps)"
   else
