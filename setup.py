@@ -11,7 +11,7 @@ setup(
         Extension(
             "indexer._native._kvnative",
             sources=["indexer/_native/kvnative.c"],
-            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter", "-Wconversion", "-Wno-sign-conversion"],
             optional=True,
         ),
         # Producer page-hash chains (SHA-256 written from FIPS 180-4: no libssl needed); optional

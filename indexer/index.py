@@ -45,20 +45,21 @@ import numpy as np
 
 from indexer.core import native as _native
 from indexer.core.accel import Accelerator
-from indexer.core.apply import apply_events, decode_or_drop
+from indexer.core.apply import apply_events, decode_or_drop, finite_ts
 from indexer.core.dump import dump_model, load_model_dump
 from indexer.core.groups import dump_groups, load_groups
 from indexer.core.scoring import score_keys
 from indexer.core.state import ModelState
 from indexer.core.types import (
-    TIER_NAMES, ApplyStats, BlockSizeConflict, ScoreResult, TierWeights, WorkerScore,
+    TIER_NAMES, ApplyStats, BlockSizeConflict, RankLimits, ScoreResult, TierWeights, WorkerScore,
 )
 from indexer.hashing import extra_digest, query_keys
 from schemas.batchhead import read_head
+from schemas.codec import DEFAULT_MAX_PAYLOAD
 from schemas.events import KVEvent, KVEventBatch
 
 __all__ = [
-    "ApplyStats", "BlockSizeConflict", "KVIndex", "ScoreResult", "TierWeights", "WorkerScore",
+    "ApplyStats", "BlockSizeConflict", "KVIndex", "RankLimits", "ScoreResult", "TierWeights", "WorkerScore",
 ]
 
 
@@ -68,7 +69,7 @@ def _hybrid(m: ModelState) -> bool:
 
 
 class KVIndex:
-    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "_models", "_accel")
+    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "rank_limits", "_models", "_accel")
 
     def __init__(
         self,
@@ -76,8 +77,10 @@ class KVIndex:
         trust_engine_hashes: bool = False,
         orphan_grace_batches: int = 4,
         native: bool | None = None,
+        rank_limits: RankLimits | None = None,
     ) -> None:
         self.weights = weights or TierWeights()
+        self.rank_limits = rank_limits or RankLimits()
         self.trust_engine_hashes = trust_engine_hashes
         self.orphan_grace_batches = orphan_grace_batches
         self._models: dict[str, ModelState] = {}
@@ -135,8 +138,12 @@ class KVIndex:
         That is exactly `schemas.batchhead.read_head` + `apply_payload`, in one pass over the bytes."""
         m = self._models.get(model) or self._model(model)
         rank = int(dp_rank) if rank_from_batch else int(dp_rank or 0)
-        if self._accel is not None and m.groups is None:  # group stores are the pure core's (docs/hybrid.md)
-            stats = self._accel.apply_payload(m, worker_id, rank, payload, self.orphan_grace_batches, rank_from_batch)
+        # Group stores are the pure core's (docs/hybrid.md). Above the decoder's size cap the pure path
+        # refuses the payload: the C walk must not take it.
+        if self._accel is not None and m.groups is None and len(payload) <= DEFAULT_MAX_PAYLOAD:
+            stats = self._accel.apply_payload(
+                m, worker_id, rank, payload, self.orphan_grace_batches, rank_from_batch, self.rank_limits,
+            )
             if stats is not None:
                 return stats
         if rank_from_batch:
@@ -158,7 +165,11 @@ class KVIndex:
             ts, raw, n = batch.ts, batch.data_parallel_rank, len(batch.events)
         else:
             ts, raw, n = head.ts, head.data_parallel_rank, len(head.events)
+        ts = finite_ts(ts)
         rank = raw if raw is not None and raw >= 0 else default
+        refused = m.refuses(worker_id, rank, default, self.rank_limits)
+        if refused is not None:  # nothing applied, no worker made; a heartbeat reports no rank
+            return ApplyStats(drops={refused: n} if n else {}, ts=ts, n_events=n)
         if not n:
             return ApplyStats(dp_rank=rank, ts=ts)
         if batch is None:
@@ -188,6 +199,8 @@ class KVIndex:
         for w in self._select(m, worker_id, dp_rank):
             n += len(w.ext)
             m.remove(w)
+        if self._accel is not None:
+            self._accel.narrow(m)  # the slots were compacted: residency words may be narrower now
         return n
 
     def workers(self, model: str) -> list[tuple[str, int]]:

@@ -279,3 +279,21 @@ def test_score_rows_carry_kv_blocks_only_for_hybrid_models() -> None:
     assert b"kv_blocks" not in json_encoder.encode(WorkerScoreOut(**base))
     assert b'"last_seq":null' in json_encoder.encode(WorkerScoreOut(**base))
     assert b'"kv_blocks":3' in json_encoder.encode(WorkerScoreOut(**base, kv_blocks=3))
+
+
+def test_group_residency_follows_a_worker_whose_slot_moves(ix, feed) -> None:
+    """Removing workers keeps slots dense: a worker in a freed 64-bit word moves to a lower slot
+    (indexer/core/state.py). Its per-group residency must move with it, or its usable prefix breaks."""
+    h = ids("int")
+    wids = [f"w{i:02d}" for i in range(18)]  # 16 slots fill one word; w16, w17 open a second one
+    for wid in wids:
+        feed(ix, wid, [stored(h, range(6), 0, "full_attention"),
+                       stored(h, range(6), 1, "sliding_window", window=5),
+                       stored(h, [5], 2, "mamba")])
+    want = row(ix, wid="w17")
+    assert want[:3] == (6, 6, 6)
+    for wid in wids[:2]:  # two slots free: w16 and w17 fit in the first word again
+        ix.remove_worker(M, wid)
+    assert row(ix, wid="w17") == want and row(ix, wid="w16") == want
+    feed(ix, "w17", [BlockRemoved([h[5]], "GPU", group_idx=2)])  # its state at block 5 goes
+    assert row(ix, wid="w17")[:2] == (0, 0) and row(ix, wid="w16") == want

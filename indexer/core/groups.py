@@ -106,6 +106,19 @@ class Group:
             else:
                 del nodes[key]
 
+    def move_slot(self, old: int, new: int) -> None:
+        """A worker moved from slot `old` to the free slot `new` (the model keeps slots dense)."""
+        ext = self.ext.pop(old, None)
+        if not ext:
+            return
+        self.ext[new] = ext
+        nodes = self.nodes
+        keep = ~(NIBBLE << (4 * old))
+        for key in set(ext.values()):
+            r = nodes.get(key)
+            if r is not None:
+                nodes[key] = (r & keep) | (((r >> (4 * old)) & NIBBLE) << (4 * new))
+
 
 class GroupTable:
     __slots__ = ("primary", "groups")
@@ -121,6 +134,10 @@ class GroupTable:
     def clear_slot(self, slot: int) -> None:
         for g in self.groups.values():
             g.clear_slot(slot)
+
+    def move_slot(self, old: int, new: int) -> None:
+        for g in self.groups.values():
+            g.move_slot(old, new)
 
     def kinds(self) -> dict[int, tuple[str, int | None]]:
         out: dict[int, tuple[str, int | None]] = {}

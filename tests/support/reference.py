@@ -75,8 +75,25 @@ class ReferenceIndex:
 
     def apply_payload(self, model: str, worker_id: str, dp_rank: int, payload: bytes) -> None:
         batch = decode_batch(payload)
-        if not isinstance(batch, DecodeError):
+        if isinstance(batch, DecodeError):
+            batch = self._event_by_event(payload)  # one bad event never loses its neighbours
+        if batch is not None:
             self.apply(model, worker_id, dp_rank, batch)
+
+    @staticmethod
+    def _event_by_event(payload: bytes) -> KVEventBatch | None:
+        try:
+            ts, events, *rank = msgspec.msgpack.decode(payload)
+        except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
+            return None
+        if not isinstance(events, list) or type(ts) not in (int, float) or len(rank) > 1 or (rank and rank[0] is not None and type(rank[0]) is not int):
+            return None
+        out = []
+        for ev in events:
+            one = decode_batch(msgspec.msgpack.encode([ts, [ev]]))
+            if not isinstance(one, DecodeError):
+                out.extend(one.events)
+        return KVEventBatch(float(ts), out)
 
     def register_worker(self, model: str, worker_id: str, dp_rank: int = 0) -> None:
         self.models[model].workers.setdefault((worker_id, dp_rank), _RefWorker())
