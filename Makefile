@@ -31,3 +31,19 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# ASan + UBSan build of the C accelerator, in its own directory (the in-tree build is untouched),
+# running the fuzz and differential tests in their short mode (docs/index-core.md).
+SAN_SO    := build/sanitize/_kvnative.so
+SAN_TESTS := tests/test_fuzz_native.py tests/test_index_fastpath.py tests/test_index_native.py \
+             tests/test_index_conformance.py tests/test_native_built.py
+
+.PHONY: test-sanitize
+test-sanitize: $(STAMP)
+	@mkdir -p $(dir $(SAN_SO))
+	gcc -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
+	    -fno-sanitize-recover=all -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	    indexer/_native/kvnative.c -o $(SAN_SO)
+	PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	    LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" KVATLAS_NATIVE_PATH="$(CURDIR)/$(SAN_SO)" \
+	    KVATLAS_FUZZ=short $(PY) -m pytest -q -p no:cacheprovider $(SAN_TESTS)

@@ -11,8 +11,16 @@ setup(
         Extension(
             "indexer._native._kvnative",
             sources=["indexer/_native/kvnative.c"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter", "-Wconversion", "-Wno-sign-conversion"],
+            optional=True,
+        ),
+        # Producer page-hash chains (SHA-256 written from FIPS 180-4: no libssl needed); optional
+        # like the one above, producer/page_hash.py falls back to hashlib (docs/producer-events.md).
+        Extension(
+            "producer._native._pagehash",
+            sources=["producer/_native/pagehash.c"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter"],
             optional=True,
-        )
+        ),
     ]
 )

@@ -14,6 +14,10 @@ Prints blocks/s applied, lookup µs at 1k/8k/32k tokens (p50, p99), bytes per (w
 entry, and ratios kvatlas/Dynamo measured in the same run, for the native core (default), trust
 mode and the pure-Python reference core (KVATLAS_PURE_PYTHON=1), plus lookup ratios against Dynamo
 with its per-worker scores read into Python (ours always returns materialised results).
+Hybrid row (`--hybrid-only` runs just it): a vLLM-shaped hybrid stream (full-attention group 0,
+sliding-window group 1 with its out-of-window removes, Mamba group 2 with a state every 64 blocks)
+against the same stream's full-attention events alone, in one run: apply blocks/s and lookup µs of
+the usable-prefix scoring as ratios to the full-attention-only index (Dynamo has no hybrid scoring).
 """
 from __future__ import annotations
 
@@ -251,6 +255,71 @@ def run_dynamo(wl: Workload, reps: int) -> dict:
             "dump_events": entries, "lookup_us": lat, "lookup_read_us": lat_read}
 
 
+def hybrid_streams(scale: float) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]], int, dict[str, list[list[int]]]]:
+    """(hybrid batches, the same KV-only batches, KV blocks stored, queries by length) for HW workers."""
+    from schemas.codec import encode_batch
+    from schemas.events import BlockRemoved, BlockStored, KVEventBatch
+
+    rng = np.random.default_rng(1)
+    hw, window, every = 8, 4096, 64
+    span = -(-(window - 1) // BS)
+    docs = [rng.integers(0, 150_000, int(n) * BS) for n in rng.integers(64, 2049, max(4, int(48 * scale)))]
+    hybrid: list[tuple[int, bytes]] = []
+    full: list[tuple[int, bytes]] = []
+    blocks = 0
+    for d, toks in enumerate(docs):
+        n = len(toks) // BS
+        hs = [_ext(7, d, i) for i in range(n)]
+        for w in rng.choice(hw, 3, replace=False):
+            for a in range(0, n, 256):  # a request's prefill, in chunks of 256 blocks
+                b = min(n, a + 256)
+                parent = hs[a - 1] if a else None
+                kv = BlockStored(hs[a:b], parent, toks[a * BS:b * BS].tolist(), BS, None, "GPU",
+                                 group_idx=0, kv_cache_spec_kind="full_attention")
+                evs = [kv, BlockStored(hs[a:b], parent, toks[a * BS:b * BS].tolist(), BS, None, "GPU", group_idx=1,
+                                       kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=window)]
+                ends = [i for i in range(a, b) if (i + 1) % every == 0 or i == n - 1]
+                evs += [BlockStored([hs[i]], hs[i - 1] if i else None, toks[i * BS:(i + 1) * BS].tolist(), BS, None,
+                                    "GPU", group_idx=2, kv_cache_spec_kind="mamba") for i in ends]
+                if b - span > 0:  # blocks that left the window
+                    evs.append(BlockRemoved(hs[max(0, a - span):b - span], "GPU", group_idx=1))
+                hybrid.append((int(w), encode_batch(KVEventBatch(0.0, evs))))
+                full.append((int(w), encode_batch(KVEventBatch(0.0, [kv]))))
+                blocks += b - a
+    queries: dict[str, list[list[int]]] = {}
+    for n in (1024, 8192, 32768):
+        qs = [t[:n].tolist() + rng.integers(0, 150_000, max(0, n - len(t))).tolist() for t in docs[:20]]
+        queries[str(n)] = qs
+    return hybrid, full, blocks, queries
+
+
+def run_hybrid(scale: float) -> None:
+    from indexer.index import KVIndex
+
+    hybrid, full, blocks, queries = hybrid_streams(scale)
+    res = {}
+    for name, batches in (("full-only", full), ("hybrid", hybrid)):
+        best = float("inf")
+        for _ in range(3):
+            ix = KVIndex()
+            ix.ensure_model("m", BS)
+            t0 = time.perf_counter()
+            for w, payload in batches:
+                ix.apply_payload("m", f"w{w}", 0, payload)
+            best = min(best, time.perf_counter() - t0)
+        lat = {n: pct([_best_us(lambda: ix.score("m", q)) for q in qs], 50) for n, qs in queries.items()}
+        rows = [ix.score("m", q).workers for q in queries["32768"]]
+        usable = sum(r.cached_blocks for rs in rows for r in rs)
+        kv = sum(r.kv_blocks if r.kv_blocks is not None else r.cached_blocks for rs in rows for r in rs)
+        res[name] = (blocks / best, lat, usable, kv)
+        print(f"hybrid row: {name:9s} apply {blocks / best / 1e3:7.0f}k KV blocks/s | lookup p50 µs "
+              + " ".join(f"{int(n) // 1024}k {v:.0f}" for n, v in lat.items())
+              + f" | 32k queries: usable {usable} of {kv} KV blocks (native={ix.native})")
+    (fa, fl, _, _), (ha, hl, _, _) = res["full-only"], res["hybrid"]
+    print(f"ratios hybrid / full-only (same run): apply {ha / fa:.2f}x | lookup p50 "
+          + " | ".join(f"{int(n) // 1024}k {hl[n] / fl[n]:.2f}x" for n in fl))
+
+
 def child(kind: str, path: str, out: str, reps: int) -> None:
     wl = msgspec.msgpack.decode(Path(path).read_bytes(), type=Workload)
     if kind == "dynamo":
@@ -266,9 +335,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="apply phase: best of N fresh builds per engine")
     ap.add_argument("--no-pure", action="store_true", help="skip the pure-Python reference core")
     ap.add_argument("--child", nargs=3, metavar=("KIND", "WORKLOAD", "OUT"))
+    ap.add_argument("--hybrid-only", action="store_true", help="only the hybrid scoring row")
     args = ap.parse_args()
     if args.child:
         child(*args.child, reps=max(1, args.reps))
+        return
+    if args.hybrid_only:
+        run_hybrid(args.scale)
         return
     global _DYN_HASH
     dyn_reason = None
@@ -322,6 +395,7 @@ def main() -> None:
     k_bpe = res["kvatlas"]["bytes_per_entry"]
     print(f"bytes/entry: kvatlas {k_bpe:.0f} (all tiers) vs dynamo {d_bpe:.0f} (device only, "
           f"{res['kvatlas']['gpu_entries']} entries) -> {k_bpe / d_bpe:.2f}x (target <= 1.0)")
+    run_hybrid(args.scale)
 
 
 if __name__ == "__main__":

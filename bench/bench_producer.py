@@ -8,7 +8,12 @@ The hybrid row runs a Mamba hybrid (full KV + one state per request) with events
 Events "on" means the full path an engine pays: SHA-256 page chain, event structs with coalescing,
 and a msgpack-encoded batch per step (handed to a sink that drops it, so no socket is measured).
 
-    .venv/bin/python bench/bench_producer.py [--requests 2000] [--rounds 3]
+The SGLang row runs SGLang 0.5.23's own Python `RadixCache` (bench/sglang_peer.py) on the same
+request stream, page size 16, events off and on (its recorder + msgpack encoding of each batch),
+interleaved with the kvatlas cache in the same rounds; it needs .venv-bench (sglang --no-deps).
+
+    bash bench/setup_bench_env.sh     # once: .venv-bench with sglang 0.5.23 (and Dynamo)
+    .venv-bench/bin/python bench/bench_producer.py [--requests 2000] [--rounds 3] [--quick]
 """
 from __future__ import annotations
 
@@ -18,9 +23,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/sglang_peer.py
 
 from producer.driver import StreamSpec, build_cache, synthetic_stream  # noqa: E402
 from producer.events import EventRecorder  # noqa: E402
+from producer.page_hash import native_available, page_ids  # noqa: E402
 from producer.sinks import _PayloadSink  # noqa: E402
 
 
@@ -113,19 +120,66 @@ def hybrid_rows(requests: list[list[int]], rounds: int) -> None:
           f"default/off {best['mamba default'][0] / best['mamba off'][0]:.3f}\n")
 
 
+def sglang_rows(requests: list[list[int]], rounds: int) -> None:
+    """kvatlas vs SGLang 0.5.23's Python RadixCache, page size 16, events off and on, same stream,
+    interleaved rounds, best of each; ratios are kvatlas / SGLang."""
+    import sglang_peer
+
+    sg, why, stubbed = sglang_peer.load_sglang()
+    if sg is None:
+        print(f"SGLang RadixCache side-by-side: not run — {why}\n")
+        return
+    page_size, device_tokens = 16, 16384
+    best: dict[str, tuple[float, float]] = {}
+    same_ids = None
+    for _ in range(rounds):
+        runs = {"kvatlas off": run_once(requests, page_size, None, device_tokens // page_size),
+                "kvatlas on": run_once(requests, page_size, "sha256", device_tokens // page_size)}
+        s_off = sglang_peer.run_sglang(sg, requests, page_size, False, device_tokens)
+        s_on = sglang_peer.run_sglang(sg, requests, page_size, True, device_tokens)
+        runs["sglang off"], runs["sglang on"] = s_off[:2], s_on[:2]
+        if same_ids is None:  # both publish SGLang's SHA-256 chain: the first stored ids must agree
+            ids = s_on[2]
+            same_ids = bool(ids) and ids == page_ids(requests[0], page_size)[:len(ids)]
+        for k, (i, m) in runs.items():
+            b = best.get(k, (0.0, 0.0))
+            best[k] = (max(b[0], i), max(b[1], m))
+    print(f"SGLang 0.5.23 RadixCache side-by-side (page {page_size}; stubbed optional imports: "
+          f"{', '.join(stubbed) or 'none'}; same block ids: {'yes' if same_ids else 'NO'})")
+    print(f"{'cache':>12} {'insert/s':>10} {'match/s':>10}")
+    for k, (i, m) in best.items():
+        print(f"{k:>12} {i:>10.0f} {m:>10.0f}")
+    for ev in ("off", "on"):
+        ri = best[f"kvatlas {ev}"][0] / best[f"sglang {ev}"][0]
+        rm = best[f"kvatlas {ev}"][1] / best[f"sglang {ev}"][1]
+        print(f"kvatlas/SGLang events {ev}: insert {ri:.2f}x, match {rm:.2f}x")
+    for who in ("kvatlas", "sglang"):
+        r = best[f"{who} on"][0] / best[f"{who} off"][0]
+        print(f"{who} events cost: {100 * (1 - r):.1f}% of insert throughput")
+    print(f"goal: kvatlas events on >= SGLang events on — "
+          f"{'met' if best['kvatlas on'][0] >= best['sglang on'][0] else 'MISSED'}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 200 requests, 1 round")
     ap.add_argument("--hybrid-only", action="store_true", help="only the Mamba hybrid row")
+    ap.add_argument("--no-sglang", action="store_true", help="skip the SGLang side-by-side")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.rounds = 200, 1
     spec = StreamSpec(requests=args.requests, prefixes=32, prefix_tokens=1024, suffix_tokens=256, seed=1)
     requests = list(synthetic_stream(spec))
     print(f"{len(requests)} requests, ~{sum(map(len, requests)) // len(requests)} tokens each, "
-          f"{spec.prefixes} shared prefixes; best of {args.rounds} rounds\n")
+          f"{spec.prefixes} shared prefixes; best of {args.rounds} rounds; page hashing "
+          f"{'native' if native_available() else 'pure Python'}\n")
     hybrid_rows(requests, args.rounds)
     if args.hybrid_only:
         return 0
+    if not args.no_sglang:
+        sglang_rows(requests, args.rounds)
     print(f"{'page':>4} {'events':>10} {'insert/s':>10} {'match/s':>10}")
     variants = {"off": None, "on sha256": "sha256", "on xxh3": "xxh3"}
     worst: dict[str, float] = {}

@@ -17,7 +17,11 @@ Semantics (design §4/§5; details decided here):
   goes; a block no worker holds is pruned.
 - EXTERNAL stores put the block in the model's shared pool (usable by every worker of the model) for
   as long as any worker's events still claim it; the claiming worker's ext mapping is per worker.
-- Non-full-attention vLLM groups are skipped and counted; partial trailing blocks are ignored.
+- vLLM groups (`group_idx`): full-attention, sliding-window and Mamba groups each keep their own
+  residency; removes apply to their own group (a group never seen in a store: counted, ignored); a
+  model with more than one group scores usable prefixes (indexer/core/groups.py, docs/hybrid.md).
+  Stores of other kinds (and non-full stores without a group_idx) are skipped and counted; partial
+  trailing blocks are ignored.
 - trust_engine_hashes (per model): engines whose hashes are content-deterministic (SGLang, vLLM with
   a fixed seed) repeat the same engine hash for the same prefix on every worker; with trust on, a hash
   first seen (and hashed from its tokens) on one worker is reused for the others without re-hashing.
@@ -41,24 +45,31 @@ import numpy as np
 
 from indexer.core import native as _native
 from indexer.core.accel import Accelerator
-from indexer.core.apply import apply_events, decode_or_drop
+from indexer.core.apply import apply_events, decode_or_drop, finite_ts
 from indexer.core.dump import dump_model, load_model_dump
+from indexer.core.groups import dump_groups, load_groups
 from indexer.core.scoring import score_keys
 from indexer.core.state import ModelState
 from indexer.core.types import (
-    TIER_NAMES, ApplyStats, BlockSizeConflict, ScoreResult, TierWeights, WorkerScore,
+    TIER_NAMES, ApplyStats, BlockSizeConflict, RankLimits, ScoreResult, TierWeights, WorkerScore,
 )
 from indexer.hashing import extra_digest, query_keys
 from schemas.batchhead import read_head
+from schemas.codec import DEFAULT_MAX_PAYLOAD
 from schemas.events import KVEvent, KVEventBatch
 
 __all__ = [
-    "ApplyStats", "BlockSizeConflict", "KVIndex", "ScoreResult", "TierWeights", "WorkerScore",
+    "ApplyStats", "BlockSizeConflict", "KVIndex", "RankLimits", "ScoreResult", "TierWeights", "WorkerScore",
 ]
 
 
+def _hybrid(m: ModelState) -> bool:
+    """A model with more groups than its main tree scores usable prefixes on the pure core."""
+    return m.groups is not None and m.groups.hybrid
+
+
 class KVIndex:
-    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "_models", "_accel")
+    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "rank_limits", "_models", "_accel")
 
     def __init__(
         self,
@@ -66,8 +77,10 @@ class KVIndex:
         trust_engine_hashes: bool = False,
         orphan_grace_batches: int = 4,
         native: bool | None = None,
+        rank_limits: RankLimits | None = None,
     ) -> None:
         self.weights = weights or TierWeights()
+        self.rank_limits = rank_limits or RankLimits()
         self.trust_engine_hashes = trust_engine_hashes
         self.orphan_grace_batches = orphan_grace_batches
         self._models: dict[str, ModelState] = {}
@@ -125,8 +138,12 @@ class KVIndex:
         That is exactly `schemas.batchhead.read_head` + `apply_payload`, in one pass over the bytes."""
         m = self._models.get(model) or self._model(model)
         rank = int(dp_rank) if rank_from_batch else int(dp_rank or 0)
-        if self._accel is not None:
-            stats = self._accel.apply_payload(m, worker_id, rank, payload, self.orphan_grace_batches, rank_from_batch)
+        # Group stores are the pure core's (docs/hybrid.md). Above the decoder's size cap the pure path
+        # refuses the payload: the C walk must not take it.
+        if self._accel is not None and m.groups is None and len(payload) <= DEFAULT_MAX_PAYLOAD:
+            stats = self._accel.apply_payload(
+                m, worker_id, rank, payload, self.orphan_grace_batches, rank_from_batch, self.rank_limits,
+            )
             if stats is not None:
                 return stats
         if rank_from_batch:
@@ -148,7 +165,11 @@ class KVIndex:
             ts, raw, n = batch.ts, batch.data_parallel_rank, len(batch.events)
         else:
             ts, raw, n = head.ts, head.data_parallel_rank, len(head.events)
+        ts = finite_ts(ts)
         rank = raw if raw is not None and raw >= 0 else default
+        refused = m.refuses(worker_id, rank, default, self.rank_limits)
+        if refused is not None:  # nothing applied, no worker made; a heartbeat reports no rank
+            return ApplyStats(drops={refused: n} if n else {}, ts=ts, n_events=n)
         if not n:
             return ApplyStats(dp_rank=rank, ts=ts)
         if batch is None:
@@ -178,6 +199,8 @@ class KVIndex:
         for w in self._select(m, worker_id, dp_rank):
             n += len(w.ext)
             m.remove(w)
+        if self._accel is not None:
+            self._accel.narrow(m)  # the slots were compacted: residency words may be narrower now
         return n
 
     def workers(self, model: str) -> list[tuple[str, int]]:
@@ -201,7 +224,7 @@ class KVIndex:
         m = self._model(model)
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
         wl = list(workers) if workers is not None else None
-        if self._accel is not None and extras is None and type(token_ids) in (list, tuple, np.ndarray):
+        if self._accel is not None and extras is None and type(token_ids) in (list, tuple, np.ndarray) and not _hybrid(m):
             res = self._accel.score(m, None, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
             if res is not None:
                 return res
@@ -212,7 +235,7 @@ class KVIndex:
         """Score pre-hashed blocks (keys from `indexer.hashing.query_keys`)."""
         m = self._model(model)
         wl = list(workers) if workers is not None else None
-        if self._accel is not None and type(keys) is list:
+        if self._accel is not None and type(keys) is list and not _hybrid(m):
             res = self._accel.score(m, keys, None, 0, self.weights, wl)
             if res is not None:
                 return res
@@ -232,14 +255,17 @@ class KVIndex:
 
     # --- snapshots --------------------------------------------------------------------------
     def dump(self, model: str) -> list[tuple[str, int, list[KVEvent]]]:
-        return dump_model(self._model(model))
+        m = self._model(model)
+        out = dump_model(m)
+        dump_groups(m, out)
+        return out
 
     def load_dump(self, model: str, block_size: int, dump: list[tuple[str, int, list[KVEvent]]]) -> int:
         """Rebuild a model from `dump` output (replaces whatever the model held)."""
         m = self._models.get(model)
         trust = m.trust if m is not None else self.trust_engine_hashes
         self._models[model] = fresh = self._new_model(model, block_size, trust)
-        return load_model_dump(fresh, dump)
+        return load_model_dump(fresh, dump) + load_groups(fresh, dump)
 
     def num_nodes(self, model: str) -> int:
         return len(self._model(model).nodes)

@@ -29,7 +29,7 @@ from producer.components.base import DEVICE, HOST, STORAGE, Component, CompState
 from producer.components.extra_pool import ExtraPool
 from producer.components.full import FullAttention
 from producer.events import EventRecorder
-from producer.page_hash import page_hash_chain
+from producer.page_hash import page_hash_chain, page_hash_chain_ids
 from producer.pools import KVPool
 from producer.radix_tree import RadixTree, TreeNode
 from producer.storage.base import backend_medium
@@ -165,7 +165,8 @@ class TieredCache:
         self.validate = validate  # component seam: Mamba / sliding-window checks (later issue)
         self.clock = clock
         self.tree = RadixTree(config.page_size, split_hook=self._on_split,
-                              chain=page_hash_chain(config.page_hash))
+                              chain=page_hash_chain(config.page_hash),
+                              chain_ids=page_hash_chain_ids(config.page_hash))
         self.tick = 0  # logical LRU time
         self._ops: dict[int, Flight] = {}
         self._prefetches: list[Flight] = []

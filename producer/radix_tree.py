@@ -13,7 +13,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 
-from producer.page_hash import chain_digests
+from producer.page_hash import ChainIds, chain_digests, sha256_ids
 
 
 class TreeNode:
@@ -69,10 +69,10 @@ Validate = Callable[[TreeNode], bool]
 
 
 class RadixTree:
-    __slots__ = ("page_size", "root", "_ids", "split_hook", "_ck", "chain")
+    __slots__ = ("page_size", "root", "_ids", "split_hook", "_ck", "chain", "chain_ids")
 
     def __init__(self, page_size: int, split_hook: SplitHook | None = None,
-                 chain: Callable[..., list[bytes]] = chain_digests) -> None:
+                 chain: Callable[..., list[bytes]] = chain_digests, chain_ids: ChainIds = sha256_ids) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
@@ -80,7 +80,10 @@ class RadixTree:
         self.root = TreeNode(0, None, ())
         self.root.lock_ref = 1  # the root is never evicted
         self.split_hook = split_hook
-        self.chain = chain  # page-hash chain function (producer.page_hash)
+        # Page-hash chain functions (producer.page_hash): digests only, and digests + event ids in
+        # one call (what `ensure_hashes` uses: one call per node, docs/producer-events.md).
+        self.chain = chain
+        self.chain_ids = chain_ids
         # Child key: the first page. With page size 1 the bare token is cheaper than a 1-tuple.
         p = page_size
         self._ck: Callable[[tuple[int, ...], int], object] = (
@@ -242,10 +245,9 @@ class RadixTree:
             todo.append(n)
             n = n.parent  # type: ignore[assignment]
         prior = n.digests[-1] if n is not self.root and n.digests else None
-        from_bytes = int.from_bytes
+        chain, p = self.chain_ids, self.page_size
         for m in reversed(todo):
-            m.digests = self.chain(m.key, self.page_size, prior)
-            m.ids = [from_bytes(d[:8], "big", signed=True) for d in m.digests]  # == digest_to_id
+            m.digests, m.ids = chain(m.key, p, prior)
             prior = m.digests[-1]
         return node.ids  # type: ignore[return-value]
 

@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from indexer.core import native as native_core
@@ -63,13 +64,53 @@ _MSGPACK_HEADERS = (b"content-type", b"application/msgpack")
 
 
 class ApiError(Exception):
-    """An error answered as JSON; `reason` labels the reject counter."""
+    """An error answered as JSON; `reason` labels the reject counter. `loud`: also worth a log
+    line (through the app's rate limiter), e.g. a body built to exhaust the decoder's stack."""
 
-    def __init__(self, status: int, message: str, reason: str) -> None:
+    def __init__(self, status: int, message: str, reason: str, loud: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.reason = reason
+        self.loud = loud
+
+
+TOO_DEEP = "body nested too deeply"
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"malformed body: {TOO_DEEP}", "too_deep", loud=True)
+
+
+class RateLimitedLog:
+    """At most one line per `interval_s` per key; the lines suppressed meanwhile are counted in
+    the next one. Owned by one app (no global state); the clock is injectable for tests."""
+
+    __slots__ = ("interval_s", "clock", "_next", "_suppressed")
+
+    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self._next: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, key: str, msg: str, *args: Any) -> bool:
+        now = self.clock()
+        if now < self._next.get(key, 0.0):
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return False
+        self._next[key] = now + self.interval_s
+        n = self._suppressed.pop(key, 0)
+        log.warning(msg + " suppressed_since_last=%d", *args, n)
+        return True
+
+
+def escape_log(value: object) -> str:
+    """A value safe inside one text log line: control characters (newlines too) are escaped."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return text.encode("unicode_escape").decode("ascii")
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -97,6 +138,8 @@ def decode_body(kind: str, body: bytes, typ: type) -> Any:
         if kind == "json":
             return _dec_json[typ].decode(body)
         return _dec_msgpack[typ].decode(body)
+    except RecursionError:  # msgspec's nesting limit: the client's fault, not a 500
+        raise _too_deep() from None
     except msgspec.ValidationError as exc:
         raise ApiError(422, f"invalid request: {exc}", "invalid") from None
     except msgspec.DecodeError as exc:
@@ -125,6 +168,8 @@ class TokenBodies:
                 req = _dec_raw[kind, typ].decode(body)
             except msgspec.DecodeError:  # incl. ValidationError: the typed decoder words it
                 req = None
+            except RecursionError:
+                raise _too_deep() from None
             if req is not None:
                 parse = mod.json_u32_array if kind == "json" else mod.msgpack_u32_array
                 buf = parse(req.token_ids, MAX_QUERY_TOKENS)
@@ -166,10 +211,13 @@ class ScoreFront:
     goes to `app` (FastAPI). Behaviour (status codes, error bodies, reject counters, latency
     metrics) is the same the FastAPI routes had."""
 
-    __slots__ = ("app", "service", "metrics", "max_body", "default_model", "_routes", "fastapi", "bodies")
+    __slots__ = ("app", "service", "metrics", "max_body", "default_model", "_routes", "fastapi", "bodies",
+                 "limiter")
 
-    def __init__(self, app: ASGIApp, service: IndexerService, native: bool | None = None) -> None:
+    def __init__(self, app: ASGIApp, service: IndexerService, native: bool | None = None,
+                 limiter: RateLimitedLog | None = None) -> None:
         self.app = app
+        self.limiter = limiter if limiter is not None else RateLimitedLog()
         self.bodies = TokenBodies(native)
         self.fastapi = app
         self.service = service
@@ -222,6 +270,9 @@ class ScoreFront:
             return
         except ApiError as exc:
             self.metrics.http_rejects.inc(endpoint, exc.reason)
+            if exc.loud:
+                self.limiter.warning(exc.reason, "event=rejected endpoint=%s reason=%s status=%d",
+                                     endpoint, exc.reason, exc.status)
             await _send(send, exc.status, _json.encode(ErrorResponse(error=exc.message)), _JSON_HEADERS)
             return
         except UnknownModel as exc:
@@ -280,12 +331,11 @@ class BearerAuth:
     The dashboard page (`GET /`) may also carry it as `?token=` since a browser cannot set headers
     on navigation; the page then sends the header on its own requests."""
 
-    __slots__ = ("app", "fastapi", "expected", "token")
+    __slots__ = ("app", "fastapi", "token")
 
     def __init__(self, app: Any, token: str) -> None:
         self.app = app
         self.fastapi = getattr(app, "fastapi", app)
-        self.expected = b"Bearer " + token.encode()
         self.token = token.encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -295,7 +345,9 @@ class BearerAuth:
         ok = False
         for k, v in scope.get("headers") or ():
             if k == b"authorization":
-                ok = hmac.compare_digest(v, self.expected)
+                # The scheme is case-insensitive (RFC 9110 §11.1); the token is compared exactly.
+                scheme, _, cred = v.strip().partition(b" ")
+                ok = scheme.lower() == b"bearer" and hmac.compare_digest(cred.strip(), self.token)
                 break
         if not ok and scope["path"] == "/" and scope.get("query_string"):
             from urllib.parse import parse_qs
@@ -321,8 +373,13 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
 
     app = FastAPI(title="kvatlas indexer", version="0.1.0", docs_url="/docs", redoc_url=None)
 
+    limiter = RateLimitedLog()
+
     def reject(endpoint: str, exc: ApiError) -> Response:
         metrics.http_rejects.inc(endpoint, exc.reason)
+        if exc.loud:
+            limiter.warning(exc.reason, "event=rejected endpoint=%s reason=%s status=%d", endpoint,
+                            exc.reason, exc.status)
         return _error(exc.status, exc.message)
 
     async def read_body(request: Request) -> bytes:
@@ -353,9 +410,10 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
             if kind == "octet":
                 raise ApiError(415, "register with a JSON or msgpack body", "bad_content_type")
             reg = decode_body(kind, await read_body(request), RegisterWorker)
-            status = service.register(reg)
+            # Off the event loop: it resolves host names and waits for the subscription.
+            status = await run_in_threadpool(service.register, reg)
             if service.plane is not None:  # `--nats`: every replica follows it (docs/jetstream.md)
-                service.plane.publish(reg)
+                await run_in_threadpool(service.plane.publish, reg)
         except ApiError as exc:
             return reject("register", exc)
         except RegistryError as exc:
@@ -363,12 +421,12 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
         observe("register", t0)
         return encode_for(request, status, 201)
 
-    @app.delete("/workers/{worker_id}")
+    @app.delete("/workers/{worker_id:path}")
     async def unregister(worker_id: str) -> Response:
         try:
             service.unregister(worker_id)
             if service.plane is not None:
-                service.plane.withdraw(worker_id)
+                await run_in_threadpool(service.plane.withdraw, worker_id)
         except RegistryError as exc:
             metrics.http_rejects.inc("unregister", "unknown_worker")
             return _error(exc.status, str(exc))
@@ -408,5 +466,5 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
         log.exception("event=internal_error path=%s", request.url.path)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    front: Any = ScoreFront(app, service, native_bodies)
+    front: Any = ScoreFront(app, service, native_bodies, limiter)
     return BearerAuth(front, cfg.auth_token) if cfg.auth_token else front

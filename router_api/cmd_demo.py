@@ -1,28 +1,75 @@
-"""`kvatlas demo`: a producer fleet publishing real KV events into an in-process index, routed
-round-robin and by kvatlas scores, with the index checked against the caches' truth.
-The implementation lives in producer.demo (it runs torch caches); this module stays torch-free."""
+"""`kvatlas demo`: the indexer, workers and routers as real processes on loopback, a bounded slice
+of the bundled trace replayed under each routing policy, one table (docs/end-to-end.md).
+`--in-process` runs the fast single-process example instead (router_api.demo.inprocess)."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=None, help="Mooncake JSONL trace (default: the bundled synthetic trace)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests in the slice (default 300; in-process: 400 synthetic requests)")
+    p.add_argument("--speed", type=float, default=12.0, help="replay speed, virtual s per wall s (default 12)")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated policies, each run with one router (default: all six)")
+    p.add_argument("--routers", type=int, default=4,
+                   help="adds rows running approximate and precise_tiered with K router replicas "
+                        "(default 4; 1 adds none)")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the table as JSON here")
     p.add_argument("--workers", type=int, default=4, help="number of workers (default 4)")
-    p.add_argument("--requests", type=int, default=400, help="requests in the stream (default 400)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page/block (default 16)")
-    p.add_argument("--device-pages", type=int, default=96, help="GPU-tier pages per worker (default 96)")
-    p.add_argument("--host-pages", type=int, default=384, help="host-tier pages per worker (default 384)")
-    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--gpu-pages", type=int, default=320, help="GPU pages per worker (default 320)")
+    p.add_argument("--host-pages", type=int, default=960, help="host pages per worker (default 960)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--in-process", action="store_true",
+                   help="the fast example: caches, ZMQ and the index in one process (no HTTP)")
+    p.add_argument("--page-size", type=int, default=16, help="in-process only: tokens per page (default 16)")
+    p.add_argument("--device-pages", type=int, default=96, help="in-process only: GPU pages (default 96)")
+
+
+def _in_process(args: argparse.Namespace) -> int:
+    try:
+        from router_api.demo.inprocess import DemoConfig, main
+    except ImportError as exc:
+        raise SystemExit(f"kvatlas demo needs the producer extra (torch): {exc}") from None
+    host_pages = 384 if args.host_pages == 960 else args.host_pages
+    cfg = DemoConfig(workers=args.workers, requests=args.requests or 400, page_size=args.page_size,
+                     device_pages=args.device_pages, host_pages=host_pages, seed=args.seed or 7)
+    return main(cfg)
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        from producer.demo import DemoConfig, main
-    except ImportError as exc:
-        raise SystemExit(f"kvatlas demo needs the producer extra (torch): {exc}") from None
-    for name in ("workers", "requests", "page_size", "device_pages", "host_pages"):
+    from router_api.router.policies import POLICIES
+
+    for name in ("workers", "page_size", "device_pages", "host_pages", "gpu_pages", "routers"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
-    cfg = DemoConfig(workers=args.workers, requests=args.requests, page_size=args.page_size,
-                     device_pages=args.device_pages, host_pages=args.host_pages, seed=args.seed)
-    return main(cfg)
+    if args.requests is not None and args.requests <= 0:
+        raise SystemExit("--requests must be positive")
+    if args.speed <= 0:
+        raise SystemExit("--speed must be positive")
+    if args.in_process:
+        return _in_process(args)
+    from router_api.demo.fleet import DemoSettings, rows_json, run_demo
+
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else None
+    bad = [p for p in policies or () if p not in POLICIES]
+    if bad or policies == ():
+        raise SystemExit(f"--policies: unknown {bad or 'empty list'}; expected some of {', '.join(POLICIES)}")
+    kw = {"policies": policies} if policies else {}
+    s = DemoSettings(trace=args.trace, requests=args.requests or 300, speed=args.speed, routers=args.routers,
+                     workers=args.workers, gpu_pages=args.gpu_pages, host_pages=args.host_pages, seed=args.seed,
+                     **kw)
+    if args.trace:
+        from router_api.router.trace import TraceError, load_trace
+        try:
+            load_trace(args.trace)
+        except TraceError as exc:
+            raise SystemExit(f"--trace: {exc}") from None
+    rows = run_demo(s)
+    if args.json_out:
+        with open(args.json_out, "wb") as f:
+            f.write(rows_json(rows))
+        print(f"\ntable written to {args.json_out}", file=sys.stderr)
+    return 0

@@ -22,6 +22,11 @@ DEFAULTS: dict[str, Any] = {
     "snapshot_key": "kvatlas:snapshot",
     "snapshot_interval": 30.0,
     "auth_token": None,
+    "auth_token_file": None,
+    "max_workers": 1024,
+    "max_msg_mb": 64.0,
+    "replay_deadline": None,
+    "snapshot_load_timeout": 10.0,
     "tier_weights": None,
     "stale_after": 10.0,
     "remove_after": 300.0,
@@ -46,7 +51,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot-key", help="Redis key of the snapshot (default kvatlas:snapshot)")
     p.add_argument("--snapshot-interval", type=float, help="seconds between snapshots (default 30)")
     p.add_argument("--auth-token", help="require 'Authorization: Bearer TOKEN' on every endpoint but /health "
-                                        "(default: $KVATLAS_AUTH_TOKEN, else none)")
+                                        "(visible in ps: prefer --auth-token-file or $KVATLAS_AUTH_TOKEN)")
+    p.add_argument("--auth-token-file", help="read the bearer token from this file (first line, stripped)")
+    p.add_argument("--max-workers", type=int, help="registration cap; past it POST /workers answers 503 (default 1024)")
+    p.add_argument("--max-msg-mb", type=float,
+                   help="largest ZMQ message accepted on SUB and replay sockets, MiB (default 64)")
+    p.add_argument("--replay-deadline", type=float,
+                   help="seconds a whole replay may take (default 5 x --replay-timeout)")
+    p.add_argument("--snapshot-load-timeout", type=float,
+                   help="seconds to keep retrying an unreachable snapshot store at start before refusing "
+                        "to start (default 10)")
     p.add_argument("--tier-weights", help="score weight per tier, e.g. gpu=1,host=0.8,disk=0.5,shared=0.3")
     p.add_argument("--stale-after", type=float, help="seconds of silence before a heartbeating worker is stale (default 10)")
     p.add_argument("--remove-after", type=float, help="seconds of silence before it is removed (default 300)")
@@ -160,7 +174,8 @@ def build_config(args: argparse.Namespace) -> Any:
         s.setdefault("model", model)
         s.setdefault("block_size", block_size if s["model"] == model else 16)
         workers.append(msgspec.convert(s, RegisterWorker))
-    token = get("auth_token") or os.environ.get("KVATLAS_AUTH_TOKEN") or None
+    token = read_token(get("auth_token"), get("auth_token_file"), os.environ.get("KVATLAS_AUTH_TOKEN"))
+    deadline = get("replay_deadline")
     return ServiceConfig(
         host=get("host"), port=int(get("port")), model=model, block_size=block_size,
         static_workers=workers, snapshot_target=get("snapshot"), snapshot_key=get("snapshot_key"),
@@ -168,8 +183,34 @@ def build_config(args: argparse.Namespace) -> Any:
         tier_weights=parse_tier_weights(get("tier_weights")), stale_after_s=float(get("stale_after")),
         remove_after_s=float(get("remove_after")), silent_engine_factor=float(get("silent_factor")),
         resync_hold_s=float(get("resync_hold")), max_body_bytes=int(float(get("max_body_mb")) * 1024 * 1024),
-        replay_timeout_s=float(get("replay_timeout")),
+        replay_timeout_s=float(get("replay_timeout")), max_workers=int(get("max_workers")),
+        max_msg_bytes=int(float(get("max_msg_mb")) * 1024 * 1024),
+        replay_deadline_s=None if deadline is None else float(deadline),
+        snapshot_load_timeout_s=float(get("snapshot_load_timeout")),
     )
+
+
+def read_token(flag: str | None, path: str | None, env: str | None) -> str | None:
+    """The bearer token: `--auth-token`, else the file's first line, else $KVATLAS_AUTH_TOKEN.
+    An empty or unreadable file is a configuration error, never a silent "no auth"."""
+    if flag:
+        return flag
+    if path:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+        if not token:
+            raise ValueError(f"auth token file {path} is empty")
+        return token
+    return env or None
+
+
+class SafeTextFormatter(logging.Formatter):
+    """The text log format with control characters in messages escaped, so a value sent by a
+    client (a path, a name) cannot start a forged log line."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        return line if line.isprintable() else line.encode("unicode_escape").decode("ascii")
 
 
 def _make_server(uvicorn: Any, config: Any) -> Any:
@@ -211,12 +252,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvatlas indexer: bad configuration: {exc}", file=sys.stderr)
         return 2
     fmt = getattr(args, "log_format", None) or DEFAULTS["log_format"]
-    if fmt == "json":
-        for h in logging.getLogger().handlers:
-            h.setFormatter(JsonLogFormatter())
+    for h in logging.getLogger().handlers:
+        h.setFormatter(JsonLogFormatter() if fmt == "json" else
+                       SafeTextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log = logging.getLogger("kvatlas.indexer")
     # Short GIL slices keep /score latency low while the ingest thread is busy.
     sys.setswitchinterval(0.001)
+    if getattr(args, "auth_token", None):
+        log.warning("event=auth_token_on_command_line hint=visible_in_ps_use_--auth-token-file_or_KVATLAS_AUTH_TOKEN")
     plane = None
     if getattr(args, "nats", None):
         from router_api.nats_plane import plane_from_args
@@ -242,7 +285,15 @@ def run(args: argparse.Namespace) -> int:
                   "compiler) or unset KVATLAS_PURE_PYTHON. /health and /metrics report core=python.")
         print(banner, file=sys.stderr, flush=True)
         log.warning("event=slow_core core=python")
-    service.start()
+    from indexer.snapshot import SnapshotError
+
+    try:
+        service.start()
+    except SnapshotError as exc:  # docs/service.md, "Snapshots": never start over an unread snapshot
+        print(f"kvatlas indexer: refusing to start: {exc}", file=sys.stderr)
+        if plane is not None:
+            plane.close()
+        return 1
     if plane is not None:
         plane.attach(service)  # follow the shared registry
     app = create_app(service)

@@ -113,7 +113,7 @@ def record_apply_stats(metrics: ServiceMetrics, stats: Any) -> tuple[bool, bool]
 
 
 class _Cmd:
-    __slots__ = ("kind", "reg", "last_seq", "worker_id", "done")
+    __slots__ = ("kind", "reg", "last_seq", "worker_id", "done", "error")
 
     def __init__(self, kind: str, *, reg: RegisterWorker | None = None, last_seq: int | None = None,
                  worker_id: str = "", done: threading.Event | None = None) -> None:
@@ -122,6 +122,25 @@ class _Cmd:
         self.last_seq = last_seq
         self.worker_id = worker_id
         self.done = done
+        self.error: str | None = None  # set when the subscription could not be made
+
+
+class Subscription:
+    """The answer to `IngestLoop.subscribe`: `wait()` returns None once subscribed, else why not."""
+
+    __slots__ = ("_cmd",)
+
+    def __init__(self, cmd: _Cmd) -> None:
+        self._cmd = cmd
+
+    def wait(self, timeout: float) -> str | None:
+        assert self._cmd.done is not None
+        if not self._cmd.done.wait(timeout):
+            return f"the ingest thread did not subscribe within {timeout:g}s"
+        return self._cmd.error
+
+    def is_set(self) -> bool:
+        return self._cmd.done is not None and self._cmd.done.is_set()
 
 
 class IngestLoop:
@@ -136,6 +155,7 @@ class IngestLoop:
         metrics: ServiceMetrics,
         subscriber_factory: Callable[[], Any],
         on_expired: Callable[[str], None] | None = None,
+        on_subscribe_failed: Callable[[str, str, RegisterWorker | None], None] | None = None,
         poll_ms: int = 20,
         tick_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
@@ -149,6 +169,8 @@ class IngestLoop:
         self.adapter = ApplyAdapter(index, metrics)
         self._subscriber_factory = subscriber_factory
         self._on_expired = on_expired
+        self._on_subscribe_failed = on_subscribe_failed
+        self._frame_drops: dict[str, int] = {}  # the subscriber's frame-drop counts already exported
         self._poll_ms = poll_ms
         self._tick_s = tick_s
         self._clock = clock
@@ -178,13 +200,19 @@ class IngestLoop:
             self._thread.join(timeout)
 
     @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def subscribe(self, reg: RegisterWorker, last_seq: int | None = None) -> threading.Event:
-        done = threading.Event()
-        self._cmds.put(_Cmd("add", reg=reg, last_seq=last_seq, done=done))
-        return done
+    def subscribe(self, reg: RegisterWorker, last_seq: int | None = None) -> Subscription:
+        """Queue a subscription; a failure is also reported to `on_subscribe_failed` (which
+        undoes the registration), so nobody is left `connecting` forever."""
+        cmd = _Cmd("add", reg=reg, last_seq=last_seq, done=threading.Event())
+        self._cmds.put(cmd)
+        return Subscription(cmd)
 
     def unsubscribe(self, worker_id: str) -> threading.Event:
         done = threading.Event()
@@ -207,6 +235,7 @@ class IngestLoop:
                     log.exception("event=subscriber_error")
                     self._stop.wait(0.05)  # back off briefly instead of spinning on a broken poll
                     continue
+                self._export_frame_drops(sub)
                 if deliveries:
                     handle = self._handle
                     try:
@@ -249,11 +278,32 @@ class IngestLoop:
                     log.info("event=unsubscribed worker=%s", cmd.worker_id)
             except Exception as exc:
                 self.metrics.drops.inc("subscribe_error")
-                log.error("event=subscribe_error kind=%s worker=%s error=%r", cmd.kind,
-                          cmd.reg.worker_id if cmd.reg else cmd.worker_id, exc)
+                wid = cmd.reg.worker_id if cmd.reg else cmd.worker_id
+                log.error("event=subscribe_error kind=%s worker=%s error=%r", cmd.kind, wid, exc)
+                if cmd.kind == "add":
+                    cmd.error = str(exc)
+                    if self._on_subscribe_failed is not None:
+                        try:
+                            self._on_subscribe_failed(wid, str(exc), cmd.reg)
+                        except Exception:
+                            log.exception("event=subscribe_rollback_failed worker=%s", wid)
             finally:
                 if cmd.done is not None:
                     cmd.done.set()
+
+    def _export_frame_drops(self, sub: Any) -> None:
+        """Frame-level drops seen by the subscriber (wrong frame count, bad seq frame, malformed
+        replay replies) -> `kvatlas_drops_total{reason="frame_<reason>"}`."""
+        stats = getattr(sub, "stats", None)
+        drops = getattr(stats, "frame_drops", None)
+        if not drops:
+            return
+        seen = self._frame_drops
+        for reason, n in list(drops.items()):
+            old = seen.get(reason, 0)
+            if n > old:
+                self.metrics.drops.inc("frame_" + reason, amount=float(n - old))
+                seen[reason] = n
 
     def _handle(self, d: Any) -> None:
         self.deliveries += 1

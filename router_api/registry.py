@@ -7,18 +7,27 @@ registration, dp ranks and lag. `WorkerState.status(now, policy)` is that policy
 """
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
-from typing import Iterable, Iterator
+import socket
+from typing import Callable, Iterable, Iterator
 
 from indexer.reconcile import LivenessPolicy, StreamState
 from schemas.api import RegisterWorker
 
-__all__ = ["LivenessPolicy", "Registry", "RegistryError", "WorkerState", "validate_endpoint"]
+__all__ = ["LivenessPolicy", "Registry", "RegistryError", "WorkerState", "endpoint_keys",
+           "validate_endpoint", "validate_worker_id"]
 
 _ENDPOINT_RE = re.compile(
-    r"^(?:tcp://(?:\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})"
-    r"|ipc://.+|inproc://[A-Za-z0-9_.\-]+)$"
+    r"^(?:tcp://(?P<host>\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})"
+    r"|ipc://(?P<path>[^\x00-\x1f\x7f]+)|inproc://[A-Za-z0-9_.\-]+)$"
 )
+# Characters a worker_id may not hold: it is a URL path segment (DELETE /workers/{id}) and a log
+# and metric label value, so no separators, escapes, whitespace or control characters.
+_BAD_ID_CHARS = frozenset('/\\?#%"\'')
+
+Resolver = Callable[[str, int], list[str]]
 
 
 class RegistryError(Exception):
@@ -39,15 +48,32 @@ class UnknownWorker(RegistryError):
     status = 404
 
 
-def validate_endpoint(endpoint: str, what: str = "endpoint") -> None:
-    if what == "endpoint" and endpoint.startswith("jetstream:"):  # a JetStream worker (docs/jetstream.md)
-        from schemas.jetstream import endpoint_subject
+class RegistryFull(RegistryError):
+    """The configured registration cap is reached (HTTP 503: retry once workers leave)."""
 
-        try:
-            endpoint_subject(endpoint)
-        except ValueError as exc:
-            raise InvalidRegistration(f"invalid {what} {endpoint!r}: {exc}") from None
-        return
+    status = 503
+
+
+class SubscribeFailed(RegistryError):
+    """The registration was valid but the subscription could not be made (HTTP 503)."""
+
+    status = 503
+
+
+def validate_worker_id(worker_id: str) -> None:
+    if not worker_id.isprintable() or any(c.isspace() or c in _BAD_ID_CHARS for c in worker_id):
+        raise InvalidRegistration(
+            f"invalid worker_id {worker_id!r}: printable characters only, without whitespace "
+            "or any of / \\ ? # % \" '")
+
+
+def resolve_host(host: str, port: int) -> list[str]:
+    """The addresses `host` resolves to (getaddrinfo; /etc/hosts or DNS)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def validate_endpoint(endpoint: str, what: str = "endpoint") -> re.Match[str]:
     m = _ENDPOINT_RE.match(endpoint)
     if m is None:
         raise InvalidRegistration(
@@ -56,17 +82,62 @@ def validate_endpoint(endpoint: str, what: str = "endpoint") -> None:
     port = m.group("port")
     if port is not None and not 0 < int(port) < 65536:
         raise InvalidRegistration(f"invalid {what} {endpoint!r}: port out of range")
+    if m.group("host") == "*":
+        raise InvalidRegistration(f"invalid {what} {endpoint!r}: a wildcard host can be bound, not "
+                                  "connected to; give the publisher's address")
+    return m
+
+
+def endpoint_keys(endpoint: str, what: str = "endpoint", resolve: Resolver = resolve_host) -> frozenset[str]:
+    """Validate `endpoint` and return the normalised forms it reaches: `tcp://ADDR:PORT` for each
+    address the host resolves to, `ipc://` with an absolute normalised path, `inproc://` as is.
+    Two registrations whose keys intersect read the same publisher (`tcp://localhost:P` is
+    `tcp://127.0.0.1:P`). An unresolvable host is refused. A JetStream worker's
+    `jetstream:<subject>` (docs/jetstream.md) is its own key."""
+    if what == "endpoint" and endpoint.startswith("jetstream:"):
+        from schemas.jetstream import endpoint_subject
+
+        try:
+            endpoint_subject(endpoint)
+        except ValueError as exc:
+            raise InvalidRegistration(f"invalid {what} {endpoint!r}: {exc}") from None
+        return frozenset({endpoint})
+    m = validate_endpoint(endpoint, what)
+    if m.group("port") is not None:
+        host, port = m.group("host"), int(m.group("port"))
+        host = host[1:-1] if host.startswith("[") else host
+        try:
+            addrs = [str(ipaddress.ip_address(host))]
+        except ValueError:
+            try:
+                addrs = resolve(host, port)
+            except (OSError, UnicodeError) as exc:
+                raise InvalidRegistration(f"invalid {what} {endpoint!r}: host does not resolve: {exc}") from None
+        keys = set()
+        for a in addrs:
+            ip = ipaddress.ip_address(a.split("%", 1)[0])
+            if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+                ip = ip.ipv4_mapped
+            keys.add(f"tcp://[{ip}]:{port}" if ip.version == 6 else f"tcp://{ip}:{port}")
+        if not keys:
+            raise InvalidRegistration(f"invalid {what} {endpoint!r}: host resolves to no address")
+        return frozenset(keys)
+    if m.group("path") is not None:
+        return frozenset({"ipc://" + os.path.normpath(os.path.abspath(m.group("path")))})
+    return frozenset({endpoint})
 
 
 class WorkerState(StreamState):
     """A registered worker: its registration and what the API reports beyond the stream policy's
     state (indexer.reconcile.StreamState holds liveness, seq and resync state)."""
 
-    __slots__ = ("reg", "lag", "dp_ranks")
+    __slots__ = ("reg", "lag", "dp_ranks", "keys")
 
-    def __init__(self, reg: RegisterWorker, now: float, last_seq: int | None = None) -> None:
+    def __init__(self, reg: RegisterWorker, now: float, last_seq: int | None = None,
+                 keys: frozenset[tuple[str, str]] = frozenset()) -> None:
         super().__init__(reg.worker_id, now, last_seq)
         self.reg = reg
+        self.keys = keys  # (normalised endpoint, topic): what duplicates are judged by
         self.lag: float | None = None
         self.dp_ranks: set[int] = {reg.dp_rank}
 
@@ -74,10 +145,15 @@ class WorkerState(StreamState):
 class Registry:
     """Registered workers keyed by worker_id."""
 
-    __slots__ = ("policy", "_workers")
+    __slots__ = ("policy", "max_workers", "resolve", "_workers")
 
-    def __init__(self, policy: LivenessPolicy | None = None) -> None:
+    def __init__(self, policy: LivenessPolicy | None = None, max_workers: int = 1024,
+                 resolve: Resolver = resolve_host) -> None:
+        if max_workers < 1:
+            raise ValueError("max_workers must be >= 1")
         self.policy = policy or LivenessPolicy()
+        self.max_workers = max_workers
+        self.resolve = resolve
         self._workers: dict[str, WorkerState] = {}
 
     # -- membership --------------------------------------------------------------------------
@@ -89,12 +165,17 @@ class Registry:
         last_seq: int | None = None,
     ) -> WorkerState:
         """Validate and add. `model_block_sizes` are block sizes already fixed elsewhere (the index)."""
+        validate_worker_id(reg.worker_id)
         if reg.worker_id in self._workers:
             raise DuplicateWorker(f"worker {reg.worker_id!r} is already registered")
-        validate_endpoint(reg.endpoint)
+        if len(self._workers) >= self.max_workers:
+            raise RegistryFull(f"{len(self._workers)} workers registered: the limit (max_workers) is "
+                               f"{self.max_workers}")
+        if not reg.topic.isprintable() or not reg.model.isprintable():
+            raise InvalidRegistration("model and topic must be printable")
+        ep_keys = endpoint_keys(reg.endpoint, resolve=self.resolve)
         if reg.replay_endpoint is not None:
-            validate_endpoint(reg.replay_endpoint, "replay_endpoint")
-            if reg.replay_endpoint == reg.endpoint:
+            if endpoint_keys(reg.replay_endpoint, "replay_endpoint", resolve=self.resolve) & ep_keys:
                 raise InvalidRegistration("replay_endpoint must differ from endpoint")
         known = self.block_size_of(reg.model)
         if known is None and model_block_sizes:
@@ -103,13 +184,14 @@ class Registry:
             raise InvalidRegistration(
                 f"block_size {reg.block_size} conflicts with model {reg.model!r}, which uses {known}"
             )
+        keys = frozenset((k, reg.topic) for k in ep_keys)
         for other in self._workers.values():
-            r = other.reg
-            if r.endpoint == reg.endpoint and r.topic == reg.topic:
+            if other.keys & keys:
                 raise DuplicateWorker(
-                    f"endpoint {reg.endpoint} (topic {reg.topic!r}) is already registered as {r.worker_id!r}"
+                    f"endpoint {reg.endpoint} (topic {reg.topic!r}) reaches the publisher already "
+                    f"registered as {other.worker_id!r} ({other.reg.endpoint})"
                 )
-        state = WorkerState(reg, now, last_seq)
+        state = WorkerState(reg, now, last_seq, keys)
         self._workers[reg.worker_id] = state
         return state
 

@@ -21,11 +21,18 @@ from indexer.snapshot import (
     make_snapshot_store,
 )
 from indexer.core.types import WorkerScore
+from schemas.codec import DEFAULT_MAX_PAYLOAD
 from router_api.ingest import IngestLoop
 from router_api.metrics import ServiceMetrics
 from indexer.protocol import Index
 from indexer.reconcile import LivenessPolicy
-from router_api.registry import InvalidRegistration, Registry, RegistryError, UnknownWorker
+from router_api.registry import (
+    InvalidRegistration,
+    Registry,
+    RegistryError,
+    SubscribeFailed,
+    UnknownWorker,
+)
 from schemas.api import (
     BestWorker,
     HealthResponse,
@@ -64,7 +71,8 @@ class ServiceConfig:
         "host", "port", "model", "block_size", "static_workers", "snapshot_target", "snapshot_key",
         "snapshot_interval_s", "auth_token", "tier_weights", "stale_after_s", "remove_after_s",
         "silent_engine_factor", "resync_hold_s", "max_body_bytes", "replay_timeout_s", "poll_ms",
-        "trust_engine_hashes", "stats_ttl_s",
+        "trust_engine_hashes", "stats_ttl_s", "max_workers", "max_msg_bytes", "replay_deadline_s",
+        "replay_max_bytes", "snapshot_load_timeout_s", "subscribe_timeout_s",
     )
 
     def __init__(
@@ -89,11 +97,22 @@ class ServiceConfig:
         poll_ms: int = 20,
         trust_engine_hashes: bool = False,
         stats_ttl_s: float = 1.0,
+        max_workers: int = 1024,
+        max_msg_bytes: int = DEFAULT_MAX_PAYLOAD,
+        replay_deadline_s: float | None = None,
+        replay_max_bytes: int = 256 * 1024 * 1024,
+        snapshot_load_timeout_s: float = 10.0,
+        subscribe_timeout_s: float = 5.0,
     ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if snapshot_interval_s <= 0:
             raise ValueError("snapshot_interval_s must be > 0")
+        if max_workers < 1 or max_msg_bytes < 1 or replay_max_bytes < 1:
+            raise ValueError("max_workers, max_msg_bytes and replay_max_bytes must be >= 1")
+        if replay_timeout_s <= 0 or snapshot_load_timeout_s < 0 or subscribe_timeout_s <= 0:
+            raise ValueError("replay_timeout_s and subscribe_timeout_s must be > 0, "
+                             "snapshot_load_timeout_s >= 0")
         if tier_weights:
             bad = set(tier_weights) - set(TIER_KEYS)
             if bad:
@@ -117,6 +136,12 @@ class ServiceConfig:
         self.poll_ms = poll_ms
         self.trust_engine_hashes = trust_engine_hashes
         self.stats_ttl_s = stats_ttl_s  # how stale /workers block counts may be (they cost O(blocks))
+        self.max_workers = max_workers
+        self.max_msg_bytes = max_msg_bytes  # one cap for every inbound ZMQ message (ZMQ_MAXMSGSIZE)
+        self.replay_deadline_s = replay_deadline_s  # None: 5 x replay_timeout_s
+        self.replay_max_bytes = replay_max_bytes
+        self.snapshot_load_timeout_s = snapshot_load_timeout_s  # retry an unreachable store this long
+        self.subscribe_timeout_s = subscribe_timeout_s
 
 
 def _default_index(config: ServiceConfig) -> Index:
@@ -135,7 +160,11 @@ def _default_subscriber(config: ServiceConfig) -> Callable[[], Any]:
         from indexer.subscriber import Subscriber
 
         # Bounded per poll: fewer payloads alive at once, and commands/ticks are served between chunks.
-        return Subscriber(replay_timeout=config.replay_timeout_s, max_per_poll=1024)
+        return Subscriber(replay_timeout=config.replay_timeout_s, max_per_poll=1024,
+                          replay_deadline=config.replay_deadline_s, replay_max_bytes=config.replay_max_bytes,
+                          max_msg_bytes=config.max_msg_bytes,
+                          # a SUB per worker plus replay / snapshot-request DEALERs in flight
+                          max_sockets=2 * config.max_workers + 64)
 
     return factory
 
@@ -163,7 +192,7 @@ class IndexerService:
         self.registry = Registry(LivenessPolicy(
             stale_after_s=config.stale_after_s, remove_after_s=config.remove_after_s,
             silent_engine_factor=config.silent_engine_factor, resync_hold_s=config.resync_hold_s,
-        ))
+        ), max_workers=config.max_workers)
         self.metrics = ServiceMetrics()
         self.core = core_name(self.index)
         self.metrics.index_core.set(self.core, value=1.0)
@@ -173,7 +202,7 @@ class IndexerService:
         self.ingest = IngestLoop(
             index=self.index, registry=self.registry, lock=self.lock, metrics=self.metrics,
             subscriber_factory=subscriber_factory or _default_subscriber(config),
-            on_expired=self._expire, poll_ms=config.poll_ms, clock=clock,
+            on_expired=self._expire, on_subscribe_failed=self._subscribe_failed, poll_ms=config.poll_ms, clock=clock,
         )
         self.generation = 0
         self.started_at = clock()
@@ -182,6 +211,7 @@ class IndexerService:
         self._snap_thread: threading.Thread | None = None
         self._snap_lock = threading.Lock()  # one snapshot write at a time
         self._started = False
+        self._running = False  # start() completed: only then may stop() write a final snapshot
         self._blocks_cache: tuple[float, dict[tuple[str, int], dict[str, int]]] | None = None
         self._membership = 0  # bumped on (un)registration: a snapshot with nothing new is skipped
         self._saved_mark: tuple[int, int] | None = None
@@ -202,6 +232,7 @@ class IndexerService:
             except RegistryError as exc:
                 log.error("event=static_worker_rejected worker=%s error=%s", reg.worker_id, exc)
         self.ingest.start()
+        self._running = True
         if self.store is not None:
             self._snap_thread = threading.Thread(target=self._snapshot_loop, name="kvatlas-snapshot",
                                                  daemon=True)
@@ -216,7 +247,7 @@ class IndexerService:
         if self._snap_thread is not None:
             self._snap_thread.join(30)
         self.ingest.stop()
-        if final_snapshot and self.store is not None:
+        if final_snapshot and self._running and self.store is not None:
             self.snapshot_now()
         if self.store is not None:
             self.store.close()
@@ -236,7 +267,15 @@ class IndexerService:
             self.index.register_worker(reg.model, reg.worker_id, reg.dp_rank)
             status = self._status_of(reg.worker_id, self.clock())
         self._membership += 1
-        self.ingest.subscribe(reg, last_seq)
+        sub = self.ingest.subscribe(reg, last_seq)
+        if self.ingest.alive and threading.current_thread() is not self.ingest.thread:
+            # Answer only once the subscription exists: a failed one is undone, never a 201.
+            error = sub.wait(self.config.subscribe_timeout_s)
+            if error is not None:
+                if not sub.is_set():  # timed out: undo here (the thread may still subscribe later)
+                    self._subscribe_failed(reg.worker_id, error, reg)
+                    self.ingest.unsubscribe(reg.worker_id)
+                raise SubscribeFailed(f"cannot subscribe to {reg.endpoint} for worker {reg.worker_id!r}: {error}")
         log.info("event=registered worker=%s model=%s block_size=%d endpoint=%s replay=%s dp_rank=%d",
                  reg.worker_id, reg.model, reg.block_size, reg.endpoint, reg.replay_endpoint, reg.dp_rank)
         return status
@@ -249,6 +288,18 @@ class IndexerService:
         self.ingest.unsubscribe(worker_id)
         self.metrics.worker_lag.replace({k: v for k, v in self.metrics.worker_lag.items() if k[0] != worker_id})
         log.info("event=unregistered worker=%s reason=%s", worker_id, reason)
+
+    def _subscribe_failed(self, worker_id: str, error: str, reg: RegisterWorker | None = None) -> None:
+        """Undo a registration whose subscription failed (called by the ingest thread, or by
+        `register` on a timeout): the registry and index forget it; nothing was subscribed."""
+        with self.lock:
+            state = self.registry.get(worker_id)
+            if state is None or (reg is not None and state.reg is not reg):
+                return
+            self.registry.remove(worker_id)
+            self.index.remove_worker(state.reg.model, worker_id)
+        self._membership += 1
+        log.error("event=registration_undone worker=%s reason=subscribe_failed error=%s", worker_id, error)
 
     def _expire(self, worker_id: str) -> None:
         try:
@@ -326,7 +377,7 @@ class IndexerService:
                 out.append(WorkerScoreOut(
                     worker_id=ws.worker_id, dp_rank=ws.dp_rank, device_blocks=ws.device_blocks,
                     cached_blocks=ws.cached_blocks, tiers=_tiers(ws.tiers), score=float(ws.score),
-                    stale=status == "stale", last_seq=w.last_seq, status=status,
+                    stale=status == "stale", last_seq=w.last_seq, status=status, kv_blocks=ws.kv_blocks,
                 ))
             query_blocks = result.query_blocks
         # Best first; a stale worker may be gone, so it sorts after every fresh one (stable).
@@ -435,31 +486,71 @@ class IndexerService:
         while not self._snap_stop.wait(self.config.snapshot_interval_s):
             self.snapshot_now(only_if_changed=True)
 
+    def _load_snapshot_bytes(self) -> bytes | None:
+        """The stored snapshot (None: there is none). An unreachable store is retried for
+        `snapshot_load_timeout_s`, then SnapshotError: starting empty would later overwrite the
+        good snapshot with an emptier state (docs/service.md, "Snapshots")."""
+        assert self.store is not None
+        deadline = self.clock() + self.config.snapshot_load_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                return self.store.load()
+            except SnapshotError as exc:
+                self.metrics.snapshots.inc("load_failed")
+                if self.clock() >= deadline:
+                    raise SnapshotError(
+                        f"{exc}; still unreadable after {self.config.snapshot_load_timeout_s:g}s. Not "
+                        "starting: an indexer started empty would overwrite that snapshot. Bring the "
+                        "store back, or point --snapshot elsewhere to start empty on purpose") from exc
+                log.warning("event=snapshot_load_retry target=%s error=%s", self.store.description, exc)
+                self._snap_stop.wait(delay)  # back-off between attempts, not a synchronisation
+                delay = min(delay * 2, 1.0)
+
     def _restore(self) -> None:
+        """Load the snapshot. A worker's watermark comes back only with its model's state; a
+        worker whose model could not be loaded is registered with no watermark, so its stream is
+        replayed from seq 0 (or resynced when the replay cannot cover it)."""
         if self.store is None:
             return
+        data = self._load_snapshot_bytes()
+        if data is None:
+            log.info("event=snapshot_absent target=%s", self.store.description)
+            return
         try:
-            data = self.store.load()
-            if data is None:
-                log.info("event=snapshot_absent target=%s", self.store.description)
-                return
             snap = decode_snapshot(data)
         except SnapshotError as exc:
             self.metrics.snapshots.inc("load_failed")
-            log.error("event=snapshot_load_failed target=%s error=%s (starting empty)", self.store.description, exc)
-            return
+            raise SnapshotError(
+                f"snapshot at {self.store.description} cannot be read: {exc}. Not starting: it would be "
+                "overwritten by an emptier state. Move it aside (or delete it) to start empty") from exc
+        loaded: set[str] = set()
         for ms in snap.models:
             try:
                 self.index.ensure_model(ms.model, ms.block_size)
                 self.index.load_dump(ms.model, ms.block_size, list(ms.workers))
             except Exception as exc:
                 self.metrics.snapshots.inc("load_failed")
-                log.error("event=snapshot_model_failed model=%s error=%r", ms.model, exc)
+                log.error("event=snapshot_model_failed model=%s error=%r (its workers replay from seq 0)",
+                          ms.model, exc)
+                for wid in {w for w, _rank, _events in ms.workers}:  # drop whatever got in part-way
+                    try:
+                        self.index.clear_worker(ms.model, wid)
+                    except Exception:
+                        pass
+                continue
+            loaded.add(ms.model)
         for ws in snap.workers:
+            restored = ws.reg.model in loaded
             try:
-                self.register(ws.reg, last_seq=ws.last_seq)
+                self.register(ws.reg, last_seq=ws.last_seq if restored else None)
             except RegistryError as exc:
                 log.error("event=snapshot_worker_rejected worker=%s error=%s", ws.reg.worker_id, exc)
+                continue
+            if not restored:
+                self.metrics.snapshots.inc("worker_not_restored")
+                log.warning("event=snapshot_worker_not_restored worker=%s model=%s replay_from=0",
+                            ws.reg.worker_id, ws.reg.model)
                 continue
             w = self.registry.get(ws.reg.worker_id)
             if w is not None:
@@ -469,6 +560,5 @@ class IndexerService:
         self.generation = snap.generation
         self.restored_from = snap.generation
         self.metrics.snapshots.inc("loaded")
-        log.info("event=snapshot_loaded generation=%d workers=%d models=%d", snap.generation,
-                 len(snap.workers), len(snap.models))
-
+        log.info("event=snapshot_loaded generation=%d workers=%d models=%d models_failed=%d", snap.generation,
+                 len(snap.workers), len(snap.models), len(snap.models) - len(loaded))

@@ -91,7 +91,11 @@ class ScoreRequestRaw(Struct, omit_defaults=True):
     cache_salt: OptName = None
 
 
-class WorkerScoreOut(Struct):
+class WorkerScoreOut(Struct, omit_defaults=True):
+    """One worker's row. For hybrid models (docs/hybrid.md) device_blocks / cached_blocks are the
+    usable prefixes and `kv_blocks` the full-attention-only match; omitted for full-attention-only
+    models (only `kv_blocks` has a default, so nothing else is ever omitted)."""
+
     worker_id: str
     dp_rank: int
     device_blocks: int
@@ -101,6 +105,7 @@ class WorkerScoreOut(Struct):
     stale: bool
     last_seq: Optional[int]
     status: str
+    kv_blocks: Optional[int] = None
 
 
 class BestWorker(Struct):

@@ -1,4 +1,5 @@
-"""`kvatlas demo` end to end: real caches, real ZMQ, the index checked against the caches' truth."""
+"""`kvatlas demo --in-process` (the fast example): real caches, real ZMQ, the index checked against the
+caches' truth. The multi-process demo is tested in tests/test_demo_fleet.py."""
 from __future__ import annotations
 
 import io
@@ -7,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from producer.demo import DemoConfig, main
+from router_api.demo.inprocess import DemoConfig, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +29,7 @@ def test_demo_index_equals_caches_and_routing_beats_round_robin() -> None:
 def test_demo_cli_runs_and_rejects_bad_arguments() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     exe = [sys.executable, "-m", "router_api.cli"]
-    ok = subprocess.run([*exe, "demo", "--workers", "2", "--requests", "40"], cwd=ROOT, env=env,
+    ok = subprocess.run([*exe, "demo", "--in-process", "--workers", "2", "--requests", "40"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "index == caches" in ok.stdout

@@ -95,6 +95,20 @@ def test_skipped_events_change_nothing(ix, feed) -> None:
     assert rows(ix, [1, 2]) == [("a", 0, 0, 0, 0, 0, 0, 0)]
 
 
+def test_one_bad_event_keeps_its_neighbours(ix) -> None:
+    """A payload the decoder refuses for one event (wrong type, unknown tag, empty bytes hash) applies
+    its other events on every backend; a payload whose shell is bad changes nothing."""
+    import msgspec
+
+    good = [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2], "block_size": BS},
+            {"type": "BlockStored", "block_hashes": [2], "parent_block_hash": 1, "token_ids": [3, 4], "block_size": BS}]
+    for i, bad in enumerate(({"type": "BlockRemoved", "block_hashes": ["x"]}, {"type": "BlockEvicted"},
+                             {"type": "BlockRemoved", "block_hashes": [b""]})):
+        ix.apply_payload(M, f"w{i}", 0, msgspec.msgpack.encode([0.0, [good[0], bad, good[1]]]))
+    ix.apply_payload(M, "z", 0, msgspec.msgpack.encode(["late", good]))
+    assert rows(ix, [1, 2, 3, 4]) == [(f"w{i}", 0, 2, 2, 2, 0, 0, 0) for i in range(3)]
+
+
 def test_namespaces_and_extra_keys(ix, feed) -> None:
     feed(ix, "a", [S([1], None, [1, 2], lora_name="l"), S([2], None, [1, 2], extra_keys=[["img", 1]])])
     assert rows(ix, [1, 2]) == [("a", 0, 0, 0, 0, 0, 0, 0)]

@@ -5,6 +5,7 @@ not first, array-form events, trailing bytes, orphans): after every batch both g
 identical state — node table, every worker's engine-hash map and pending orphans."""
 from __future__ import annotations
 
+import math
 import random
 import struct
 
@@ -13,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from indexer.core import native as native_core
-from indexer.index import ApplyStats, KVIndex
+from indexer.index import ApplyStats, KVIndex, RankLimits
 from schemas.batchhead import read_head
-from schemas.codec import DecodeError, decode_batch
+from indexer.core.apply import decode_or_drop
 
 pytestmark = pytest.mark.skipif(not native_core.available(), reason="native accelerator not built")
 
@@ -212,13 +213,17 @@ def _read_head_then_apply(ix: KVIndex, wid: str, default: int, payload: bytes) -
     head = read_head(payload)
     batch = None
     if head is None or not head.events:
-        batch = decode_batch(payload)
-        if isinstance(batch, DecodeError):
-            return ApplyStats(drops={f"decode_{batch.reason}": 1})
+        verdict = ApplyStats()
+        batch = decode_or_drop(payload, verdict)  # the decoder's verdict, bad events judged one by one
+        if batch is None:
+            return verdict
         ts, raw, n = batch.ts, batch.data_parallel_rank, len(batch.events)
     else:
         ts, raw, n = head.ts, head.data_parallel_rank, len(head.events)
     rank = raw if raw is not None and raw >= 0 else default
+    ts = ts if math.isfinite(ts) else 0.0
+    if rank != default and rank > RankLimits().max_dp_rank and (wid, rank) not in ix.workers(MODEL):
+        return ApplyStats(drops={"dp_rank_out_of_range": n} if n else {}, ts=ts, n_events=n)  # refused
     if not n:
         return ApplyStats(dp_rank=rank, ts=ts)
     st_ = ix.apply(MODEL, wid, rank, batch) if batch is not None else ix.apply_payload(MODEL, wid, rank, payload)
@@ -231,7 +236,8 @@ def _read_head_then_apply(ix: KVIndex, wid: str, default: int, payload: bytes) -
 def test_rank_from_batch_matches_read_head_then_apply(seed: int, n_batches: int, trust: bool) -> None:
     """`apply_payload(..., rank_from_batch=True)` (one C walk reading dp_rank and ts; the Python core's
     twin) gives exactly the stats and state of `read_head` + `apply_payload` with the rank it picks:
-    the batch's dp_rank when a non-negative int (3, 2**64-1), else the caller's (absent, None, -1)."""
+    the batch's dp_rank when a non-negative int (3), else the caller's (absent, None, -1); a rank above
+    `RankLimits.max_dp_rank` (2**64-1) refuses the batch."""
     rng = random.Random(seed)
     pool = [rng.getrandbits(64) for _ in range(8)]
     blocks = [[rng.randrange(300) for _ in range(BS)] for _ in range(4)]

@@ -122,9 +122,10 @@ def test_odd_payloads_judged_like_full_decoder(native: bool) -> None:
     assert st.counts == {("stored", "CPU_PINNED", "orphan_held"): 2}
     bad_tokens = msgspec.msgpack.encode([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
                                                  "token_ids": [1, "x"], "block_size": 2}], None])
-    assert ix.apply_payload("m", "a", 0, bad_tokens).drops == {"decode_invalid": 1}
+    assert ix.apply_payload("m", "a", 0, bad_tokens).drops == {"event_invalid": 1}  # judged alone
     bad_hash = msgspec.msgpack.encode([0.0, [{"type": "BlockRemoved", "block_hashes": [b""]}], None])
-    assert ix.apply_payload("m", "a", 0, bad_hash).drops == {"decode_bad_hash": 1}
+    assert ix.apply_payload("m", "a", 0, bad_hash).drops == {"event_bad_hash": 1}
+    assert ix.apply_payload("m", "a", 0, b"\x92\xa1x\x90").drops == {"decode_invalid": 1}  # the shell itself
     arr_form = msgspec.msgpack.encode([0.0, [["BlockStored", [5], None, [1, 2], 2]], None])
     assert ix.apply_payload("m", "a", 0, arr_form).counts == {("stored", "GPU", "new"): 1}
     st = ix.apply_payload("m", "a", 0, encode_batch(KVEventBatch(0.0, [BlockRemoved([5, 6], medium="GPU")])))

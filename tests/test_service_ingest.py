@@ -330,8 +330,8 @@ def test_silent_worker_goes_stale_then_is_removed() -> None:
 
 def test_fast_path_keeps_dp_rank_and_judges_events_like_the_full_decoder(live: LiveIndexer) -> None:
     """Ingest hands payloads to `apply_payload` after reading only their head: dp_rank still comes
-    from the batch (a negative one falls back to the registered rank), events the head skipped but
-    that do not decode drop the whole batch under the full decoder's label, and array-form events
+    from the batch (a negative one falls back to the registered rank), an event the head skipped but
+    that does not decode is dropped alone under the full decoder's label (`event_<reason>`), and array-form events
     (which the head does not read) still apply through the full decoder."""
     import msgspec
 
@@ -339,7 +339,7 @@ def test_fast_path_keeps_dp_rank_and_judges_events_like_the_full_decoder(live: L
     try:
         pub = fleet.pubs["w0"]
         c = live.client
-        before = live.client.get("/stats").json()["drops"].get("decode_invalid", 0)
+        before = live.client.get("/stats").json()["drops"].get("event_invalid", 0)
         rank3 = [9] * (BS * 2)
         pub.publish([BlockStored(block_hashes=[31, 32], parent_block_hash=None, token_ids=rank3, block_size=BS)],
                     dp_rank=3)
@@ -363,7 +363,7 @@ def test_fast_path_keeps_dp_rank_and_judges_events_like_the_full_decoder(live: L
         by_rank = {w["dp_rank"]: w for w in c.post("/score", json={"token_ids": neg}).json()["workers"]}
         assert by_rank[0]["device_blocks"] == 1 and by_rank[3]["device_blocks"] == 0
         assert c.post("/score", json={"token_ids": arr}).json()["workers"][0]["device_blocks"] == 1
-        assert c.get("/stats").json()["drops"]["decode_invalid"] == before + 1
+        assert c.get("/stats").json()["drops"]["event_invalid"] == before + 1
         assert _metric(c, 'kvatlas_events_applied_total{outcome="new",tier="GPU",type="stored"}') >= 4
         assert _metric(c, 'kvatlas_batches_total{kind="heartbeat",worker="w0"}') >= 1
     finally:

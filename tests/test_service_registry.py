@@ -38,7 +38,7 @@ def test_registration_errors() -> None:
     with pytest.raises(InvalidRegistration, match="conflicts"):
         Registry().add(_reg("c", 3, model="m", block_size=32), now=0, model_block_sizes={"m": 16})
     with pytest.raises(InvalidRegistration, match="replay_endpoint must differ"):
-        r.add(RegisterWorker("d", "tcp://h:1", replay_endpoint="tcp://h:1"), now=0)
+        r.add(RegisterWorker("d", "tcp://127.0.0.1:9", replay_endpoint="tcp://localhost:9"), now=0)
     with pytest.raises(UnknownWorker):
         r.remove("zzz")
     assert [w.worker_id for w in r] == ["a", "b"] and r.watermarks() == {}

@@ -12,6 +12,13 @@
  *  - walk / score_rows: the prefix walk, and the whole score down to the ranked WorkerScore rows.
  * Functions return None where they cannot decide (odd input): the caller then takes the Python path,
  * which judges the input exactly as the reference does.
+ *
+ * Untrusted bytes (docs/index-core.md, "The C accelerator on untrusted input"): only the public
+ * CPython API is used; a buffer is read only when its format code and item size agree; positions and
+ * widths are bounded before any shift or allocation; no pointer arithmetic on NULL (empty batches);
+ * no borrowed reference or cached length is held across a call that can run Python code (the row
+ * type's constructor), and U64Map keys are exact ints or bytes only, so a map lookup never runs
+ * Python code either. `make test-sanitize` runs the fuzz and differential tests on an ASan + UBSan build.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,6 +34,11 @@
 /* Hash constants, event tags, field names, media aliases, the full-attention rule and the ApplyStats
  * keys: generated from schemas/ and indexer/ (indexer/_native/wire.py), never written here. */
 #include "wire_tables.h"
+
+/* Bounds on caller-supplied positions: a residency word never grows past MAX_WIDTH 64-bit words
+ * (MAX_WIDTH * 16 worker slots), so `4 * slot + tier` always fits an int. */
+#define MAX_WIDTH 4096
+#define MAX_SLOT ((Py_ssize_t)MAX_WIDTH * 16)
 
 /* ---------------------------------------------------------------- hashing (twin of hashing.py) */
 
@@ -123,7 +135,10 @@ static Py_ssize_t tokens_u64(PyObject *obj, uint64_t **out) {
     uint64_t *t = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
     if (!t) { PyBuffer_Release(&view); PyErr_NoMemory(); return -2; }
     const char *b = view.buf;
-    int ok = 1;
+    /* the item size the code promises must be the buffer's, or items would be read past its end */
+    Py_ssize_t want = (code == 'b' || code == 'B') ? 1 : (code == 'h' || code == 'H') ? 2
+                    : (code == 'i' || code == 'I') ? 4 : (code == 'l' || code == 'L' || code == 'q' || code == 'Q') ? 8 : 0;
+    int ok = want != 0 && view.itemsize == want && view.len == n * want;
     for (Py_ssize_t i = 0; i < n && ok; i++) {
         const char *q = b + i * view.itemsize;
         switch (code) {
@@ -133,12 +148,8 @@ static Py_ssize_t tokens_u64(PyObject *obj, uint64_t **out) {
             case 'H': { uint16_t v; memcpy(&v, q, 2); t[i] = v; break; }
             case 'i': { int32_t v; memcpy(&v, q, 4); t[i] = (uint64_t)(int64_t)v; break; }
             case 'I': { uint32_t v; memcpy(&v, q, 4); t[i] = v; break; }
-            case 'l': case 'q':
-                if (view.itemsize != 8) { ok = 0; break; }
-                { int64_t v; memcpy(&v, q, 8); t[i] = (uint64_t)v; break; }
-            case 'L': case 'Q':
-                if (view.itemsize != 8) { ok = 0; break; }
-                { uint64_t v; memcpy(&v, q, 8); t[i] = v; break; }
+            case 'l': case 'q': { int64_t v; memcpy(&v, q, 8); t[i] = (uint64_t)v; break; }
+            case 'L': case 'Q': { uint64_t v; memcpy(&v, q, 8); t[i] = v; break; }
             default: ok = 0;
         }
     }
@@ -212,7 +223,11 @@ done:
     while (q < end && json_ws(*q)) q++;
     if (q != end) goto undecided;
     PyBuffer_Release(&view);
-    if (n != cap && _PyBytes_Resize(&out, n * 4) < 0) return NULL;
+    if (n != cap) { /* a fresh object of the right size (public API; no in-place resize) */
+        PyObject *exact = PyBytes_FromStringAndSize(PyBytes_AS_STRING(out), n * 4);
+        Py_DECREF(out);
+        return exact;
+    }
     return out;
 undecided:
     PyBuffer_Release(&view);
@@ -372,22 +387,51 @@ static void erase(U64Map *m, Py_ssize_t i) {
     m->used--;
 }
 
-/* 1: native key, 0: side-dict key, -1: error */
-static inline int key_u64(PyObject *o, uint64_t *k) {
-    if (!PyLong_Check(o)) return 0;
-    if (_PyLong_Sign(o) <= 0) return 0;
-    uint64_t v = PyLong_AsUnsignedLongLong(o);
-    if (v == (uint64_t)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; }
-    *k = v;
+/* An int (subclasses too: reading one runs no Python code) in [1, 2^64) as u64: 1, else 0. Public API
+ * only (no _PyLong_Sign): the overflow flag gives the sign of ints beyond long long. */
+static inline int int_u64(PyObject *o, uint64_t *k) {
+    int ovf = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &ovf);
+    if (!ovf) { if (v <= 0) { if (v == -1) PyErr_Clear(); return 0; } *k = (uint64_t)v; return 1; }
+    if (ovf < 0) return 0;
+    uint64_t u = PyLong_AsUnsignedLongLong(o);
+    if (u == (uint64_t)-1 && PyErr_Occurred()) { PyErr_Clear(); return 0; } /* >= 2^64 */
+    *k = u;
     return 1;
 }
+
+/* -1, 0 or 1 for an int, without the private _PyLong_Sign. */
+static inline int int_sign(PyObject *o) {
+    int ovf = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &ovf);
+    if (ovf) return ovf;
+    if (v == -1) PyErr_Clear();
+    return v > 0 ? 1 : v < 0 ? -1 : 0;
+}
+
+/* Keys are exact ints or bytes: hashing and comparing those never runs Python code, so no lookup can
+ * change a map (or anything else) under a walk in progress. 1: native key, 0: side-dict key, -1: error. */
+static inline int key_u64(PyObject *o, uint64_t *k) {
+    if (PyLong_CheckExact(o)) return int_u64(o, k);
+    if (PyBytes_CheckExact(o)) return 0;
+    PyErr_Format(PyExc_TypeError, "U64Map keys must be int or bytes, not %.100s", Py_TYPE(o)->tp_name);
+    return -1;
+}
+
+/* int.from_bytes / int.to_bytes / int.bit_length (unbound, so an int subclass cannot override them):
+ * the public way to move values wider than 64 bits in and out. Set at module init. */
+static PyObject *INT_FROM_BYTES, *INT_TO_BYTES, *INT_BIT_LENGTH, *STR_LITTLE;
 
 static PyObject *val_obj(const U64Map *m, Py_ssize_t i) {
     const uint64_t *v = VALS(m, i);
     int hi = m->width;
     while (hi > 1 && v[hi - 1] == 0) hi--;
     if (hi == 1) return PyLong_FromUnsignedLongLong(v[0]);
-    return _PyLong_FromByteArray((const unsigned char *)v, 8 * (size_t)hi, 1, 0);
+    PyObject *b = PyBytes_FromStringAndSize((const char *)v, 8 * (Py_ssize_t)hi);
+    if (!b) return NULL;
+    PyObject *r = PyObject_CallFunctionObjArgs(INT_FROM_BYTES, b, STR_LITTLE, NULL);
+    Py_DECREF(b);
+    return r;
 }
 
 static int widen(U64Map *m, int width) {
@@ -398,27 +442,40 @@ static int widen(U64Map *m, int width) {
 /* Store a non-negative int value into slot i (widening as needed; the slot index may change). */
 static int set_val(U64Map *m, uint64_t k, PyObject *v) {
     if (!PyLong_Check(v)) { PyErr_SetString(PyExc_TypeError, "U64Map values must be ints"); return -1; }
-    if (_PyLong_Sign(v) < 0) { PyErr_SetString(PyExc_ValueError, "U64Map values must be non-negative"); return -1; }
-    size_t nbits = _PyLong_NumBits(v);
-    if (nbits == (size_t)-1 && PyErr_Occurred()) return -1;
-    int words = nbits ? (int)((nbits + 63) / 64) : 1;
-    if (widen(m, words) < 0) return -1;
-    int f;
-    Py_ssize_t i = find_or_insert(m, k, &f);
-    if (i < 0) return -1;
-    uint64_t *dst = VALS(m, i);
-    if (words == 1) {
-        uint64_t x = PyLong_AsUnsignedLongLong(v);
-        if (x == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    if (int_sign(v) < 0) { PyErr_SetString(PyExc_ValueError, "U64Map values must be non-negative"); return -1; }
+    uint64_t x = PyLong_AsUnsignedLongLong(v);
+    if (!(x == (uint64_t)-1 && PyErr_Occurred())) { /* the common case: one word */
+        int f;
+        Py_ssize_t i = find_or_insert(m, k, &f);
+        if (i < 0) return -1;
+        uint64_t *dst = VALS(m, i);
         memset(dst, 0, sizeof(uint64_t) * m->width);
         dst[0] = x;
         return 0;
     }
-#if PY_VERSION_HEX >= 0x030D0000
-    return _PyLong_AsByteArray((PyLongObject *)v, (unsigned char *)dst, 8 * (size_t)m->width, 1, 0, 1);
-#else
-    return _PyLong_AsByteArray((PyLongObject *)v, (unsigned char *)dst, 8 * (size_t)m->width, 1, 0);
-#endif
+    if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+    PyErr_Clear();
+    PyObject *bl = PyObject_CallOneArg(INT_BIT_LENGTH, v);
+    if (!bl) return -1;
+    Py_ssize_t nbits = PyLong_AsSsize_t(bl);
+    Py_DECREF(bl);
+    if (nbits < 0) return -1;
+    Py_ssize_t words = (nbits + 63) / 64; /* Py_ssize_t: never narrowed before the bound check */
+    if (words > MAX_WIDTH) { PyErr_SetString(PyExc_OverflowError, "U64Map value wider than its bound"); return -1; }
+    if (widen(m, (int)words) < 0) return -1;
+    PyObject *b = PyObject_CallFunction(INT_TO_BYTES, "OnO", v, (Py_ssize_t)8 * m->width, STR_LITTLE);
+    if (!b) return -1;
+    if (!PyBytes_Check(b) || PyBytes_GET_SIZE(b) != (Py_ssize_t)8 * m->width) {
+        Py_DECREF(b);
+        PyErr_SetString(PyExc_SystemError, "int.to_bytes gave an unexpected result");
+        return -1;
+    }
+    int f;
+    Py_ssize_t i = find_or_insert(m, k, &f);
+    if (i < 0) { Py_DECREF(b); return -1; }
+    memcpy(VALS(m, i), PyBytes_AS_STRING(b), sizeof(uint64_t) * m->width);
+    Py_DECREF(b);
+    return 0;
 }
 
 static PyObject *U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
@@ -444,7 +501,9 @@ static Py_ssize_t U64Map_len(U64Map *m) { return m->used + PyDict_GET_SIZE(m->ot
 /* Lookup: new reference, NULL with no error set when absent. */
 static PyObject *lookup(U64Map *m, PyObject *key) {
     uint64_t k;
-    if (key_u64(key, &k)) {
+    int kind = key_u64(key, &k);
+    if (kind < 0) return NULL;
+    if (kind) {
         int f;
         Py_ssize_t i = find(m, k, &f);
         return f ? val_obj(m, i) : NULL;
@@ -462,7 +521,9 @@ static PyObject *U64Map_subscript(U64Map *m, PyObject *key) {
 
 static int U64Map_ass(U64Map *m, PyObject *key, PyObject *v) {
     uint64_t k;
-    if (key_u64(key, &k)) {
+    int kind = key_u64(key, &k);
+    if (kind < 0) return -1;
+    if (kind) {
         if (v) return set_val(m, k, v);
         int f;
         Py_ssize_t i = find(m, k, &f);
@@ -471,7 +532,7 @@ static int U64Map_ass(U64Map *m, PyObject *key, PyObject *v) {
         return 0;
     }
     if (v) {
-        if (!PyLong_Check(v) || _PyLong_Sign(v) < 0) {
+        if (!PyLong_Check(v) || int_sign(v) < 0) {
             PyErr_SetString(PyExc_TypeError, "U64Map values must be non-negative ints");
             return -1;
         }
@@ -482,7 +543,9 @@ static int U64Map_ass(U64Map *m, PyObject *key, PyObject *v) {
 
 static int U64Map_contains(U64Map *m, PyObject *key) {
     uint64_t k;
-    if (key_u64(key, &k)) { int f; find(m, k, &f); return f; }
+    int kind = key_u64(key, &k);
+    if (kind < 0) return -1;
+    if (kind) { int f; find(m, k, &f); return f; }
     return PyDict_Contains(m->other, key);
 }
 
@@ -543,6 +606,19 @@ static PyObject *U64Map_clear(U64Map *m, PyObject *u) {
     Py_RETURN_NONE;
 }
 
+/* narrow() -> width: drop the value words no entry uses any more (residency words shrink again
+ * when the workers of high slots go, docs/index-core.md). */
+static PyObject *U64Map_narrow(U64Map *m, PyObject *u) {
+    int need = 1;
+    for (Py_ssize_t i = 0; i < m->cap && need < m->width; i++) {
+        if (!KEY(m, i)) continue;
+        const uint64_t *v = VALS(m, i);
+        for (int w = m->width - 1; w >= need; w--) if (v[w]) { need = w + 1; break; }
+    }
+    if (need < m->width && rehash(m, m->cap, need) < 0) return NULL;
+    return PyLong_FromLong(m->width);
+}
+
 static PyObject *U64Map_nbytes(U64Map *m, void *c) {
     return PyLong_FromSsize_t(sizeof(U64Map) + m->cap * (Py_ssize_t)sizeof(uint64_t) * (1 + m->width));
 }
@@ -553,7 +629,9 @@ static PyObject *U64Map_width(U64Map *m, void *c) { return PyLong_FromLong(m->wi
 /* ext-style lookup (values fit u64): 1 found, 0 absent, -1 error */
 static int get_u64(U64Map *m, PyObject *key, uint64_t *out) {
     uint64_t k;
-    if (key_u64(key, &k)) {
+    int kind = key_u64(key, &k);
+    if (kind < 0) return -1;
+    if (kind) {
         int f;
         Py_ssize_t i = find(m, k, &f);
         if (f) *out = VALS(m, i)[0];
@@ -567,7 +645,9 @@ static int get_u64(U64Map *m, PyObject *key, uint64_t *out) {
 
 static int set_u64(U64Map *m, PyObject *key, uint64_t val) {
     uint64_t k;
-    if (key_u64(key, &k)) { /* inline: no int object */
+    int kind = key_u64(key, &k);
+    if (kind < 0) return -1;
+    if (kind) { /* inline: no int object */
         int f;
         Py_ssize_t i = find_or_insert(m, k, &f);
         if (i < 0) return -1;
@@ -727,9 +807,8 @@ static int keys_u64(PyObject *keys, uint64_t **out) {
     if (!k) { PyErr_NoMemory(); return -1; }
     for (Py_ssize_t j = 0; j < nk; j++) {
         PyObject *o = PyList_GET_ITEM(keys, j);
-        if (!PyLong_Check(o) || _PyLong_Sign(o) <= 0) { PyMem_Free(k); return 1; } /* 0 lives in the side dict */
-        k[j] = PyLong_AsUnsignedLongLong(o);
-        if (k[j] == (uint64_t)-1 && PyErr_Occurred()) { PyErr_Clear(); PyMem_Free(k); return 1; }
+        /* not an int in [1, 2^64) (0 lives in the side dict): the Python walk judges it */
+        if (!PyLong_Check(o) || !int_u64(o, &k[j])) { PyMem_Free(k); return 1; }
     }
     *out = k;
     return 0;
@@ -740,8 +819,10 @@ static int slots_of(PyObject *slotso, Py_ssize_t **out) {
     Py_ssize_t *slot = PyMem_Malloc((size_t)(ns ? ns : 1) * sizeof(Py_ssize_t));
     if (!slot) { PyErr_NoMemory(); return -1; }
     for (Py_ssize_t s = 0; s < ns; s++) {
-        slot[s] = PyLong_AsSsize_t(PyList_GET_ITEM(slotso, s));
-        if (slot[s] < 0) {
+        PyObject *o = PyList_GET_ITEM(slotso, s);
+        /* ints only: __index__ of anything else could run Python code and change the list */
+        slot[s] = PyLong_Check(o) ? PyLong_AsSsize_t(o) : -1;
+        if (slot[s] < 0 || slot[s] >= MAX_SLOT) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad slot");
             PyMem_Free(slot);
             return -1;
@@ -780,15 +861,15 @@ static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyO
     for (Py_ssize_t r = 0; r < ns; r++) {
         Py_ssize_t s = rk[r].idx % ns;
         const WRow *w = rows + s;
-        PyObject *tiers = _PyDict_NewPresized(4), *args[6] = {NULL};
+        PyObject *tiers = PyDict_New(), *args[6] = {NULL};
         if (!tiers) goto fail;
         for (int t = 0; t < 4; t++) {
             PyObject *v = PyLong_FromSsize_t(w->sp[t]);
             if (!v || PyDict_SetItem(tiers, PyTuple_GET_ITEM(names, t), v) < 0) { Py_XDECREF(v); Py_DECREF(tiers); goto fail; }
             Py_DECREF(v);
         }
-        args[0] = PyList_GET_ITEM(wids, s);
-        args[1] = PyList_GET_ITEM(ranks, s);
+        args[0] = PyTuple_GET_ITEM(wids, s); /* our own tuples: the constructor cannot change them */
+        args[1] = PyTuple_GET_ITEM(ranks, s);
         args[2] = PyLong_FromSsize_t(w->dev);
         args[3] = PyLong_FromSsize_t(w->cach);
         args[4] = tiers;
@@ -825,6 +906,8 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
     if (bs <= 0 || PyList_GET_SIZE(wids) != ns || PyList_GET_SIZE(ranks) != ns || PyTuple_GET_SIZE(wto) != 4 ||
         PyTuple_GET_SIZE(names) != 4)
         Py_RETURN_NONE;
+    for (int t = 0; t < 4; t++) /* exact str keys: building the tiers dict runs no Python code */
+        if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(names, t))) Py_RETURN_NONE;
     double wt[4];
     for (int t = 0; t < 4; t++) {
         PyObject *o = PyTuple_GET_ITEM(wto, t);
@@ -834,7 +917,7 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
     uint64_t *k = NULL;
     Py_ssize_t nk = 0, *slot = NULL;
     WRow *rows = NULL;
-    PyObject *out = NULL, *lst = NULL;
+    PyObject *out = NULL, *lst = NULL, *widt = NULL, *rankt = NULL;
     if (keys != Py_None) {
         if (!PyList_Check(keys)) Py_RETURN_NONE;
         int rc = keys_u64(keys, &k);
@@ -863,9 +946,17 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
     if (!rows) { PyErr_NoMemory(); goto done; }
     if (nk && ns) { if (walk_core(m, k, nk, slot, ns, rows) < 0) goto done; }
     else memset(rows, 0, sizeof(WRow) * (size_t)(ns ? ns : 1));
-    lst = build_rows(rows, ns, wids, ranks, wt, bs, cls, names);
+    /* the row type's constructor is Python code: the rows read ids and ranks from tuples of our own,
+     * never from the caller's lists (which that code could change), and ns is checked against them */
+    widt = PyList_AsTuple(wids);
+    rankt = widt ? PyList_AsTuple(ranks) : NULL;
+    if (!rankt) goto done;
+    if (PyTuple_GET_SIZE(widt) != ns || PyTuple_GET_SIZE(rankt) != ns) { out = Py_None; Py_INCREF(out); goto done; }
+    lst = build_rows(rows, ns, widt, rankt, wt, bs, cls, names);
     if (lst) out = Py_BuildValue("(nN)", nk, lst);
 done:
+    Py_XDECREF(widt);
+    Py_XDECREF(rankt);
     PyMem_Free(k);
     PyMem_Free(slot);
     PyMem_Free(rows);
@@ -1107,7 +1198,7 @@ static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
                 Py_ssize_t nh = rd_container(r, 0);
                 if (nh < 0 || grow((void **)&b->h, &b->ch, b->nh + nh, sizeof(HRef)) < 0) return nh < 0 ? 1 : -1;
                 e.h0 = b->nh; e.nh = nh;
-                for (Py_ssize_t j = 0; j < nh; j++) if (rd_hash(r, &b->h[b->nh + j]) < 0) return 1;
+                for (Py_ssize_t j = 0; j < nh; j++) if (rd_hash(r, b->h + b->nh + j) < 0) return 1; /* nh > 0: b->h set */
                 b->nh += nh;
                 break;
             }
@@ -1120,7 +1211,7 @@ static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
                 Py_ssize_t nt = rd_container(r, 0);
                 if (nt < 0 || grow((void **)&b->t, &b->ct, b->nt + nt, sizeof(uint64_t)) < 0) return nt < 0 ? 1 : -1;
                 e.t0 = b->nt; e.nt = nt;
-                if (rd_tokens(r, b->t + b->nt, nt) < 0) return 1;
+                if (nt && rd_tokens(r, b->t + b->nt, nt) < 0) return 1; /* b->t may be NULL when nt == 0 */
                 b->nt += nt;
                 break;
             }
@@ -1148,11 +1239,18 @@ static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
             case F_KV_CACHE_SPEC_KIND:
                 if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
                 e.full = full_attention(str, slen);
+                if (!e.full) return 1; /* another group's kind: groups are the pure core's (docs/hybrid.md) */
                 break;
+            case F_GROUP_IDX: {
+                if (rd_nil(r)) break;
+                uint64_t v; int neg;
+                if (rd_int(r, &v, &neg) != 1 || v) return 1; /* a group other than 0: the pure core's */
+                break;
+            }
             case F_SESSION_ID: case F_LOCALITY: case F_OWNERSHIP:
                 if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
                 break;
-            default: /* lora_id, group_idx, kv_cache_spec_sliding_window */
+            default: /* lora_id, kv_cache_spec_sliding_window */
                 if (rd_int_or_nil(r) < 0) return 1;
         }
     }
@@ -1455,7 +1553,12 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
     }
     uint64_t seed = PyLong_AsUnsignedLongLongMask(seedo);
     if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    if (bs <= 0 || shift < 0) Py_RETURN_NONE;
+    /* a slot position outside [0, MAX_SLOT) would shift past any word, or widen a map without bound */
+    if (bs <= 0 || shift < 0 || shift % 4 || shift / 4 >= MAX_SLOT) Py_RETURN_NONE;
+    if ((PyObject *)ext == (PyObject *)nodes || (known && (known == ext || known == nodes))) {
+        PyErr_SetString(PyExc_ValueError, "apply_msgpack: ext, nodes and known must be distinct maps");
+        return NULL;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
     FBatch b;
@@ -1478,8 +1581,11 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
     c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
     for (Py_ssize_t i = 0; i < b.nev; i++) {
         const FEv *e = b.ev + i;
-        int r = e->type == EV_STORED ? fp_store(&c, e, b.h + e->h0, b.t + e->t0)
-              : e->type == EV_REMOVED ? fp_remove(&c, e, b.h + e->h0) : fp_clear(&c);
+        /* no arithmetic on NULL: an event (or a whole batch) without hashes or tokens passes NULL */
+        const HRef *hs = e->nh ? b.h + e->h0 : NULL;
+        const uint64_t *ts = e->nt ? b.t + e->t0 : NULL;
+        int r = e->type == EV_STORED ? fp_store(&c, e, hs, ts)
+              : e->type == EV_REMOVED ? fp_remove(&c, e, hs) : fp_clear(&c);
         if (r < 0) goto done;
         if (r > 0) { stop = i; break; }
     }
@@ -1564,6 +1670,7 @@ static PyMethodDef U64Map_methods[] = {
     {"values", (PyCFunction)U64Map_values, METH_NOARGS, "list of values"},
     {"items", (PyCFunction)U64Map_items, METH_NOARGS, "list of (key, value)"},
     {"clear", (PyCFunction)U64Map_clear, METH_NOARGS, "remove everything"},
+    {"narrow", (PyCFunction)U64Map_narrow, METH_NOARGS, "drop unused value words; returns the width"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1604,8 +1711,17 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_kvnative", "kvatlas index accelerator", -1, module_methods};
 
+static int int_helpers(void) {
+    PyObject *t = (PyObject *)&PyLong_Type;
+    INT_FROM_BYTES = PyObject_GetAttrString(t, "from_bytes");
+    INT_TO_BYTES = INT_FROM_BYTES ? PyObject_GetAttrString(t, "to_bytes") : NULL;
+    INT_BIT_LENGTH = INT_TO_BYTES ? PyObject_GetAttrString(t, "bit_length") : NULL;
+    STR_LITTLE = INT_BIT_LENGTH ? PyUnicode_InternFromString("little") : NULL;
+    return STR_LITTLE ? 0 : -1;
+}
+
 PyMODINIT_FUNC PyInit__kvnative(void) {
-    if (PyType_Ready(&U64MapType) < 0 || build_key_objs() < 0) return NULL;
+    if (PyType_Ready(&U64MapType) < 0 || build_key_objs() < 0 || int_helpers() < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     Py_INCREF(&U64MapType);

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from indexer.core.apply import KNOWN_EXT_LIMIT, apply_events, decode_or_drop
+from indexer.core.apply import KNOWN_EXT_LIMIT, apply_events, decode_or_drop, finite_ts
 from indexer.core.state import ModelState, WorkerState
-from indexer.core.types import TIER_NAMES, ApplyStats, ScoreResult, TierWeights, WorkerScore
+from indexer.core.types import TIER_NAMES, ApplyStats, RankLimits, ScoreResult, TierWeights, WorkerScore
 
 
 class Accelerator:
@@ -31,11 +31,12 @@ class Accelerator:
     # --- apply ------------------------------------------------------------------------------
     def apply_payload(
         self, m: ModelState, worker_id: str, rank: int, payload: bytes, grace: int, rank_from_batch: bool,
+        limits: RankLimits,
     ) -> ApplyStats | None:
         """`KVIndex.apply_payload` for what the C walk takes, or None (nothing touched, no worker
         registered). With `rank_from_batch` the walk reads the batch's rank before touching anything:
         the maps passed are those of `rank` (the default), and a batch naming another rank is retried
-        once with that rank's maps."""
+        once with that rank's maps, if `limits` admit that rank."""
         default = rank
         for _ in range(2 if rank_from_batch else 1):
             w = m.by_id.get((worker_id, rank))
@@ -54,9 +55,13 @@ class Accelerator:
                     m.remove(w)  # a payload the C walk does not take must not register its worker
                 return None
             stop, counts, drops, ts, got, n = res
+            ts = finite_ts(ts)
             if rank_from_batch and (got != rank or not n):
                 if fresh:
                     m.remove(w)  # nothing applied: a worker only the rank guess created goes again
+                refused = m.refuses(worker_id, got, default, limits)
+                if refused is not None:  # nothing applied, no worker made; a heartbeat reports no rank
+                    return ApplyStats(drops={refused: n} if n else {}, ts=ts, n_events=n)
                 if not n:
                     return ApplyStats(dp_rank=got, ts=ts)  # a heartbeat
                 rank = got
@@ -68,6 +73,11 @@ class Accelerator:
                 self._apply_rest(m, w, payload, stop, grace, stats)
             return stats
         return None
+
+    @staticmethod
+    def narrow(m: ModelState) -> None:
+        """Give back the residency words no slot uses any more (after `ModelState` compacted them)."""
+        m.nodes.narrow()
 
     @staticmethod
     def _apply_rest(m: ModelState, w: WorkerState, payload: bytes, start: int, grace: int, stats: ApplyStats) -> None:

@@ -12,10 +12,13 @@ only the mapping interface is used.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import msgspec
 import numpy as np
 
+from indexer.core.groups import route_remove, route_store
 from indexer.core.state import NIBBLE, ModelState, PendingOrphan, WorkerState
 from indexer.core.types import (
     CLEARED_KEY, DROP_BLOCK_SIZE, DROP_NON_FULL, DROP_PARTIAL, DROP_PLACEHOLDER, MEDIUM_NAMES, REMOVE_OUTCOMES,
@@ -27,6 +30,37 @@ from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventB
 from schemas.media import parse_medium
 
 KNOWN_EXT_LIMIT = 4_000_000  # trust-mode cache of engine hash -> key; cleared when it grows past this
+
+
+class UndecodableEvent:
+    """Stands in a salvaged batch for one event the decoder refused (`decode_or_drop`): it keeps the
+    batch's event count and order, and `apply_events` counts it as the drop `reason`."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class _Shell(msgspec.Struct, array_like=True):
+    """A batch with its events left undecoded: what `decode_or_drop` salvages event by event."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_shell_decoder = msgspec.msgpack.Decoder(_Shell)
+_encode = msgspec.msgpack.encode
+# Whole-payload verdicts that may come from one event only: the others are still worth applying.
+_PER_EVENT_REASONS = frozenset(("invalid", "unknown_tag", "bad_hash"))
+
+
+_HASH_TYPES = frozenset((int, bytes))
+
+
+def _hash_ok(h: object) -> bool:
+    return type(h) is int or type(h) is bytes
 
 def _extras_for(ev: BlockStored, n: int) -> list[int] | None:
     """Per-block extra-key digests (vLLM: one entry per block, None where the block has none)."""
@@ -143,11 +177,18 @@ def _attach(
 def _store(m: ModelState, w: WorkerState, ev: BlockStored, digests: list[int] | None, stats: ApplyStats) -> None:
     hashes = ev.block_hashes
     n = len(hashes)
+    if not _HASH_TYPES.issuperset(map(type, hashes)) or not (ev.parent_block_hash is None or _hash_ok(ev.parent_block_hash)):
+        stats.drop("bad_event")  # a hand-built event (the decoder gives ints and bytes only): judged before any change
+        return
     medium = parse_medium(ev.medium)
     if medium is None:
         stats.drop("unknown_medium", n)
         return
     mname = MEDIUM_NAMES[medium]
+    gi = ev.group_idx  # another group than the main tree's goes to its own map (docs/hybrid.md)
+    if gi is not None and (gi or m.groups is not None or not is_full_attention(ev.kv_cache_spec_kind)):
+        if route_store(m, w, ev, stats):
+            return
     if not is_full_attention(ev.kv_cache_spec_kind):
         stats.drop(DROP_NON_FULL, n)
         return
@@ -203,7 +244,12 @@ def _count_store(stats: ApplyStats, mname: str, res: tuple[int, int, int]) -> No
 
 
 def _remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplyStats) -> None:
+    if (ev.group_idx or m.groups is not None) and route_remove(m, w, ev, stats):
+        return  # another group's remove: never the KV block with the same hash (docs/hybrid.md)
     hashes = ev.block_hashes
+    if not _HASH_TYPES.issuperset(map(type, hashes)):
+        stats.drop("bad_event")
+        return
     medium = parse_medium(ev.medium)
     if medium is None:
         stats.drop("unknown_medium", len(hashes))
@@ -305,6 +351,8 @@ def apply_events(
             elif cls is AllBlocksCleared or isinstance(ev, AllBlocksCleared):
                 m.clear(w)
                 stats.count(*CLEARED_KEY)
+            elif cls is UndecodableEvent:
+                stats.drop(ev.reason)
             else:
                 stats.drop("bad_event")
         except (TypeError, ValueError, OverflowError, AttributeError):
@@ -315,9 +363,38 @@ def apply_events(
 
 
 def decode_or_drop(payload: bytes, stats: ApplyStats) -> KVEventBatch | None:
-    """The full decoder's verdict on a payload: the batch, or None with its `decode_<reason>` drop counted."""
+    """The full decoder's verdict on a payload: the batch, or None with its `decode_<reason>` drop counted.
+
+    Every event is judged on its own: when the batch is refused for what may be one event (a wrong
+    field type, an unknown event tag, an empty bytes hash) but its shell `[ts, events, dp_rank]` reads,
+    each event is decoded alone and the refused ones become `UndecodableEvent("event_<reason>")`,
+    counted where they stood, so one bad event never loses its neighbours (docs/index-core.md)."""
     batch = decode_batch(payload)
     if isinstance(batch, DecodeError):
-        stats.drop(f"decode_{batch.reason}")
-        return None
+        salvaged = _salvage(payload) if batch.reason in _PER_EVENT_REASONS else None
+        if salvaged is None:
+            stats.drop(f"decode_{batch.reason}")
+        return salvaged
     return batch
+
+
+def _salvage(payload: bytes) -> KVEventBatch | None:
+    try:
+        shell = _shell_decoder.decode(payload)
+    except (msgspec.MsgspecError, ValueError, TypeError, RecursionError):
+        return None  # the shell itself is bad: the whole payload is refused
+    ts = _encode(shell.ts)
+    events: list = []
+    for raw in shell.events:
+        # the full decoder on a one-event batch: the same rules (forms, normalisation) per event
+        one = decode_batch(b"\x92" + ts + b"\x91" + bytes(raw))
+        if isinstance(one, DecodeError):
+            events.append(UndecodableEvent(f"event_{one.reason}"))
+        else:
+            events.extend(one.events)
+    return KVEventBatch(shell.ts, events, shell.data_parallel_rank)
+
+
+def finite_ts(ts: float) -> float:
+    """A batch's ts as the stats report it: NaN and infinities (no usable time) become 0.0 (unknown)."""
+    return ts if math.isfinite(ts) else 0.0

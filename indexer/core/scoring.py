@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from itertools import groupby
 
+from indexer.core.groups import score_groups
 from indexer.core.state import ModelState
 from indexer.core.types import TIER_NAMES, ScoreResult, TierWeights, WorkerScore
 
@@ -103,6 +104,8 @@ def score_keys(
         slots = [w for w in m.workers if w is not None]
     else:
         slots = [w for w in (m.by_id.get((wid, int(r))) for wid, r in workers) if w is not None]
+    if m.groups is not None and m.groups.hybrid:
+        return score_groups(m, keys, weights, slots)  # usable prefixes (docs/hybrid.md)
     live = 0
     for w in slots:
         live |= 1 << w.shift

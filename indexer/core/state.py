@@ -23,9 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from indexer.core.types import DROP_RANK_COUNT, DROP_RANK_RANGE, RankLimits
 from indexer.hashing import namespace_seed
 
 NIBBLE = 0xF
+SLOTS_PER_WORD = 16  # 4 bits a slot: slots per 64-bit word of a residency value (the accelerator's unit)
 
 
 class PendingOrphan:
@@ -58,7 +60,7 @@ class WorkerState:
 class ModelState:
     __slots__ = (
         "name", "block_size", "trust", "nodes", "workers", "by_id", "free_slots",
-        "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "new_map", "_ranked",
+        "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "new_map", "_ranked", "groups", "rank_count",
     )
 
     def __init__(self, name: str, block_size: int, trust: bool, new_map: Callable[[], Any] = dict) -> None:
@@ -77,6 +79,8 @@ class ModelState:
         # trust mode: first-seen engine hash -> key, shared by all workers of the model
         self.known_ext: dict[Any, int] = self.new_map()
         self._ranked: tuple[list[WorkerState], list[int], list[str], list[int]] | None = None
+        self.groups: Any = None  # a GroupTable once a store names a group (indexer/core/groups.py)
+        self.rank_count: dict[str, int] = {}  # worker_id -> how many ranks it has (RankLimits)
 
     def ranked(self) -> tuple[list[WorkerState], list[int], list[str], list[int]]:
         """Live workers in (worker_id, dp_rank) order (the scoring tie-break) with their slots, ids and
@@ -107,6 +111,7 @@ class ModelState:
             w = WorkerState(worker_id, dp_rank, slot, self.new_map())
             self.workers[slot] = w
             self.by_id[(worker_id, dp_rank)] = w
+            self.rank_count[worker_id] = self.rank_count.get(worker_id, 0) + 1
             self.live_gpu |= 1 << (4 * slot)
             self._ranked = None
         return w
@@ -124,17 +129,72 @@ class ModelState:
                 nodes[key] = r
             else:
                 del nodes[key]
+        if self.groups is not None:
+            self.groups.clear_slot(w.slot)
         n = len(w.ext)
         w.ext = self.new_map()
         w.pending = []
         return n
 
+    def refuses(self, worker_id: str, rank: int, default: int, limits: RankLimits) -> str | None:
+        """Why a batch of `worker_id` may not open `rank` for itself (a drop reason), or None."""
+        if rank == default or (worker_id, rank) in self.by_id:
+            return None
+        if rank > limits.max_dp_rank:
+            return DROP_RANK_RANGE
+        if self.rank_count.get(worker_id, 0) >= limits.max_ranks_per_worker:
+            return DROP_RANK_COUNT
+        return None
+
     def remove(self, w: WorkerState) -> None:
         self.clear(w)
         del self.by_id[(w.worker_id, w.dp_rank)]
+        n = self.rank_count[w.worker_id] - 1
+        if n:
+            self.rank_count[w.worker_id] = n
+        else:
+            del self.rank_count[w.worker_id]
         self.workers[w.slot] = None
         self.free_slots.append(w.slot)
         self.live_gpu &= ~(1 << w.shift)
+        self._ranked = None
+        self._compact()
+
+    def _compact(self) -> None:
+        """Keep slots dense, so residency values are only as wide as the live workers need: trailing
+        free slots go, and while the highest live slot lies in a 64-bit word the live count does not
+        need, its worker moves to the lowest free slot (cost: that worker's blocks, paid only when a
+        word is freed by it)."""
+        words = max(1, -(-len(self.by_id) // SLOTS_PER_WORD))
+        while True:
+            while self.workers and self.workers[-1] is None:
+                top = len(self.workers) - 1
+                self.workers.pop()
+                self.free_slots.remove(top)
+                self.slot_mask &= ~(1 << (4 * top))
+            top = len(self.workers) - 1
+            if top < words * SLOTS_PER_WORD or not self.free_slots:
+                return
+            w = self.workers[top]
+            assert w is not None
+            self._move(w, min(self.free_slots))
+
+    def _move(self, w: WorkerState, slot: int) -> None:
+        nodes = self.nodes
+        old, new = w.shift, 4 * slot
+        keep = ~(NIBBLE << old)
+        for key in set(w.ext.values()):
+            r = nodes.get(key)
+            if r is not None:
+                nodes[key] = (r & keep) | (((r >> old) & NIBBLE) << new)
+        if self.groups is not None:
+            self.groups.move_slot(w.slot, slot)
+        self.free_slots.remove(slot)
+        self.free_slots.append(w.slot)
+        self.workers[slot] = w
+        self.workers[w.slot] = None
+        self.live_gpu = (self.live_gpu & ~(1 << old)) | (1 << new)
+        w.slot, w.shift = slot, new
         self._ranked = None
 
     def tier_counts(self, w: WorkerState) -> list[int]:

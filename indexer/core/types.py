@@ -20,6 +20,23 @@ DROP_PARTIAL = "partial_block"
 ACCEL_DROPS: tuple[str, str, str, str] = (DROP_NON_FULL, DROP_PLACEHOLDER, DROP_BLOCK_SIZE, DROP_PARTIAL)
 
 
+# Drop reasons of a batch whose own dp_rank is refused (`RankLimits`): nothing of it is applied.
+DROP_RANK_RANGE = "dp_rank_out_of_range"
+DROP_RANK_COUNT = "too_many_ranks"
+
+
+class RankLimits(msgspec.Struct, frozen=True):
+    """Bounds on the dp_ranks a batch may name for itself (`apply_payload(..., rank_from_batch=True)`).
+
+    Every (worker, rank) takes a slot, and a slot widens every node's residency word, so ranks from
+    the wire are bounded: at most `max_dp_rank` as a value, and at most `max_ranks_per_worker` ranks
+    per worker id (the caller's own rank, e.g. the registered one, is always accepted and counts).
+    docs/index-core.md says why these defaults."""
+
+    max_dp_rank: int = 1023
+    max_ranks_per_worker: int = 64
+
+
 class BlockSizeConflict(ValueError):
     """A model namespace was asked for with a block size different from the one it has."""
 
@@ -84,6 +101,9 @@ class WorkerScore(msgspec.Struct):
     cached_blocks: int
     tiers: dict[str, int]
     score: float
+    # Models with groups only (indexer/core/groups.py): the full-attention-only match over any tier,
+    # while device_blocks / cached_blocks are the usable prefixes. None for full-attention-only models.
+    kv_blocks: int | None = None
 
 
 class ScoreResult(msgspec.Struct):

@@ -8,6 +8,11 @@ tuple of (namespace, every block's tokens and extra keys from the root), kept pe
 `ext hash -> identity` plus `identity -> set of tiers`. It does not hash, does not hold orphans
 (a store whose parent the worker does not hold is dropped at once) and has no trust mode; tests feed it
 histories in their true order.
+
+Groups (docs/hybrid.md, "The indexer"): stores naming a full-attention / sliding-window / Mamba
+`group_idx` other than the main tree's keep per-group tiers `(group, identity) -> tiers`; removes apply
+to their group only; with such groups `score` returns usable prefixes, checked per depth L by brute
+force, and `kv_blocks`.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from indexer.core.groups import FULL, MAMBA, SWA, classify
 from indexer.core.types import MEDIUM_NAMES, TIER_NAMES, ScoreResult, TierWeights, WorkerScore
 from schemas.codec import DecodeError, decode_batch
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, is_full_attention
@@ -27,19 +33,30 @@ def _extra_id(x: Any) -> bytes | None:
 
 
 class _RefWorker:
-    __slots__ = ("ext", "tiers")
+    __slots__ = ("ext", "tiers", "gext", "gtiers")
 
     def __init__(self) -> None:
         self.ext: dict[Any, tuple] = {}
         self.tiers: dict[tuple, set[int]] = {}
+        self.gext: dict[tuple[int, Any], tuple] = {}  # (group, hash) -> identity
+        self.gtiers: dict[tuple[int, tuple], set[int]] = {}  # (group, identity) -> tiers
+
+    def clear(self) -> None:
+        self.ext.clear()
+        self.tiers.clear()
+        self.gext.clear()
+        self.gtiers.clear()
 
 
 class _RefModel:
-    __slots__ = ("block_size", "workers")
+    __slots__ = ("block_size", "workers", "has_groups", "primary", "groups")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.workers: dict[tuple[str, int], _RefWorker] = {}
+        self.has_groups = False
+        self.primary: int | None = None
+        self.groups: dict[int, tuple[int, int | None]] = {}  # non-primary group -> (kind, window)
 
 
 class ReferenceIndex:
@@ -58,8 +75,25 @@ class ReferenceIndex:
 
     def apply_payload(self, model: str, worker_id: str, dp_rank: int, payload: bytes) -> None:
         batch = decode_batch(payload)
-        if not isinstance(batch, DecodeError):
+        if isinstance(batch, DecodeError):
+            batch = self._event_by_event(payload)  # one bad event never loses its neighbours
+        if batch is not None:
             self.apply(model, worker_id, dp_rank, batch)
+
+    @staticmethod
+    def _event_by_event(payload: bytes) -> KVEventBatch | None:
+        try:
+            ts, events, *rank = msgspec.msgpack.decode(payload)
+        except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
+            return None
+        if not isinstance(events, list) or type(ts) not in (int, float) or len(rank) > 1 or (rank and rank[0] is not None and type(rank[0]) is not int):
+            return None
+        out = []
+        for ev in events:
+            one = decode_batch(msgspec.msgpack.encode([ts, [ev]]))
+            if not isinstance(one, DecodeError):
+                out.extend(one.events)
+        return KVEventBatch(float(ts), out)
 
     def register_worker(self, model: str, worker_id: str, dp_rank: int = 0) -> None:
         self.models[model].workers.setdefault((worker_id, dp_rank), _RefWorker())
@@ -71,6 +105,11 @@ class ReferenceIndex:
             if isinstance(ev, BlockStored):
                 self._store(m, w, ev)
             elif isinstance(ev, BlockRemoved):
+                gi = ev.group_idx
+                if (gi or m.has_groups) and not (gi is None or gi == m.primary):
+                    if gi in m.groups:
+                        self._group_remove(w, gi, ev)
+                    continue
                 medium = parse_medium(ev.medium)
                 if medium is None:
                     continue
@@ -84,12 +123,89 @@ class ReferenceIndex:
                         w.tiers.pop(ident, None)
                         del w.ext[h]
             elif isinstance(ev, AllBlocksCleared):
-                w.ext.clear()
-                w.tiers.clear()
+                w.clear()
+
+    def _group_remove(self, w: _RefWorker, g: int, ev: BlockRemoved) -> None:
+        medium = parse_medium(ev.medium)
+        if medium is None:
+            return
+        for h in ev.block_hashes:
+            ident = w.gext.get((g, h))
+            if ident is None:
+                continue
+            ts = w.gtiers.get((g, ident), set())
+            ts.discard(int(medium))
+            if not ts:
+                w.gtiers.pop((g, ident), None)
+                del w.gext[(g, h)]
+
+    def _route(self, m: _RefModel, ev: BlockStored) -> int | None:
+        """The group a store goes to: None for the main tree (or the main path's skip), -1 skipped."""
+        gi = ev.group_idx
+        if gi is None or not (gi or m.has_groups or not is_full_attention(ev.kv_cache_spec_kind)):
+            return None
+        kind = classify(ev.kv_cache_spec_kind)
+        if kind is None or gi < 0:
+            return None
+        if not m.has_groups:
+            if gi == 0 and kind == FULL:
+                return None
+            m.has_groups = True
+            m.primary = 0 if any(w.tiers for w in m.workers.values()) else None
+        if m.primary is None and kind == FULL and gi not in m.groups:
+            m.primary = gi
+        if gi == m.primary:
+            return None if kind == FULL else -1
+        spec = (kind, ev.kv_cache_spec_sliding_window if kind == SWA else None)
+        return gi if m.groups.setdefault(gi, spec) == spec else -1
+
+    def _group_store(self, m: _RefModel, w: _RefWorker, g: int, ev: BlockStored, tier: int) -> None:
+        hashes = ev.block_hashes
+
+        def known(h: Any) -> tuple | None:
+            i = w.gext.get((g, h))
+            return i if i is not None else w.ext.get(h)
+
+        if ev.block_size == 0 or not ev.token_ids:
+            if all(known(h) is not None for h in hashes):
+                for h in hashes:
+                    ident = known(h)
+                    w.gext[(g, h)] = ident
+                    w.gtiers.setdefault((g, ident), set()).add(tier)
+            return
+        bs = m.block_size
+        if ev.block_size != bs:
+            return
+        nfull = min(len(hashes), len(ev.token_ids) // bs)
+        extras = self._extras(ev)
+        prefix = ((ev.lora_name, ev.cache_salt),) if ev.parent_block_hash is None else known(ev.parent_block_hash)
+        for j in range(nfull):
+            ident = known(hashes[j])
+            if ident is None:
+                if prefix is None:
+                    return  # orphan: dropped
+                ident = prefix + ((tuple(int(t) for t in ev.token_ids[j * bs : (j + 1) * bs]), extras[j]),)
+            w.gext[(g, hashes[j])] = ident
+            w.gtiers.setdefault((g, ident), set()).add(tier)
+            prefix = ident
+
+    @staticmethod
+    def _extras(ev: BlockStored) -> list:
+        xk, n = ev.extra_keys, len(ev.block_hashes)
+        if xk and len(xk) == n:
+            return [_extra_id(x) for x in xk]
+        return [_extra_id(xk) if xk else None] * n
 
     def _store(self, m: _RefModel, w: _RefWorker, ev: BlockStored) -> None:
         medium = parse_medium(ev.medium)
-        if medium is None or not is_full_attention(ev.kv_cache_spec_kind):
+        if medium is None:
+            return
+        g = self._route(m, ev)
+        if g is not None:
+            if g >= 0:
+                self._group_store(m, w, g, ev, int(medium))
+            return
+        if not is_full_attention(ev.kv_cache_spec_kind):
             return
         tier = int(medium)
         hashes = ev.block_hashes
@@ -102,13 +218,7 @@ class ReferenceIndex:
         if ev.block_size != bs:
             return
         nfull = min(len(hashes), len(ev.token_ids) // bs)
-        xk = ev.extra_keys
-        if xk and len(xk) == len(hashes):
-            extras = [_extra_id(x) for x in xk]
-        elif xk:
-            extras = [_extra_id(xk)] * len(hashes)
-        else:
-            extras = [None] * len(hashes)
+        extras = self._extras(ev)
         if ev.parent_block_hash is None:
             prefix: tuple = ((ev.lora_name, ev.cache_salt),)
         else:
@@ -129,8 +239,7 @@ class ReferenceIndex:
     def clear_worker(self, model: str, worker_id: str, dp_rank: int | None = None) -> None:
         for (wid, r), w in self.models[model].workers.items():
             if wid == worker_id and (dp_rank is None or r == dp_rank):
-                w.ext.clear()
-                w.tiers.clear()
+                w.clear()
 
     def remove_worker(self, model: str, worker_id: str, dp_rank: int | None = None) -> None:
         ws = self.models[model].workers
@@ -174,6 +283,9 @@ class ReferenceIndex:
                     pool.add(ident)
         wt = self.weights.as_tuple()
         out = []
+        if m.groups:
+            out = [self._score_groups(m, k, idents, pool, wt) for k in keys]
+            keys = []
         for k in keys:
             w = m.workers[k]
             device = 0
@@ -200,6 +312,55 @@ class ReferenceIndex:
             )
         out.sort(key=lambda s: (-s.score, -s.cached_blocks, s.worker_id, s.dp_rank))
         return ScoreResult(query_blocks=nq, block_size=bs, workers=out)
+
+    def _score_groups(self, m: _RefModel, k: tuple[str, int], idents: list, pool: set, wt: tuple) -> WorkerScore:
+        """One worker's row for a model with groups: every depth L checked against the rule."""
+        w = m.workers[k]
+        bs = m.block_size
+        gpool: dict[int, set] = {g: set() for g in m.groups}
+        for ww in m.workers.values():
+            for (g, ident), ts in ww.gtiers.items():
+                if 3 in ts:
+                    gpool[g].add(ident)
+
+        def tier(g: int | None, ident: tuple) -> int:  # cheapest tier holding it, 4 if none
+            ts = w.tiers.get(ident, set()) if g is None else w.gtiers.get((g, ident), set())
+            own = [t for t in (0, 1, 2) if t in ts]
+            if own:
+                return own[0]
+            return 3 if ident in (pool if g is None else gpool[g]) else 4
+
+        full = [None] + [g for g, (kind, _) in m.groups.items() if kind == FULL]
+
+        def needs(L: int) -> list[tuple[int | None, int]]:  # (group, block) pairs a prefix of L needs
+            out = [(g, i) for g in full for i in range(L)]
+            for g, (kind, window) in m.groups.items():
+                if kind == SWA:
+                    span = L if window is None else min(L, max(0, -(-(window - 1) // bs)))
+                    out += [(g, i) for i in range(L - span, L)]
+                elif kind == MAMBA and L:
+                    out.append((g, L - 1))
+            return out
+
+        def usable(limit: int) -> int:
+            return max(L for L in range(len(idents) + 1) if all(tier(g, idents[i]) <= limit for g, i in needs(L)))
+
+        kv = 0
+        while kv < len(idents) and all(tier(g, idents[kv]) < 4 for g in full):
+            kv += 1
+        cached = usable(3)
+        split = [0, 0, 0, 0]
+        worst = [0] * cached
+        for g, i in needs(cached):
+            worst[i] = max(worst[i], tier(g, idents[i]))
+        for t in worst:
+            split[t] += 1
+        return WorkerScore(
+            worker_id=k[0], dp_rank=k[1], device_blocks=usable(0), cached_blocks=cached,
+            tiers=dict(zip(TIER_NAMES, split)),
+            score=float(bs * (split[0] * wt[0] + split[1] * wt[1] + split[2] * wt[2] + split[3] * wt[3])),
+            kv_blocks=kv,
+        )
 
 
 __all__ = ["ReferenceIndex", "MEDIUM_NAMES"]

@@ -1,0 +1,405 @@
+/* Page-hash chains in one call per insert (docs/producer-events.md).
+ *
+ * Page i's digest = H(digest of page i-1 || page i's token ids as u32 little-endian); the event id
+ * is the digest's first 8 bytes read big-endian as a signed int64. Identical results to the
+ * pure-Python reference in producer/page_hash.py (a test compares both).
+ *
+ * SHA-256 is implemented here from FIPS 180-4 so the module builds with gcc and Python headers
+ * only (no libssl-dev). On x86-64 with the SHA extensions the compression function uses them
+ * (chosen once at import via cpuid); everywhere else the portable C version runs.
+ *
+ *   sha256_chain(tokens, page_size, prior=None) -> (list[bytes], list[int])
+ *   sha256_chain_portable(...)                  -> same, never the SHA-extension path (tests)
+ *   call_chain(fn, tokens, page_size, prior=None) -> same, digest = fn(prior || page) (xxh3 etc.)
+ *   SHA_EXTENSIONS: bool                        -> whether sha256_chain uses the CPU's SHA unit
+ *
+ * `tokens`: a tuple/list of ints (each must fit u32: OverflowError otherwise, TypeError for
+ * non-ints) or a bytes-like object of u32 little-endian. Only whole pages are read: a partial
+ * trailing page is ignored, exactly like the Python reference.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_X86_SHA 1
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * SHA-256 (FIPS 180-4)
+ */
+
+static const uint32_t K256[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+};
+
+static const uint32_t H0[8] = {
+    0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
+};
+
+typedef void (*compress_fn)(uint32_t state[8], const uint8_t *data, size_t blocks);
+
+#define ROR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+
+static void compress_portable(uint32_t state[8], const uint8_t *data, size_t blocks) {
+    uint32_t w[64];
+    while (blocks--) {
+        for (int t = 0; t < 16; t++) {
+            const uint8_t *p = data + 4 * t;
+            w[t] = ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+        }
+        for (int t = 16; t < 64; t++) {
+            uint32_t s0 = ROR(w[t - 15], 7) ^ ROR(w[t - 15], 18) ^ (w[t - 15] >> 3);
+            uint32_t s1 = ROR(w[t - 2], 17) ^ ROR(w[t - 2], 19) ^ (w[t - 2] >> 10);
+            w[t] = w[t - 16] + s0 + w[t - 7] + s1;
+        }
+        uint32_t a = state[0], b = state[1], c = state[2], d = state[3];
+        uint32_t e = state[4], f = state[5], g = state[6], h = state[7];
+        for (int t = 0; t < 64; t++) {
+            uint32_t t1 = h + (ROR(e, 6) ^ ROR(e, 11) ^ ROR(e, 25)) + ((e & f) ^ (~e & g)) + K256[t] + w[t];
+            uint32_t t2 = (ROR(a, 2) ^ ROR(a, 13) ^ ROR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+            h = g; g = f; f = e; e = d + t1;
+            d = c; c = b; b = a; a = t1 + t2;
+        }
+        state[0] += a; state[1] += b; state[2] += c; state[3] += d;
+        state[4] += e; state[5] += f; state[6] += g; state[7] += h;
+        data += 64;
+    }
+}
+
+#ifdef HAVE_X86_SHA
+/* The same compression with the x86 SHA extensions: rnds2 does two rounds on the state held as
+ * (ABEF, CDGH); msg1/msg2 compute the message schedule four words at a time. */
+__attribute__((target("sha,sse4.1,ssse3")))
+static void compress_shani(uint32_t state[8], const uint8_t *data, size_t blocks) {
+    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i tmp = _mm_loadu_si128((const __m128i *)&state[0]);   /* ABCD (a in the low lane) */
+    __m128i st1 = _mm_loadu_si128((const __m128i *)&state[4]);   /* EFGH */
+    tmp = _mm_shuffle_epi32(tmp, 0xB1);                          /* CDAB */
+    st1 = _mm_shuffle_epi32(st1, 0x1B);                          /* EFGH reversed: HGFE */
+    __m128i st0 = _mm_alignr_epi8(tmp, st1, 8);                  /* ABEF */
+    st1 = _mm_blend_epi16(st1, tmp, 0xF0);                       /* CDGH */
+    while (blocks--) {
+        __m128i save0 = st0, save1 = st1, w[4], msg;
+        for (int g = 0; g < 16; g++) {
+            if (g < 4) {
+                w[g] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 16 * g)), bswap);
+            } else {
+                __m128i t = _mm_sha256msg1_epu32(w[g & 3], w[(g + 1) & 3]);
+                t = _mm_add_epi32(t, _mm_alignr_epi8(w[(g + 3) & 3], w[(g + 2) & 3], 4));
+                w[g & 3] = _mm_sha256msg2_epu32(t, w[(g + 3) & 3]);
+            }
+            msg = _mm_add_epi32(w[g & 3], _mm_loadu_si128((const __m128i *)&K256[4 * g]));
+            st1 = _mm_sha256rnds2_epu32(st1, st0, msg);
+            msg = _mm_shuffle_epi32(msg, 0x0E);
+            st0 = _mm_sha256rnds2_epu32(st0, st1, msg);
+        }
+        st0 = _mm_add_epi32(st0, save0);
+        st1 = _mm_add_epi32(st1, save1);
+        data += 64;
+    }
+    tmp = _mm_shuffle_epi32(st0, 0x1B);                          /* FEBA */
+    st1 = _mm_shuffle_epi32(st1, 0xB1);                          /* DCHG */
+    st0 = _mm_blend_epi16(tmp, st1, 0xF0);                       /* DCBA */
+    st1 = _mm_alignr_epi8(st1, tmp, 8);                          /* EFGH in memory order */
+    _mm_storeu_si128((__m128i *)&state[0], st0);
+    _mm_storeu_si128((__m128i *)&state[4], st1);
+}
+
+static int cpu_has_sha(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    if (!(c & (1u << 9)) || !(c & (1u << 19))) return 0;       /* SSSE3, SSE4.1 */
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (b >> 29) & 1;                                      /* SHA */
+}
+#endif
+
+/* Digest of prior || page in one go: the message is at most a few blocks, so it is laid out in a
+ * stack buffer with its padding and compressed once. */
+static void sha256_two(compress_fn compress, const uint8_t *prior, size_t plen, const uint8_t *page,
+                       size_t len, uint8_t *out, uint8_t *scratch) {
+    uint32_t st[8];
+    memcpy(st, H0, sizeof st);
+    size_t total = plen + len;
+    size_t nblocks = (total + 9 + 63) / 64;
+    if (plen) memcpy(scratch, prior, plen);
+    memcpy(scratch + plen, page, len);
+    memset(scratch + total, 0, nblocks * 64 - total);
+    scratch[total] = 0x80;
+    uint64_t bits = (uint64_t)total * 8;
+    for (int i = 0; i < 8; i++) scratch[nblocks * 64 - 1 - i] = (uint8_t)(bits >> (8 * i));
+    compress(st, scratch, nblocks);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (uint8_t)(st[i] >> 24);
+        out[4 * i + 1] = (uint8_t)(st[i] >> 16);
+        out[4 * i + 2] = (uint8_t)(st[i] >> 8);
+        out[4 * i + 3] = (uint8_t)st[i];
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Arguments
+ */
+
+/* The whole pages of `tokens` as u32 little-endian bytes. Sets *owned when the buffer must be
+ * freed with PyMem_Free; for a bytes-like input it points into `view` (released by the caller). */
+typedef struct {
+    const uint8_t *data;
+    Py_ssize_t npages;
+    uint8_t *owned;
+    Py_buffer view;
+    int has_view;
+} Pages;
+
+static void pages_release(Pages *p) {
+    if (p->owned) PyMem_Free(p->owned);
+    if (p->has_view) PyBuffer_Release(&p->view);
+}
+
+static int pages_from(PyObject *tokens, Py_ssize_t page_size, Pages *out) {
+    memset(out, 0, sizeof *out);
+    if (page_size <= 0) {
+        PyErr_Format(PyExc_ValueError, "page_size must be positive, got %zd", page_size);
+        return -1;
+    }
+    if (!PyList_Check(tokens) && !PyTuple_Check(tokens) && PyObject_CheckBuffer(tokens)) {
+        if (PyObject_GetBuffer(tokens, &out->view, PyBUF_SIMPLE) < 0) return -1;
+        out->has_view = 1;
+        if (out->view.len % 4) {
+            PyErr_SetString(PyExc_ValueError, "a token buffer must hold u32 values (length a multiple of 4)");
+            pages_release(out);
+            return -1;
+        }
+        out->npages = (out->view.len / 4) / page_size;
+        out->data = out->view.buf;
+        return 0;
+    }
+    PyObject *seq = PySequence_Fast(tokens, "tokens must be a sequence of ints or a u32 buffer");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    out->npages = n / page_size;
+    Py_ssize_t nt = out->npages * page_size;
+    out->owned = PyMem_Malloc(nt > 0 ? (size_t)nt * 4 : 1);
+    if (out->owned == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < nt; i++) {
+        PyObject *o = items[i];
+        unsigned long v;
+        if (PyLong_Check(o)) {
+            v = PyLong_AsUnsignedLong(o);  /* OverflowError for negatives and > ULONG_MAX */
+        } else {
+            PyObject *ix = PyNumber_Index(o);
+            if (ix == NULL) goto fail;
+            v = PyLong_AsUnsignedLong(ix);
+            Py_DECREF(ix);
+        }
+        if (v == (unsigned long)-1 && PyErr_Occurred()) goto fail;
+        if (v > 0xFFFFFFFFUL) {
+            PyErr_SetString(PyExc_OverflowError, "token id is greater than the u32 maximum");
+            goto fail;
+        }
+        uint8_t *q = out->owned + 4 * i;
+        q[0] = (uint8_t)v; q[1] = (uint8_t)(v >> 8); q[2] = (uint8_t)(v >> 16); q[3] = (uint8_t)(v >> 24);
+    }
+    Py_DECREF(seq);
+    out->data = out->owned;
+    return 0;
+fail:
+    Py_DECREF(seq);
+    pages_release(out);
+    out->owned = NULL;
+    return -1;
+}
+
+/* `prior` None or bytes-like; empty counts as none (the Python reference tests truthiness). */
+static int prior_from(PyObject *prior, Py_buffer *view) {
+    if (prior == Py_None) return 0;
+    if (PyObject_GetBuffer(prior, view, PyBUF_SIMPLE) < 0) {
+        PyErr_SetString(PyExc_TypeError, "prior must be bytes or None");
+        return -1;
+    }
+    return 1;
+}
+
+/* Signed big-endian int64 of a digest's first 8 bytes: SGLang's event id. */
+static PyObject *digest_id(const uint8_t *d) {
+    uint64_t u = 0;
+    for (int i = 0; i < 8; i++) u = (u << 8) | d[i];
+    return PyLong_FromLongLong((long long)u);
+}
+
+/* (digests, ids) from n consecutive digests of `dlen` bytes. */
+static PyObject *build_result(const uint8_t *digests, Py_ssize_t n, Py_ssize_t dlen) {
+    PyObject *ds = PyList_New(n), *ids = PyList_New(n);
+    if (ds == NULL || ids == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyBytes_FromStringAndSize((const char *)digests + i * dlen, dlen);
+        if (b == NULL) goto fail;
+        PyList_SET_ITEM(ds, i, b);
+        PyObject *id = digest_id(digests + i * dlen);
+        if (id == NULL) goto fail;
+        PyList_SET_ITEM(ids, i, id);
+    }
+    return Py_BuildValue("(NN)", ds, ids);
+fail:
+    Py_XDECREF(ds);
+    Py_XDECREF(ids);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Entry points
+ */
+
+static compress_fn best_compress = compress_portable;
+
+/* Pages at or above this count are hashed with the GIL released (another thread can run). */
+#define NOGIL_PAGES 128
+
+static PyObject *sha256_chain_impl(PyObject *args, PyObject *kwargs, compress_fn compress) {
+    static char *kwlist[] = {"tokens", "page_size", "prior", NULL};
+    PyObject *tokens, *prior = Py_None;
+    Py_ssize_t page_size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|O", kwlist, &tokens, &page_size, &prior)) return NULL;
+    Pages pg;
+    if (pages_from(tokens, page_size, &pg) < 0) return NULL;
+    Py_buffer pv;
+    int has_prior = prior_from(prior, &pv);
+    if (has_prior < 0) {
+        pages_release(&pg);
+        return NULL;
+    }
+    Py_ssize_t n = pg.npages, plen = has_prior ? pv.len : 0, len = 4 * page_size;
+    size_t scratch_len = (size_t)(plen > 32 ? plen : 32) + (size_t)len + 72;
+    uint8_t *out = PyMem_Malloc(n > 0 ? (size_t)n * 32 : 1);
+    uint8_t *scratch = PyMem_Malloc(scratch_len);
+    PyObject *res = NULL;
+    if (out == NULL || scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (n > 0) {
+        const uint8_t *pr = has_prior ? pv.buf : NULL;
+        PyThreadState *ts = n >= NOGIL_PAGES ? PyEval_SaveThread() : NULL;
+        sha256_two(compress, pr, (size_t)plen, pg.data, (size_t)len, out, scratch);
+        for (Py_ssize_t i = 1; i < n; i++)
+            sha256_two(compress, out + 32 * (i - 1), 32, pg.data + i * len, (size_t)len, out + 32 * i, scratch);
+        if (ts) PyEval_RestoreThread(ts);
+    }
+    res = build_result(out, n, 32);
+done:
+    PyMem_Free(out);
+    PyMem_Free(scratch);
+    if (has_prior) PyBuffer_Release(&pv);
+    pages_release(&pg);
+    return res;
+}
+
+static PyObject *py_sha256_chain(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return sha256_chain_impl(args, kwargs, best_compress);
+}
+
+static PyObject *py_sha256_chain_portable(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return sha256_chain_impl(args, kwargs, compress_portable);
+}
+
+/* The chain with any digest function `fn(bytes) -> bytes` (at least 8 bytes): the page buffer and
+ * the prior || page concatenation happen here, one Python call per page remains. */
+static PyObject *py_call_chain(PyObject *self, PyObject *args) {
+    PyObject *tokens, *prior = Py_None, *fn;
+    Py_ssize_t page_size;
+    if (!PyArg_ParseTuple(args, "OOn|O", &fn, &tokens, &page_size, &prior)) return NULL;
+    Pages pg;
+    if (pages_from(tokens, page_size, &pg) < 0) return NULL;
+    Py_buffer pv;
+    int has_prior = prior_from(prior, &pv);
+    if (has_prior < 0) {
+        pages_release(&pg);
+        return NULL;
+    }
+    Py_ssize_t n = pg.npages, len = 4 * page_size;
+    PyObject *ds = PyList_New(n), *ids = PyList_New(n), *last = NULL;
+    if (ds == NULL || ids == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *pp;
+        Py_ssize_t plen;
+        if (i == 0) {
+            pp = has_prior ? pv.buf : NULL;
+            plen = has_prior ? pv.len : 0;
+        } else {
+            pp = (const uint8_t *)PyBytes_AS_STRING(last);
+            plen = PyBytes_GET_SIZE(last);
+        }
+        PyObject *msg = PyBytes_FromStringAndSize(NULL, plen + len);
+        if (msg == NULL) goto fail;
+        if (plen) memcpy(PyBytes_AS_STRING(msg), pp, (size_t)plen);
+        memcpy(PyBytes_AS_STRING(msg) + plen, pg.data + i * len, (size_t)len);
+        PyObject *d = PyObject_CallOneArg(fn, msg);
+        Py_DECREF(msg);
+        if (d == NULL) goto fail;
+        if (!PyBytes_Check(d) || PyBytes_GET_SIZE(d) < 8) {
+            Py_DECREF(d);
+            PyErr_SetString(PyExc_TypeError, "the digest function must return bytes of at least 8 bytes");
+            goto fail;
+        }
+        PyList_SET_ITEM(ds, i, d);  /* the list owns it; `last` borrows */
+        last = d;
+        PyObject *id = digest_id((const uint8_t *)PyBytes_AS_STRING(d));
+        if (id == NULL) goto fail;
+        PyList_SET_ITEM(ids, i, id);
+    }
+    if (has_prior) PyBuffer_Release(&pv);
+    pages_release(&pg);
+    return Py_BuildValue("(NN)", ds, ids);
+fail:
+    Py_XDECREF(ds);
+    Py_XDECREF(ids);
+    if (has_prior) PyBuffer_Release(&pv);
+    pages_release(&pg);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"sha256_chain", (PyCFunction)(void (*)(void))py_sha256_chain, METH_VARARGS | METH_KEYWORDS,
+     "sha256_chain(tokens, page_size, prior=None) -> (digests, ids) of every whole page"},
+    {"sha256_chain_portable", (PyCFunction)(void (*)(void))py_sha256_chain_portable, METH_VARARGS | METH_KEYWORDS,
+     "sha256_chain without the CPU's SHA extensions (tests)"},
+    {"call_chain", py_call_chain, METH_VARARGS,
+     "call_chain(fn, tokens, page_size, prior=None) -> (digests, ids), digest_i = fn(digest_{i-1} || page_i)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_pagehash", "Page-hash chains (producer).", -1, methods};
+
+PyMODINIT_FUNC PyInit__pagehash(void) {
+    PyObject *m = PyModule_Create(&moddef);
+    if (m == NULL) return NULL;
+    int sha = 0;
+#ifdef HAVE_X86_SHA
+    if (cpu_has_sha()) {
+        best_compress = compress_shani;
+        sha = 1;
+    }
+#endif
+    if (PyModule_AddObjectRef(m, "SHA_EXTENSIONS", sha ? Py_True : Py_False) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,1 @@
+"""A kvatlas worker process: simulated model over the tiered cache (docs/end-to-end.md)."""

@@ -1,0 +1,93 @@
+"""The worker's HTTP API (FastAPI): `POST /generate`, `GET /load`, `GET /health`, `GET /metrics`.
+
+Bodies are msgspec-decoded (`schemas.worker`); bad bodies get 400/422 with a message. A request's
+response is held until its simulated completion on the wall clock (virtual e2e / speed), so a
+router's in-flight counts mean what they would with a real engine (docs/end-to-end.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request, Response
+
+from producer.worker.engine import Engine, VirtualClock
+from producer.worker.schedule import QueueFull
+from schemas.worker import GenerateRequest, GenerateResponse, LoadResponse, WorkerHealth
+
+_JSON = "application/json"
+_dec = msgspec.json.Decoder(GenerateRequest)
+_enc = msgspec.json.Encoder()
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(_enc.encode(obj), status_code=status, media_type=_JSON)
+
+
+def _error(status: int, message: str) -> Response:
+    return _json({"error": message}, status)
+
+
+def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock) -> FastAPI:
+    app = FastAPI(title=f"kvatlas worker {health.worker_id}", docs_url=None, redoc_url=None)
+    wid = health.worker_id
+    counters = {"generate_ok": 0, "generate_bad": 0, "generate_rejected": 0}
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        t_wall = time.monotonic()
+        body = await request.body()
+        try:
+            req = _dec.decode(body)
+        except msgspec.ValidationError as exc:
+            counters["generate_bad"] += 1
+            return _error(422, f"invalid request: {exc}")
+        except msgspec.DecodeError as exc:
+            counters["generate_bad"] += 1
+            return _error(400, f"malformed JSON: {exc}")
+        if not req.token_ids:
+            counters["generate_bad"] += 1
+            return _error(422, "token_ids must not be empty")
+        arrival = clock.now() if req.arrival_s is None else req.arrival_s
+        try:
+            served = await asyncio.wrap_future(engine.submit(req.token_ids, req.max_tokens, arrival))
+        except QueueFull as exc:
+            counters["generate_rejected"] += 1
+            return _error(503, f"queue full: {exc}")
+        # Hold the answer until the simulated request completes (a pacing wait, not a sync).
+        delay = t_wall + served.e2e_s / clock.speed - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        counters["generate_ok"] += 1
+        return _json(GenerateResponse(
+            worker_id=wid, request_id=req.request_id, input_tokens=len(req.token_ids),
+            output_tokens=req.max_tokens, arrival_cached=served.arrival_cached, served=served.tokens,
+            queue_s=served.queue_s, load_s=served.load_s, prefill_s=served.prefill_s,
+            ttft_s=served.ttft_s, e2e_s=served.e2e_s))
+
+    @app.get("/load")
+    async def load(at: float | None = None) -> Response:
+        t, queued, running, backlog = engine.load(at)
+        free, total = engine.pages()
+        return _json(LoadResponse(worker_id=wid, at_s=t, queued=queued, running=running,
+                                  backlog_s=backlog, free_pages=free, total_pages=total))
+
+    @app.get("/health")
+    async def health_() -> Response:
+        return _json(health)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        free, total = engine.pages()
+        lines = [f'kvatlas_worker_requests_total{{worker="{wid}",outcome="{k.removeprefix("generate_")}"}} {v}'
+                 for k, v in counters.items()]
+        lines += [f'kvatlas_worker_engine_total{{worker="{wid}",what="{k}"}} {v}' for k, v in engine.counts.items()]
+        lines += [f'kvatlas_worker_free_pages{{worker="{wid}",tier="{k}"}} {v}' for k, v in free.items()]
+        lines += [f'kvatlas_worker_pages{{worker="{wid}",tier="{k}"}} {v}' for k, v in total.items()]
+        lines += [f'kvatlas_worker_cache_total{{worker="{wid}",what="{k}"}} {v}'
+                  for k, v in sorted(engine.cache.stats.items())]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,155 @@
+"""`kvatlas worker`: one inference worker with a simulated model — real torch pools in a
+`TieredCache`, KV events over ZeroMQ with replay, L3 on a local directory or a shared Redis, and
+the HTTP API of `producer.worker.app`. Registers itself with an indexer when given one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+log = logging.getLogger("kvatlas.worker")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--id", dest="worker_id", default="worker-0", help="worker id (default worker-0)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8100, help="HTTP port (default 8100)")
+    p.add_argument("--zmq-port", default="*", help="KV event PUB port (default: any free port)")
+    p.add_argument("--replay-port", default="*", help="replay ROUTER port (default: any free port)")
+    p.add_argument("--zmq-bind", default=None, help="address the ZMQ sockets bind (default: --host)")
+    p.add_argument("--advertise-host", default=None,
+                   help="host name the indexer reaches our ZMQ sockets at (default: the bound address)")
+    p.add_argument("--indexer", default=None, help="indexer URL to register with, e.g. http://127.0.0.1:8700")
+    p.add_argument("--model", default="default", help="model namespace at the indexer (default 'default')")
+    p.add_argument("--block-size", type=int, default=512, help="tokens per page/block (default 512)")
+    p.add_argument("--gpu-pages", type=int, default=320, help="GPU-tier pages (default 320)")
+    p.add_argument("--host-pages", type=int, default=960, help="host-tier pages (default 960; 0 = none)")
+    p.add_argument("--l3", choices=("none", "file", "redis"), default="none", help="L3 backend (default none)")
+    p.add_argument("--l3-dir", default=None, help="directory of the file L3 (node-local: events say DISK)")
+    p.add_argument("--l3-config", default=None,
+                   help="extra L3 backend options: inline JSON or @file (.json/.toml/.yaml); "
+                        "redis: {\"url\": \"redis://host:6379/1\"} (shared: events say EXTERNAL)")
+    p.add_argument("--write-policy", default="write_through",
+                   choices=("write_through", "write_through_selective", "write_back"))
+    p.add_argument("--speed", type=float, default=1.0,
+                   help="virtual seconds per wall second of the simulated model (default 1 = real time)")
+    p.add_argument("--sim", default=None,
+                   help="simulated model overrides as JSON, e.g. '{\"prefill_tokens_per_s\": 8000}'")
+
+
+def _register(url: str, body: dict[str, Any], timeout: float = 60.0) -> None:
+    """POST /workers until the indexer answers (it may start after us); fail loudly at the deadline."""
+    deadline = time.monotonic() + timeout
+    data = json.dumps(body).encode()
+    delay = 0.05
+    while True:
+        req = urllib.request.Request(url.rstrip("/") + "/workers", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                if resp.status < 300:
+                    return
+        except urllib.error.HTTPError as exc:
+            raise SystemExit(f"kvatlas worker: the indexer refused the registration: {exc.code} "
+                             f"{exc.read().decode(errors='replace')}") from None
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"kvatlas worker: indexer {url} unreachable: {exc}") from None
+        time.sleep(delay)  # retry pacing while the indexer starts (not a synchronisation)
+        delay = min(1.0, delay * 2)
+
+
+def _endpoint(bind: str, port: str) -> str:
+    return f"tcp://{bind}:{port}"
+
+
+def _advertised(bound: str, host: str | None) -> str:
+    if not host:
+        return bound.replace("0.0.0.0", "127.0.0.1")
+    port = bound.rsplit(":", 1)[1]
+    return f"tcp://{host}:{port}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import msgspec
+    import uvicorn
+
+    from producer.driver import build_cache
+    from producer.events import EventRecorder
+    from producer.publisher import ZmqEventPublisher
+    from producer.sinks import ZmqSink
+    from producer.storage.config import load_backend_config, make_storage_backend
+    from producer.storage.worker import StorageWorker
+    from producer.worker.app import create_worker_app
+    from producer.worker.engine import Engine, VirtualClock
+    from schemas.worker import SimModel, WorkerHealth
+
+    for name in ("block_size", "gpu_pages", "port"):
+        if getattr(args, name) <= 0:
+            print(f"kvatlas worker: --{name.replace('_', '-')} must be positive", file=sys.stderr)
+            return 2
+    if args.host_pages < 0 or args.speed <= 0:
+        print("kvatlas worker: --host-pages must be >= 0 and --speed positive", file=sys.stderr)
+        return 2
+    try:
+        sim = msgspec.json.decode(args.sim or "{}", type=SimModel)
+        l3cfg = load_backend_config(args.l3_config) if args.l3 != "none" else {}
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        print(f"kvatlas worker: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    if args.l3 != "none" and not args.host_pages:
+        print("kvatlas worker: an L3 needs a host tier (--host-pages > 0)", file=sys.stderr)
+        return 2
+    storage = probe = None
+    try:
+        if args.l3 == "file":
+            if not args.l3_dir:
+                print("kvatlas worker: --l3 file needs --l3-dir", file=sys.stderr)
+                return 2
+            storage = StorageWorker(make_storage_backend("file", {"root": args.l3_dir, **l3cfg}))
+        elif args.l3 == "redis":
+            storage = StorageWorker(make_storage_backend("redis", l3cfg))
+            if storage.backend.shared:
+                probe = make_storage_backend("redis", {**l3cfg, "track_keys": False})
+    except ValueError as exc:
+        print(f"kvatlas worker: bad L3 configuration: {exc}", file=sys.stderr)
+        return 2
+
+    bind = args.zmq_bind or args.host
+    publisher = ZmqEventPublisher(_endpoint(bind, args.zmq_port),
+                                  replay_endpoint=_endpoint(bind, args.replay_port))
+    recorder = EventRecorder(ZmqSink(publisher), heartbeat_interval_s=1.0)
+    cache = build_cache(page_size=args.block_size, device_pages=args.gpu_pages, host_pages=args.host_pages,
+                        page_shape=(2, 4), transfer="thread" if args.host_pages else None,
+                        storage=storage, recorder=recorder, write_policy=args.write_policy)
+    engine = Engine(cache, sim, probe=probe)
+    endpoint = _advertised(publisher.endpoint, args.advertise_host)
+    replay = _advertised(publisher.replay_endpoint, args.advertise_host)
+    health = WorkerHealth(status="ok", worker_id=args.worker_id, model=args.model, block_size=args.block_size,
+                          endpoint=endpoint, replay_endpoint=replay, sim=sim,
+                          l3=None if storage is None else ("shared" if storage.backend.shared else "disk"))
+    log.info("worker %s: events on %s (replay %s), GPU %d + host %d pages of %d tokens, L3 %s",
+             args.worker_id, endpoint, replay, args.gpu_pages, args.host_pages, args.block_size, health.l3)
+    app = create_worker_app(engine, health, VirtualClock(args.speed))
+    try:
+        if args.indexer:
+            _register(args.indexer, {"worker_id": args.worker_id, "endpoint": endpoint, "replay_endpoint": replay,
+                                     "model": args.model, "block_size": args.block_size})
+        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                      access_log=False, lifespan="off")).run()
+    finally:
+        engine.close()
+        recorder.close(time.monotonic())
+        if cache.transfer is not None:
+            cache.transfer.close()
+        if storage is not None:
+            storage.close()
+        if probe is not None:
+            probe.close()
+    return 0

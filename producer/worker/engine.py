@@ -1,0 +1,206 @@
+"""The worker's engine thread: owns the `TieredCache` (every cache call happens here, as on an
+engine's scheduler thread), serves requests one at a time in arrival order, and steps the cache
+between requests so copy acks land and events go out (docs/end-to-end.md, "The worker").
+
+Serving a request: match at arrival (the engine-side truth the router's prediction is checked
+against) → L3 prefetch and wait for it → host→GPU load-back → allocate and "compute" the rest
+(content-derived bytes into real torch pages) → insert → step. Times are the simulated model's.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from producer.allocator import PoolExhausted
+from producer.driver import write_pattern
+from producer.hicache import TieredCache
+from producer.storage.keys import page_key
+from producer.worker.schedule import QueueFull, Schedule
+from schemas.media import Medium
+from schemas.worker import SimModel, Tokens
+
+log = logging.getLogger(__name__)
+
+
+class Served:
+    """What one request got from the cache and the timeline."""
+
+    __slots__ = ("arrival_cached", "tokens", "queue_s", "load_s", "prefill_s", "ttft_s", "e2e_s")
+
+    def __init__(self, arrival_cached: int, tokens: Tokens, queue_s: float, load_s: float,
+                 prefill_s: float, ttft_s: float, e2e_s: float) -> None:
+        self.arrival_cached = arrival_cached
+        self.tokens = tokens
+        self.queue_s = queue_s
+        self.load_s = load_s
+        self.prefill_s = prefill_s
+        self.ttft_s = ttft_s
+        self.e2e_s = e2e_s
+
+
+class Engine:
+    """Single-threaded owner of the cache; `submit` is safe from any thread."""
+
+    def __init__(self, cache: TieredCache, sim: SimModel, *, probe: Any = None,
+                 prefetch_wait_s: float = 2.0, idle_step_s: float = 0.005) -> None:
+        self.cache = cache
+        self.sim = sim
+        self.schedule = Schedule(sim)
+        self.probe = probe  # a second handle on a shared L3 store: arrival truth includes it
+        self.prefetch_wait_s = prefetch_wait_s
+        self.idle_step_s = idle_step_s
+        self.lock = threading.Lock()  # guards `schedule` for /load readers
+        self.counts = {"requests": 0, "rejected": 0, "no_memory": 0, "errors": 0}
+        self._jobs: queue.Queue[tuple[list[int], int, float, Future[Served]] | None] = queue.Queue()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    # -- thread-safe API ---------------------------------------------------------------------
+    def submit(self, tokens: Sequence[int], max_tokens: int, arrival_s: float) -> Future[Served]:
+        fut: Future[Served] = Future()
+        self._jobs.put((list(tokens), max_tokens, arrival_s, fut))
+        return fut
+
+    def load(self, at: float | None) -> tuple[float, int, int, float]:
+        with self.lock:
+            s = self.schedule
+            t = s.last_arrival if at is None else at
+            return t, s.queued_at(t), s.running_at(t), s.backlog_at(t)
+
+    def pages(self) -> tuple[dict[str, int], dict[str, int]]:
+        c = self.cache
+        free = {"gpu": c.device.allocator.available}
+        total = {"gpu": c.device.num_pages}
+        if c.host is not None:
+            free["host"] = c.host.allocator.available
+            total["host"] = c.host.num_pages
+        return free, total
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        cache = self.cache
+        while not self._stop:
+            try:
+                job = self._jobs.get(timeout=self.idle_step_s)
+            except queue.Empty:
+                cache.step()  # land acks, publish their events, heartbeat
+                continue
+            if job is None:
+                break
+            tokens, max_tokens, arrival, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self._serve(tokens, max_tokens, arrival))
+            except QueueFull as exc:
+                self.counts["rejected"] += 1
+                fut.set_exception(exc)
+            except Exception as exc:  # a bad request must not kill the engine
+                self.counts["errors"] += 1
+                log.exception("request failed")
+                fut.set_exception(exc)
+        try:
+            cache.wait_transfers(5.0)
+        except TimeoutError:
+            log.warning("copies still in flight at shutdown")
+        cache.step()
+
+    def _shared_run(self, tokens: list[int], have_pages: int) -> int:
+        """Leading pages after `have_pages` the shared store holds (pages another worker backed up)."""
+        p = self.cache.page_size
+        npages = len(tokens) // p
+        if self.probe is None or have_pages >= npages:
+            return 0
+        digests = self.cache.tree.chain(tokens[:npages * p], p)
+        keys = [page_key(d, self.cache.config.storage_suffix) for d in digests[have_pages:]]
+        n = 0
+        for ok in self.probe.exists(keys):
+            if not ok:
+                break
+            n += 1
+        return n
+
+    def _serve(self, tokens: list[int], max_tokens: int, arrival: float) -> Served:
+        cache, sim = self.cache, self.sim
+        p = cache.page_size
+        npages = len(tokens) // p
+        with self.lock:  # fail fast before touching the cache
+            if self.schedule.queued_at(arrival) >= sim.max_queue:
+                raise QueueFull(f"{sim.max_queue} requests already waiting")
+        m = cache.match_prefix(tokens)
+        arrival_cached = m.best_len + p * self._shared_run(tokens, m.best_len // p)
+        near = m.device_len + m.host_len
+        if cache.storage is not None and cache.prefetch(tokens, m):
+            cache.storage.wait_idle(self.prefetch_wait_s)
+            cache.step()
+            m = cache.match_prefix(tokens)
+        l3 = max(0, m.device_len + m.host_len - near)
+        pages, node = m.device_pages, m.device_node
+        if m.host_len:
+            pages, node = cache.init_load_back(m)
+        used = len(pages) * p
+        gpu = min(m.device_len, used)
+        host = min(max(0, m.host_len - l3), used - gpu)
+        l3 = used - gpu - host
+        shared = cache.l3_medium == Medium.EXTERNAL
+        got = Tokens(gpu=gpu, host=host, disk=0 if shared else l3, shared=l3 if shared else 0,
+                     computed=len(tokens) - used)
+        cache.lock(node)  # type: ignore[arg-type]
+        try:
+            new = self._alloc(npages - len(pages))
+            if new is None:
+                self.counts["no_memory"] += 1  # computed, but nothing new is cached
+            else:
+                if new:
+                    digests = cache.tree.chain(tokens[:npages * p], p)
+                    for page, d in zip(new, digests[len(pages):]):
+                        write_pattern(cache.device, page, d)
+                cache.insert(tokens, pages + new)
+        finally:
+            cache.unlock(node)  # type: ignore[arg-type]
+        cache.step()
+        load_s = sim.load_s(got.host, got.disk, got.shared)
+        prefill_s = sim.prefill_s(got.computed)
+        with self.lock:
+            slot = self.schedule.admit(arrival, load_s, prefill_s, max_tokens)
+        self.counts["requests"] += 1
+        return Served(arrival_cached, got, slot.start - arrival, load_s, prefill_s,
+                      slot.first - arrival, slot.finish - arrival)
+
+    def _alloc(self, n: int) -> list[int] | None:
+        cache = self.cache
+        for attempt in range(4):
+            try:
+                return cache.alloc_device(n)
+            except PoolExhausted:
+                if attempt == 3:
+                    return None
+                cache.wait_transfers(5.0)  # pages pinned by in-flight copies come free when they land
+                cache.step()
+        return None
+
+
+class VirtualClock:
+    """Virtual seconds since creation at `speed` virtual seconds per wall second."""
+
+    __slots__ = ("speed", "t0")
+
+    def __init__(self, speed: float) -> None:
+        if speed <= 0:
+            raise ValueError("speed must be positive")
+        self.speed = speed
+        self.t0 = time.monotonic()
+
+    def now(self) -> float:
+        return (time.monotonic() - self.t0) * self.speed

@@ -1,0 +1,1 @@
+"""The KV-aware router: policies, forwarder, trace replay (docs/end-to-end.md)."""

@@ -1,0 +1,146 @@
+"""`kvatlas router`: a KV-aware router process. Serves `POST /generate` (route + forward),
+`GET /report`, `GET /health`; optionally replays a trace (its share of it, as replica I of K) at
+scaled speed and writes the per-request report as JSON (docs/end-to-end.md)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("kvatlas.router")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--indexer", default=None, help="indexer URL (needed by the precise policies)")
+    p.add_argument("--worker", action="append", default=[], metavar="ID=URL",
+                   help="a worker: its id (as registered at the indexer) and HTTP URL (repeatable)")
+    p.add_argument("--policy", default="precise_tiered",
+                   help="round_robin | random | least_loaded | approximate | precise_gpu | precise_tiered")
+    p.add_argument("--model", default="default", help="model namespace at the indexer (default 'default')")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8800, help="HTTP port (default 8800; 0 = no HTTP server)")
+    p.add_argument("--trace", default=None, help="Mooncake JSONL trace to replay ('builtin' = multi-turn generator)")
+    p.add_argument("--requests", type=int, default=0, help="bounded conversation-preserving slice (0 = all)")
+    p.add_argument("--speed", type=float, default=1.0, help="replay speed: virtual seconds per wall second")
+    p.add_argument("--replicas", type=int, default=1, help="router replicas sharing the trace (default 1)")
+    p.add_argument("--replica-index", type=int, default=0, help="this replica: takes requests i with i %% K == I")
+    p.add_argument("--start-at", type=float, default=None, help="wall-clock epoch at which the trace starts")
+    p.add_argument("--report", default=None, help="write the per-request report here (JSON) after the replay")
+    p.add_argument("--exit-after-replay", action="store_true", help="exit once the replay is done")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def parse_workers(specs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for spec in specs:
+        wid, sep, url = spec.partition("=")
+        if not sep or not wid.strip() or not url.startswith(("http://", "https://")):
+            raise ValueError(f"worker {spec!r}: expected ID=http://host:port")
+        if wid in out:
+            raise ValueError(f"worker {wid!r} given twice")
+        out[wid.strip()] = url.strip().rstrip("/")
+    if not out:
+        raise ValueError("at least one --worker ID=URL is needed")
+    return out
+
+
+def select_requests(args: argparse.Namespace) -> list[Any]:
+    from router_api.router.trace import load_trace, multi_turn, slice_conversations
+
+    reqs = multi_turn(seed=args.seed) if args.trace == "builtin" else load_trace(args.trace)
+    if args.requests:
+        reqs = slice_conversations(reqs, args.requests, seed=args.seed)
+    return [r for r in reqs if r.index % args.replicas == args.replica_index]
+
+
+def run(args: argparse.Namespace) -> int:
+    from router_api.router.policies import POLICIES, PRECISE
+    from router_api.router.trace import TraceError
+
+    try:
+        workers = parse_workers(args.worker)
+        if args.policy not in POLICIES:
+            raise ValueError(f"unknown policy {args.policy!r}; expected one of {', '.join(POLICIES)}")
+        if args.policy in PRECISE and not args.indexer:
+            raise ValueError(f"policy {args.policy} needs --indexer")
+        if args.replicas < 1 or not 0 <= args.replica_index < args.replicas:
+            raise ValueError("need --replicas >= 1 and 0 <= --replica-index < --replicas")
+        if args.speed <= 0 or args.requests < 0:
+            raise ValueError("--speed must be positive and --requests >= 0")
+        reqs = select_requests(args) if args.trace else None
+    except (ValueError, TraceError) as exc:
+        print(f"kvatlas router: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_main(args, workers, reqs))
+    except TimeoutError as exc:
+        print(f"kvatlas router: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[Any] | None) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    import httpx
+    import msgspec
+    import uvicorn
+
+    from router_api.router.app import create_router_app
+    from router_api.router.forwarder import RouterCore, fetch_sim
+    from router_api.router.policies import make_policy
+    from router_api.router.progress import Progress
+    from schemas.worker import RouterReport
+
+    async with httpx.AsyncClient() as c:
+        healths = await asyncio.gather(*(fetch_sim(c, u) for u in workers.values()))
+    sizes = {h.block_size for h in healths}
+    if len(sizes) != 1:
+        print(f"kvatlas router: workers disagree on block size: {sorted(sizes)}", file=sys.stderr)
+        return 2
+    sim = healths[0].sim
+    policy = make_policy(args.policy, list(workers), sim, seed=args.seed + args.replica_index)
+    core = RouterCore(policy, workers, args.indexer, args.model, sizes.pop(), sim, speed=args.speed)
+    state = {"total": len(reqs or []), "done": 0, "replaying": bool(reqs)}
+    server = None
+    serve_task = None
+    if args.port:
+        app = create_router_app(core, state)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                               access_log=False, lifespan="off"))
+        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        serve_task = asyncio.create_task(server.serve())
+    try:
+        if reqs:
+            label = f"router {args.replica_index + 1}/{args.replicas} {args.policy}"
+            bar = None if args.quiet else Progress(len(reqs), label)
+
+            def on_done(n: int) -> None:
+                state["done"] = n
+                if bar is not None:
+                    bar.update(n)
+
+            t0 = time.monotonic()
+            records = await core.replay(reqs, on_done, args.start_at)
+            state["replaying"] = False
+            if bar is not None:
+                bar.close()
+            log.info("replayed %d requests in %.1fs", len(records), time.monotonic() - t0)
+            if args.report:
+                rep = RouterReport(policy=args.policy, replica=args.replica_index, replicas=args.replicas,
+                                   records=sorted(records, key=lambda r: r.index))
+                with open(args.report, "wb") as f:
+                    f.write(msgspec.json.encode(rep))
+            if args.exit_after_replay or serve_task is None:
+                return 0
+        if serve_task is not None:
+            await serve_task
+        return 0
+    finally:
+        if server is not None:
+            server.should_exit = True
+            if serve_task is not None:
+                await serve_task
+        await core.close()

@@ -1,0 +1,199 @@
+"""Routing policies: pure decisions over what the router knows at one instant (docs/end-to-end.md,
+"Policies"). No I/O: the router shell fetches `/score` rows and worker load and passes them in.
+
+- round_robin, random: no cache knowledge.
+- least_loaded: smallest prefill backlog.
+- approximate: the router's own guess of each worker's cache from its past routing decisions
+  (no events), thresholded the way SGLang's cache-aware router is.
+- precise_gpu: the index's device blocks + load; host/disk/shared copies count as misses.
+- precise_tiered: the index's tier split + load, costing each tier's load-back like the engine.
+"""
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+from schemas.worker import SimModel
+
+POLICIES = ("round_robin", "random", "least_loaded", "approximate", "precise_gpu", "precise_tiered")
+PRECISE = ("precise_gpu", "precise_tiered")
+
+
+class ScoreRow:
+    """One worker's `/score` answer, in blocks."""
+
+    __slots__ = ("device", "cached", "host", "disk", "shared")
+
+    def __init__(self, device: int = 0, cached: int = 0, host: int = 0, disk: int = 0, shared: int = 0) -> None:
+        self.device = device
+        self.cached = cached
+        self.host = host
+        self.disk = disk
+        self.shared = shared
+
+
+class RouteInput:
+    """Everything a policy may look at for one request."""
+
+    __slots__ = ("tokens", "block_keys", "block_size", "scores", "backlog", "inflight")
+
+    def __init__(self, tokens: int, block_keys: Sequence[bytes], block_size: int,
+                 scores: Mapping[str, ScoreRow] | None, backlog: Mapping[str, float],
+                 inflight: Mapping[str, int]) -> None:
+        self.tokens = tokens
+        self.block_keys = block_keys      # chained per-block keys (approximate's own tree)
+        self.block_size = block_size
+        self.scores = scores              # None for policies that do not ask the index
+        self.backlog = backlog            # virtual seconds of prefill queued per worker
+        self.inflight = inflight          # this router's own outstanding requests per worker
+
+
+class Decision:
+    __slots__ = ("worker_id", "predicted_cached", "est_cost_s")
+
+    def __init__(self, worker_id: str, predicted_cached: int | None, est_cost_s: float) -> None:
+        self.worker_id = worker_id
+        self.predicted_cached = predicted_cached  # tokens; None = the policy makes no prediction
+        self.est_cost_s = est_cost_s              # its own estimate of the prefill work it adds
+
+
+class Policy:
+    name = "base"
+    uses_index = False
+
+    def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0) -> None:
+        if not workers:
+            raise ValueError("a policy needs at least one worker")
+        self.workers = list(workers)
+        self.sim = sim
+
+    def choose(self, inp: RouteInput) -> Decision:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _plain_cost(self, inp: RouteInput) -> float:
+        return self.sim.prefill_s(inp.tokens)
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0) -> None:
+        super().__init__(workers, sim, seed)
+        self._next = seed % len(self.workers)
+
+    def choose(self, inp: RouteInput) -> Decision:
+        w = self.workers[self._next]
+        self._next = (self._next + 1) % len(self.workers)
+        return Decision(w, None, self._plain_cost(inp))
+
+
+class Random(Policy):
+    name = "random"
+
+    def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0) -> None:
+        super().__init__(workers, sim, seed)
+        self._rng = random.Random(seed)
+
+    def choose(self, inp: RouteInput) -> Decision:
+        return Decision(self._rng.choice(self.workers), None, self._plain_cost(inp))
+
+
+class LeastLoaded(Policy):
+    name = "least_loaded"
+
+    def choose(self, inp: RouteInput) -> Decision:
+        w = min(self.workers, key=lambda w: (inp.backlog.get(w, 0.0), inp.inflight.get(w, 0), w))
+        return Decision(w, None, self._plain_cost(inp))
+
+
+class Approximate(Policy):
+    """SGLang-router-style cache-aware routing from the router's own history: if load is badly
+    imbalanced take the least-loaded worker; else if the best prefix match covers more than
+    `cache_threshold` of the prompt take that worker; else the worker with the smallest tree.
+    Its tree never learns of evictions (it has no events), so it forgets only by its own LRU bound."""
+
+    name = "approximate"
+
+    def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0, *, cache_threshold: float = 0.5,
+                 balance_abs: int = 32, balance_rel: float = 1.5, max_tree_blocks: int = 1 << 20) -> None:
+        super().__init__(workers, sim, seed)
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.max_tree_blocks = max_tree_blocks
+        self.trees: dict[str, OrderedDict[bytes, None]] = {w: OrderedDict() for w in self.workers}
+
+    def match(self, w: str, keys: Sequence[bytes]) -> int:
+        tree = self.trees[w]
+        n = 0
+        for k in keys:
+            if k not in tree:
+                break
+            n += 1
+        return n
+
+    def choose(self, inp: RouteInput) -> Decision:
+        loads = {w: inp.inflight.get(w, 0) for w in self.workers}
+        lo, hi = min(loads.values()), max(loads.values())
+        matches = {w: self.match(w, inp.block_keys) for w in self.workers}
+        if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
+            w = min(self.workers, key=lambda w: (loads[w], w))
+        else:
+            best = max(self.workers, key=lambda w: (matches[w], -loads[w]))
+            rate = matches[best] * inp.block_size / max(1, inp.tokens)
+            if rate > self.cache_threshold:
+                w = best
+            else:
+                w = min(self.workers, key=lambda w: (len(self.trees[w]), loads[w], w))
+        self._remember(w, inp.block_keys)
+        cached = matches[w] * inp.block_size
+        return Decision(w, cached, self.sim.prefill_s(inp.tokens - cached))
+
+    def _remember(self, w: str, keys: Sequence[bytes]) -> None:
+        tree = self.trees[w]
+        for k in keys:
+            tree[k] = None
+            tree.move_to_end(k)
+        while len(tree) > self.max_tree_blocks:
+            tree.popitem(last=False)
+
+
+class PreciseGpu(Policy):
+    """Exact device blocks from the index; everything not on the GPU is costed as a recompute."""
+
+    name = "precise_gpu"
+    uses_index = True
+
+    def cost(self, inp: RouteInput, row: ScoreRow) -> float:
+        return self.sim.prefill_s(max(0, inp.tokens - row.device * inp.block_size))
+
+    def choose(self, inp: RouteInput) -> Decision:
+        scores = inp.scores or {}
+        empty = ScoreRow()
+        costs = {w: self.cost(inp, scores.get(w, empty)) for w in self.workers}
+        w = min(self.workers, key=lambda w: (inp.backlog.get(w, 0.0) + costs[w], inp.inflight.get(w, 0), w))
+        return Decision(w, scores.get(w, empty).cached * inp.block_size, costs[w])
+
+
+class PreciseTiered(PreciseGpu):
+    """Exact tier split from the index: host / disk / shared blocks cost their load-back time."""
+
+    name = "precise_tiered"
+
+    def cost(self, inp: RouteInput, row: ScoreRow) -> float:
+        b = inp.block_size
+        cached = row.cached * b
+        return (self.sim.load_s(row.host * b, row.disk * b, row.shared * b)
+                + self.sim.prefill_s(max(0, inp.tokens - cached)))
+
+
+_CLASSES: dict[str, type[Policy]] = {c.name: c for c in (RoundRobin, Random, LeastLoaded, Approximate,
+                                                          PreciseGpu, PreciseTiered)}
+
+
+def make_policy(name: str, workers: Sequence[str], sim: SimModel, seed: int = 0) -> Policy:
+    cls = _CLASSES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
+    return cls(workers, sim, seed)

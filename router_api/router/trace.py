@@ -1,0 +1,163 @@
+"""Request traces for replay: Mooncake-format JSONL, a bounded conversation-preserving slice of it,
+deterministic expansion of block hash ids into token ids, and a built-in multi-turn generator.
+
+Pure functions over plain data (docs/end-to-end.md, "The trace"). No I/O beyond reading the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+TRACE_BLOCK_TOKENS = 512  # Mooncake traces: one hash id per 512-token block
+VOCAB = 32_000
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+class TraceError(ValueError):
+    """A trace file or line that cannot be used; the message names the line."""
+
+
+class TraceRequest(msgspec.Struct, frozen=True):
+    """One request of a trace. `arrival_s` is seconds from the start of the replay."""
+
+    index: int
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+class _Line(msgspec.Struct):
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+def parse_trace(lines: Iterable[str | bytes], block_tokens: int = TRACE_BLOCK_TOKENS) -> list[TraceRequest]:
+    """Mooncake JSONL → requests in file order, arrivals in seconds from the first one."""
+    dec = msgspec.json.Decoder(_Line)
+    out: list[TraceRequest] = []
+    t0: float | None = None
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = dec.decode(line)
+        except msgspec.DecodeError as exc:
+            raise TraceError(f"trace line {no}: {exc}") from None
+        if r.input_length <= 0 or r.output_length < 0 or r.timestamp < 0:
+            raise TraceError(f"trace line {no}: lengths must be positive and timestamp >= 0")
+        need = -(-r.input_length // block_tokens)
+        if len(r.hash_ids) != need or any(h < 0 for h in r.hash_ids):
+            raise TraceError(f"trace line {no}: input_length {r.input_length} needs {need} non-negative "
+                             f"hash ids of {block_tokens} tokens, got {len(r.hash_ids)}")
+        t0 = r.timestamp if t0 is None else t0
+        out.append(TraceRequest(len(out), (r.timestamp - t0) / 1000.0, r.input_length, r.output_length,
+                                tuple(r.hash_ids)))
+    if not out:
+        raise TraceError("trace is empty")
+    return out
+
+
+def load_trace(path: str | Path | None = None) -> list[TraceRequest]:
+    p = Path(path) if path else DEFAULT_TRACE
+    try:
+        with p.open("rb") as f:
+            return parse_trace(f)
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {p}: {exc}") from None
+
+
+def slice_conversations(reqs: Sequence[TraceRequest], n: int, seed: int = 0,
+                        keep_rate: bool = True) -> list[TraceRequest]:
+    """A bounded slice that keeps whole conversations: requests are grouped by their first hash id
+    (turns of one conversation share it), groups are drawn in a seeded order until `n` requests are
+    taken, and time order is restored. A contiguous window would cut conversations apart (their
+    turns are minutes apart), leaving almost no reuse. With `keep_rate` the timeline is compressed
+    by len(reqs)/len(slice) so the slice arrives at the full trace's request rate."""
+    if n <= 0:
+        raise ValueError("slice size must be positive")
+    if n >= len(reqs):
+        return list(reqs)
+    groups: dict[int, list[TraceRequest]] = {}
+    for r in reqs:
+        groups.setdefault(r.hash_ids[0], []).append(r)
+    order = sorted(groups, key=lambda h: hashlib.blake2b(f"{seed}:{h}".encode(), digest_size=8).digest())
+    chosen: list[TraceRequest] = []
+    for h in order:
+        if len(chosen) >= n:
+            break
+        chosen.extend(groups[h][: n - len(chosen)])
+    chosen.sort(key=lambda r: (r.arrival_s, r.index))
+    scale = len(chosen) / len(reqs) if keep_rate else 1.0
+    t0 = chosen[0].arrival_s
+    return [TraceRequest(i, (r.arrival_s - t0) * scale, r.input_length, r.output_length, r.hash_ids)
+            for i, r in enumerate(chosen)]
+
+
+def block_tokens(hash_id: int, block: int = TRACE_BLOCK_TOKENS) -> np.ndarray:
+    """The token ids of one trace block: a PRNG seeded by the hash id, so equal ids → equal tokens."""
+    rng = np.random.Generator(np.random.PCG64(hash_id))
+    return rng.integers(1, VOCAB, size=block, dtype=np.uint32)
+
+
+class TokenExpander:
+    """Expands requests to token ids, caching each block's tokens (traces reuse blocks a lot)."""
+
+    __slots__ = ("block", "_cache")
+
+    def __init__(self, block: int = TRACE_BLOCK_TOKENS) -> None:
+        self.block = block
+        self._cache: dict[int, np.ndarray] = {}
+
+    def tokens(self, req: TraceRequest) -> np.ndarray:
+        parts = []
+        for h in req.hash_ids:
+            t = self._cache.get(h)
+            if t is None:
+                t = self._cache[h] = block_tokens(h, self.block)
+            parts.append(t)
+        return np.concatenate(parts)[: req.input_length] if parts else np.zeros(0, np.uint32)
+
+
+def multi_turn(conversations: int = 40, turns: int = 4, system_blocks: int = 4, systems: int = 3,
+               turn_blocks: tuple[int, int] = (2, 8), output_length: int = 64, rate: float = 2.0,
+               seed: int = 0) -> list[TraceRequest]:
+    """Built-in generator in the trace's own shape: conversations share one of a few system prompts,
+    and each turn's prompt is the previous prompt plus new blocks (so turns extend a prefix).
+    Arrivals are Poisson at `rate` requests/s, turns of a conversation in order."""
+    rng = random.Random(seed)
+    next_id = 0
+
+    def fresh(k: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + k))
+        next_id += k
+        return ids
+
+    sys_prompts = [fresh(system_blocks) for _ in range(systems)]
+    pending: list[list[list[int]]] = []
+    for _ in range(conversations):
+        prompt = list(rng.choice(sys_prompts))
+        convo = []
+        for _ in range(turns):
+            prompt = prompt + fresh(rng.randint(*turn_blocks))
+            convo.append(list(prompt))
+        pending.append(convo)
+    out: list[TraceRequest] = []
+    t = 0.0
+    while any(pending):
+        live = [c for c in pending if c]
+        convo = rng.choice(live)
+        ids = convo.pop(0)
+        t += rng.expovariate(rate)
+        out.append(TraceRequest(len(out), t, len(ids) * TRACE_BLOCK_TOKENS - rng.randrange(TRACE_BLOCK_TOKENS),
+                                output_length, tuple(ids)))
+    return out

@@ -1,0 +1,177 @@
+"""The C page-hash helper against the pure-Python reference: same digests, same ids, same errors
+(docs/producer-events.md). `make test` fails when the helper was not built, unless
+KVATLAS_ALLOW_PURE_PYTHON=1 accepts the slower fallback."""
+from __future__ import annotations
+
+import array
+import hashlib
+import os
+import random
+
+import pytest
+import xxhash
+
+from producer import page_hash as ph
+from producer.driver import StreamSpec, build_cache, synthetic_stream
+from producer.events import EventRecorder
+from schemas.codec import encode_batch
+from schemas.events import KVEvent, KVEventBatch
+from producer.sinks import _PayloadSink
+
+ENV_ALLOW = "KVATLAS_ALLOW_PURE_PYTHON"
+native = ph._native  # None when not built; every comparison below then says so
+
+
+class BytesSink(_PayloadSink):
+    """The payloads a publisher would send, with a fixed timestamp so two runs compare bytewise."""
+
+    __slots__ = ("payloads",)
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+
+    def emit(self, events: list[KVEvent], dp_rank: int | None) -> None:
+        self.send_payload(encode_batch(KVEventBatch(0.0, events, dp_rank)))
+
+    def send_payload(self, payload: bytes) -> None:
+        self.payloads.append(payload)
+
+    def close(self) -> None:
+        pass
+
+
+def test_native_page_hash_is_built() -> None:
+    if os.environ.get(ENV_ALLOW, "") not in ("", "0"):
+        return  # explicitly accepted: hashlib serves (same results, slower)
+    assert ph.native_available(), (
+        f"the producer's page-hash helper is not built ({ph.native_unavailable_reason()}); rebuild with "
+        f"`pip install -e .` (needs a C compiler and Python headers) or set {ENV_ALLOW}=1"
+    )
+
+
+def _native_fns():
+    if native is None:
+        pytest.fail("producer._native._pagehash is not built (see test_native_page_hash_is_built)")
+    return [native.sha256_chain, native.sha256_chain_portable]
+
+
+def _cases(seed: int, n: int):
+    rng = random.Random(seed)
+    for _ in range(n):
+        page = rng.choice([1, 2, 3, 4, 7, 16, 32, 64])
+        ntok = rng.choice([0, 1, page - 1, page, page + 1, rng.randrange(0, 400)])
+        tokens = [rng.choice([0, 1, 2**31, 2**32 - 1, rng.randrange(2**32), rng.randrange(32000)])
+                  for _ in range(max(0, ntok))]
+        # Prior lengths around the SHA-256 padding boundaries, empty (= none) and None.
+        plen = rng.choice([None, 0, 1, 16, 32, 55, 56, 63, 64, 65, 119, 120, 200])
+        prior = None if plen is None else bytes(rng.randrange(256) for _ in range(plen))
+        yield tokens, page, prior
+
+
+def test_sha256_native_equals_reference_on_random_inputs() -> None:
+    fns = _native_fns()
+    for tokens, page, prior in _cases(1, 400):
+        want = ph.py_sha256_ids(tokens, page, prior)
+        for fn in fns:
+            assert fn(tokens, page, prior) == want
+            assert fn(tuple(tokens), page, prior) == want
+            assert fn(array.array("I", tokens).tobytes(), page, prior) == want  # u32 LE buffer
+        assert ph.py_sha256_ids(array.array("I", tokens).tobytes(), page, prior) == want
+
+
+def test_sha256_matches_hashlib_directly() -> None:
+    # Independent of the reference's chaining code: page i = sha256(prior || u32le page).
+    tokens = list(range(1, 13))
+    prior = None
+    want = []
+    for i in range(3):
+        h = hashlib.sha256((prior or b"") + array.array("I", tokens[4 * i:4 * i + 4]).tobytes()).digest()
+        want.append(h)
+        prior = h
+    for fn in _native_fns():
+        digests, ids = fn(tokens, 4)
+        assert digests == want
+        assert ids == [int.from_bytes(d[:8], "big", signed=True) for d in want]
+
+
+def test_xxh3_native_equals_reference() -> None:
+    if native is None:
+        pytest.fail("producer._native._pagehash is not built")
+    for tokens, page, prior in _cases(2, 200):
+        assert native.call_chain(xxhash.xxh3_128_digest, tokens, page, prior) == ph.py_xxh3_ids(tokens, page, prior)
+
+
+@pytest.mark.parametrize("name", ["sha256", "xxh3"])
+def test_selected_functions_agree(name: str) -> None:
+    tokens = list(range(100))
+    assert ph.page_hash_chain_ids(name, native=True)(tokens, 16, None) == \
+        ph.page_hash_chain_ids(name, native=False)(tokens, 16, None)
+
+
+@pytest.mark.parametrize("bad, exc", [
+    ([1, 2, 2**32, 4], OverflowError),        # huge id
+    ([1, -1, 3, 4], OverflowError),           # negative id
+    ([1, 2**70, 3, 4], OverflowError),        # beyond 64 bits
+    ([1, "x", 3, 4], TypeError),              # not an int
+])
+def test_errors_are_the_same(bad: list, exc: type) -> None:
+    with pytest.raises(exc):
+        ph.py_sha256_ids(bad, 4)
+    for fn in _native_fns():
+        with pytest.raises(exc):
+            fn(bad, 4)
+    with pytest.raises(exc):
+        native.call_chain(xxhash.xxh3_128_digest, bad, 4)  # type: ignore[union-attr]
+
+
+def test_partial_trailing_page_is_never_read() -> None:
+    # Only whole pages are hashed, so a bad id in the partial tail is ignored by both.
+    tokens = [1, 2, 3, 4, 2**40]
+    want = ph.py_sha256_ids(tokens, 4)
+    assert len(want[0]) == 1
+    for fn in _native_fns():
+        assert fn(tokens, 4) == want
+
+
+def test_bad_arguments() -> None:
+    for fn in [*_native_fns(), ph.py_sha256_ids]:
+        with pytest.raises(ValueError):
+            fn([1, 2, 3], 0)
+        with pytest.raises(ValueError):
+            fn(b"\x00\x00\x00", 1)  # a buffer of u32 must be a multiple of 4 bytes
+        assert fn([], 4) == ([], [])
+    with pytest.raises(TypeError):
+        native.sha256_chain([1, 2, 3, 4], 4, 12)  # type: ignore[union-attr]
+    with pytest.raises(TypeError):
+        native.call_chain(lambda b: 7, [1, 2, 3, 4], 4)  # type: ignore[union-attr]
+    with pytest.raises(TypeError):
+        native.call_chain(lambda b: b"short", [1, 2, 3, 4], 4)  # type: ignore[union-attr]
+
+
+def test_large_insert_hashes_with_gil_released() -> None:
+    tokens = [random.Random(3).randrange(2**32) for _ in range(16 * 600)]
+    for fn in _native_fns():
+        assert fn(tokens, 16) == ph.py_sha256_ids(tokens, 16)
+
+
+@pytest.mark.parametrize("page_hash", ["sha256", "xxh3"])
+def test_cache_events_are_byte_identical_native_or_pure(page_hash: str) -> None:
+    """The whole event stream of a cache under eviction pressure, native vs pure hashing."""
+    _native_fns()
+    spec = StreamSpec(requests=120, prefixes=6, prefix_tokens=128, suffix_tokens=40, seed=5)
+    payloads = []
+    for nat in (True, False):
+        sink = BytesSink()
+        rec = EventRecorder(sink, heartbeat_interval_s=3600.0)
+        cache = build_cache(page_size=16, device_pages=64, recorder=rec, page_shape=(1,), page_hash=page_hash)
+        cache.tree.chain_ids = ph.page_hash_chain_ids(page_hash, native=nat)
+        for tokens in synthetic_stream(spec):
+            m = cache.match_prefix(tokens)
+            cache.lock(m.device_node)
+            pages = cache.alloc_device(len(tokens) // 16 - len(m.device_pages))
+            cache.unlock(m.device_node)
+            cache.insert(tokens, m.device_pages + pages)
+            cache.step(0.0)
+        payloads.append(sink.payloads)
+    assert payloads[0] == payloads[1]
+    assert len(payloads[0]) > 50

@@ -1,0 +1,102 @@
+"""Routing policies and the report (pure), and the worker's virtual schedule."""
+from __future__ import annotations
+
+import pytest
+
+from producer.worker.schedule import QueueFull, Schedule
+from router_api.router.policies import POLICIES, RouteInput, ScoreRow, make_policy
+from router_api.router.report import format_table, quantile, summarize
+from schemas.worker import RequestRecord, SimModel, Tokens
+
+W = ["a", "b", "c"]
+SIM = SimModel()
+
+
+def inp(tokens: int = 2048, scores=None, backlog=None, inflight=None, keys=None) -> RouteInput:
+    keys = keys if keys is not None else [bytes([i]) for i in range(tokens // 512)]
+    return RouteInput(tokens, keys, 512, scores, backlog or {}, inflight or {w: 0 for w in W})
+
+
+def test_round_robin_and_random_make_no_prediction() -> None:
+    rr = make_policy("round_robin", W, SIM)
+    assert [rr.choose(inp()).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    rnd = make_policy("random", W, SIM, seed=1)
+    picks = {rnd.choose(inp()).worker_id for _ in range(50)}
+    assert picks == set(W) and rnd.choose(inp()).predicted_cached is None
+
+
+def test_least_loaded_takes_the_smallest_backlog() -> None:
+    ll = make_policy("least_loaded", W, SIM)
+    assert ll.choose(inp(backlog={"a": 3.0, "b": 0.5, "c": 1.0})).worker_id == "b"
+
+
+def test_precise_tiered_costs_tiers_and_load_precise_gpu_ignores_lower_tiers() -> None:
+    # 'a' holds the prompt on the host, 'b' on the GPU but is busy, 'c' has nothing.
+    scores = {"a": ScoreRow(0, 4, host=4), "b": ScoreRow(4, 4), "c": ScoreRow()}
+    backlog = {"a": 0.1, "b": 5.0, "c": 0.0}
+    t = make_policy("precise_tiered", W, SIM).choose(inp(scores=scores, backlog=backlog))
+    assert t.worker_id == "a" and t.predicted_cached == 2048
+    g = make_policy("precise_gpu", W, SIM).choose(inp(scores=scores, backlog=backlog))
+    assert g.worker_id == "c" and g.predicted_cached == 0  # host blocks look like misses to it
+    # without load, both prefer the GPU copy
+    assert make_policy("precise_gpu", W, SIM).choose(inp(scores=scores)).worker_id == "b"
+    assert make_policy("precise_tiered", W, SIM).choose(inp(scores=scores)).worker_id == "b"
+
+
+def test_approximate_remembers_its_own_decisions_and_balances() -> None:
+    ap = make_policy("approximate", W, SIM)
+    first = ap.choose(inp())
+    assert first.predicted_cached == 0
+    again = ap.choose(inp())
+    assert again.worker_id == first.worker_id and again.predicted_cached == 2048
+    other = ap.choose(inp(keys=[b"x", b"y", b"z", b"w"]))  # no match: the emptiest tree
+    assert other.worker_id != first.worker_id
+    # badly imbalanced load overrides the cache match
+    busy = {w: 0 for w in W}
+    busy[first.worker_id] = 100
+    assert ap.choose(inp(inflight=busy)).worker_id != first.worker_id
+
+
+def test_unknown_policy_and_empty_fleet_are_errors() -> None:
+    assert len(POLICIES) == 6
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("magic", W, SIM)
+    with pytest.raises(ValueError, match="at least one worker"):
+        make_policy("round_robin", [], SIM)
+
+
+def test_summary_counts_prediction_mismatches_by_direction() -> None:
+    recs = [RequestRecord(0, "a", 1000, 512, 512, Tokens(gpu=512, computed=488), 1.0),
+            RequestRecord(1, "a", 1000, 0, 512, Tokens(host=512, computed=488), 2.0),
+            RequestRecord(2, "b", 1000, 512, 0, Tokens(computed=1000), 3.0),
+            RequestRecord(3, "b", 1000, 0, 0, Tokens(computed=1000), 4.0),
+            RequestRecord(4, "b", 1000, error="worker b: HTTP 503")]
+    row = summarize("precise_tiered", 1, recs)
+    assert (row.requests, row.errors, row.prefill_tokens) == (4, 1, 2976)
+    assert row.hit_ratio == round(1024 / 4000, 4) and row.ttft_mean_s == 2.5 and row.ttft_p90_s == 4.0
+    assert row.prediction_accuracy == 0.5 and (row.index_behind, row.index_ahead) == (1, 1)
+    assert summarize("round_robin", 1, [RequestRecord(0, "a", 10, None, 0, Tokens(computed=10), 1.0)]
+                     ).prediction_accuracy is None
+    table = format_table([row])
+    assert "precise_tiered" in table and "50.0%" in table and "1 held more" in table
+    assert quantile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 0.9) == 9.0
+
+
+def test_schedule_fcfs_serial_prefill_batch_slots_and_late_arrivals() -> None:
+    s = Schedule(SimModel(max_batch=2, max_queue=3, decode_s_per_token=1.0))
+    a = s.admit(0.0, 0.0, 5.0, 10)        # prefill 0-5, decodes to 15
+    b = s.admit(1.0, 0.5, 1.0, 10)        # waits for the engine: 5-6.5, to 16.5
+    assert (a.start, a.first, b.start, b.first) == (0.0, 5.0, 5.0, 6.5)
+    c = s.admit(2.0, 0.0, 1.0, 0)         # both slots busy until 15
+    assert c.start == 15.0 and s.queued_at(3.0) == 2 and s.running_at(3.0) == 1
+    assert s.backlog_at(3.0) == 13.0  # the engine is committed until c is prefilled at 16
+    late = Schedule(SimModel())
+    x = late.admit(0.0, 0.0, 2.0, 0)
+    y = late.admit(10.0, 0.0, 2.0, 0)
+    z = late.admit(1.0, 0.0, 3.0, 0)      # reached the engine after y: takes the gap 2-10
+    assert (x.start, y.start, z.start) == (0.0, 10.0, 2.0)
+    full = Schedule(SimModel(max_batch=1, max_queue=1))
+    full.admit(0.0, 0.0, 10.0, 0)
+    full.admit(0.0, 0.0, 10.0, 0)
+    with pytest.raises(QueueFull):
+        full.admit(0.0, 0.0, 10.0, 0)
