@@ -169,6 +169,17 @@ def replicas_agree(bases: list[str], prompts: list[list[int]], seen: dict[str, A
     return scores[0] == scores[1] and all({w: r[3] for w, r in s.items()} == seqs[0] for s in scores[0])
 
 
+def read_report(path: Path) -> RouterReport | None:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=RouterReport)
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
+def tails(children: list[Child], names: tuple[str, ...]) -> str:
+    return "\n".join(f"--- {c.name}\n{c.tail(30)}" for c in children if c.name in names)
+
+
 def metric(text: str, name: str, labels: str) -> float | None:
     m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
     return None if m is None else float(m.group(1))
@@ -191,9 +202,10 @@ def test_compose_services_run_as_local_processes(redis_server, tmp_path: Path) -
         router = children[-1]
         wait_until(lambda: healthy(services["router"], ports, "router"), timeout=90, interval=0.2)
         report_path = tmp_path / "router-report.json"
-        wait_until(lambda: report_path.exists() or not router.alive(), timeout=120, interval=0.2)
-        assert report_path.exists(), router.tail()
-        rep = msgspec.json.decode(report_path.read_bytes(), type=RouterReport)
+        # the router writes the file in place: a reader can catch it half written, so poll until it decodes
+        wait_until(lambda: read_report(report_path) or not router.alive(), timeout=120, interval=0.2)
+        rep = read_report(report_path)
+        assert rep is not None, router.tail()
         row = summarize(rep.policy, 1, rep.records)
         assert rep.policy == "precise_tiered" and row.requests == 200 and row.errors == 0
         assert row.hit_ratio > 0.2 and row.prediction_accuracy is not None and row.prediction_accuracy >= 0.9, row
@@ -204,7 +216,9 @@ def test_compose_services_run_as_local_processes(redis_server, tmp_path: Path) -
         for base in bases:
             listed = http_json(f"{base}/workers")["workers"]
             assert {w["worker_id"] for w in listed} == set(WORKERS), (base, listed)
-            assert all(w["status"] == "live" for w in listed), (base, listed)
+            assert all(w["status"] == "live" for w in listed), (
+                base, [(w["worker_id"], w["status"], w["last_seq"], w["gaps"], w["replays"], w["resyncs"])
+                       for w in listed], tails(children, INDEXERS))
             # the shared L3 in Redis: backups are announced as EXTERNAL and scored as the shared pool
             assert sum(w["blocks"]["shared"] for w in listed) > 0, (base, listed)
         assert http_json(f"http://127.0.0.1:{ports[('router', 8800)]}/health")["done"] == 200
@@ -219,7 +233,7 @@ def test_compose_services_run_as_local_processes(redis_server, tmp_path: Path) -
         try:
             wait_until(lambda: replicas_agree(bases, prompts, seen), timeout=30, interval=0.2)
         except AssertionError:
-            raise AssertionError(f"indexer and indexer2 disagree: {seen}") from None
+            raise AssertionError(f"indexer and indexer2 disagree: {seen}\n{tails(children, INDEXERS)}") from None
         assert any(r[1] > 0 for s in seen["scores"][0] for r in s.values()), seen  # not trivially equal
 
         # the JetStream plane's metrics on the replica: registrations carried over, stream size
