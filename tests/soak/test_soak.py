@@ -226,20 +226,14 @@ def test_soak(tmp_path: Path) -> None:
         wait_until(caught_up, timeout=30, interval=0.1)
         divergence = 0
         checked = 0
+        diverged: list[str] = []
         for w, sim in live_sims.items():
             for q in sim.sample_queries(40):
                 body = proc.client.post("/score", json={"token_ids": q}).json()
-                got = {x["worker_id"]: x for x in body["workers"]}
                 checked += 1
-                if set(got) != set(live_sims):
-                    divergence += 1
-                    continue
-                for wid, s in live_sims.items():
-                    exp = s.expect(q)
-                    g = got[wid]
-                    if (g["device_blocks"], g["cached_blocks"], g["tiers"]) != (
-                            exp["device_blocks"], exp["cached_blocks"], exp["tiers"]):
-                        divergence += 1
+                found = _divergences(q, body, live_sims)
+                divergence += len(found)
+                diverged.extend(found)
         stats = proc.client.get("/stats").json()
         lat.sort()
         p50 = lat[len(lat) // 2] * 1e3 if lat else float("nan")
@@ -255,6 +249,10 @@ def test_soak(tmp_path: Path) -> None:
               f"p99={sorted(lags)[int(len(lags) * 0.99)] if lags else 0:.3f}s max={max(lags) if lags else 0:.3f}s "
               f"worst per phase={ {k: round(v, 3) for k, v in sorted(by_phase.items())} } (bound {HEALTHY_LAG_BOUND_S}s)")
         print(f"SOAK divergence={divergence} over {checked} queries x {len(live_sims)} workers")
+        for line in diverged[:20]:
+            print(f"SOAK DIVERGED {line}")
+        if diverged:
+            print(f"SOAK indexer logs: {tmp_path}")
         assert divergence == 0
         assert not lags or max(lags) < HEALTHY_LAG_BOUND_S
         rows = [r["worker_id"] for r in proc.client.get("/workers").json()["workers"]]
@@ -270,6 +268,25 @@ def test_soak(tmp_path: Path) -> None:
         for p in pubs.values():
             p.close()
         rds.stop()
+
+
+def _divergences(q: list[int], body: dict[str, Any], live_sims: dict[str, WorkerSim]) -> list[str]:
+    """What one /score answer got wrong against the producers' truth, one line per fault
+    (empty: exact). The worker-set check comes first: a missing/extra worker is one fault."""
+    got = {x["worker_id"]: x for x in body["workers"]}
+    if set(got) != set(live_sims):
+        return [f"worker set differs: query_blocks={len(q) // BS} missing={sorted(set(live_sims) - set(got))} "
+                f"extra={sorted(set(got) - set(live_sims))}"]
+    out = []
+    for wid, sim in sorted(live_sims.items()):
+        exp = sim.expect(q)
+        g = got[wid]
+        keys = ("device_blocks", "cached_blocks", "tiers")
+        if tuple(g[k] for k in keys) != tuple(exp[k] for k in keys):
+            out.append(f"worker={wid} query_blocks={len(q) // BS} "
+                       f"expected=(device={exp['device_blocks']} cached={exp['cached_blocks']} tiers={exp['tiers']}) "
+                       f"got=(device={g['device_blocks']} cached={g['cached_blocks']} tiers={g['tiers']})")
+    return out
 
 
 def _has_snapshot(rds: RedisServer) -> bool:
