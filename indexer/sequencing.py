@@ -13,7 +13,9 @@ live seq s, with `last` = last seq delivered and `live_last` = last seq seen on 
 
 A replay only fills a gap: batches beyond the gap are left to the live stream (they are still
 queued in the SUB socket; taking them from the replay would make the live copies look like
-duplicates *and* lose any live batch that the replay skipped).
+duplicates *and* lose any live batch that the replay skipped). The one exception is the catch-up
+after a RESTART verdict (`on_live`): seqs the live stream had already passed never come live
+again, so the rebuild takes them from the replay, as one contiguous run.
 """
 from __future__ import annotations
 
@@ -195,24 +197,46 @@ def on_live(tracker: SeqTracker, seq: int, item: T,
     """Process one live message: returns, in order, what the consumer must see.
 
     `fetch_replay(first, last)` returns replayed `(seq, item)` pairs (it may return more, fewer,
-    or none — e.g. on timeout); it is only called for a gap. A gap's `GapStep` precedes the
-    replayed items, so a consumer told `recovered=False` clears the worker *before* applying them.
+    or none — e.g. on timeout); it is only called for a gap, or after a restart verdict. A gap's
+    `GapStep` precedes the replayed items, so a consumer told `recovered=False` clears the worker
+    *before* applying them.
+
+    Catch-up after a restart verdict: a seq at/below what the live stream already passed is either
+    a restarted publisher or a stale copy (duplicated or reordered on the way). Seq alone cannot
+    tell them apart, so both are treated as a restart (clear, rebuild from the replay) — but the
+    seqs the live stream had passed will never come live again, so the rebuild also takes the
+    replay's contiguous run after `seq` up to that point. For a stale copy that restores them;
+    for a real restart the run is the new publisher's own later batches, whose queued live copies
+    then arrive as duplicates (docs/service.md, "Replays").
     """
     steps: list[Step] = []
     verdict = tracker.classify_live(seq)
+    passed = -1  # after a restart verdict: the highest seq delivered or seen live before it
     if verdict.action is Action.RESTART:
         old = tracker.last if tracker.last is not None else (tracker.live_last if tracker.live_last is not None else -1)
+        passed = max(-1 if tracker.last is None else tracker.last,
+                     -1 if tracker.live_last is None else tracker.live_last)
         steps.append(RestartStep(old, seq))
         tracker.restart()
         verdict = tracker.classify_live(seq)
     tracker.seen_live(seq)
     if verdict.action is Action.DUPLICATE:
         return steps
-    if verdict.action is Action.GAP:
-        res = resolve_gap(verdict.first, verdict.last, fetch_replay(verdict.first, verdict.last))
-        steps.append(GapStep(res))
-        for s, it in res.deliver:
-            steps.append(DeliverStep(s, it, True))
+    gap = verdict.action is Action.GAP
+    if gap or passed > seq:
+        first = verdict.first if gap else seq + 1
+        replayed = list(fetch_replay(first, max(verdict.last, passed)))
+        if gap:
+            res = resolve_gap(verdict.first, verdict.last, replayed)
+            steps.append(GapStep(res))
+            for s, it in res.deliver:
+                steps.append(DeliverStep(s, it, True))
     steps.append(DeliverStep(seq, item, False))
-    tracker.delivered(seq)
+    last = seq
+    if passed > seq:
+        after = {s: it for s, it in replayed if seq < s <= passed}
+        while last + 1 in after:
+            last += 1
+            steps.append(DeliverStep(last, after[last], True))
+    tracker.delivered(last)
     return steps

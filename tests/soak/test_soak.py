@@ -234,6 +234,7 @@ def test_soak(tmp_path: Path) -> None:
                 found = _divergences(q, body, live_sims)
                 divergence += len(found)
                 diverged.extend(found)
+        behind = _behind(proc, marks)  # a watermark that went back after the check had passed
         stats = proc.client.get("/stats").json()
         lat.sort()
         p50 = lat[len(lat) // 2] * 1e3 if lat else float("nan")
@@ -249,6 +250,8 @@ def test_soak(tmp_path: Path) -> None:
               f"p99={sorted(lags)[int(len(lags) * 0.99)] if lags else 0:.3f}s max={max(lags) if lags else 0:.3f}s "
               f"worst per phase={ {k: round(v, 3) for k, v in sorted(by_phase.items())} } (bound {HEALTHY_LAG_BOUND_S}s)")
         print(f"SOAK divergence={divergence} over {checked} queries x {len(live_sims)} workers")
+        if behind:
+            print(f"SOAK BEHIND after the check (worker: last_seq < published): {behind}")
         for line in diverged[:20]:
             print(f"SOAK DIVERGED {line}")
         if diverged:
@@ -287,6 +290,13 @@ def _divergences(q: list[int], body: dict[str, Any], live_sims: dict[str, Worker
                        f"expected=(device={exp['device_blocks']} cached={exp['cached_blocks']} tiers={exp['tiers']}) "
                        f"got=(device={g['device_blocks']} cached={g['cached_blocks']} tiers={g['tiers']})")
     return out
+
+
+def _behind(proc: KVIndexerProcess, marks: dict[str, int]) -> dict[str, tuple[int | None, int]]:
+    """Workers whose applied watermark is below their last published seq (worker -> (last_seq, mark))."""
+    rows = {r["worker_id"]: r for r in proc.client.get("/workers").json()["workers"]}
+    got = {w: rows.get(w, {}).get("last_seq") for w in marks}
+    return {w: (got[w], m) for w, m in sorted(marks.items()) if (got[w] if got[w] is not None else -1) < m}
 
 
 def _has_snapshot(rds: RedisServer) -> bool:
