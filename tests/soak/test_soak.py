@@ -171,6 +171,7 @@ def test_soak(tmp_path: Path) -> None:
                 evs = sims[w].step()
                 pubs[w].publish(evs)
                 events_sent += len(evs)
+                _answer_resync(pubs[w], sims[w])
             hostile.send(rng.randrange(1 << 40))  # garbage seqs: gaps it cannot fill
             faults["hostile_garbage"] += 1
             if phase == 0 and frac > 0.2:  # a publisher restarts: seq 0, empty cache
@@ -214,8 +215,13 @@ def test_soak(tmp_path: Path) -> None:
         live_sims = {w: sims[w] for w in alive}
 
         def caught_up() -> bool:
+            for w in alive:
+                if _answer_resync(pubs[w], sims[w]):
+                    pubs[w].flush(10)
+                    marks[w] = pubs[w].next_seq - 1
             rows = {r["worker_id"]: r for r in proc.client.get("/workers").json()["workers"]}
             ok = all((rows.get(w, {}).get("last_seq") or -1) >= s for w, s in marks.items())
+            ok = ok and not any(rows.get(w, {}).get("status") == "resyncing" for w in alive)
             if not ok:
                 for w in alive:
                     pubs[w].heartbeat()  # a lost last batch is noticed at the next message
@@ -271,6 +277,15 @@ def test_soak(tmp_path: Path) -> None:
         for p in pubs.values():
             p.close()
         rds.stop()
+
+
+def _answer_resync(pub: ZmqEventPublisher, sim: WorkerSim) -> bool:
+    """Answer a snapshot request as a kvatlas producer does (docs/service.md: a resync after a gap
+    the replay could not cover, e.g. a replay timing out on a loaded host); True if one was."""
+    if not pub.snapshot_requested():
+        return False
+    pub.publish(sim.snapshot())
+    return True
 
 
 def _divergences(q: list[int], body: dict[str, Any], live_sims: dict[str, WorkerSim]) -> list[str]:
