@@ -4,7 +4,9 @@ No I/O, no clocks, no threads. The subscriber (the shell) feeds it the seq of ev
 and of every replayed batch, and acts on the verdicts:
 
 live seq s, with `last` = last seq delivered and `live_last` = last seq seen on the live stream:
-- `live_last` set and s <= live_last      -> RESTART (a PUB stream never goes backwards)
+- `live_last` set and s <= live_last      -> RESTART (a PUB stream never goes backwards), unless
+                                              the payload is a copy of the one delivered at s
+                                              (`stale_copy`: a relay duplicated or reordered it)
 - `live_last` unset, `last` set, s <= last -> RESTART (first live message at/below the snapshot
                                               watermark: the publisher started over)
 - s <= last                                -> DUPLICATE (already delivered by a replay)
@@ -20,6 +22,7 @@ again, so the rebuild takes them from the replay, as one contiguous run.
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, TypeVar, Union
 
@@ -58,16 +61,47 @@ _DUPLICATE = Verdict(Action.DUPLICATE)
 _RESTART = Verdict(Action.RESTART)
 
 
+FP_WINDOW = 256  # delivered seqs whose payload fingerprint a tracker keeps (2 x 2 KiB)
+
+
+def fingerprint(payload: bytes) -> int:
+    """A payload's identity for telling a stale copy from a restarted publisher's batch at the
+    same seq, in O(1) of its size: length, head (the batch's ts is there) and tail."""
+    return hash((len(payload), payload[:48], payload[-16:]))
+
+
 class SeqTracker:
     """Sequence state of one publisher, as seen by one subscriber."""
 
-    __slots__ = ("last", "live_last")
+    __slots__ = ("last", "live_last", "_fp_seq", "_fp")
 
     def __init__(self, last: int | None = None) -> None:
         if last is not None and last < 0:
             raise ValueError(f"watermark must be >= 0 or None, got {last}")
         self.last: int | None = last  # last seq delivered downstream (the watermark)
         self.live_last: int | None = None  # last seq seen on the live stream
+        # Fingerprints of the last FP_WINDOW delivered payloads, a ring indexed by seq % FP_WINDOW
+        # (made on first use: the offline replay never needs them).
+        self._fp_seq: array | None = None
+        self._fp: array | None = None
+
+    def remember(self, seq: int, payload: bytes) -> None:
+        """Note the payload delivered at `seq`, so a stale copy of it can be told from a restart."""
+        if self._fp is None:
+            self._fp_seq = array("q", [-1]) * FP_WINDOW
+            self._fp = array("q", [0]) * FP_WINDOW
+        i = seq % FP_WINDOW
+        self._fp_seq[i] = seq  # type: ignore[index]
+        self._fp[i] = fingerprint(payload)
+
+    def stale_copy(self, seq: int, payload: bytes) -> bool:
+        """True when a live `seq` that would read as a RESTART is a copy of the payload already
+        delivered at that seq (duplicated or reordered on the way): drop it, nothing restarted."""
+        fp = self._fp
+        if fp is None or self.classify_live(seq).action is not Action.RESTART:
+            return False
+        i = seq % FP_WINDOW
+        return self._fp_seq[i] == seq and fp[i] == fingerprint(payload)  # type: ignore[index]
 
     @property
     def expected(self) -> int:
@@ -101,6 +135,7 @@ class SeqTracker:
         """The publisher started over: forget everything (the consumer clears the worker)."""
         self.last = None
         self.live_last = None
+        self._fp_seq = self._fp = None
 
     def seen_live(self, seq: int) -> None:
         self.live_last = seq

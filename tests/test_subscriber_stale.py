@@ -1,7 +1,7 @@
 """Over real ZeroMQ sockets: a live message that arrives late (after the message that followed it,
-whose gap replay already delivered it) is handled as a restart, and the rebuild brings back every
-batch the live stream had passed (docs/service.md, "Replays": stale live messages). The pure
-rule is tested in test_sequencing_stale.py; this checks the subscriber asks the replay far enough."""
+whose gap replay already delivered it) is dropped as a copy; a different payload at a passed seq
+is a restart whose rebuild brings back every batch the live stream had passed (docs/service.md,
+"Replays": stale live messages). The pure rules are tested in test_sequencing_stale.py."""
 from __future__ import annotations
 
 import threading
@@ -77,7 +77,17 @@ def test_late_live_copy_keeps_the_batches_after_it(zmq_ctx: zmq.Context) -> None
         publish(n + 1, wire=False)  # held back on the way ...
         publish(n + 2)  # ... so this one reveals a gap, filled by the replay
         poll_until(lambda: sub.watermark("w") == n + 2 and not sub.replaying())
+        dups = sub.stats.duplicates
         pub.send_multipart([b"", (n + 1).to_bytes(8, "big"), sent[n + 1]])  # ... then arrives late
+        poll_until(lambda: sub.stats.duplicates > dups)
+        # A copy of a delivered batch: dropped, nothing cleared, nothing replayed.
+        assert not any(isinstance(d, Restart) for d in out) and not sub.replaying()
+        assert applied == set(range(n + 3)) and sub.watermark("w") == n + 2
+
+        # A different payload at a passed seq reads as a restart: cleared, rebuilt from the replay,
+        # and the catch-up brings back n+2, which the live stream will not send again.
+        other = msgspec.msgpack.encode([time.time() + 1.0, [], 7])
+        pub.send_multipart([b"", (n + 1).to_bytes(8, "big"), other])
         poll_until(lambda: any(isinstance(d, Restart) for d in out) and not sub.replaying())
         assert applied == set(range(n + 3))
         assert sub.watermark("w") == n + 2
