@@ -367,7 +367,9 @@ class Subscriber:
                 self.stats.dropped_by_hook += 1
                 continue
             if tracker.take_next(seq):
-                append(Batch(wid, seq, f2.bytes, clock(), False))
+                payload = f2.bytes
+                tracker.remember(seq, payload)
+                append(Batch(wid, seq, payload, clock(), False))
             elif self._on_live(src, seq, f2.bytes, out):
                 break  # a replay started: this publisher's live stream is parked until it ends
         if n:
@@ -395,6 +397,9 @@ class Subscriber:
                  replayed: list[tuple[int, bytes]] | None = None) -> bool:
         """Everything but the in-order case: duplicates, gaps (with replay) and restarts.
         Returns True when a replay was started instead (the message is kept until it ends)."""
+        if replayed is None and src.tracker.stale_copy(seq, payload):
+            self.stats.duplicates += 1  # a late copy of a delivered batch: no restart, no replay
+            return False
         if replayed is None and src.replay_endpoint is not None:
             gap = _gap_of(src.tracker, seq)
             if gap is not None and self._start_replay(src, seq, payload, *gap):
@@ -403,6 +408,7 @@ class Subscriber:
         got = replayed if replayed is not None else ()
         for step in on_live(src.tracker, seq, payload, lambda first, last: got):
             if isinstance(step, DeliverStep):
+                src.tracker.remember(step.seq, step.item)
                 out.append(Batch(src.worker_id, step.seq, step.item, now, step.replayed))
                 if step.replayed:
                     self.stats.replay_batches += 1
