@@ -76,6 +76,7 @@ class SubscriberStats(msgspec.Struct):
     replay_capped: int = 0  # replays cut at the deadline or the byte / batch cap
     dropped_by_hook: int = 0
     snapshot_requests: int = 0
+    strays: int = 0  # live messages below the stream's seq that the next message showed were stray copies
     # Frame-level drops by reason (wrong frame count, seq frame not 8 bytes, ...), for /metrics.
     frame_drops: dict[str, int] = msgspec.field(default_factory=dict)
 
@@ -98,8 +99,20 @@ class _Replay:
         self.nbytes = 0
 
 
+class _Suspect:
+    """A live message whose seq went back: a restart, or a stray copy (a relay's duplicate or late
+    message)? The publisher's next message decides (docs/service.md, "Restart or stray copy")."""
+
+    __slots__ = ("seq", "payload")
+
+    def __init__(self, seq: int, payload: bytes) -> None:
+        self.seq = seq
+        self.payload = payload
+
+
 class _Source:
-    __slots__ = ("worker_id", "endpoint", "replay_endpoint", "topic", "sock", "tracker", "replay", "last_rx")
+    __slots__ = ("worker_id", "endpoint", "replay_endpoint", "topic", "sock", "tracker", "replay", "last_rx",
+                 "suspect")
 
     def __init__(self, worker_id: str, endpoint: str, replay_endpoint: str | None, topic: bytes,
                  sock: zmq.Socket, tracker: SeqTracker) -> None:
@@ -111,6 +124,7 @@ class _Source:
         self.tracker = tracker
         self.replay: _Replay | None = None
         self.last_rx = time.monotonic()  # last time anything arrived (or the last reconnect)
+        self.suspect: _Suspect | None = None
 
 
 def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None | str:
@@ -134,7 +148,8 @@ class Subscriber:
 
     __slots__ = ("_ctx", "_own_ctx", "_sources", "_by_sock", "_by_replay", "_poller", "replay_timeout",
                  "replay_deadline", "replay_max_bytes", "replay_max_batches", "max_msg_bytes",
-                 "reconnect_after", "_next_reconnect_check", "_drop_live", "_max_per_poll", "_rcvhwm", "stats", "_closed")
+"reconnect_after", "_next_reconnect_check", "_drop_live", "_max_per_poll", "_rcvhwm", "stats", "_closed",
+                 "_turn")
 
     def __init__(
         self,
@@ -184,6 +199,7 @@ class Subscriber:
         self._rcvhwm = rcvhwm
         self.stats = SubscriberStats()
         self._closed = False
+        self._turn = 0  # rotates which ready socket is drained first (no publisher starves the rest)
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -290,16 +306,26 @@ class Subscriber:
         budget = self._max_per_poll
         by_sock = self._by_sock
         while ready and budget > 0:
+            # Start at a different ready socket each round and give each a fair share of the budget:
+            # under a backlog, always starting with the same busy publishers starved the later ones.
+            n_ready = len(ready)
+            if n_ready > 1:
+                k = self._turn % n_ready
+                self._turn += 1
+                ready = ready[k:] + ready[:k]
+            share = max(64, budget // n_ready)
             for sock, _ in ready:
+                if budget <= 0:
+                    break
                 src = by_sock.get(sock)
                 if src is None:
                     rsrc = self._by_replay.get(sock)
                     if rsrc is not None:
-                        budget -= self._pump_replay(rsrc, min(budget, 1024), out)
+                        budget -= self._pump_replay(rsrc, min(budget, share, 1024), out)
                     continue
                 if src.replay is None:
                     # A bounded chunk per socket so one busy publisher cannot starve the rest.
-                    budget -= self._drain(src, min(budget, 1024), out)
+                    budget -= self._drain(src, min(budget, share, 1024), out)
             if budget > 0:
                 ready = self._poller.poll(0)
         now = time.monotonic()
@@ -366,9 +392,15 @@ class Subscriber:
             if drop is not None and drop(wid, seq):
                 self.stats.dropped_by_hook += 1
                 continue
+            confirmed = False
+            if src.suspect is not None:
+                verdict = self._settle_suspect(src, seq, f2.bytes, out)
+                if verdict is _HELD:
+                    continue
+                confirmed = verdict is _RESTARTED
             if tracker.take_next(seq):
                 append(Batch(wid, seq, f2.bytes, clock(), False))
-            elif self._on_live(src, seq, f2.bytes, out):
+            elif self._on_live(src, seq, f2.bytes, out, confirmed=confirmed):
                 break  # a replay started: this publisher's live stream is parked until it ends
         if n:
             src.last_rx = time.monotonic()
@@ -391,10 +423,42 @@ class Subscriber:
                 self.stats.reconnects += 1
                 log.debug("worker %s: silent for %.1fs, reconnected", src.worker_id, self.reconnect_after)
 
+    def _settle_suspect(self, src: _Source, seq: int, payload: bytes, out: list[Delivery]) -> object:
+        """The message after a suspect decides it (docs/service.md, "Restart or stray copy"):
+        - above the stream's last live seq: the old stream goes on, the suspect was a stray copy
+          (already delivered: its seq is at or below the watermark) and is dropped -> _GO_ON;
+        - the suspect's seq + 1: a new stream counting up from below, the publisher restarted ->
+          _RESTARTED (this message is handled as the restart; the replay from seq 0 that follows
+          covers the suspect too; without a replay endpoint the suspect is delivered first);
+        - anything else at or below the stream: the older suspect was a stray, this one is held
+          in its place -> _HELD."""
+        sus = src.suspect
+        assert sus is not None
+        live_last = src.tracker.live_last
+        if live_last is None or seq > live_last:
+            src.suspect = None
+            self.stats.strays += 1
+            return _GO_ON
+        if seq == sus.seq + 1:
+            src.suspect = None
+            if src.replay_endpoint is None:  # nothing can replay it: the suspect starts the new stream
+                self._on_live(src, sus.seq, sus.payload, out, confirmed=True)
+            return _RESTARTED
+        self.stats.strays += 1
+        src.suspect = _Suspect(seq, payload)
+        return _HELD
+
     def _on_live(self, src: _Source, seq: int, payload: bytes, out: list[Delivery],
-                 replayed: list[tuple[int, bytes]] | None = None) -> bool:
+                 replayed: list[tuple[int, bytes]] | None = None, confirmed: bool = False) -> bool:
         """Everything but the in-order case: duplicates, gaps (with replay) and restarts.
-        Returns True when a replay was started instead (the message is kept until it ends)."""
+        Returns True when a replay was started instead (the message is kept until it ends).
+        A live seq that went back is held as a suspect (unless `confirmed`): a restart shows itself
+        by the messages after it, a stray copy by the old stream going on."""
+        if replayed is None and not confirmed:
+            live_last = src.tracker.live_last
+            if live_last is not None and seq <= live_last:
+                src.suspect = _Suspect(seq, payload)
+                return False
         if replayed is None and src.replay_endpoint is not None:
             gap = _gap_of(src.tracker, seq)
             if gap is not None and self._start_replay(src, seq, payload, *gap):
@@ -520,6 +584,10 @@ class Subscriber:
         n = self.stats.bad_frames
         if n & (n - 1) == 0:  # log the 1st, 2nd, 4th, 8th ... so a flood cannot flood the log
             log.warning("dropped malformed message (%d so far): %s", n, why)
+
+
+# How the message after a suspect settles it (Subscriber._settle_suspect).
+_GO_ON, _RESTARTED, _HELD = object(), object(), object()
 
 
 def _gap_of(tracker: SeqTracker, seq: int) -> tuple[int, int] | None:
