@@ -247,6 +247,11 @@ class Subscriber:
     def workers(self) -> list[str]:
         return list(self._sources)
 
+    @property
+    def max_per_poll(self) -> int:
+        """The most messages one `poll` takes: a poll that returns fewer has drained every queue."""
+        return self._max_per_poll
+
     def replaying(self) -> list[str]:
         """Workers with a replay in flight (their live stream is parked meanwhile)."""
         return [w for w, s in self._sources.items() if s.replay is not None]

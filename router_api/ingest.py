@@ -258,7 +258,8 @@ class IngestLoop:
         now = self._clock()
         if deliveries:
             self.trimmer.note(len(deliveries))
-        elif self.trimmer.maybe_trim(now):  # a quiet poll: the burst is over
+        # A poll that took less than it may has drained the queues: a burst's buffers are free now.
+        if len(deliveries) < getattr(sub, "max_per_poll", 1) and self.trimmer.maybe_trim(now):
             log.debug("event=memory_trimmed trims=%d", self.trimmer.trims)
         if now >= next_tick:
             next_tick = now + self._tick_s
