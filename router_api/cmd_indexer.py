@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resync-hold", type=float, help="seconds a resynced worker is reported 'resyncing' (default 30)")
     p.add_argument("--max-body-mb", type=float, help="request body limit in MiB; larger bodies get 413 (default 8)")
     p.add_argument("--replay-timeout", type=float, help="seconds to wait for a publisher's replay (default 2)")
+    p.add_argument("--http-fast-path", choices=("on", "off"),
+                   help="answer /score and /query in uvicorn's protocol callbacks (default on; off: through "
+                        "the ASGI front, for comparison)")
     p.add_argument("--log-format", choices=("text", "json"), help="log line format (default text)")
 
 
@@ -206,13 +209,17 @@ class SafeTextFormatter(logging.Formatter):
         return line if line.isprintable() else line.encode("unicode_escape").decode("ascii")
 
 
-def server_settings(host: str, port: int) -> dict[str, Any]:
+def server_settings(host: str, port: int, fast_path: bool = True) -> dict[str, Any]:
     """uvicorn settings for the indexer (measured choices, docs/service.md "HTTP stack"): the
-    httptools parser and uvloop (uvicorn's fastest pair; named so a missing one fails loudly instead
-    of silently serving at half speed), no access log, no proxy-header rewriting (nothing here reads
-    the client address, and it is a per-request pass over the headers), no `server` header, and
-    keep-alive long enough that a router's connection is reused between its queries."""
-    return {"host": host, "port": port, "http": "httptools", "loop": "uvloop", "log_level": "warning",
+    httptools parser with the /score and /query fast path (`router_api.fasthttp`) and uvloop
+    (named, so a missing one fails loudly instead of silently serving at half speed), no access
+    log, no proxy-header rewriting (nothing here reads the client address, and it is a
+    per-request pass over the headers), no `server` header, and keep-alive long enough that a
+    router's connection is reused between its queries."""
+    from router_api import fasthttp
+
+    http: Any = fasthttp.ScoreHttpProtocol if fast_path and fasthttp.supported() else "httptools"
+    return {"host": host, "port": port, "http": http, "loop": "uvloop", "log_level": "warning",
             "access_log": False, "proxy_headers": False, "server_header": False, "lifespan": "off",
             "timeout_keep_alive": 30}
 
@@ -290,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
 
     gc.collect()
     gc.freeze()
-    server = _make_server(uvicorn, uvicorn.Config(app, **server_settings(config.host, config.port)))
+    fast = (getattr(args, "http_fast_path", None) or "on") == "on"
+    server = _make_server(uvicorn, uvicorn.Config(app, **server_settings(config.host, config.port, fast)))
     t0 = time.monotonic()
     log.info("event=listening url=http://%s:%d", config.host, config.port)
     try:
