@@ -280,6 +280,10 @@ class ScoreFront:
         check_length(clen, self.max_body)
         return kind
 
+    def health(self) -> Answer:
+        """`GET /health`, the same bytes the FastAPI route answers (for the protocol fast path)."""
+        return 200, _json.encode(self.service.health()), _JSON_HEADERS
+
     def rejected(self, endpoint: str, exc: ApiError) -> Answer:
         self.metrics.http_rejects.inc(endpoint, exc.reason)
         if exc.loud:

@@ -1,5 +1,5 @@
 """uvicorn's httptools protocol with `POST /score` and `POST /query` answered in the parser's own
-callbacks (docs/service.md, "HTTP stack").
+callbacks, and `GET /health` with them (docs/service.md, "HTTP stack").
 
 Measured on this host, uvicorn's per-request machinery (scope dict, RequestResponseCycle, an
 asyncio Event and Task, the ASGI message dicts and their awaits) costs ~0.1 ms — as much as the
@@ -25,6 +25,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router_api.app import ApiError, Answer, Route, ScoreFront, bearer_ok
 
+HEALTH: Route = ("health", type(None), lambda *a: None)  # marks a GET /health in flight
 _NEEDED = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
            "_unset_keepalive_if_required")
 
@@ -75,14 +76,21 @@ class ScoreHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         front = self._front
         if front is not None and not self.expect_100_continue and not self.pipeline \
-                and (self.cycle is None or self.cycle.response_complete) \
-                and self.parser.get_method() == b"POST" and not self.parser.should_upgrade():
-            url = httptools.parse_url(self.url)
-            route = front.routes.get(url.path.decode("latin-1"))
-            if route is not None and (front.token is None or bearer_ok(self.headers, front.token)):
-                self._start(front, route, url.query or b"")
+                and (self.cycle is None or self.cycle.response_complete) and not self.parser.should_upgrade():
+            method = self.parser.get_method()
+            if method == b"POST":
+                url = httptools.parse_url(self.url)
+                route = front.routes.get(url.path.decode("latin-1"))
+                if route is not None and (front.token is None or bearer_ok(self.headers, front.token)):
+                    self._start(front, route, url.query or b"")
+                    return
+            elif method == b"GET" and self.url == b"/health":  # the load balancers' probe; no auth (as BearerAuth)
+                self._pending = _Pending(HEALTH, "", None, b"", 0.0, self._keep_alive())
                 return
         super().on_headers_complete()
+
+    def _keep_alive(self) -> bool:
+        return self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
 
     def _start(self, front: ScoreFront, route: Route, query: bytes) -> None:
         t0 = time.perf_counter()
@@ -94,8 +102,7 @@ class ScoreHttpProtocol(HttpToolsProtocol):
                 accept = v
             elif k == b"content-length":
                 clen = v
-        keep = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-        p = self._pending = _Pending(route, "", accept, query, t0, keep)
+        p = self._pending = _Pending(route, "", accept, query, t0, self._keep_alive())
         try:
             p.kind = front.prepare(ctype, clen)
         except ApiError as exc:
@@ -130,7 +137,9 @@ class ScoreHttpProtocol(HttpToolsProtocol):
             return
         front = self._front
         assert front is not None
-        if p.error is not None:
+        if p.route is HEALTH:
+            ans = front.health()
+        elif p.error is not None:
             ans = front.rejected(p.route[0], p.error)
         else:
             body = p.chunks[0] if len(p.chunks) == 1 else b"".join(p.chunks)

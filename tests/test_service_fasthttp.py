@@ -91,10 +91,14 @@ def test_same_answers_on_both_paths(served: Served) -> None:
             a, b = got["fast"], got["asgi"]
             assert (a.status_code, a.content, a.headers.get("content-type")) == \
                 (b.status_code, b.content, b.headers.get("content-type")), (path, body, a.text, b.text)
+        # GET /health on the fast path: the FastAPI route's answer (uptime aside)
+        ha, hb = clients["fast"].get("/health"), clients["asgi"].get("/health")
+        assert ha.headers["content-type"] == hb.headers["content-type"] == "application/json"
+        assert {**ha.json(), "uptime_s": 0} == {**hb.json(), "uptime_s": 0}
         # keep-alive: fast-path answers and framework routes interleaved on one connection
         c = clients["fast"]
-        for i in range(50):
-            r = c.post("/score", content=b'{"token_ids": [1, 2, 3, 4]}') if i % 2 else c.get("/health")
+        for i in range(60):
+            r = (c.get("/health"), c.post("/score", content=b'{"token_ids": [1, 2, 3, 4]}'), c.get("/workers"))[i % 3]
             assert r.status_code == 200, r.text
     finally:
         for c in clients.values():
