@@ -146,7 +146,7 @@ def decode_body(kind: str, body: bytes, typ: type) -> Any:
         raise _too_deep() from None
     except msgspec.ValidationError as exc:
         raise ApiError(422, f"invalid request: {exc}", "invalid") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec: invalid UTF-8 in a string
         reason = "bad_json" if kind == "json" else "bad_msgpack"
         raise ApiError(400, f"malformed {kind} body: {exc}", reason) from None
 
@@ -175,14 +175,14 @@ class TokenBodies:
                 buf, a, b = found
                 try:
                     req = _dec_json[typ].decode(body[:a] + b"[]" + body[b:])
-                except (msgspec.DecodeError, RecursionError):
+                except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
                     req = None  # judged below on the whole body, so the wording is the usual one
                 if req is not None:
                     return req, np.frombuffer(buf, dtype="<u4")
         if mod is not None and body:
             try:
                 req = _dec_raw[kind, typ].decode(body)
-            except msgspec.DecodeError:  # incl. ValidationError: the typed decoder words it
+            except (msgspec.DecodeError, UnicodeDecodeError):  # incl. ValidationError: the typed decoder words it
                 req = None
             except RecursionError:
                 raise _too_deep() from None

@@ -94,3 +94,14 @@ async def test_fastapi_routes_answer_like_the_front(clients: tuple[httpx.AsyncCl
     b = await routes.post(path, content=body, headers=h)
     assert (a.status_code, a.content, a.headers["content-type"]) == \
         (b.status_code, b.content, b.headers["content-type"]), (a.text, b.text)
+
+
+@pytest.mark.asyncio
+async def test_invalid_utf8_in_a_string_is_a_400(clients: tuple[httpx.AsyncClient, httpx.AsyncClient]) -> None:
+    """msgspec reports invalid UTF-8 as UnicodeDecodeError, not DecodeError: still the client's fault."""
+    front, routes = clients
+    for client in (front, routes):
+        for path, body in (("/score", b'{"token_ids": [1], "model": "\x80"}'), ("/query", b'{"token_ids": [1], "model": "\xff"}'),
+                           ("/workers", b'{"worker_id": "\x80", "endpoint": "tcp://127.0.0.1:5"}')):
+            r = await client.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "malformed json body" in r.json()["error"], (path, r.text)

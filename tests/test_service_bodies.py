@@ -298,3 +298,20 @@ def test_one_pass_json_body_parse_agrees_with_the_typed_decoder() -> None:
     for typ in (ScoreRequest, QueryRequest):
         for body in bodies:
             assert _judged(fast, body, typ) == _judged(slow, body, typ), body
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=json_token_arrays(), extra=OTHER_FIELDS, first=st.booleans(), cut=st.integers(0, 400),
+       flip=st.integers(0, 400), junk=st.binary(max_size=8))
+def test_one_pass_json_parse_on_mangled_bodies(raw: bytes, extra: dict, first: bool, cut: int, flip: int,
+                                               junk: bytes) -> None:
+    """Random damage anywhere in a body (cut, flipped byte, junk spliced in): never a crash, and the
+    same judgement as the typed decoder alone."""
+    body = _wrap(msgspec.json.encode, raw, extra, first)
+    body = body[: max(1, len(body) - cut % 3)]
+    if body:
+        i = flip % len(body)
+        body = body[:i] + junk + body[i + (1 if junk else 0):]
+    fast, slow = TokenBodies(True), TokenBodies(False)
+    for typ in (ScoreRequest, QueryRequest):
+        assert _judged(fast, body, typ) == _judged(slow, body, typ), body
