@@ -86,9 +86,9 @@ def test_embedded_scores_match_reference(pubs: Pubs) -> None:
                 events = [AllBlocksCleared()] + events
             pubs.pubs[wid].publish(events)
             ref.apply("default", wid, 0, KVEventBatch(0.0, events))
-        marks = {w: p.next_seq - 1 for w, p in pubs.pubs.items()}
         for p in pubs.pubs.values():
             assert p.flush(10)
+        marks = {w: p.next_seq - 1 for w, p in pubs.pubs.items()}  # exact once the queue is empty
         wait_until(lambda: all((idx.service.registry.get(w).last_seq or -1) >= s for w, s in marks.items()),
                    timeout=15)
         for prompt in prompts:
