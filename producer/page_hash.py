@@ -71,6 +71,11 @@ def _select(native: bool | None) -> ModuleType | None:
     return _native
 
 
+def native_module(native: bool | None = None) -> ModuleType | None:
+    """The C helper as `_select` picks it (also serves the event recorder's token packer)."""
+    return _select(native)
+
+
 # Read once: the per-call functions below must not pay an environment lookup per node.
 _active = _select(None)
 

@@ -40,9 +40,11 @@ class ListSink:
 
 
 class _PayloadSink:
-    """Base for sinks that consume encoded payloads."""
+    """Base for sinks that consume encoded payloads. They only encode the events they get, so the
+    recorder hands them pre-encoded token ids (`encodes_events`, producer.events.EventSink)."""
 
     __slots__ = ()
+    encodes_events = True
 
     def send_payload(self, payload: bytes) -> None:  # pragma: no cover - interface
         raise NotImplementedError

@@ -154,15 +154,22 @@ def test_large_insert_hashes_with_gil_released() -> None:
         assert fn(tokens, 16) == ph.py_sha256_ids(tokens, 16)
 
 
+class ObjectBytesSink(BytesSink):
+    """Encodes like BytesSink but declares it reads events: gets plain token-id lists."""
+
+    __slots__ = ()
+    encodes_events = False
+
+
 @pytest.mark.parametrize("page_hash", ["sha256", "xxh3"])
 def test_cache_events_are_byte_identical_native_or_pure(page_hash: str) -> None:
-    """The whole event stream of a cache under eviction pressure, native vs pure hashing."""
+    """The whole event stream of a cache under eviction pressure: native vs pure hashing, token
+    ids packed by the C helper vs msgspec, pre-encoded vs plain lists — the same bytes."""
     _native_fns()
     spec = StreamSpec(requests=120, prefixes=6, prefix_tokens=128, suffix_tokens=40, seed=5)
     payloads = []
-    for nat in (True, False):
-        sink = BytesSink()
-        rec = EventRecorder(sink, heartbeat_interval_s=3600.0)
+    for nat, sink in ((True, BytesSink()), (False, BytesSink()), (True, ObjectBytesSink())):
+        rec = EventRecorder(sink, heartbeat_interval_s=3600.0, native=nat)
         cache = build_cache(page_size=16, device_pages=64, recorder=rec, page_shape=(1,), page_hash=page_hash)
         cache.tree.chain_ids = ph.page_hash_chain_ids(page_hash, native=nat)
         for tokens in synthetic_stream(spec):
@@ -173,5 +180,36 @@ def test_cache_events_are_byte_identical_native_or_pure(page_hash: str) -> None:
             cache.insert(tokens, m.device_pages + pages)
             cache.step(0.0)
         payloads.append(sink.payloads)
-    assert payloads[0] == payloads[1]
+    assert payloads[0] == payloads[1] == payloads[2]
     assert len(payloads[0]) > 50
+
+
+def test_pack_ints_is_msgspec_bytes() -> None:
+    """The C token packer writes exactly msgspec's msgpack for every int width and array size;
+    what it does not take raises, and the recorder then lets msgspec encode."""
+    import itertools
+
+    import msgspec
+
+    if native is None:
+        pytest.fail("producer._native._pagehash is not built")
+    edges = [0, 1, 31, 32, 127, 128, 255, 256, 65535, 65536, 2**30 - 1, 2**30, 2**31, 2**32 - 1, 2**32,
+             2**63 - 1, 2**63, 2**64 - 1, -1, -32, -33, -128, -129, -32768, -32769, -2**31, -2**31 - 1, -2**63]
+    rng = random.Random(11)
+    for n in (0, 1, 15, 16, 17, 65535, 65536, 70001):
+        chunks: list = []
+        left = n
+        while left:
+            k = rng.randrange(1, left + 1)
+            vals = [rng.choice(edges) for _ in range(k)]
+            chunks.append(tuple(vals) if rng.random() < 0.5 else vals)
+            left -= k
+        assert native.pack_ints(chunks) == msgspec.msgpack.encode(list(itertools.chain(*chunks)))
+    for bad, exc in (([(2**64,)], OverflowError), ([(-2**63 - 1,)], OverflowError), ([(True,)], TypeError),
+                     ([(1.5,)], TypeError), ([5], TypeError)):
+        with pytest.raises(exc):
+            native.pack_ints(bad)
+    from producer.events import _native_packer
+
+    pack = _native_packer(native.pack_ints)
+    assert pack([(True, 3), [1.5]]) == msgspec.msgpack.encode([True, 3, 1.5])  # msgspec's own bytes

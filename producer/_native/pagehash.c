@@ -11,6 +11,7 @@
  *   sha256_chain(tokens, page_size, prior=None) -> (list[bytes], list[int])
  *   sha256_chain_portable(...)                  -> same, never the SHA-extension path (tests)
  *   call_chain(fn, tokens, page_size, prior=None) -> same, digest = fn(prior || page) (xxh3 etc.)
+ *   pack_ints(chunks)                           -> bytes, msgpack array of the ints of every chunk
  *   SHA_EXTENSIONS: bool                        -> whether sha256_chain uses the CPU's SHA unit
  *
  * `tokens`: a tuple/list of ints (each must fit u32: OverflowError otherwise, TypeError for
@@ -79,7 +80,19 @@ static void compress_portable(uint32_t state[8], const uint8_t *data, size_t blo
 
 #ifdef HAVE_X86_SHA
 /* The same compression with the x86 SHA extensions: rnds2 does two rounds on the state held as
- * (ABEF, CDGH); msg1/msg2 compute the message schedule four words at a time. */
+ * (ABEF, CDGH); msg1/msg2 compute the message schedule four words at a time. Written out in full
+ * (macros, four named schedule registers) so nothing spills to memory: the chain is serial, so
+ * the latency of one block is the cost. */
+#define SHA_RNDS4(g, m) do {                                                    \
+        __m128i k_ = _mm_add_epi32((m), _mm_loadu_si128((const __m128i *)&K256[4 * (g)])); \
+        st1 = _mm_sha256rnds2_epu32(st1, st0, k_);                              \
+        st0 = _mm_sha256rnds2_epu32(st0, st1, _mm_shuffle_epi32(k_, 0x0E));     \
+    } while (0)
+/* w[g] from w[g-4] (a, overwritten), w[g-3] (b), w[g-2] (c), w[g-1] (d). */
+#define SHA_SCHED(a, b, c, d) \
+    (a) = _mm_sha256msg2_epu32(_mm_add_epi32(_mm_sha256msg1_epu32((a), (b)), _mm_alignr_epi8((d), (c), 4)), (d))
+#define SHA_STEP(g, a, b, c, d) do { SHA_SCHED(a, b, c, d); SHA_RNDS4(g, a); } while (0)
+
 __attribute__((target("sha,sse4.1,ssse3")))
 static void compress_shani(uint32_t state[8], const uint8_t *data, size_t blocks) {
     const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
@@ -90,20 +103,27 @@ static void compress_shani(uint32_t state[8], const uint8_t *data, size_t blocks
     __m128i st0 = _mm_alignr_epi8(tmp, st1, 8);                  /* ABEF */
     st1 = _mm_blend_epi16(st1, tmp, 0xF0);                       /* CDGH */
     while (blocks--) {
-        __m128i save0 = st0, save1 = st1, w[4], msg;
-        for (int g = 0; g < 16; g++) {
-            if (g < 4) {
-                w[g] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 16 * g)), bswap);
-            } else {
-                __m128i t = _mm_sha256msg1_epu32(w[g & 3], w[(g + 1) & 3]);
-                t = _mm_add_epi32(t, _mm_alignr_epi8(w[(g + 3) & 3], w[(g + 2) & 3], 4));
-                w[g & 3] = _mm_sha256msg2_epu32(t, w[(g + 3) & 3]);
-            }
-            msg = _mm_add_epi32(w[g & 3], _mm_loadu_si128((const __m128i *)&K256[4 * g]));
-            st1 = _mm_sha256rnds2_epu32(st1, st0, msg);
-            msg = _mm_shuffle_epi32(msg, 0x0E);
-            st0 = _mm_sha256rnds2_epu32(st0, st1, msg);
-        }
+        const __m128i save0 = st0, save1 = st1;
+        __m128i m0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 0)), bswap);
+        __m128i m1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 16)), bswap);
+        __m128i m2 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 32)), bswap);
+        __m128i m3 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 48)), bswap);
+        SHA_RNDS4(0, m0);
+        SHA_RNDS4(1, m1);
+        SHA_RNDS4(2, m2);
+        SHA_RNDS4(3, m3);
+        SHA_STEP(4, m0, m1, m2, m3);
+        SHA_STEP(5, m1, m2, m3, m0);
+        SHA_STEP(6, m2, m3, m0, m1);
+        SHA_STEP(7, m3, m0, m1, m2);
+        SHA_STEP(8, m0, m1, m2, m3);
+        SHA_STEP(9, m1, m2, m3, m0);
+        SHA_STEP(10, m2, m3, m0, m1);
+        SHA_STEP(11, m3, m0, m1, m2);
+        SHA_STEP(12, m0, m1, m2, m3);
+        SHA_STEP(13, m1, m2, m3, m0);
+        SHA_STEP(14, m2, m3, m0, m1);
+        SHA_STEP(15, m3, m0, m1, m2);
         st0 = _mm_add_epi32(st0, save0);
         st1 = _mm_add_epi32(st1, save1);
         data += 64;
@@ -168,6 +188,26 @@ static void pages_release(Pages *p) {
     if (p->has_view) PyBuffer_Release(&p->view);
 }
 
+/* A non-negative int below 2^30 read without a call (most token ids): 1 when it applied. Only
+ * where the int layout is known (3.11: ob_size/ob_digit; 3.12+: the compact-value API). */
+static inline int small_nonneg(PyObject *o, unsigned long *v) {
+    if (!PyLong_CheckExact(o)) return 0;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)o)) return 0;
+    Py_ssize_t c = PyUnstable_Long_CompactValue((PyLongObject *)o);
+    if (c < 0) return 0;
+    *v = (unsigned long)c;
+    return 1;
+#elif PY_VERSION_HEX >= 0x030B0000 && PYLONG_BITS_IN_DIGIT == 30
+    Py_ssize_t sz = Py_SIZE(o);
+    if (sz == 0) { *v = 0; return 1; }
+    if (sz == 1) { *v = ((PyLongObject *)o)->ob_digit[0]; return 1; }
+    return 0;
+#else
+    return 0;
+#endif
+}
+
 static int pages_from(PyObject *tokens, Py_ssize_t page_size, Pages *out) {
     memset(out, 0, sizeof *out);
     if (page_size <= 0) {
@@ -201,7 +241,9 @@ static int pages_from(PyObject *tokens, Py_ssize_t page_size, Pages *out) {
     for (Py_ssize_t i = 0; i < nt; i++) {
         PyObject *o = items[i];
         unsigned long v;
-        if (PyLong_Check(o)) {
+        if (small_nonneg(o, &v)) {
+            /* v < 2^30: fits u32 */
+        } else if (PyLong_Check(o)) {
             v = PyLong_AsUnsignedLong(o);  /* OverflowError for negatives and > ULONG_MAX */
         } else {
             PyObject *ix = PyNumber_Index(o);
@@ -375,6 +417,112 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Token ids as one msgpack array (the event's `token_ids`, docs/producer-events.md)
+ */
+
+/* One int in msgpack's smallest form, exactly as msgspec writes it (positive fixint, uint8..64
+ * for non-negatives; negative fixint, int8..64 below zero). */
+static uint8_t *mp_write_u64(uint8_t *q, uint64_t x) {
+    if (x < 128) { *q++ = (uint8_t)x; return q; }
+    if (x < 256) { *q++ = 0xcc; *q++ = (uint8_t)x; return q; }
+    if (x < 65536) { *q++ = 0xcd; *q++ = (uint8_t)(x >> 8); *q++ = (uint8_t)x; return q; }
+    if (x < 4294967296ULL) {
+        *q++ = 0xce;
+        for (int s = 24; s >= 0; s -= 8) *q++ = (uint8_t)(x >> s);
+        return q;
+    }
+    *q++ = 0xcf;
+    for (int s = 56; s >= 0; s -= 8) *q++ = (uint8_t)(x >> s);
+    return q;
+}
+
+static uint8_t *mp_write_i64(uint8_t *q, int64_t x) {
+    if (x >= 0) return mp_write_u64(q, (uint64_t)x);
+    if (x >= -32) { *q++ = (uint8_t)(x & 0xff); return q; }
+    uint64_t u = (uint64_t)x;
+    if (x >= -128) { *q++ = 0xd0; *q++ = (uint8_t)u; return q; }
+    if (x >= -32768) { *q++ = 0xd1; *q++ = (uint8_t)(u >> 8); *q++ = (uint8_t)u; return q; }
+    if (x >= -2147483648LL) {
+        *q++ = 0xd2;
+        for (int s = 24; s >= 0; s -= 8) *q++ = (uint8_t)(u >> s);
+        return q;
+    }
+    *q++ = 0xd3;
+    for (int s = 56; s >= 0; s -= 8) *q++ = (uint8_t)(u >> s);
+    return q;
+}
+
+/* pack_ints(chunks) -> bytes: the msgpack array of every int of every chunk (each a list or tuple
+ * of ints), in order. Byte-identical to msgspec.msgpack.encode(list(itertools.chain(*chunks))) for
+ * exact ints within [-2^63, 2^64); anything else raises (TypeError / OverflowError) so the caller
+ * can fall back to msgspec itself. */
+static PyObject *py_pack_ints(PyObject *self, PyObject *chunks) {
+    PyObject *outer = PySequence_Fast(chunks, "pack_ints takes a sequence of int sequences");
+    if (outer == NULL) return NULL;
+    Py_ssize_t nchunks = PySequence_Fast_GET_SIZE(outer), total = 0;
+    PyObject **cs = PySequence_Fast_ITEMS(outer);
+    for (Py_ssize_t c = 0; c < nchunks; c++) {
+        if (!PyTuple_Check(cs[c]) && !PyList_Check(cs[c])) {
+            Py_DECREF(outer);
+            PyErr_SetString(PyExc_TypeError, "pack_ints: every chunk must be a tuple or a list of ints");
+            return NULL;
+        }
+        total += PySequence_Fast_GET_SIZE(cs[c]);
+    }
+    PyObject *res = PyBytes_FromStringAndSize(NULL, 5 + 9 * total);
+    if (res == NULL) {
+        Py_DECREF(outer);
+        return NULL;
+    }
+    uint8_t *q = (uint8_t *)PyBytes_AS_STRING(res);
+    if (total < 16) {
+        *q++ = (uint8_t)(0x90 | total);
+    } else if (total < 65536) {
+        *q++ = 0xdc; *q++ = (uint8_t)(total >> 8); *q++ = (uint8_t)total;
+    } else {
+        *q++ = 0xdd;
+        for (int s = 24; s >= 0; s -= 8) *q++ = (uint8_t)((uint64_t)total >> s);
+    }
+    for (Py_ssize_t c = 0; c < nchunks; c++) {
+        PyObject *chunk = cs[c];  /* a list may not change size under us: no Python code runs here */
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(chunk);
+        PyObject **items = PySequence_Fast_ITEMS(chunk);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *o = items[i];
+            unsigned long v;
+            if (small_nonneg(o, &v)) {
+                q = mp_write_u64(q, v);
+                continue;
+            }
+            if (!PyLong_CheckExact(o)) {
+                PyErr_SetString(PyExc_TypeError, "pack_ints: token ids must be ints");
+                goto fail;
+            }
+            int overflow = 0;
+            long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+            if (x == -1 && PyErr_Occurred()) goto fail;
+            if (overflow > 0) {
+                unsigned long long u = PyLong_AsUnsignedLongLong(o);
+                if (u == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+                q = mp_write_u64(q, u);
+            } else if (overflow < 0) {
+                PyErr_SetString(PyExc_OverflowError, "pack_ints: int below -2^63");
+                goto fail;
+            } else {
+                q = mp_write_i64(q, x);
+            }
+        }
+    }
+    Py_DECREF(outer);
+    if (_PyBytes_Resize(&res, (Py_ssize_t)(q - (uint8_t *)PyBytes_AS_STRING(res))) < 0) return NULL;
+    return res;
+fail:
+    Py_DECREF(outer);
+    Py_DECREF(res);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"sha256_chain", (PyCFunction)(void (*)(void))py_sha256_chain, METH_VARARGS | METH_KEYWORDS,
      "sha256_chain(tokens, page_size, prior=None) -> (digests, ids) of every whole page"},
@@ -382,6 +530,8 @@ static PyMethodDef methods[] = {
      "sha256_chain without the CPU's SHA extensions (tests)"},
     {"call_chain", py_call_chain, METH_VARARGS,
      "call_chain(fn, tokens, page_size, prior=None) -> (digests, ids), digest_i = fn(digest_{i-1} || page_i)"},
+    {"pack_ints", py_pack_ints, METH_O,
+     "pack_ints(chunks) -> bytes: msgpack array of every int of every chunk, as msgspec encodes it"},
     {NULL, NULL, 0, NULL},
 };
 
