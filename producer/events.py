@@ -8,14 +8,15 @@ own and no clock: the caller passes `now`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
-
-import msgspec
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Protocol, Union
 
 from producer import page_hash
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from schemas.media import Medium
+
+log = logging.getLogger(__name__)
 
 # SGLang's tier names on the wire. The bytes captured from SGLang 0.5.23 (shared/wire-samples) say
 # `GPU` and `CPU_PINNED`; local and shared L3 use the canonical `DISK` / `EXTERNAL`. Every name here
@@ -30,9 +31,10 @@ CANONICAL_MEDIA: Mapping[Medium, str] = {m: m.name for m in Medium}
 
 
 class EventSink(Protocol):
-    """Where batches go. A sink whose class sets `encodes_events = True` only ever msgpack-encodes
-    the events it is given (schemas.codec); it receives each store's `token_ids` already encoded,
-    as a `msgspec.Raw` that encodes to the same bytes (docs/producer-events.md)."""
+    """Where batches go. A sink whose class sets `encodes_events = True` only ever sends the
+    msgpack of a batch (schemas.codec.encode_batch of KVEventBatch(batch_ts(), events, dp_rank)):
+    it also has `batch_ts() -> float` and `send_payload(bytes)`, and the recorder may hand it the
+    encoded bytes directly (docs/producer-events.md)."""
 
     def emit(self, events: list[KVEvent], dp_rank: int | None) -> None: ...
     def heartbeat(self, dp_rank: int | None) -> None: ...
@@ -40,25 +42,9 @@ class EventSink(Protocol):
     def close(self) -> None: ...
 
 
-def _pack_tokens_py(chunks: list[Sequence[int]]) -> bytes:
-    return msgspec.msgpack.encode(list(itertools.chain.from_iterable(chunks)))
-
-
-def _native_packer(pack_ints: Callable[[list[Sequence[int]]], bytes]) -> Callable[[list[Sequence[int]]], bytes]:
-    """The C helper's packer; msgspec for anything it does not take, so the bytes are always
-    msgspec's (tokens the page hash accepted are u32 ints, which it always takes)."""
-    def pack(chunks: list[Sequence[int]]) -> bytes:
-        try:
-            return pack_ints(chunks)
-        except (TypeError, OverflowError):
-            return _pack_tokens_py(chunks)
-    return pack
-
-
 class _Store:
     """A pending `BlockStored`: its token ids stay the nodes' own key tuples (chunks) until the
-    flush builds the event — a list for sinks that read events, encoded bytes for sinks that
-    send them (no per-insert copy of the token ids)."""
+    flush encodes them straight from there (no per-insert copy of the token ids)."""
 
     __slots__ = ("ids", "parent", "chunks", "block_size", "medium", "group_idx", "kind", "window")
 
@@ -73,14 +59,9 @@ class _Store:
         self.kind = kind
         self.window = window
 
-    def event(self, encoded: bool, pack: Callable[[list[Sequence[int]]], bytes]) -> BlockStored:
+    def event(self) -> BlockStored:
         chunks = self.chunks
-        if encoded:
-            tokens: Any = msgspec.Raw(pack(chunks))
-        elif len(chunks) == 1:
-            tokens = list(chunks[0])
-        else:
-            tokens = list(itertools.chain.from_iterable(chunks))
+        tokens = list(chunks[0]) if len(chunks) == 1 else list(itertools.chain.from_iterable(chunks))
         if self.group_idx is None and self.kind is None and self.window is None:
             return BlockStored(self.ids, self.parent, tokens, self.block_size, None, self.medium)
         return BlockStored(self.ids, self.parent, tokens, self.block_size, None, self.medium,
@@ -88,11 +69,39 @@ class _Store:
                            kv_cache_spec_sliding_window=self.window)
 
 
+class _Removed:
+    """A pending `BlockRemoved`."""
+
+    __slots__ = ("ids", "medium", "group_idx")
+
+    def __init__(self, ids: list[int], medium: str, group_idx: int | None) -> None:
+        self.ids = ids
+        self.medium = medium
+        self.group_idx = group_idx
+
+    def event(self) -> BlockRemoved:
+        if self.group_idx is None:
+            return BlockRemoved(self.ids, self.medium)
+        return BlockRemoved(self.ids, self.medium, group_idx=self.group_idx)
+
+
+class _Cleared:
+    """A pending `AllBlocksCleared`."""
+
+    __slots__ = ()
+
+    def event(self) -> AllBlocksCleared:
+        return AllBlocksCleared()
+
+
+_Record = Union[_Store, _Removed, _Cleared]
+
+
 class EventRecorder:
     """Buffers events between flushes. `enabled=False` makes every call a no-op (and lets the
     cache skip hashing); a recorder without a sink just drops what it would send."""
 
-    __slots__ = ("sink", "enabled", "dp_rank", "names", "heartbeat_interval_s", "_encoded", "_pack",
+    __slots__ = ("sink", "enabled", "dp_rank", "names", "heartbeat_interval_s", "_encode",
                  "_pending", "_last_sent", "events_emitted", "batches_sent", "heartbeats_sent")
 
     def __init__(self, sink: EventSink | None = None, *, enabled: bool = True, dp_rank: int | None = None,
@@ -106,12 +115,13 @@ class EventRecorder:
         self.dp_rank = dp_rank
         self.names = dict(media_names)
         self.heartbeat_interval_s = heartbeat_interval_s
-        # Sinks that only encode get token ids pre-encoded (EventSink); `native` as in
-        # producer.page_hash: None = the C helper unless KVATLAS_PURE_PYTHON=1, False = msgspec.
-        self._encoded = bool(getattr(sink, "encodes_events", False))
+        # A sink that only sends bytes gets each batch encoded by the C helper straight from the
+        # pending records (EventSink); `native` as in producer.page_hash: None = the helper unless
+        # KVATLAS_PURE_PYTHON=1, False = always event structs encoded by msgspec.
         mod = page_hash.native_module(native)
-        self._pack = _native_packer(mod.pack_ints) if mod is not None else _pack_tokens_py
-        self._pending: list[_Store | KVEvent] = []
+        self._encode = (mod.encode_batch if mod is not None and getattr(sink, "encodes_events", False)
+                        else None)
+        self._pending: list[_Record] = []
         self._last_sent: float | None = None
         self.events_emitted = 0
         self.batches_sent = 0
@@ -148,18 +158,17 @@ class EventRecorder:
         pending = self._pending
         if pending:
             last = pending[-1]
-            if type(last) is BlockRemoved and last.medium == name and last.group_idx == group_idx:
-                last.block_hashes.extend(ids)
+            if type(last) is _Removed and last.medium == name and last.group_idx == group_idx:
+                last.ids.extend(ids)
                 return
-        pending.append(BlockRemoved(list(ids), name) if group_idx is None
-                       else BlockRemoved(list(ids), name, group_idx=group_idx))
+        pending.append(_Removed(list(ids), name, group_idx))
 
     def cleared(self) -> None:
         if not self.enabled:
             return
         # Everything before a clear is moot for a consumer that applies the batch in order,
         # but it is kept: the batch must describe what happened, not a summary of it.
-        self._pending.append(AllBlocksCleared())
+        self._pending.append(_Cleared())
 
     def snapshot_requested(self) -> bool:
         """Has a consumer asked (through the sink) for the full state to be re-published?"""
@@ -181,18 +190,30 @@ class EventRecorder:
             return 0
         if self._pending:
             pending, self._pending = self._pending, []
-            enc, pack = self._encoded, self._pack
-            events = [e.event(enc, pack) if type(e) is _Store else e for e in pending]
-            self.sink.emit(events, self.dp_rank)
+            self._send(pending)
             self._last_sent = now
-            self.events_emitted += len(events)
+            self.events_emitted += len(pending)
             self.batches_sent += 1
-            return len(events)
+            return len(pending)
         if self._last_sent is None or now - self._last_sent >= self.heartbeat_interval_s:
             self.sink.heartbeat(self.dp_rank)
             self._last_sent = now
             self.heartbeats_sent += 1
         return 0
+
+    def _send(self, pending: list[_Record]) -> None:
+        sink = self.sink
+        if self._encode is not None:
+            try:
+                payload = self._encode(sink.batch_ts(), pending, self.dp_rank, _Store, _Removed, _Cleared)  # type: ignore[union-attr]
+            except (TypeError, OverflowError) as exc:
+                # Only values no producer path records (ids beyond 64 bits, non-int tokens from a
+                # caller): msgspec encodes what it can, or raises the same error it always did.
+                log.debug("native batch encode declined (%s); msgspec encodes this batch", exc)
+            else:
+                sink.send_payload(payload)  # type: ignore[union-attr]
+                return
+        sink.emit([r.event() for r in pending], self.dp_rank)  # type: ignore[union-attr]
 
     def close(self, now: float) -> None:
         self.flush(now)

@@ -30,8 +30,8 @@ class BytesSink(_PayloadSink):
     def __init__(self) -> None:
         self.payloads: list[bytes] = []
 
-    def emit(self, events: list[KVEvent], dp_rank: int | None) -> None:
-        self.send_payload(encode_batch(KVEventBatch(0.0, events, dp_rank)))
+    def batch_ts(self) -> float:
+        return 0.0
 
     def send_payload(self, payload: bytes) -> None:
         self.payloads.append(payload)
@@ -184,32 +184,67 @@ def test_cache_events_are_byte_identical_native_or_pure(page_hash: str) -> None:
     assert len(payloads[0]) > 50
 
 
-def test_pack_ints_is_msgspec_bytes() -> None:
-    """The C token packer writes exactly msgspec's msgpack for every int width and array size;
-    what it does not take raises, and the recorder then lets msgspec encode."""
-    import itertools
-
-    import msgspec
+def test_native_batch_encode_is_msgspec_bytes() -> None:
+    """The C batch encoder writes exactly msgspec's bytes for KVEventBatch: every record kind,
+    optional fields set or omitted, ints of every width, arrays and strings across their size
+    classes, dp_rank None or set. What it does not take raises (and msgspec then encodes)."""
+    from producer.events import _Cleared, _Removed, _Store
 
     if native is None:
         pytest.fail("producer._native._pagehash is not built")
     edges = [0, 1, 31, 32, 127, 128, 255, 256, 65535, 65536, 2**30 - 1, 2**30, 2**31, 2**32 - 1, 2**32,
              2**63 - 1, 2**63, 2**64 - 1, -1, -32, -33, -128, -129, -32768, -32769, -2**31, -2**31 - 1, -2**63]
     rng = random.Random(11)
-    for n in (0, 1, 15, 16, 17, 65535, 65536, 70001):
-        chunks: list = []
-        left = n
-        while left:
-            k = rng.randrange(1, left + 1)
-            vals = [rng.choice(edges) for _ in range(k)]
-            chunks.append(tuple(vals) if rng.random() < 0.5 else vals)
-            left -= k
-        assert native.pack_ints(chunks) == msgspec.msgpack.encode(list(itertools.chain(*chunks)))
-    for bad, exc in (([(2**64,)], OverflowError), ([(-2**63 - 1,)], OverflowError), ([(True,)], TypeError),
-                     ([(1.5,)], TypeError), ([5], TypeError)):
-        with pytest.raises(exc):
-            native.pack_ints(bad)
-    from producer.events import _native_packer
 
-    pack = _native_packer(native.pack_ints)
-    assert pack([(True, 3), [1.5]]) == msgspec.msgpack.encode([True, 3, 1.5])  # msgspec's own bytes
+    def ints(n: int) -> list[int]:
+        return [rng.choice(edges) if rng.random() < 0.5 else rng.randrange(-2**63, 2**63) for _ in range(n)]
+
+    def opt(v):  # noqa: ANN001, ANN202
+        return v if rng.random() < 0.5 else None
+
+    for case in range(300):
+        recs: list = []
+        for _ in range(rng.randrange(0, 6)):
+            k = rng.randrange(3)
+            if k == 0:
+                sizes = [rng.choice([0, 1, 15, 16, 17, 300]) for _ in range(rng.randrange(1, 4))]
+                if case == 7:
+                    sizes = [40000, 30000]  # > 65535 tokens: the 32-bit array header
+                chunks = [tuple(ints(n)) if rng.random() < 0.5 else ints(n) for n in sizes]
+                recs.append(_Store(ints(rng.choice([1, 15, 16, 40])), opt(rng.choice(edges)), chunks,
+                                   rng.choice([1, 16, 2**20]), rng.choice(["GPU", "CPU_PINNED", "x" * 40]),
+                                   opt(rng.choice([0, 1, 300])), opt(rng.choice(["full_attention", "y" * 300])),
+                                   opt(rng.choice([128, 70000]))))
+            elif k == 1:
+                recs.append(_Removed(ints(rng.choice([1, 16, 17])), rng.choice(["GPU", "DISK"]),
+                                     opt(rng.choice([0, 5]))))
+            else:
+                recs.append(_Cleared())
+        ts, dp = rng.choice([0.0, 1.5e9 + rng.random(), -3.25]), rng.choice([None, 0, 3])
+        want = encode_batch(KVEventBatch(ts, [r.event() for r in recs], dp))
+        assert native.encode_batch(ts, recs, dp, _Store, _Removed, _Cleared) == want
+    for bad in (_Store([2**64], None, [(1,)], 16, "GPU", None, None, None),
+                _Store([1], None, [(True,)], 16, "GPU", None, None, None),
+                _Store([1], None, [(1.5,)], 16, "GPU", None, None, None),
+                _Removed([b"raw"], "GPU", None)):
+        with pytest.raises((TypeError, OverflowError)):
+            native.encode_batch(0.0, [bad], None, _Store, _Removed, _Cleared)
+    with pytest.raises(TypeError):
+        native.encode_batch(0.0, [object()], None, _Store, _Removed, _Cleared)
+
+
+def test_recorder_falls_back_to_msgspec_for_what_the_encoder_declines() -> None:
+    """Token ids the C encoder does not take (a bool from a caller) still go out, as msgspec's bytes."""
+    from schemas.media import Medium
+
+    sink = BytesSink()
+    rec = EventRecorder(sink)
+    rec.stored([5], None, (True, 2), 2, Medium.GPU)
+    rec.flush(0.0)
+    assert sink.payloads == [encode_batch(KVEventBatch(0.0, [rec_event_stored([5], None, [True, 2], 2)], None))]
+
+
+def rec_event_stored(ids: list, parent, tokens: list, size: int):  # noqa: ANN001, ANN201
+    from schemas.events import BlockStored
+
+    return BlockStored(ids, parent, tokens, size, None, "GPU")

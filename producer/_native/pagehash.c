@@ -11,7 +11,7 @@
  *   sha256_chain(tokens, page_size, prior=None) -> (list[bytes], list[int])
  *   sha256_chain_portable(...)                  -> same, never the SHA-extension path (tests)
  *   call_chain(fn, tokens, page_size, prior=None) -> same, digest = fn(prior || page) (xxh3 etc.)
- *   pack_ints(chunks)                           -> bytes, msgpack array of the ints of every chunk
+ *   encode_batch(ts, records, dp_rank, store_t, removed_t, cleared_t) -> bytes, a whole batch
  *   SHA_EXTENSIONS: bool                        -> whether sha256_chain uses the CPU's SHA unit
  *
  * `tokens`: a tuple/list of ints (each must fit u32: OverflowError otherwise, TypeError for
@@ -417,10 +417,6 @@ fail:
     return NULL;
 }
 
-/* ---------------------------------------------------------------------------------------------
- * Token ids as one msgpack array (the event's `token_ids`, docs/producer-events.md)
- */
-
 /* One int in msgpack's smallest form, exactly as msgspec writes it (positive fixint, uint8..64
  * for non-negatives; negative fixint, int8..64 below zero). */
 static uint8_t *mp_write_u64(uint8_t *q, uint64_t x) {
@@ -453,73 +449,278 @@ static uint8_t *mp_write_i64(uint8_t *q, int64_t x) {
     return q;
 }
 
-/* pack_ints(chunks) -> bytes: the msgpack array of every int of every chunk (each a list or tuple
- * of ints), in order. Byte-identical to msgspec.msgpack.encode(list(itertools.chain(*chunks))) for
- * exact ints within [-2^63, 2^64); anything else raises (TypeError / OverflowError) so the caller
- * can fall back to msgspec itself. */
-static PyObject *py_pack_ints(PyObject *self, PyObject *chunks) {
-    PyObject *outer = PySequence_Fast(chunks, "pack_ints takes a sequence of int sequences");
-    if (outer == NULL) return NULL;
-    Py_ssize_t nchunks = PySequence_Fast_GET_SIZE(outer), total = 0;
-    PyObject **cs = PySequence_Fast_ITEMS(outer);
-    for (Py_ssize_t c = 0; c < nchunks; c++) {
-        if (!PyTuple_Check(cs[c]) && !PyList_Check(cs[c])) {
-            Py_DECREF(outer);
-            PyErr_SetString(PyExc_TypeError, "pack_ints: every chunk must be a tuple or a list of ints");
-            return NULL;
-        }
-        total += PySequence_Fast_GET_SIZE(cs[c]);
+/* ---------------------------------------------------------------------------------------------
+ * A whole event batch as msgpack, from the recorder's pending records (docs/producer-events.md)
+ *
+ * The bytes are exactly what msgspec writes for schemas.events.KVEventBatch (positional
+ * [ts, events, dp_rank?]) holding BlockStored / BlockRemoved / AllBlocksCleared (tagged maps,
+ * defaults omitted, fields in declaration order). Anything unexpected raises TypeError /
+ * OverflowError and the recorder lets msgspec encode the events instead.
+ */
+
+typedef struct {
+    uint8_t *buf;
+    size_t len, cap;
+} Writer;
+
+static int w_reserve(Writer *w, size_t n) {
+    if (w->len + n <= w->cap) return 0;
+    size_t cap = w->cap ? w->cap : 1024;
+    while (cap < w->len + n) cap *= 2;
+    uint8_t *b = PyMem_Realloc(w->buf, cap);
+    if (b == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
-    PyObject *res = PyBytes_FromStringAndSize(NULL, 5 + 9 * total);
-    if (res == NULL) {
-        Py_DECREF(outer);
-        return NULL;
-    }
-    uint8_t *q = (uint8_t *)PyBytes_AS_STRING(res);
-    if (total < 16) {
-        *q++ = (uint8_t)(0x90 | total);
-    } else if (total < 65536) {
-        *q++ = 0xdc; *q++ = (uint8_t)(total >> 8); *q++ = (uint8_t)total;
+    w->buf = b;
+    w->cap = cap;
+    return 0;
+}
+
+static int w_header(Writer *w, size_t n, uint8_t fix, uint8_t fixmax, uint8_t b16, uint8_t b32) {
+    if (w_reserve(w, 5) < 0) return -1;
+    uint8_t *q = w->buf + w->len;
+    if (n < fixmax) {
+        *q++ = (uint8_t)(fix | n);
+    } else if (n < 65536) {
+        *q++ = b16; *q++ = (uint8_t)(n >> 8); *q++ = (uint8_t)n;
     } else {
-        *q++ = 0xdd;
-        for (int s = 24; s >= 0; s -= 8) *q++ = (uint8_t)((uint64_t)total >> s);
+        *q++ = b32;
+        for (int s = 24; s >= 0; s -= 8) *q++ = (uint8_t)((uint64_t)n >> s);
     }
-    for (Py_ssize_t c = 0; c < nchunks; c++) {
-        PyObject *chunk = cs[c];  /* a list may not change size under us: no Python code runs here */
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(chunk);
-        PyObject **items = PySequence_Fast_ITEMS(chunk);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *o = items[i];
-            unsigned long v;
-            if (small_nonneg(o, &v)) {
-                q = mp_write_u64(q, v);
-                continue;
-            }
-            if (!PyLong_CheckExact(o)) {
-                PyErr_SetString(PyExc_TypeError, "pack_ints: token ids must be ints");
-                goto fail;
-            }
-            int overflow = 0;
-            long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
-            if (x == -1 && PyErr_Occurred()) goto fail;
-            if (overflow > 0) {
-                unsigned long long u = PyLong_AsUnsignedLongLong(o);
-                if (u == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
-                q = mp_write_u64(q, u);
-            } else if (overflow < 0) {
-                PyErr_SetString(PyExc_OverflowError, "pack_ints: int below -2^63");
-                goto fail;
-            } else {
-                q = mp_write_i64(q, x);
-            }
+    w->len = (size_t)(q - w->buf);
+    return 0;
+}
+
+#define W_ARRAY(w, n) w_header((w), (n), 0x90, 16, 0xdc, 0xdd)
+/* A struct as a map: msgspec sizes the header for the struct's most fields (tag included) and
+ * patches the count in once the omitted defaults are known: BlockStored (16) always takes map16,
+ * BlockRemoved (6) and AllBlocksCleared (1) a fixmap. */
+#define W_MAP16(w, n) w_header((w), (n), 0x80, 0, 0xde, 0xdf)
+#define W_FIXMAP(w, n) w_header((w), (n), 0x80, 16, 0xde, 0xdf)
+
+static int w_raw(Writer *w, const void *p, size_t n) {
+    if (w_reserve(w, n) < 0) return -1;
+    memcpy(w->buf + w->len, p, n);
+    w->len += n;
+    return 0;
+}
+
+static int w_str(Writer *w, PyObject *o) {
+    if (!PyUnicode_CheckExact(o)) {
+        PyErr_SetString(PyExc_TypeError, "encode_batch: expected a str");
+        return -1;
+    }
+    Py_ssize_t n;
+    const char *u = PyUnicode_AsUTF8AndSize(o, &n);
+    if (u == NULL) return -1;
+    if (w_reserve(w, 5 + (size_t)n) < 0) return -1;
+    uint8_t *q = w->buf + w->len;
+    if (n < 32) {
+        *q++ = (uint8_t)(0xa0 | n);
+    } else if (n < 256) {
+        *q++ = 0xd9; *q++ = (uint8_t)n;
+    } else if (n < 65536) {
+        *q++ = 0xda; *q++ = (uint8_t)(n >> 8); *q++ = (uint8_t)n;
+    } else {
+        *q++ = 0xdb;
+        for (int s = 24; s >= 0; s -= 8) *q++ = (uint8_t)((uint64_t)n >> s);
+    }
+    memcpy(q, u, (size_t)n);
+    w->len = (size_t)(q - w->buf) + (size_t)n;
+    return 0;
+}
+
+/* A literal key or tag: `s` is short ASCII (fixstr). */
+static int w_lit(Writer *w, const char *s) {
+    size_t n = strlen(s);
+    if (w_reserve(w, 1 + n) < 0) return -1;
+    w->buf[w->len++] = (uint8_t)(0xa0 | n);
+    memcpy(w->buf + w->len, s, n);
+    w->len += n;
+    return 0;
+}
+
+/* One exact int (msgspec's widths); reserve 9 bytes first. */
+static int w_int_unchecked(uint8_t **qp, PyObject *o) {
+    unsigned long v;
+    if (small_nonneg(o, &v)) {
+        *qp = mp_write_u64(*qp, v);
+        return 0;
+    }
+    if (!PyLong_CheckExact(o)) {
+        PyErr_SetString(PyExc_TypeError, "encode_batch: expected an int");
+        return -1;
+    }
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (overflow > 0) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(o);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+        *qp = mp_write_u64(*qp, u);
+    } else if (overflow < 0) {
+        PyErr_SetString(PyExc_OverflowError, "encode_batch: int below -2^63");
+        return -1;
+    } else {
+        *qp = mp_write_i64(*qp, x);
+    }
+    return 0;
+}
+
+static int w_int(Writer *w, PyObject *o) {
+    if (w_reserve(w, 9) < 0) return -1;
+    uint8_t *q = w->buf + w->len;
+    if (w_int_unchecked(&q, o) < 0) return -1;
+    w->len = (size_t)(q - w->buf);
+    return 0;
+}
+
+/* The ints of every chunk as one array (chunks: a list of tuples/lists of ints). */
+static int w_int_chunks(Writer *w, PyObject *chunks) {
+    if (!PyList_Check(chunks)) {
+        PyErr_SetString(PyExc_TypeError, "encode_batch: chunks must be a list");
+        return -1;
+    }
+    Py_ssize_t nc = PyList_GET_SIZE(chunks), total = 0;
+    for (Py_ssize_t c = 0; c < nc; c++) {
+        PyObject *ch = PyList_GET_ITEM(chunks, c);
+        if (!PyTuple_Check(ch) && !PyList_Check(ch)) {
+            PyErr_SetString(PyExc_TypeError, "encode_batch: a chunk must be a tuple or a list");
+            return -1;
+        }
+        total += PySequence_Fast_GET_SIZE(ch);
+    }
+    if (W_ARRAY(w, (size_t)total) < 0 || w_reserve(w, 9 * (size_t)total) < 0) return -1;
+    uint8_t *q = w->buf + w->len;
+    for (Py_ssize_t c = 0; c < nc; c++) {
+        PyObject *ch = PyList_GET_ITEM(chunks, c);
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(ch);
+        PyObject **items = PySequence_Fast_ITEMS(ch);
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (w_int_unchecked(&q, items[i]) < 0) return -1;
+    }
+    w->len = (size_t)(q - w->buf);
+    return 0;
+}
+
+static int w_ints(Writer *w, PyObject *list) {
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "encode_batch: block ids must be a list");
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (W_ARRAY(w, (size_t)n) < 0 || w_reserve(w, 9 * (size_t)n) < 0) return -1;
+    uint8_t *q = w->buf + w->len;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (w_int_unchecked(&q, PyList_GET_ITEM(list, i)) < 0) return -1;
+    w->len = (size_t)(q - w->buf);
+    return 0;
+}
+
+static PyObject *S_ids, *S_parent, *S_chunks, *S_block_size, *S_medium, *S_group_idx, *S_kind, *S_window;
+
+/* New references to attributes `names` of `o` (n of them); -1 on error with all released. */
+static int get_attrs(PyObject *o, PyObject **names, PyObject **out, int n) {
+    for (int i = 0; i < n; i++) {
+        out[i] = PyObject_GetAttr(o, names[i]);
+        if (out[i] == NULL) {
+            for (int j = 0; j < i; j++) Py_DECREF(out[j]);
+            return -1;
         }
     }
-    Py_DECREF(outer);
-    if (_PyBytes_Resize(&res, (Py_ssize_t)(q - (uint8_t *)PyBytes_AS_STRING(res))) < 0) return NULL;
+    return 0;
+}
+
+static int w_store(Writer *w, PyObject *rec) {
+    /* BlockStored fields in order: block_hashes, parent_block_hash, token_ids, block_size,
+     * lora_id (never set by the recorder: omitted), medium, group_idx, kv_cache_spec_kind,
+     * kv_cache_spec_sliding_window; None-valued optional fields are omitted. */
+    PyObject *names[8] = {S_ids, S_parent, S_chunks, S_block_size, S_medium, S_group_idx, S_kind, S_window};
+    PyObject *a[8];
+    if (get_attrs(rec, names, a, 8) < 0) return -1;
+    int rc = -1;
+    size_t nfields = 5;  /* type, block_hashes, parent_block_hash, token_ids, block_size */
+    for (int i = 4; i < 8; i++) nfields += a[i] != Py_None;
+    if (W_MAP16(w, nfields) < 0 || w_lit(w, "type") < 0 || w_lit(w, "BlockStored") < 0) goto done;
+    if (w_lit(w, "block_hashes") < 0 || w_ints(w, a[0]) < 0) goto done;
+    if (w_lit(w, "parent_block_hash") < 0) goto done;
+    if (a[1] == Py_None) {
+        uint8_t nil = 0xc0;
+        if (w_raw(w, &nil, 1) < 0) goto done;
+    } else if (w_int(w, a[1]) < 0) {
+        goto done;
+    }
+    if (w_lit(w, "token_ids") < 0 || w_int_chunks(w, a[2]) < 0) goto done;
+    if (w_lit(w, "block_size") < 0 || w_int(w, a[3]) < 0) goto done;
+    if (a[4] != Py_None && (w_lit(w, "medium") < 0 || w_str(w, a[4]) < 0)) goto done;
+    if (a[5] != Py_None && (w_lit(w, "group_idx") < 0 || w_int(w, a[5]) < 0)) goto done;
+    if (a[6] != Py_None && (w_lit(w, "kv_cache_spec_kind") < 0 || w_str(w, a[6]) < 0)) goto done;
+    if (a[7] != Py_None && (w_lit(w, "kv_cache_spec_sliding_window") < 0 || w_int(w, a[7]) < 0)) goto done;
+    rc = 0;
+done:
+    for (int i = 0; i < 8; i++) Py_DECREF(a[i]);
+    return rc;
+}
+
+static int w_removed(Writer *w, PyObject *rec) {
+    PyObject *names[3] = {S_ids, S_medium, S_group_idx};
+    PyObject *a[3];
+    if (get_attrs(rec, names, a, 3) < 0) return -1;
+    int rc = -1;
+    size_t nfields = 2 + (a[1] != Py_None) + (a[2] != Py_None);
+    if (W_FIXMAP(w, nfields) < 0 || w_lit(w, "type") < 0 || w_lit(w, "BlockRemoved") < 0) goto done;
+    if (w_lit(w, "block_hashes") < 0 || w_ints(w, a[0]) < 0) goto done;
+    if (a[1] != Py_None && (w_lit(w, "medium") < 0 || w_str(w, a[1]) < 0)) goto done;
+    if (a[2] != Py_None && (w_lit(w, "group_idx") < 0 || w_int(w, a[2]) < 0)) goto done;
+    rc = 0;
+done:
+    for (int i = 0; i < 3; i++) Py_DECREF(a[i]);
+    return rc;
+}
+
+/* encode_batch(ts, records, dp_rank, store_type, removed_type, cleared_type) -> bytes */
+static PyObject *py_encode_batch(PyObject *self, PyObject *args) {
+    double ts;
+    PyObject *records, *dp_rank, *store_t, *removed_t, *cleared_t;
+    if (!PyArg_ParseTuple(args, "dO!OOOO", &ts, &PyList_Type, &records, &dp_rank, &store_t, &removed_t, &cleared_t))
+        return NULL;
+    Writer w = {NULL, 0, 0};
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    /* msgspec writes all three positions of the array-like batch, dp_rank None as nil */
+    if (W_ARRAY(&w, 3) < 0 || w_reserve(&w, 9) < 0) goto fail;
+    {
+        uint64_t bits;
+        memcpy(&bits, &ts, 8);
+        w.buf[w.len++] = 0xcb;
+        for (int s = 56; s >= 0; s -= 8) w.buf[w.len++] = (uint8_t)(bits >> s);
+    }
+    if (W_ARRAY(&w, (size_t)n) < 0) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PyList_GET_ITEM(records, i);
+        PyObject *t = (PyObject *)Py_TYPE(rec);
+        if (t == store_t) {
+            if (w_store(&w, rec) < 0) goto fail;
+        } else if (t == removed_t) {
+            if (w_removed(&w, rec) < 0) goto fail;
+        } else if (t == cleared_t) {
+            if (W_FIXMAP(&w, 1) < 0 || w_lit(&w, "type") < 0 || w_lit(&w, "AllBlocksCleared") < 0) goto fail;
+        } else {
+            PyErr_SetString(PyExc_TypeError, "encode_batch: unknown record type");
+            goto fail;
+        }
+    }
+    if (dp_rank == Py_None) {
+        uint8_t nil = 0xc0;
+        if (w_raw(&w, &nil, 1) < 0) goto fail;
+    } else if (w_int(&w, dp_rank) < 0) {
+        goto fail;
+    }
+    PyObject *res = PyBytes_FromStringAndSize((const char *)w.buf, (Py_ssize_t)w.len);
+    PyMem_Free(w.buf);
     return res;
 fail:
-    Py_DECREF(outer);
-    Py_DECREF(res);
+    PyMem_Free(w.buf);
     return NULL;
 }
 
@@ -530,8 +731,8 @@ static PyMethodDef methods[] = {
      "sha256_chain without the CPU's SHA extensions (tests)"},
     {"call_chain", py_call_chain, METH_VARARGS,
      "call_chain(fn, tokens, page_size, prior=None) -> (digests, ids), digest_i = fn(digest_{i-1} || page_i)"},
-    {"pack_ints", py_pack_ints, METH_O,
-     "pack_ints(chunks) -> bytes: msgpack array of every int of every chunk, as msgspec encodes it"},
+    {"encode_batch", py_encode_batch, METH_VARARGS,
+     "encode_batch(ts, records, dp_rank, store_type, removed_type, cleared_type) -> msgpack KVEventBatch"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -540,6 +741,14 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_pagehash", "Page-ha
 PyMODINIT_FUNC PyInit__pagehash(void) {
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
+    PyObject **names[8] = {&S_ids, &S_parent, &S_chunks, &S_block_size, &S_medium, &S_group_idx, &S_kind, &S_window};
+    const char *strs[8] = {"ids", "parent", "chunks", "block_size", "medium", "group_idx", "kind", "window"};
+    for (int i = 0; i < 8; i++) {
+        if (*names[i] == NULL && (*names[i] = PyUnicode_InternFromString(strs[i])) == NULL) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
     int sha = 0;
 #ifdef HAVE_X86_SHA
     if (cpu_has_sha()) {
