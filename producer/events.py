@@ -42,15 +42,48 @@ class EventSink(Protocol):
     def close(self) -> None: ...
 
 
-class _Store:
-    """A pending `BlockStored`: its token ids stay the nodes' own key tuples (chunks) until the
-    flush encodes them straight from there (no per-insert copy of the token ids)."""
+class _Ids:
+    """A pending record's block ids: a list of ints, or the tree's digest blobs (`dlen` bytes per
+    page; an id is a digest's first 8 bytes, big-endian signed) read only when the batch is built."""
 
-    __slots__ = ("ids", "parent", "chunks", "block_size", "medium", "group_idx", "kind", "window")
+    __slots__ = ("ids", "blobs", "dlen")
 
-    def __init__(self, ids: list[int], parent: int | None, chunks: list[Sequence[int]], block_size: int,
-                 medium: str, group_idx: int | None, kind: str | None, window: int | None) -> None:
+    def __init__(self, ids: list[int] | None, blobs: list[bytes] | None, dlen: int) -> None:
         self.ids = ids
+        self.blobs = blobs
+        self.dlen = dlen
+
+    def add_ids(self, ids: Sequence[int]) -> None:
+        self.int_ids().extend(ids)
+
+    def add_blob(self, blob: bytes, dlen: int) -> None:
+        if self.blobs is not None and self.dlen == dlen:
+            self.blobs.append(blob)
+        else:
+            self.int_ids().extend(page_hash.ids_of(blob, dlen))
+
+    def int_ids(self) -> list[int]:
+        """The ids as ints (a record given both kinds keeps ints from then on)."""
+        if self.blobs is not None:
+            self.ids = [i for b in self.blobs for i in page_hash.ids_of(b, self.dlen)]
+            self.blobs = None
+        return self.ids  # type: ignore[return-value]
+
+
+class _Store(_Ids):
+    """A pending `BlockStored`: its token ids stay the nodes' own key tuples (chunks) until the
+    flush encodes them straight from there (no per-insert copy of the token ids). `last` is the
+    last block's id (coalescing)."""
+
+    __slots__ = ("parent", "chunks", "block_size", "medium", "group_idx", "kind", "window", "last")
+
+    def __init__(self, ids: list[int] | None, blobs: list[bytes] | None, dlen: int, last: int,
+                 parent: int | None, chunks: list[Sequence[int]], block_size: int, medium: str,
+                 group_idx: int | None, kind: str | None, window: int | None) -> None:
+        self.ids = ids
+        self.blobs = blobs
+        self.dlen = dlen
+        self.last = last
         self.parent = parent
         self.chunks = chunks
         self.block_size = block_size
@@ -62,27 +95,32 @@ class _Store:
     def event(self) -> BlockStored:
         chunks = self.chunks
         tokens = list(chunks[0]) if len(chunks) == 1 else list(itertools.chain.from_iterable(chunks))
+        ids = self.int_ids()
         if self.group_idx is None and self.kind is None and self.window is None:
-            return BlockStored(self.ids, self.parent, tokens, self.block_size, None, self.medium)
-        return BlockStored(self.ids, self.parent, tokens, self.block_size, None, self.medium,
+            return BlockStored(ids, self.parent, tokens, self.block_size, None, self.medium)
+        return BlockStored(ids, self.parent, tokens, self.block_size, None, self.medium,
                            group_idx=self.group_idx, kv_cache_spec_kind=self.kind,
                            kv_cache_spec_sliding_window=self.window)
 
 
-class _Removed:
+class _Removed(_Ids):
     """A pending `BlockRemoved`."""
 
-    __slots__ = ("ids", "medium", "group_idx")
+    __slots__ = ("medium", "group_idx")
 
-    def __init__(self, ids: list[int], medium: str, group_idx: int | None) -> None:
+    def __init__(self, ids: list[int] | None, blobs: list[bytes] | None, dlen: int, medium: str,
+                 group_idx: int | None) -> None:
         self.ids = ids
+        self.blobs = blobs
+        self.dlen = dlen
         self.medium = medium
         self.group_idx = group_idx
 
     def event(self) -> BlockRemoved:
+        ids = self.int_ids()
         if self.group_idx is None:
-            return BlockRemoved(self.ids, self.medium)
-        return BlockRemoved(self.ids, self.medium, group_idx=self.group_idx)
+            return BlockRemoved(ids, self.medium)
+        return BlockRemoved(ids, self.medium, group_idx=self.group_idx)
 
 
 class _Cleared:
@@ -136,20 +174,47 @@ class EventRecorder:
         tuple as given (the tree's keys), anything else copied."""
         if not self.enabled or not ids:
             return
+        last = self._continues(parent_id, self.names[medium], block_size, group_idx, kind)
+        if last is not None:
+            last.add_ids(ids)
+            last.last = ids[-1]
+            last.chunks.append(tokens if type(tokens) is tuple else tuple(tokens))
+            return
+        self._pending.append(_Store(list(ids), None, 0, ids[-1], parent_id,
+                                    [tokens if type(tokens) is tuple else tuple(tokens)], block_size,
+                                    self.names[medium], group_idx, kind, window))
+
+    def stored_digests(self, digests: bytes, dlen: int, parent_id: int | None, tokens: tuple[int, ...],
+                       block_size: int, medium: Medium, *, group_idx: int | None = None,
+                       kind: str | None = None, window: int | None = None) -> None:
+        """`stored` with the ids given as a tree node's digests (`dlen` bytes per page): they
+        are read only when the batch is built (docs/producer-events.md)."""
+        if not self.enabled or not digests:
+            return
+        last_id = int.from_bytes(digests[len(digests) - dlen:len(digests) - dlen + 8], "big", signed=True)
         name = self.names[medium]
-        if type(tokens) is not tuple:
-            tokens = tuple(tokens)
+        last = self._continues(parent_id, name, block_size, group_idx, kind)
+        if last is not None:
+            last.add_blob(digests, dlen)
+            last.last = last_id
+            last.chunks.append(tokens if type(tokens) is tuple else tuple(tokens))
+            return
+        self._pending.append(_Store(None, [digests], dlen, last_id, parent_id,
+                                    [tokens if type(tokens) is tuple else tuple(tokens)], block_size,
+                                    name, group_idx, kind, window))
+
+    def _continues(self, parent_id: int | None, name: str, block_size: int, group_idx: int | None,
+                   kind: str | None) -> _Store | None:
+        """The pending store a new one coalesces into: the same tier and group continuing the
+        chain the previous store ended."""
         pending = self._pending
-        if pending:
-            last = pending[-1]
-            # Coalesce: the same tier and group continuing the chain the previous store ended.
-            if (type(last) is _Store and last.medium == name and last.block_size == block_size
-                    and parent_id is not None and last.ids[-1] == parent_id
-                    and last.group_idx == group_idx and last.kind == kind):
-                last.ids.extend(ids)
-                last.chunks.append(tokens)
-                return
-        pending.append(_Store(list(ids), parent_id, [tokens], block_size, name, group_idx, kind, window))
+        if not pending or parent_id is None:
+            return None
+        last = pending[-1]
+        if (type(last) is _Store and last.last == parent_id and last.medium == name
+                and last.block_size == block_size and last.group_idx == group_idx and last.kind == kind):
+            return last
+        return None
 
     def removed(self, ids: Sequence[int], medium: Medium, *, group_idx: int | None = None) -> None:
         if not self.enabled or not ids:
@@ -159,9 +224,22 @@ class EventRecorder:
         if pending:
             last = pending[-1]
             if type(last) is _Removed and last.medium == name and last.group_idx == group_idx:
-                last.ids.extend(ids)
+                last.add_ids(ids)
                 return
-        pending.append(_Removed(list(ids), name, group_idx))
+        pending.append(_Removed(list(ids), None, 0, name, group_idx))
+
+    def removed_digests(self, digests: bytes, dlen: int, medium: Medium, *, group_idx: int | None = None) -> None:
+        """`removed` with the ids given as a tree node's digests (see `stored_digests`)."""
+        if not self.enabled or not digests:
+            return
+        name = self.names[medium]
+        pending = self._pending
+        if pending:
+            last = pending[-1]
+            if type(last) is _Removed and last.medium == name and last.group_idx == group_idx:
+                last.add_blob(digests, dlen)
+                return
+        pending.append(_Removed(None, [digests], dlen, name, group_idx))
 
     def cleared(self) -> None:
         if not self.enabled:

@@ -10,6 +10,8 @@
  *
  *   sha256_chain(tokens, page_size, prior=None) -> (list[bytes], list[int])
  *   sha256_chain_portable(...)                  -> same, never the SHA-extension path (tests)
+ *   sha256_blob(tokens, page_size, prior=None)  -> bytes, the digests concatenated (the tree keeps this)
+ *   ids_of(digests, dlen)                       -> list[int], the event ids of concatenated digests
  *   call_chain(fn, tokens, page_size, prior=None) -> same, digest = fn(prior || page) (xxh3 etc.)
  *   encode_batch(ts, records, dp_rank, store_t, removed_t, cleared_t) -> bytes, a whole batch
  *   SHA_EXTENSIONS: bool                        -> whether sha256_chain uses the CPU's SHA unit
@@ -314,7 +316,7 @@ static compress_fn best_compress = compress_portable;
 /* Pages at or above this count are hashed with the GIL released (another thread can run). */
 #define NOGIL_PAGES 128
 
-static PyObject *sha256_chain_impl(PyObject *args, PyObject *kwargs, compress_fn compress) {
+static PyObject *sha256_chain_impl(PyObject *args, PyObject *kwargs, compress_fn compress, int blob) {
     static char *kwlist[] = {"tokens", "page_size", "prior", NULL};
     PyObject *tokens, *prior = Py_None;
     Py_ssize_t page_size;
@@ -344,7 +346,7 @@ static PyObject *sha256_chain_impl(PyObject *args, PyObject *kwargs, compress_fn
             sha256_two(compress, out + 32 * (i - 1), 32, pg.data + i * len, (size_t)len, out + 32 * i, scratch);
         if (ts) PyEval_RestoreThread(ts);
     }
-    res = build_result(out, n, 32);
+    res = blob ? PyBytes_FromStringAndSize((const char *)out, n * 32) : build_result(out, n, 32);
 done:
     PyMem_Free(out);
     PyMem_Free(scratch);
@@ -354,11 +356,43 @@ done:
 }
 
 static PyObject *py_sha256_chain(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return sha256_chain_impl(args, kwargs, best_compress);
+    return sha256_chain_impl(args, kwargs, best_compress, 0);
 }
 
 static PyObject *py_sha256_chain_portable(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return sha256_chain_impl(args, kwargs, compress_portable);
+    return sha256_chain_impl(args, kwargs, compress_portable, 0);
+}
+
+/* The digests as one bytes object (32 per page): what the radix tree keeps per node, so a node
+ * holds one object instead of a digest and an int per page (docs/producer-events.md). */
+static PyObject *py_sha256_blob(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return sha256_chain_impl(args, kwargs, best_compress, 1);
+}
+
+/* ids_of(digests, dlen) -> list[int]: the event id of every `dlen`-byte digest in `digests`. */
+static PyObject *py_ids_of(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    Py_ssize_t dlen;
+    if (!PyArg_ParseTuple(args, "y*n", &b, &dlen)) return NULL;
+    if (dlen < 8 || b.len % dlen) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "ids_of: digests must be whole digests of at least 8 bytes");
+        return NULL;
+    }
+    Py_ssize_t n = b.len / dlen;
+    PyObject *ids = PyList_New(n);
+    if (ids != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *id = digest_id((const uint8_t *)b.buf + i * dlen);
+            if (id == NULL) {
+                Py_CLEAR(ids);
+                break;
+            }
+            PyList_SET_ITEM(ids, i, id);
+        }
+    }
+    PyBuffer_Release(&b);
+    return ids;
 }
 
 /* The chain with any digest function `fn(bytes) -> bytes` (at least 8 bytes): the page buffer and
@@ -618,7 +652,47 @@ static int w_ints(Writer *w, PyObject *list) {
     return 0;
 }
 
-static PyObject *S_ids, *S_parent, *S_chunks, *S_block_size, *S_medium, *S_group_idx, *S_kind, *S_window;
+/* Block ids from digest blobs (a list of bytes, `dlen` bytes per digest): each id is the signed
+ * big-endian int64 of a digest's first 8 bytes, as digest_id makes it. */
+static int w_blob_ids(Writer *w, PyObject *blobs, PyObject *dlen_o) {
+    Py_ssize_t dlen = PyLong_AsSsize_t(dlen_o);
+    if (dlen == -1 && PyErr_Occurred()) return -1;
+    if (!PyList_Check(blobs) || dlen < 8) {
+        PyErr_SetString(PyExc_TypeError, "encode_batch: blobs must be a list and dlen >= 8");
+        return -1;
+    }
+    Py_ssize_t nb = PyList_GET_SIZE(blobs), total = 0;
+    for (Py_ssize_t i = 0; i < nb; i++) {
+        PyObject *b = PyList_GET_ITEM(blobs, i);
+        if (!PyBytes_CheckExact(b) || PyBytes_GET_SIZE(b) % dlen) {
+            PyErr_SetString(PyExc_TypeError, "encode_batch: a blob must be bytes of whole digests");
+            return -1;
+        }
+        total += PyBytes_GET_SIZE(b) / dlen;
+    }
+    if (W_ARRAY(w, (size_t)total) < 0 || w_reserve(w, 9 * (size_t)total) < 0) return -1;
+    uint8_t *q = w->buf + w->len;
+    for (Py_ssize_t i = 0; i < nb; i++) {
+        PyObject *b = PyList_GET_ITEM(blobs, i);
+        const uint8_t *d = (const uint8_t *)PyBytes_AS_STRING(b);
+        Py_ssize_t n = PyBytes_GET_SIZE(b) / dlen;
+        for (Py_ssize_t k = 0; k < n; k++, d += dlen) {
+            uint64_t u = 0;
+            for (int j = 0; j < 8; j++) u = (u << 8) | d[j];
+            q = mp_write_i64(q, (int64_t)u);
+        }
+    }
+    w->len = (size_t)(q - w->buf);
+    return 0;
+}
+
+/* A record's block ids: `blobs` (digest blobs) when set, else `ids` (a list of ints). */
+static int w_record_ids(Writer *w, PyObject *ids, PyObject *blobs, PyObject *dlen) {
+    return blobs != Py_None ? w_blob_ids(w, blobs, dlen) : w_ints(w, ids);
+}
+
+static PyObject *S_ids, *S_parent, *S_chunks, *S_block_size, *S_medium, *S_group_idx, *S_kind, *S_window,
+    *S_blobs, *S_dlen;
 
 /* New references to attributes `names` of `o` (n of them); -1 on error with all released. */
 static int get_attrs(PyObject *o, PyObject **names, PyObject **out, int n) {
@@ -636,14 +710,15 @@ static int w_store(Writer *w, PyObject *rec) {
     /* BlockStored fields in order: block_hashes, parent_block_hash, token_ids, block_size,
      * lora_id (never set by the recorder: omitted), medium, group_idx, kv_cache_spec_kind,
      * kv_cache_spec_sliding_window; None-valued optional fields are omitted. */
-    PyObject *names[8] = {S_ids, S_parent, S_chunks, S_block_size, S_medium, S_group_idx, S_kind, S_window};
-    PyObject *a[8];
-    if (get_attrs(rec, names, a, 8) < 0) return -1;
+    PyObject *names[10] = {S_ids, S_parent, S_chunks, S_block_size, S_medium, S_group_idx, S_kind, S_window,
+                           S_blobs, S_dlen};
+    PyObject *a[10];
+    if (get_attrs(rec, names, a, 10) < 0) return -1;
     int rc = -1;
     size_t nfields = 5;  /* type, block_hashes, parent_block_hash, token_ids, block_size */
     for (int i = 4; i < 8; i++) nfields += a[i] != Py_None;
     if (W_MAP16(w, nfields) < 0 || w_lit(w, "type") < 0 || w_lit(w, "BlockStored") < 0) goto done;
-    if (w_lit(w, "block_hashes") < 0 || w_ints(w, a[0]) < 0) goto done;
+    if (w_lit(w, "block_hashes") < 0 || w_record_ids(w, a[0], a[8], a[9]) < 0) goto done;
     if (w_lit(w, "parent_block_hash") < 0) goto done;
     if (a[1] == Py_None) {
         uint8_t nil = 0xc0;
@@ -659,23 +734,23 @@ static int w_store(Writer *w, PyObject *rec) {
     if (a[7] != Py_None && (w_lit(w, "kv_cache_spec_sliding_window") < 0 || w_int(w, a[7]) < 0)) goto done;
     rc = 0;
 done:
-    for (int i = 0; i < 8; i++) Py_DECREF(a[i]);
+    for (int i = 0; i < 10; i++) Py_DECREF(a[i]);
     return rc;
 }
 
 static int w_removed(Writer *w, PyObject *rec) {
-    PyObject *names[3] = {S_ids, S_medium, S_group_idx};
-    PyObject *a[3];
-    if (get_attrs(rec, names, a, 3) < 0) return -1;
+    PyObject *names[5] = {S_ids, S_medium, S_group_idx, S_blobs, S_dlen};
+    PyObject *a[5];
+    if (get_attrs(rec, names, a, 5) < 0) return -1;
     int rc = -1;
     size_t nfields = 2 + (a[1] != Py_None) + (a[2] != Py_None);
     if (W_FIXMAP(w, nfields) < 0 || w_lit(w, "type") < 0 || w_lit(w, "BlockRemoved") < 0) goto done;
-    if (w_lit(w, "block_hashes") < 0 || w_ints(w, a[0]) < 0) goto done;
+    if (w_lit(w, "block_hashes") < 0 || w_record_ids(w, a[0], a[3], a[4]) < 0) goto done;
     if (a[1] != Py_None && (w_lit(w, "medium") < 0 || w_str(w, a[1]) < 0)) goto done;
     if (a[2] != Py_None && (w_lit(w, "group_idx") < 0 || w_int(w, a[2]) < 0)) goto done;
     rc = 0;
 done:
-    for (int i = 0; i < 3; i++) Py_DECREF(a[i]);
+    for (int i = 0; i < 5; i++) Py_DECREF(a[i]);
     return rc;
 }
 
@@ -727,6 +802,9 @@ fail:
 static PyMethodDef methods[] = {
     {"sha256_chain", (PyCFunction)(void (*)(void))py_sha256_chain, METH_VARARGS | METH_KEYWORDS,
      "sha256_chain(tokens, page_size, prior=None) -> (digests, ids) of every whole page"},
+    {"sha256_blob", (PyCFunction)(void (*)(void))py_sha256_blob, METH_VARARGS | METH_KEYWORDS,
+     "sha256_blob(tokens, page_size, prior=None) -> bytes: the digests of every whole page, concatenated"},
+    {"ids_of", py_ids_of, METH_VARARGS, "ids_of(digests, dlen) -> list[int]: event ids of concatenated digests"},
     {"sha256_chain_portable", (PyCFunction)(void (*)(void))py_sha256_chain_portable, METH_VARARGS | METH_KEYWORDS,
      "sha256_chain without the CPU's SHA extensions (tests)"},
     {"call_chain", py_call_chain, METH_VARARGS,
@@ -741,9 +819,11 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_pagehash", "Page-ha
 PyMODINIT_FUNC PyInit__pagehash(void) {
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
-    PyObject **names[8] = {&S_ids, &S_parent, &S_chunks, &S_block_size, &S_medium, &S_group_idx, &S_kind, &S_window};
-    const char *strs[8] = {"ids", "parent", "chunks", "block_size", "medium", "group_idx", "kind", "window"};
-    for (int i = 0; i < 8; i++) {
+    PyObject **names[10] = {&S_ids, &S_parent, &S_chunks, &S_block_size, &S_medium, &S_group_idx, &S_kind,
+                            &S_window, &S_blobs, &S_dlen};
+    const char *strs[10] = {"ids", "parent", "chunks", "block_size", "medium", "group_idx", "kind", "window",
+                            "blobs", "dlen"};
+    for (int i = 0; i < 10; i++) {
         if (*names[i] == NULL && (*names[i] = PyUnicode_InternFromString(strs[i])) == NULL) {
             Py_DECREF(m);
             return NULL;
