@@ -19,6 +19,11 @@ Measured (ingestion figures are the median of `--reps` fresh service pairs, the 
   encoded before the clock starts (both services), so the client's encoder is not measured; both
   services are up during this phase and requests alternate between them one by one, so load from
   elsewhere on a shared host hits both series alike;
+- the HTTP floor: `GET /health` p50/p99, interleaved with the queries above;
+- embedded mode (`router_api.embedded.EmbeddedIndexer` in the bench's own process, subscribed to the
+  same publishers after the HTTP phase): its `score` and the index lookup alone, p50 per size;
+- with `--asgi-peer`: a second kvatlas with `--http-fast-path off` (uvicorn's ASGI path through the
+  front) timed in the same interleaved loop, printed as asgi / fast-path ratios;
 - ingestion CPU: the service process's CPU seconds (all threads) over the live interval, per block;
 - RSS per indexed block: (RSS after ingestion - RSS before) / blocks stored, at visibility and 1 s later.
 """
@@ -240,11 +245,12 @@ class Service:
 class Kvatlas(Service):
     name = "kvatlas"
 
-    def __init__(self) -> None:
+    def __init__(self, *extra: str, name: str = "kvatlas") -> None:
+        self.name = name
         self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING", "indexer", "--port", str(self.port),
-             "--block-size", str(BS), "--stale-after", "600", "--remove-after", "3600"], cwd=str(ROOT))
+             "--block-size", str(BS), "--stale-after", "600", "--remove-after", "3600", *extra], cwd=str(ROOT))
         self.wait_up()
 
     def register(self, i: int, ep: str, rep: str) -> None:
@@ -259,6 +265,7 @@ class Kvatlas(Service):
 
     def queries(self) -> dict[str, tuple[Callable[[list[int]], bytes], Callable[[bytes], bytes]]]:
         return {
+            "health": (lambda t: b"", lambda b: self._get("/health")),
             "json": (lambda t: msgspec.json.encode({"token_ids": t}),
                      lambda b: self._q("/score", b, "application/json")),
             "msgpack": (lambda t: msgspec.msgpack.encode({"token_ids": t}),
@@ -271,6 +278,32 @@ class Kvatlas(Service):
         st, out = self.http.post(path, body, ctype, accept)
         assert st == 200, out
         return out
+
+    def _get(self, path: str) -> bytes:
+        st, out = self.http.get(path)
+        assert st == 200, out
+        return out
+
+
+class Embedded:
+    """kvatlas embedded in this process (router_api.embedded): subscribed to the same publishers,
+    scored with no HTTP. Measured after the HTTP services, so its ingest thread idles meanwhile."""
+
+    name = "embedded"
+
+    def __init__(self) -> None:
+        from router_api.embedded import EmbeddedIndexer
+
+        self.idx = EmbeddedIndexer(block_size=BS, stale_after_s=600, remove_after_s=3600).start()
+
+    def register(self, i: int, ep: str, rep: str) -> None:
+        self.idx.add_worker({"worker_id": f"w{i}", "endpoint": ep, "replay_endpoint": rep})
+
+    def matched(self, tokens: list[int]) -> dict[str, int]:
+        return {w.worker_id: w.cached_blocks for w in self.idx.score(tokens).workers}
+
+    def stop(self) -> None:
+        self.idx.close()
 
 
 class Dynamo(Service):
@@ -306,14 +339,23 @@ class Dynamo(Service):
             st, out = self.http.post("/query", body, "application/json")
             assert st == 200, out
             return out
-        return {"json": (lambda t: msgspec.json.encode({"token_ids": t, "model_name": "default"}), q)}
+
+        def health(_b: bytes) -> bytes:
+            st, out = self.http.get("/health")
+            assert st == 200, out
+            return out
+        return {"health": (lambda t: b"", health),
+                "json": (lambda t: msgspec.json.encode({"token_ids": t, "model_name": "default"}), q)}
 
 
 # --- one measured run ---------------------------------------------------------------------------
 
-def connect(svc: Service, ctx: zmq.Context, n: int) -> list[RawPublisher]:
-    """Register `n` publishers and wait until each has delivered a probe block."""
-    pubs = [RawPublisher(ctx) for _ in range(n)]
+def connect(svc: Any, ctx: zmq.Context | None, n: int, pubs: list[RawPublisher] | None = None) -> list[RawPublisher]:
+    """Register `n` publishers (new ones, or `pubs` already streaming: the subscriber then replays
+    their history from seq 0) and wait until each has delivered a probe block."""
+    if pubs is None:
+        assert ctx is not None
+        pubs = [RawPublisher(ctx) for _ in range(n)]
     for i, p in enumerate(pubs):
         svc.register(i, p.endpoint, p.replay_endpoint)
     # A probe block per worker, re-sent until visible (PUB drops before SUB connects).
@@ -334,7 +376,7 @@ def connect(svc: Service, ctx: zmq.Context, n: int) -> list[RawPublisher]:
     return pubs
 
 
-def wait_visible(svc: Service, stream: Stream, pubs: list[RawPublisher]) -> float:
+def wait_visible(svc: Any, stream: Stream, pubs: list[RawPublisher]) -> float:
     def visible() -> bool:
         for p in pubs:
             p.serve_replay()  # (nothing is lost with an unbounded pipe; answered all the same)
@@ -393,6 +435,8 @@ def latencies(svcs: list[Service], stream: Stream, n_queries: int) -> dict[str, 
         series = []
         for svc in svcs:
             for fmt, (encode, fn) in svc.queries().items():
+                if fmt == "health" and size != SIZES[0]:
+                    continue  # the HTTP floor: once is enough
                 # Bodies are encoded before timing: the figures are the service's, not the client's encoder.
                 series.append((svc.name, fmt, fn, [encode(d) for d in docs]))
         for name, fmt, fn, bodies in series:
@@ -404,6 +448,25 @@ def latencies(svcs: list[Service], stream: Stream, n_queries: int) -> dict[str, 
                 a = time.perf_counter()
                 fn(bodies[i])
                 out[name][fmt][size].append(time.perf_counter() - a)
+    return out
+
+
+def embedded_latencies(emb: Embedded, stream: Stream, n_queries: int) -> dict[str, dict[int, list[float]]]:
+    """In-process: the embedded `score` (full answer, u32 array in) and the index lookup alone."""
+    rng = random.Random(1)
+    out: dict[str, dict[int, list[float]]] = {"embedded": {}, "lookup": {}}
+    index = emb.idx.service.index
+    for size in SIZES:
+        docs = [np.asarray(stream.docs[rng.randrange(len(stream.docs))][:size], dtype=np.uint32)
+                for _ in range(n_queries)]
+        for name, fn in (("embedded", emb.idx.score), ("lookup", lambda d: index.score("default", d))):
+            for d in docs[:10]:
+                fn(d)
+            ts = out[name][size] = []
+            for d in docs:
+                a = time.perf_counter()
+                fn(d)
+                ts.append(time.perf_counter() - a)
     return out
 
 
@@ -419,6 +482,8 @@ def main() -> int:
     ap.add_argument("--queries", type=int, default=200, help="timed queries per size and body format")
     ap.add_argument("--reps", type=int, default=3, help="fresh service pairs for the ingestion figures (median)")
     ap.add_argument("--bench-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
+    ap.add_argument("--asgi-peer", action="store_true",
+                    help="also time a kvatlas started with --http-fast-path off (the ASGI front) in the same run")
     args = ap.parse_args()
 
     stream = Stream(args.workers, args.batches)
@@ -437,6 +502,7 @@ def main() -> int:
     ctx = zmq.Context()
     running: list[Service] = []
     pubs: list[RawPublisher] = []
+    pubs_of: dict[str, list[RawPublisher]] = {}
     try:
         # Ingestion one service at a time (the other idle), fresh services each rep, the order
         # alternating; the last rep's pair stays up for the latency phase.
@@ -456,6 +522,7 @@ def main() -> int:
                 res, svc_pubs = ingest(svc, stream, backlog, ctx)
                 runs.setdefault(name, []).append(res)
                 pubs += svc_pubs
+                pubs_of[name] = svc_pubs
                 if not last:
                     for p in svc_pubs:
                         p.close()
@@ -464,9 +531,26 @@ def main() -> int:
                     pubs = [p for p in pubs if p not in svc_pubs]
         results: dict[str, dict[str, Any]] = {
             name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+        kv_pubs = pubs_of.get("kvatlas", [])
+        if args.asgi_peer:  # same stream, replayed from seq 0 by the publishers; latency only
+            peer = Kvatlas("--http-fast-path", "off", name="kvatlas-asgi")
+            running.append(peer)
+            connect(peer, None, len(kv_pubs), kv_pubs)
+            wait_visible(peer, backlog, kv_pubs)
+            results[peer.name] = {}
         lat_svcs = sorted(running, key=lambda s: s.name != "kvatlas")
         for name, lat in latencies(lat_svcs, stream, args.queries).items():
             results[name]["lat"] = lat
+        for svc in [s for s in running if s.name == "kvatlas-asgi"]:
+            svc.stop()
+            running.remove(svc)
+        emb = Embedded()
+        try:
+            connect(emb, None, len(kv_pubs), kv_pubs)
+            wait_visible(emb, backlog, kv_pubs)
+            results["embedded"] = embedded_latencies(emb, stream, args.queries)
+        finally:
+            emb.stop()
     finally:
         for p in pubs:
             p.close()
@@ -489,12 +573,29 @@ def main() -> int:
     row("RSS bytes / block", ours["rss_per_block_b"], dyn and dyn["rss_per_block_b"], "{:14.1f}")
     row("RSS bytes / block, 1 s on", ours["rss_settled_per_block_b"], dyn and dyn["rss_settled_per_block_b"],
         "{:14.1f}")
+    for q, qn in ((0.5, "p50"), (0.99, "p99")):
+        d = dyn and pct(dyn["lat"]["health"][SIZES[0]], q)
+        row(f"GET /health {qn} (ms)", pct(ours["lat"]["health"][SIZES[0]], q), d)
     for size in SIZES:
         for q, qn in ((0.5, "p50"), (0.99, "p99")):
             d = dyn and pct(dyn["lat"]["json"][size], q)
             row(f"{size // 1024}k tok {qn} JSON (ms)", pct(ours["lat"]["json"][size], q), d)
             row(f"{size // 1024}k tok {qn} msgpack (ms)", pct(ours["lat"]["msgpack"][size], q), d)
             row(f"{size // 1024}k tok {qn} binary (ms)", pct(ours["lat"]["binary"][size], q), d)
+    asgi = results.get("kvatlas-asgi")
+    if asgi is not None:
+        print("\nsame run, kvatlas with --http-fast-path off (the ASGI front) / kvatlas default (protocol fast path):")
+        for size in SIZES:
+            for fmt in ("json", "binary"):
+                a, b = pct(asgi["lat"][fmt][size], 0.5), pct(ours["lat"][fmt][size], 0.5)
+                print(f"  {size // 1024}k tok p50 {fmt:7} asgi {a:7.3f} ms  fast {b:7.3f} ms  asgi/fast {a / b:5.2f}")
+    emb = results.get("embedded")
+    if emb is not None:
+        print("\nembedded mode (router_api.embedded, in this process, u32 array in; ratio vs dynamo's HTTP JSON p50):")
+        for size in SIZES:
+            d = dyn and pct(dyn["lat"]["json"][size], 0.5)
+            row(f"{size // 1024}k tok p50 embedded (ms)", pct(emb["embedded"][size], 0.5), d)
+            row(f"{size // 1024}k tok p50 lookup only (ms)", pct(emb["lookup"][size], 0.5), d)
     if dyn is None:
         print(f"\nDynamo not measured: {dyn_reason}")
     else:

@@ -150,10 +150,11 @@ class SlotAllocator:
 
 
 def run_sglang(sg: types.SimpleNamespace, requests: list[list[int]], page_size: int, events: bool,
-               device_tokens: int) -> tuple[float, float, list[int]]:
+               device_tokens: int, times: list[float] | None = None) -> tuple[float, float, list[int]]:
     """(inserts/s, matches/s, first stored block ids) with the same per-request steps as the kvatlas
     bench: match, lock, evict + allocate the new pages, unlock, insert, then (events on) take the
-    recorder's events and msgpack-encode the batch as SGLang's publisher does."""
+    recorder's events and msgpack-encode the batch as SGLang's publisher does. `times` collects
+    each request's insert time."""
     import msgspec
     import torch
 
@@ -191,5 +192,7 @@ def run_sglang(sg: types.SimpleNamespace, requests: list[list[int]], page_size: 
         t2 = clock()
         t_match += t1 - t0
         t_insert += t2 - t1
+        if times is not None:
+            times.append(t2 - t1)
     n = len(requests)
     return n / t_insert, n / t_match, first_ids

@@ -4,7 +4,9 @@ No I/O, no clocks, no threads. The subscriber (the shell) feeds it the seq of ev
 and of every replayed batch, and acts on the verdicts:
 
 live seq s, with `last` = last seq delivered and `live_last` = last seq seen on the live stream:
-- `live_last` set and s <= live_last      -> RESTART (a PUB stream never goes backwards)
+- `live_last` set and s <= live_last      -> RESTART (a PUB stream never goes backwards), unless
+                                              the payload is a copy of the one delivered at s
+                                              (`stale_copy`: a relay duplicated or reordered it)
 - `live_last` unset, `last` set, s <= last -> RESTART (first live message at/below the snapshot
                                               watermark: the publisher started over)
 - s <= last                                -> DUPLICATE (already delivered by a replay)
@@ -13,11 +15,14 @@ live seq s, with `last` = last seq delivered and `live_last` = last seq seen on 
 
 A replay only fills a gap: batches beyond the gap are left to the live stream (they are still
 queued in the SUB socket; taking them from the replay would make the live copies look like
-duplicates *and* lose any live batch that the replay skipped).
+duplicates *and* lose any live batch that the replay skipped). The one exception is the catch-up
+after a RESTART verdict (`on_live`): seqs the live stream had already passed never come live
+again, so the rebuild takes them from the replay, as one contiguous run.
 """
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, TypeVar, Union
 
@@ -56,16 +61,47 @@ _DUPLICATE = Verdict(Action.DUPLICATE)
 _RESTART = Verdict(Action.RESTART)
 
 
+FP_WINDOW = 256  # delivered seqs whose payload fingerprint a tracker keeps (2 x 2 KiB)
+
+
+def fingerprint(payload: bytes) -> int:
+    """A payload's identity for telling a stale copy from a restarted publisher's batch at the
+    same seq, in O(1) of its size: length, head (the batch's ts is there) and tail."""
+    return hash((len(payload), payload[:48], payload[-16:]))
+
+
 class SeqTracker:
     """Sequence state of one publisher, as seen by one subscriber."""
 
-    __slots__ = ("last", "live_last")
+    __slots__ = ("last", "live_last", "_fp_seq", "_fp")
 
     def __init__(self, last: int | None = None) -> None:
         if last is not None and last < 0:
             raise ValueError(f"watermark must be >= 0 or None, got {last}")
         self.last: int | None = last  # last seq delivered downstream (the watermark)
         self.live_last: int | None = None  # last seq seen on the live stream
+        # Fingerprints of the last FP_WINDOW delivered payloads, a ring indexed by seq % FP_WINDOW
+        # (made on first use: the offline replay never needs them).
+        self._fp_seq: array | None = None
+        self._fp: array | None = None
+
+    def remember(self, seq: int, payload: bytes) -> None:
+        """Note the payload delivered at `seq`, so a stale copy of it can be told from a restart."""
+        if self._fp is None:
+            self._fp_seq = array("q", [-1]) * FP_WINDOW
+            self._fp = array("q", [0]) * FP_WINDOW
+        i = seq % FP_WINDOW
+        self._fp_seq[i] = seq  # type: ignore[index]
+        self._fp[i] = fingerprint(payload)
+
+    def stale_copy(self, seq: int, payload: bytes) -> bool:
+        """True when a live `seq` that would read as a RESTART is a copy of the payload already
+        delivered at that seq (duplicated or reordered on the way): drop it, nothing restarted."""
+        fp = self._fp
+        if fp is None or self.classify_live(seq).action is not Action.RESTART:
+            return False
+        i = seq % FP_WINDOW
+        return self._fp_seq[i] == seq and fp[i] == fingerprint(payload)  # type: ignore[index]
 
     @property
     def expected(self) -> int:
@@ -99,6 +135,7 @@ class SeqTracker:
         """The publisher started over: forget everything (the consumer clears the worker)."""
         self.last = None
         self.live_last = None
+        self._fp_seq = self._fp = None
 
     def seen_live(self, seq: int) -> None:
         self.live_last = seq
@@ -195,24 +232,46 @@ def on_live(tracker: SeqTracker, seq: int, item: T,
     """Process one live message: returns, in order, what the consumer must see.
 
     `fetch_replay(first, last)` returns replayed `(seq, item)` pairs (it may return more, fewer,
-    or none — e.g. on timeout); it is only called for a gap. A gap's `GapStep` precedes the
-    replayed items, so a consumer told `recovered=False` clears the worker *before* applying them.
+    or none — e.g. on timeout); it is only called for a gap, or after a restart verdict. A gap's
+    `GapStep` precedes the replayed items, so a consumer told `recovered=False` clears the worker
+    *before* applying them.
+
+    Catch-up after a restart verdict: a seq at/below what the live stream already passed is either
+    a restarted publisher or a stale copy (duplicated or reordered on the way). Seq alone cannot
+    tell them apart, so both are treated as a restart (clear, rebuild from the replay) — but the
+    seqs the live stream had passed will never come live again, so the rebuild also takes the
+    replay's contiguous run after `seq` up to that point. For a stale copy that restores them;
+    for a real restart the run is the new publisher's own later batches, whose queued live copies
+    then arrive as duplicates (docs/service.md, "Replays").
     """
     steps: list[Step] = []
     verdict = tracker.classify_live(seq)
+    passed = -1  # after a restart verdict: the highest seq delivered or seen live before it
     if verdict.action is Action.RESTART:
         old = tracker.last if tracker.last is not None else (tracker.live_last if tracker.live_last is not None else -1)
+        passed = max(-1 if tracker.last is None else tracker.last,
+                     -1 if tracker.live_last is None else tracker.live_last)
         steps.append(RestartStep(old, seq))
         tracker.restart()
         verdict = tracker.classify_live(seq)
     tracker.seen_live(seq)
     if verdict.action is Action.DUPLICATE:
         return steps
-    if verdict.action is Action.GAP:
-        res = resolve_gap(verdict.first, verdict.last, fetch_replay(verdict.first, verdict.last))
-        steps.append(GapStep(res))
-        for s, it in res.deliver:
-            steps.append(DeliverStep(s, it, True))
+    gap = verdict.action is Action.GAP
+    if gap or passed > seq:
+        first = verdict.first if gap else seq + 1
+        replayed = list(fetch_replay(first, max(verdict.last, passed)))
+        if gap:
+            res = resolve_gap(verdict.first, verdict.last, replayed)
+            steps.append(GapStep(res))
+            for s, it in res.deliver:
+                steps.append(DeliverStep(s, it, True))
     steps.append(DeliverStep(seq, item, False))
-    tracker.delivered(seq)
+    last = seq
+    if passed > seq:
+        after = {s: it for s, it in replayed if seq < s <= passed}
+        while last + 1 in after:
+            last += 1
+            steps.append(DeliverStep(last, after[last], True))
+    tracker.delivered(last)
     return steps

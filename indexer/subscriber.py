@@ -134,7 +134,8 @@ class Subscriber:
 
     __slots__ = ("_ctx", "_own_ctx", "_sources", "_by_sock", "_by_replay", "_poller", "replay_timeout",
                  "replay_deadline", "replay_max_bytes", "replay_max_batches", "max_msg_bytes",
-                 "reconnect_after", "_next_reconnect_check", "_drop_live", "_max_per_poll", "_rcvhwm", "stats", "_closed")
+                 "reconnect_after", "_next_reconnect_check", "_drop_live", "_max_per_poll", "_rcvhwm", "stats", "_closed",
+                 "_turn")
 
     def __init__(
         self,
@@ -184,6 +185,7 @@ class Subscriber:
         self._rcvhwm = rcvhwm
         self.stats = SubscriberStats()
         self._closed = False
+        self._turn = 0  # rotates which ready socket is drained first (no publisher starves the rest)
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -230,6 +232,11 @@ class Subscriber:
 
     def workers(self) -> list[str]:
         return list(self._sources)
+
+    @property
+    def max_per_poll(self) -> int:
+        """The most messages one `poll` takes: a poll that returns fewer has drained every queue."""
+        return self._max_per_poll
 
     def replaying(self) -> list[str]:
         """Workers with a replay in flight (their live stream is parked meanwhile)."""
@@ -290,16 +297,26 @@ class Subscriber:
         budget = self._max_per_poll
         by_sock = self._by_sock
         while ready and budget > 0:
+            # Start at a different ready socket each round and give each a fair share of the budget:
+            # under a backlog, always starting with the same busy publishers starved the later ones.
+            n_ready = len(ready)
+            if n_ready > 1:
+                k = self._turn % n_ready
+                self._turn += 1
+                ready = ready[k:] + ready[:k]
+            share = max(64, budget // n_ready)
             for sock, _ in ready:
+                if budget <= 0:
+                    break
                 src = by_sock.get(sock)
                 if src is None:
                     rsrc = self._by_replay.get(sock)
                     if rsrc is not None:
-                        budget -= self._pump_replay(rsrc, min(budget, 1024), out)
+                        budget -= self._pump_replay(rsrc, min(budget, share, 1024), out)
                     continue
                 if src.replay is None:
                     # A bounded chunk per socket so one busy publisher cannot starve the rest.
-                    budget -= self._drain(src, min(budget, 1024), out)
+                    budget -= self._drain(src, min(budget, share, 1024), out)
             if budget > 0:
                 ready = self._poller.poll(0)
         now = time.monotonic()
@@ -367,7 +384,9 @@ class Subscriber:
                 self.stats.dropped_by_hook += 1
                 continue
             if tracker.take_next(seq):
-                append(Batch(wid, seq, f2.bytes, clock(), False))
+                payload = f2.bytes
+                tracker.remember(seq, payload)
+                append(Batch(wid, seq, payload, clock(), False))
             elif self._on_live(src, seq, f2.bytes, out):
                 break  # a replay started: this publisher's live stream is parked until it ends
         if n:
@@ -395,6 +414,9 @@ class Subscriber:
                  replayed: list[tuple[int, bytes]] | None = None) -> bool:
         """Everything but the in-order case: duplicates, gaps (with replay) and restarts.
         Returns True when a replay was started instead (the message is kept until it ends)."""
+        if replayed is None and src.tracker.stale_copy(seq, payload):
+            self.stats.duplicates += 1  # a late copy of a delivered batch: no restart, no replay
+            return False
         if replayed is None and src.replay_endpoint is not None:
             gap = _gap_of(src.tracker, seq)
             if gap is not None and self._start_replay(src, seq, payload, *gap):
@@ -403,6 +425,7 @@ class Subscriber:
         got = replayed if replayed is not None else ()
         for step in on_live(src.tracker, seq, payload, lambda first, last: got):
             if isinstance(step, DeliverStep):
+                src.tracker.remember(step.seq, step.item)
                 out.append(Batch(src.worker_id, step.seq, step.item, now, step.replayed))
                 if step.replayed:
                     self.stats.replay_batches += 1

@@ -7,11 +7,16 @@ own and no clock: the caller passes `now`.
 """
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, Union
 
+from producer import page_hash
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from schemas.media import Medium
+
+log = logging.getLogger(__name__)
 
 # SGLang's tier names on the wire. The bytes captured from SGLang 0.5.23 (shared/wire-samples) say
 # `GPU` and `CPU_PINNED`; local and shared L3 use the canonical `DISK` / `EXTERNAL`. Every name here
@@ -26,21 +31,120 @@ CANONICAL_MEDIA: Mapping[Medium, str] = {m: m.name for m in Medium}
 
 
 class EventSink(Protocol):
+    """Where batches go. A sink whose class sets `encodes_events = True` only ever sends the
+    msgpack of a batch (schemas.codec.encode_batch of KVEventBatch(batch_ts(), events, dp_rank)):
+    it also has `batch_ts() -> float` and `send_payload(bytes)`, and the recorder may hand it the
+    encoded bytes directly (docs/producer-events.md)."""
+
     def emit(self, events: list[KVEvent], dp_rank: int | None) -> None: ...
     def heartbeat(self, dp_rank: int | None) -> None: ...
     def snapshot_requested(self) -> bool: ...
     def close(self) -> None: ...
 
 
+class _Ids:
+    """A pending record's block ids: a list of ints, or the tree's digest blobs (`dlen` bytes per
+    page; an id is a digest's first 8 bytes, big-endian signed) read only when the batch is built."""
+
+    __slots__ = ("ids", "blobs", "dlen")
+
+    def __init__(self, ids: list[int] | None, blobs: list[bytes] | None, dlen: int) -> None:
+        self.ids = ids
+        self.blobs = blobs
+        self.dlen = dlen
+
+    def add_ids(self, ids: Sequence[int]) -> None:
+        self.int_ids().extend(ids)
+
+    def add_blob(self, blob: bytes, dlen: int) -> None:
+        if self.blobs is not None and self.dlen == dlen:
+            self.blobs.append(blob)
+        else:
+            self.int_ids().extend(page_hash.ids_of(blob, dlen))
+
+    def int_ids(self) -> list[int]:
+        """The ids as ints (a record given both kinds keeps ints from then on)."""
+        if self.blobs is not None:
+            self.ids = [i for b in self.blobs for i in page_hash.ids_of(b, self.dlen)]
+            self.blobs = None
+        return self.ids  # type: ignore[return-value]
+
+
+class _Store(_Ids):
+    """A pending `BlockStored`: its token ids stay the nodes' own key tuples (chunks) until the
+    flush encodes them straight from there (no per-insert copy of the token ids). `last` is the
+    last block's id (coalescing)."""
+
+    __slots__ = ("parent", "chunks", "block_size", "medium", "group_idx", "kind", "window", "last")
+
+    def __init__(self, ids: list[int] | None, blobs: list[bytes] | None, dlen: int, last: int,
+                 parent: int | None, chunks: list[Sequence[int]], block_size: int, medium: str,
+                 group_idx: int | None, kind: str | None, window: int | None) -> None:
+        self.ids = ids
+        self.blobs = blobs
+        self.dlen = dlen
+        self.last = last
+        self.parent = parent
+        self.chunks = chunks
+        self.block_size = block_size
+        self.medium = medium
+        self.group_idx = group_idx
+        self.kind = kind
+        self.window = window
+
+    def event(self) -> BlockStored:
+        chunks = self.chunks
+        tokens = list(chunks[0]) if len(chunks) == 1 else list(itertools.chain.from_iterable(chunks))
+        ids = self.int_ids()
+        if self.group_idx is None and self.kind is None and self.window is None:
+            return BlockStored(ids, self.parent, tokens, self.block_size, None, self.medium)
+        return BlockStored(ids, self.parent, tokens, self.block_size, None, self.medium,
+                           group_idx=self.group_idx, kv_cache_spec_kind=self.kind,
+                           kv_cache_spec_sliding_window=self.window)
+
+
+class _Removed(_Ids):
+    """A pending `BlockRemoved`."""
+
+    __slots__ = ("medium", "group_idx")
+
+    def __init__(self, ids: list[int] | None, blobs: list[bytes] | None, dlen: int, medium: str,
+                 group_idx: int | None) -> None:
+        self.ids = ids
+        self.blobs = blobs
+        self.dlen = dlen
+        self.medium = medium
+        self.group_idx = group_idx
+
+    def event(self) -> BlockRemoved:
+        ids = self.int_ids()
+        if self.group_idx is None:
+            return BlockRemoved(ids, self.medium)
+        return BlockRemoved(ids, self.medium, group_idx=self.group_idx)
+
+
+class _Cleared:
+    """A pending `AllBlocksCleared`."""
+
+    __slots__ = ()
+
+    def event(self) -> AllBlocksCleared:
+        return AllBlocksCleared()
+
+
+_Record = Union[_Store, _Removed, _Cleared]
+
+
 class EventRecorder:
     """Buffers events between flushes. `enabled=False` makes every call a no-op (and lets the
     cache skip hashing); a recorder without a sink just drops what it would send."""
 
-    __slots__ = ("sink", "enabled", "dp_rank", "names", "heartbeat_interval_s",
+    __slots__ = ("sink", "enabled", "dp_rank", "names", "heartbeat_interval_s", "_encode",
                  "_pending", "_last_sent", "events_emitted", "batches_sent", "heartbeats_sent")
 
     def __init__(self, sink: EventSink | None = None, *, enabled: bool = True, dp_rank: int | None = None,
-                 media_names: Mapping[Medium, str] = SGLANG_MEDIA, heartbeat_interval_s: float = 1.0) -> None:
+                 media_names: Mapping[Medium, str] = SGLANG_MEDIA, heartbeat_interval_s: float = 1.0,
+                 native: bool | None = None) -> None:
         missing = [m.name for m in Medium if m not in media_names]
         if missing:
             raise ValueError(f"media_names lacks a wire name for {missing}")
@@ -49,7 +153,13 @@ class EventRecorder:
         self.dp_rank = dp_rank
         self.names = dict(media_names)
         self.heartbeat_interval_s = heartbeat_interval_s
-        self._pending: list[KVEvent] = []
+        # A sink that only sends bytes gets each batch encoded by the C helper straight from the
+        # pending records (EventSink); `native` as in producer.page_hash: None = the helper unless
+        # KVATLAS_PURE_PYTHON=1, False = always event structs encoded by msgspec.
+        mod = page_hash.native_module(native)
+        self._encode = (mod.encode_batch if mod is not None and getattr(sink, "encodes_events", False)
+                        else None)
+        self._pending: list[_Record] = []
         self._last_sent: float | None = None
         self.events_emitted = 0
         self.batches_sent = 0
@@ -60,26 +170,51 @@ class EventRecorder:
                medium: Medium, *, group_idx: int | None = None, kind: str | None = None,
                window: int | None = None) -> None:
         """`group_idx` / `kind` / `window` are vLLM's KV-cache-group fields (docs/hybrid.md); left
-        None they are omitted on the wire (SGLang's shape)."""
+        None they are omitted on the wire (SGLang's shape). `tokens` is kept until the flush: a
+        tuple as given (the tree's keys), anything else copied."""
         if not self.enabled or not ids:
             return
+        last = self._continues(parent_id, self.names[medium], block_size, group_idx, kind)
+        if last is not None:
+            last.add_ids(ids)
+            last.last = ids[-1]
+            last.chunks.append(tokens if type(tokens) is tuple else tuple(tokens))
+            return
+        self._pending.append(_Store(list(ids), None, 0, ids[-1], parent_id,
+                                    [tokens if type(tokens) is tuple else tuple(tokens)], block_size,
+                                    self.names[medium], group_idx, kind, window))
+
+    def stored_digests(self, digests: bytes, dlen: int, parent_id: int | None, tokens: tuple[int, ...],
+                       block_size: int, medium: Medium, *, group_idx: int | None = None,
+                       kind: str | None = None, window: int | None = None) -> None:
+        """`stored` with the ids given as a tree node's digests (`dlen` bytes per page): they
+        are read only when the batch is built (docs/producer-events.md)."""
+        if not self.enabled or not digests:
+            return
+        last_id = int.from_bytes(digests[len(digests) - dlen:len(digests) - dlen + 8], "big", signed=True)
         name = self.names[medium]
+        last = self._continues(parent_id, name, block_size, group_idx, kind)
+        if last is not None:
+            last.add_blob(digests, dlen)
+            last.last = last_id
+            last.chunks.append(tokens if type(tokens) is tuple else tuple(tokens))
+            return
+        self._pending.append(_Store(None, [digests], dlen, last_id, parent_id,
+                                    [tokens if type(tokens) is tuple else tuple(tokens)], block_size,
+                                    name, group_idx, kind, window))
+
+    def _continues(self, parent_id: int | None, name: str, block_size: int, group_idx: int | None,
+                   kind: str | None) -> _Store | None:
+        """The pending store a new one coalesces into: the same tier and group continuing the
+        chain the previous store ended."""
         pending = self._pending
-        if pending:
-            last = pending[-1]
-            # Coalesce: the same tier and group continuing the chain the previous store ended.
-            if (type(last) is BlockStored and last.medium == name and last.block_size == block_size
-                    and parent_id is not None and last.block_hashes[-1] == parent_id
-                    and last.group_idx == group_idx and last.kv_cache_spec_kind == kind):
-                last.block_hashes.extend(ids)
-                last.token_ids.extend(tokens)
-                return
-        if group_idx is None and kind is None and window is None:
-            pending.append(BlockStored(list(ids), parent_id, list(tokens), block_size, None, name))
-        else:
-            pending.append(BlockStored(list(ids), parent_id, list(tokens), block_size, None, name,
-                                       group_idx=group_idx, kv_cache_spec_kind=kind,
-                                       kv_cache_spec_sliding_window=window))
+        if not pending or parent_id is None:
+            return None
+        last = pending[-1]
+        if (type(last) is _Store and last.last == parent_id and last.medium == name
+                and last.block_size == block_size and last.group_idx == group_idx and last.kind == kind):
+            return last
+        return None
 
     def removed(self, ids: Sequence[int], medium: Medium, *, group_idx: int | None = None) -> None:
         if not self.enabled or not ids:
@@ -88,18 +223,30 @@ class EventRecorder:
         pending = self._pending
         if pending:
             last = pending[-1]
-            if type(last) is BlockRemoved and last.medium == name and last.group_idx == group_idx:
-                last.block_hashes.extend(ids)
+            if type(last) is _Removed and last.medium == name and last.group_idx == group_idx:
+                last.add_ids(ids)
                 return
-        pending.append(BlockRemoved(list(ids), name) if group_idx is None
-                       else BlockRemoved(list(ids), name, group_idx=group_idx))
+        pending.append(_Removed(list(ids), None, 0, name, group_idx))
+
+    def removed_digests(self, digests: bytes, dlen: int, medium: Medium, *, group_idx: int | None = None) -> None:
+        """`removed` with the ids given as a tree node's digests (see `stored_digests`)."""
+        if not self.enabled or not digests:
+            return
+        name = self.names[medium]
+        pending = self._pending
+        if pending:
+            last = pending[-1]
+            if type(last) is _Removed and last.medium == name and last.group_idx == group_idx:
+                last.add_blob(digests, dlen)
+                return
+        pending.append(_Removed(None, [digests], dlen, name, group_idx))
 
     def cleared(self) -> None:
         if not self.enabled:
             return
         # Everything before a clear is moot for a consumer that applies the batch in order,
         # but it is kept: the batch must describe what happened, not a summary of it.
-        self._pending.append(AllBlocksCleared())
+        self._pending.append(_Cleared())
 
     def snapshot_requested(self) -> bool:
         """Has a consumer asked (through the sink) for the full state to be re-published?"""
@@ -120,17 +267,31 @@ class EventRecorder:
             self._pending.clear()
             return 0
         if self._pending:
-            events, self._pending = self._pending, []
-            self.sink.emit(events, self.dp_rank)
+            pending, self._pending = self._pending, []
+            self._send(pending)
             self._last_sent = now
-            self.events_emitted += len(events)
+            self.events_emitted += len(pending)
             self.batches_sent += 1
-            return len(events)
+            return len(pending)
         if self._last_sent is None or now - self._last_sent >= self.heartbeat_interval_s:
             self.sink.heartbeat(self.dp_rank)
             self._last_sent = now
             self.heartbeats_sent += 1
         return 0
+
+    def _send(self, pending: list[_Record]) -> None:
+        sink = self.sink
+        if self._encode is not None:
+            try:
+                payload = self._encode(sink.batch_ts(), pending, self.dp_rank, _Store, _Removed, _Cleared)  # type: ignore[union-attr]
+            except (TypeError, OverflowError) as exc:
+                # Only values no producer path records (ids beyond 64 bits, non-int tokens from a
+                # caller): msgspec encodes what it can, or raises the same error it always did.
+                log.debug("native batch encode declined (%s); msgspec encodes this batch", exc)
+            else:
+                sink.send_payload(payload)  # type: ignore[union-attr]
+                return
+        sink.emit([r.event() for r in pending], self.dp_rank)  # type: ignore[union-attr]
 
     def close(self, now: float) -> None:
         self.flush(now)

@@ -29,7 +29,7 @@ from producer.components.base import DEVICE, HOST, STORAGE, Component, CompState
 from producer.components.extra_pool import ExtraPool
 from producer.components.full import FullAttention
 from producer.events import EventRecorder
-from producer.page_hash import page_hash_chain, page_hash_chain_ids
+from producer.page_hash import DIGEST_LEN, page_hash_chain, page_hash_chain_blob
 from producer.pools import KVPool
 from producer.radix_tree import RadixTree, TreeNode
 from producer.storage.base import backend_medium
@@ -166,7 +166,8 @@ class TieredCache:
         self.clock = clock
         self.tree = RadixTree(config.page_size, split_hook=self._on_split,
                               chain=page_hash_chain(config.page_hash),
-                              chain_ids=page_hash_chain_ids(config.page_hash))
+                              chain_blob=page_hash_chain_blob(config.page_hash),
+                              digest_len=DIGEST_LEN[config.page_hash])
         self.tick = 0  # logical LRU time
         self._ops: dict[int, Flight] = {}
         self._prefetches: list[Flight] = []
@@ -207,15 +208,19 @@ class TieredCache:
         rec = self.recorder
         if rec.enabled:
             tree = self.tree
+            # The node's digests go to the recorder as they are: ids are read from them only when
+            # the batch is built (docs/producer-events.md).
             if self._grp:
-                rec.stored(tree.ensure_hashes(node), tree.parent_id(node), node.key, self.page_size, medium,
-                           group_idx=0, kind=self.full.kind)
+                rec.stored_digests(tree.ensure_digests(node), tree.dlen, tree.parent_id(node), node.key,
+                                   self.page_size, medium, group_idx=0, kind=self.full.kind)
             else:
-                rec.stored(tree.ensure_hashes(node), tree.parent_id(node), node.key, self.page_size, medium)
+                rec.stored_digests(tree.ensure_digests(node), tree.dlen, tree.parent_id(node), node.key,
+                                   self.page_size, medium)
 
     def _emit_removed(self, node: TreeNode, medium: Medium) -> None:
         if self.recorder.enabled:
-            self.recorder.removed(self.tree.ensure_hashes(node), medium, group_idx=0 if self._grp else None)
+            self.recorder.removed_digests(self.tree.ensure_digests(node), self.tree.dlen, medium,
+                                          group_idx=0 if self._grp else None)
 
     def _comp_blocks(self, node: TreeNode, c: Component) -> tuple[list[int], int | None, tuple[int, ...]]:
         """(block ids, parent id, tokens) a component's state at `node` names: every page for
@@ -238,17 +243,16 @@ class TieredCache:
             rec.removed(ids, medium, group_idx=c.group_idx)
 
     def _comp_keys(self, node: TreeNode, c: Component) -> list[str]:
-        self.tree.ensure_hashes(node)
-        d = node.digests  # type: ignore[union-attr]
-        return [page_key(x, c.suffix) for x in (d if c.per_page else d[-1:])]  # type: ignore[index]
+        d = self.tree.digest_list(node)
+        return [page_key(x, c.suffix) for x in (d if c.per_page else d[-1:])]
 
     def _l3_keys(self, node: TreeNode) -> list[str]:
         """The node's KV keys, then each extra pool's (page hash + the pool's suffix)."""
-        self.tree.ensure_hashes(node)
+        digests = self.tree.digest_list(node)
         suffix = self.config.storage_suffix
-        keys = [page_key(d, suffix) for d in node.digests]  # type: ignore[union-attr]
+        keys = [page_key(d, suffix) for d in digests]
         for x in self.extras:
-            keys += [page_key(d, x.suffix) for d in node.digests]  # type: ignore[union-attr]
+            keys += [page_key(d, x.suffix) for d in digests]
         return keys
 
     def _on_split(self, new: TreeNode, child: TreeNode) -> None:
@@ -737,8 +741,7 @@ class TieredCache:
             return False  # this continuation is already on its way
         prior = None
         if anchor is not self.tree.root:
-            self.tree.ensure_hashes(anchor)
-            prior = anchor.digests[-1]  # type: ignore[index]
+            prior = self.tree.last_digest(anchor)
         digests = self.tree.chain(key[start:start + npages * p], p, prior)
         knows = self._store_knows()
         if knows is not None:

@@ -32,6 +32,7 @@ import numpy as np
 
 Tokens = Union[Sequence[int], bytes, bytearray, memoryview]
 ChainIds = Callable[[Tokens, int, Union[bytes, None]], tuple[list[bytes], list[int]]]
+ChainBlob = Callable[[Tokens, int, Union[bytes, None]], bytes]
 
 ENV_PURE = "KVATLAS_PURE_PYTHON"  # the same switch as the index core's (docs/index-core.md)
 
@@ -69,6 +70,11 @@ def _select(native: bool | None) -> ModuleType | None:
     if _native is None and native:
         raise RuntimeError(f"native page hashing requested but not available: {_NATIVE_ERROR}")
     return _native
+
+
+def native_module(native: bool | None = None) -> ModuleType | None:
+    """The C helper as `_select` picks it (also serves the event recorder's token packer)."""
+    return _select(native)
 
 
 # Read once: the per-call functions below must not pay an environment lookup per node.
@@ -167,7 +173,33 @@ def chain_digests_xxh3(tokens: Tokens, page_size: int, prior: bytes | None = Non
     return xxh3_ids(tokens, page_size, prior)[0]
 
 
+def _py_ids_of(digests: bytes, dlen: int) -> list[int]:
+    if dlen < 8 or len(digests) % dlen:
+        raise ValueError("ids_of: digests must be whole digests of at least 8 bytes")
+    return [int.from_bytes(digests[i:i + 8], "big", signed=True) for i in range(0, len(digests), dlen)]
+
+
+def ids_of(digests: bytes, dlen: int) -> list[int]:
+    """The event id of every `dlen`-byte digest of a concatenation (a tree node's `digests`)."""
+    if _active is None:
+        return _py_ids_of(digests, dlen)
+    return _active.ids_of(digests, dlen)
+
+
+def _py_sha256_blob(tokens: Tokens, page_size: int, prior: bytes | None = None) -> bytes:
+    return b"".join(_py_chain(tokens, page_size, prior, _sha256_digest)[0])
+
+
+def _xxh3_blob(tokens: Tokens, page_size: int, prior: bytes | None = None) -> bytes:
+    return b"".join(xxh3_ids(tokens, page_size, prior)[0])
+
+
+def _py_xxh3_blob(tokens: Tokens, page_size: int, prior: bytes | None = None) -> bytes:
+    return b"".join(py_xxh3_ids(tokens, page_size, prior)[0])
+
+
 PAGE_HASHES = {"sha256": chain_digests, "xxh3": chain_digests_xxh3}
+DIGEST_LEN: dict[str, int] = {"sha256": 32, "xxh3": 16}
 PAGE_HASH_IDS: dict[str, ChainIds] = {"sha256": sha256_ids, "xxh3": xxh3_ids}
 
 
@@ -200,3 +232,13 @@ def page_hash_chain_ids(name: str, native: bool | None = None) -> ChainIds:
     import xxhash
 
     return functools.partial(nat.call_chain, xxhash.xxh3_128_digest)
+
+
+def page_hash_chain_blob(name: str, native: bool | None = None) -> ChainBlob:
+    """The chain as one bytes object per call (every page's digest, concatenated): what the radix
+    tree keeps per node (docs/producer-events.md). `native` as in `_select`."""
+    _check(name)
+    nat = _select(native)
+    if name == "sha256":
+        return nat.sha256_blob if nat is not None else _py_sha256_blob
+    return _xxh3_blob if nat is not None else _py_xxh3_blob

@@ -13,7 +13,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 
-from producer.page_hash import ChainIds, chain_digests, sha256_ids
+from producer.page_hash import DIGEST_LEN, ChainBlob, chain_digests, ids_of, page_hash_chain_blob
 
 
 class TreeNode:
@@ -24,7 +24,7 @@ class TreeNode:
         "stored",                         # every page confirmed written to L3
         "lock_ref", "host_ref",           # device lock (propagates to root) / host protection (this node)
         "last_access", "hit_count",
-        "digests", "ids",                 # SHA-256 page chain and event ids, computed lazily
+        "digests",                        # the page chain's digests, concatenated; computed lazily
         "flights",                        # in-flight operations naming this node (controller-owned)
         "components",                     # seam for Mamba / sliding-window state (later issue)
     )
@@ -43,8 +43,7 @@ class TreeNode:
         self.host_ref = 0
         self.last_access = 0
         self.hit_count = 0
-        self.digests: list[bytes] | None = None
-        self.ids: list[int] | None = None
+        self.digests: bytes | None = None
         self.flights: list = []
         self.components: dict | None = None
 
@@ -69,10 +68,11 @@ Validate = Callable[[TreeNode], bool]
 
 
 class RadixTree:
-    __slots__ = ("page_size", "root", "_ids", "split_hook", "_ck", "chain", "chain_ids")
+    __slots__ = ("page_size", "root", "_ids", "split_hook", "_ck", "chain", "chain_blob", "dlen")
 
     def __init__(self, page_size: int, split_hook: SplitHook | None = None,
-                 chain: Callable[..., list[bytes]] = chain_digests, chain_ids: ChainIds = sha256_ids) -> None:
+                 chain: Callable[..., list[bytes]] = chain_digests, chain_blob: ChainBlob | None = None,
+                 digest_len: int = DIGEST_LEN["sha256"]) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
@@ -80,10 +80,12 @@ class RadixTree:
         self.root = TreeNode(0, None, ())
         self.root.lock_ref = 1  # the root is never evicted
         self.split_hook = split_hook
-        # Page-hash chain functions (producer.page_hash): digests only, and digests + event ids in
-        # one call (what `ensure_hashes` uses: one call per node, docs/producer-events.md).
+        # Page-hash chain functions (producer.page_hash): a list of digests (prefetch, L3 keys of
+        # tokens not in the tree), and the concatenated digests a node keeps (one call and one
+        # object per node; event ids are read from them when needed, docs/producer-events.md).
         self.chain = chain
-        self.chain_ids = chain_ids
+        self.chain_blob = chain_blob if chain_blob is not None else page_hash_chain_blob("sha256")
+        self.dlen = digest_len
         # Child key: the first page. With page size 1 the bare token is cheaper than a 1-tuple.
         p = page_size
         self._ck: Callable[[tuple[int, ...], int], object] = (
@@ -170,8 +172,8 @@ class RadixTree:
         if child.host_value is not None:
             new.host_value, child.host_value = child.host_value[:pg], child.host_value[pg:]
         if child.digests is not None:
-            new.digests, child.digests = child.digests[:pg], child.digests[pg:]
-            new.ids, child.ids = child.ids[:pg], child.ids[pg:]  # type: ignore[index]
+            cut = pg * self.dlen
+            new.digests, child.digests = child.digests[:cut], child.digests[cut:]
         # everything else is shared by both halves
         new.device_ready = child.device_ready
         new.host_ready = child.host_ready
@@ -234,28 +236,43 @@ class RadixTree:
             node = node.parent  # type: ignore[assignment]
         return tuple(t for part in reversed(parts) for t in part)
 
-    def ensure_hashes(self, node: TreeNode) -> list[int]:
-        """Event ids of `node`'s pages (computing the SHA-256 chain down from the nearest hashed
-        ancestor on first use)."""
-        if node.ids is not None:
-            return node.ids
+    def ensure_digests(self, node: TreeNode) -> bytes:
+        """`node`'s page digests, concatenated (computing the chain down from the nearest hashed
+        ancestor on first use: one call per node)."""
+        d = node.digests
+        if d is not None:
+            return d
         todo = []
         n = node
         while n is not self.root and n.digests is None:
             todo.append(n)
             n = n.parent  # type: ignore[assignment]
-        prior = n.digests[-1] if n is not self.root and n.digests else None
-        chain, p = self.chain_ids, self.page_size
+        dl = self.dlen
+        prior = n.digests[-dl:] if n is not self.root and n.digests else None
+        chain, p = self.chain_blob, self.page_size
         for m in reversed(todo):
-            m.digests, m.ids = chain(m.key, p, prior)
-            prior = m.digests[-1]
-        return node.ids  # type: ignore[return-value]
+            m.digests = d = chain(m.key, p, prior)
+            prior = d[-dl:]
+        return d  # type: ignore[return-value]
+
+    def ensure_hashes(self, node: TreeNode) -> list[int]:
+        """Event ids of `node`'s pages (made from its digests on each call)."""
+        return ids_of(self.ensure_digests(node), self.dlen)
+
+    def digest_list(self, node: TreeNode) -> list[bytes]:
+        """`node`'s page digests, one bytes per page (L3 keys)."""
+        d, dl = self.ensure_digests(node), self.dlen
+        return [d[i:i + dl] for i in range(0, len(d), dl)]
+
+    def last_digest(self, node: TreeNode) -> bytes:
+        return self.ensure_digests(node)[-self.dlen:]
 
     def parent_id(self, node: TreeNode) -> int | None:
         p = node.parent
         if p is None or p is self.root:
             return None
-        return self.ensure_hashes(p)[-1]
+        d = self.ensure_digests(p)
+        return int.from_bytes(d[len(d) - self.dlen:len(d) - self.dlen + 8], "big", signed=True)
 
     # -- eviction ------------------------------------------------------------------------------
     def evict_lru(self, need: int, candidate: Validate, evict: Callable[[TreeNode], int]) -> int:

@@ -40,15 +40,21 @@ class ListSink:
 
 
 class _PayloadSink:
-    """Base for sinks that consume encoded payloads."""
+    """Base for sinks that consume encoded payloads. They only send the bytes of a batch, so the
+    recorder may encode it for them (`encodes_events`, producer.events.EventSink)."""
 
     __slots__ = ()
+    encodes_events = True
 
     def send_payload(self, payload: bytes) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def batch_ts(self) -> float:
+        """The batch timestamp (wall clock, as vLLM and SGLang stamp theirs)."""
+        return time.time()
+
     def emit(self, events: list[KVEvent], dp_rank: int | None) -> None:
-        self.send_payload(encode_batch(KVEventBatch(time.time(), events, dp_rank)))
+        self.send_payload(encode_batch(KVEventBatch(self.batch_ts(), events, dp_rank)))
 
     def heartbeat(self, dp_rank: int | None) -> None:
         self.emit([], dp_rank)

@@ -35,9 +35,11 @@ from schemas.api import (
     ErrorResponse,
     QueryRequest,
     QueryRequestRaw,
+    QueryResponse,
     RegisterWorker,
     ScoreRequest,
     ScoreRequestRaw,
+    ScoreResponse,
 )
 
 log = logging.getLogger("kvatlas.http")
@@ -61,6 +63,8 @@ _dec_raw: dict[tuple[str, type], Any] = {
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 _JSON_HEADERS = (b"content-type", b"application/json")
 _MSGPACK_HEADERS = (b"content-type", b"application/msgpack")
+Route = tuple[str, type, Callable[..., Any]]  # (endpoint label, request type, service handler)
+Answer = tuple[int, bytes, tuple[bytes, bytes]]  # (status, body, content-type header)
 
 
 class ApiError(Exception):
@@ -142,7 +146,7 @@ def decode_body(kind: str, body: bytes, typ: type) -> Any:
         raise _too_deep() from None
     except msgspec.ValidationError as exc:
         raise ApiError(422, f"invalid request: {exc}", "invalid") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec: invalid UTF-8 in a string
         reason = "bad_json" if kind == "json" else "bad_msgpack"
         raise ApiError(400, f"malformed {kind} body: {exc}", reason) from None
 
@@ -158,15 +162,27 @@ class TokenBodies:
 
     def __init__(self, native: bool | None = None) -> None:
         self.native: ModuleType | None = native_core.select(native)
-        if self.native is not None and not hasattr(self.native, "json_u32_array"):
+        if self.native is not None and not hasattr(self.native, "json_body_u32"):
             self.native = None  # a stale build without the body parsers: the Python path serves
 
     def decode(self, kind: str, body: bytes, typ: type) -> tuple[Any, Any]:
         mod = self.native
+        if mod is not None and body and kind == "json":
+            # One C pass finds and parses the token array; the typed decoder then judges the rest
+            # of the body with that array replaced by [] (a few bytes, not a second full scan).
+            found = mod.json_body_u32(body, MAX_QUERY_TOKENS)
+            if found is not None:
+                buf, a, b = found
+                try:
+                    req = _dec_json[typ].decode(body[:a] + b"[]" + body[b:])
+                except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                    req = None  # judged below on the whole body, so the wording is the usual one
+                if req is not None:
+                    return req, np.frombuffer(buf, dtype="<u4")
         if mod is not None and body:
             try:
                 req = _dec_raw[kind, typ].decode(body)
-            except msgspec.DecodeError:  # incl. ValidationError: the typed decoder words it
+            except (msgspec.DecodeError, UnicodeDecodeError):  # incl. ValidationError: the typed decoder words it
                 req = None
             except RecursionError:
                 raise _too_deep() from None
@@ -208,11 +224,12 @@ class _ClientGone(Exception):
 
 class ScoreFront:
     """Pure ASGI front serving `/score` and `/query` without the framework; every other request
-    goes to `app` (FastAPI). Behaviour (status codes, error bodies, reject counters, latency
-    metrics) is the same the FastAPI routes had."""
+    goes to `app` (FastAPI). `prepare` + `answer` are the one validation / negotiation path of the
+    two endpoints: this front, the uvicorn protocol fast path (`router_api.fasthttp`) and the
+    FastAPI routes that document them in OpenAPI all call them (docs/service.md, "HTTP stack")."""
 
-    __slots__ = ("app", "service", "metrics", "max_body", "default_model", "_routes", "fastapi", "bodies",
-                 "limiter")
+    __slots__ = ("app", "service", "metrics", "max_body", "default_model", "routes", "fastapi", "bodies",
+                 "limiter", "token")
 
     def __init__(self, app: ASGIApp, service: IndexerService, native: bool | None = None,
                  limiter: RateLimitedLog | None = None) -> None:
@@ -224,11 +241,13 @@ class ScoreFront:
         self.metrics = service.metrics
         self.max_body = service.config.max_body_bytes
         self.default_model = service.config.model
-        self._routes = {"/score": ("score", ScoreRequest, service.score),
-                        "/query": ("query", QueryRequest, service.query_compat)}
+        self.token: bytes | None = None  # set by BearerAuth: the fast path checks it too
+        self.routes: dict[str, Route] = {
+            "/score": ("score", ScoreRequest, service.score),
+            "/query": ("query", QueryRequest, service.query_compat)}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        route = self._routes.get(scope["path"]) if scope["type"] == "http" else None
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
         if route is None:
             await self.app(scope, receive, send)
             return
@@ -236,12 +255,7 @@ class ScoreFront:
             await _send(send, 405, _json.encode(ErrorResponse(error="method not allowed: use POST")),
                         _JSON_HEADERS, ((b"allow", b"POST"),))
             return
-        await self._serve(route, scope, receive, send)
-
-    async def _serve(self, route: tuple[str, type, Callable[..., Any]], scope: dict, receive: Callable,
-                     send: Callable) -> None:
         t0 = time.perf_counter()
-        endpoint, typ, handler = route
         ctype = accept = clen = None
         for k, v in scope["headers"]:
             if k == b"content-type":
@@ -251,12 +265,39 @@ class ScoreFront:
             elif k == b"content-length":
                 clen = v
         try:
-            kind = content_kind("application/json" if ctype is None else ctype.decode("latin-1"))
-            check_length(clen, self.max_body)
+            kind = self.prepare(ctype, clen)
             body = await self._read(receive)
+        except _ClientGone:
+            return
+        except ApiError as exc:
+            await _send(send, *self.rejected(route[0], exc))
+            return
+        await _send(send, *self.answer(route, kind, accept, scope["query_string"], body, t0))
+
+    def prepare(self, ctype: bytes | None, clen: bytes | None) -> str:
+        """Before any body byte: the body kind from Content-Type; 413 for a declared length over the limit."""
+        kind = content_kind("application/json" if ctype is None else ctype.decode("latin-1"))
+        check_length(clen, self.max_body)
+        return kind
+
+    def health(self) -> Answer:
+        """`GET /health`, the same bytes the FastAPI route answers (for the protocol fast path)."""
+        return 200, _json.encode(self.service.health()), _JSON_HEADERS
+
+    def rejected(self, endpoint: str, exc: ApiError) -> Answer:
+        self.metrics.http_rejects.inc(endpoint, exc.reason)
+        if exc.loud:
+            self.limiter.warning(exc.reason, "event=rejected endpoint=%s reason=%s status=%d",
+                                 endpoint, exc.reason, exc.status)
+        return exc.status, _json.encode(ErrorResponse(error=exc.message)), _JSON_HEADERS
+
+    def answer(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes,
+               t0: float) -> Answer:
+        """(status, body, content-type header) for a whole request body; never raises."""
+        endpoint, typ, handler = route
+        try:
             if kind == "octet":
-                qp = dict(parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)) \
-                    if scope["query_string"] else {}
+                qp = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)) if query_string else {}
                 model = qp.get("model") or qp.get("model_name") or self.default_model
                 res = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None)
             else:
@@ -266,33 +307,26 @@ class ScoreFront:
                 else:
                     model = req.model
                 res = handler(model, tokens, req.lora_name, req.cache_salt)
-        except _ClientGone:
-            return
         except ApiError as exc:
-            self.metrics.http_rejects.inc(endpoint, exc.reason)
-            if exc.loud:
-                self.limiter.warning(exc.reason, "event=rejected endpoint=%s reason=%s status=%d",
-                                     endpoint, exc.reason, exc.status)
-            await _send(send, exc.status, _json.encode(ErrorResponse(error=exc.message)), _JSON_HEADERS)
-            return
+            return self.rejected(endpoint, exc)
         except UnknownModel as exc:
             self.metrics.http_rejects.inc(endpoint, "unknown_model")
-            await _send(send, 404, _json.encode(ErrorResponse(error=str(exc))), _JSON_HEADERS)
-            return
+            return 404, _json.encode(ErrorResponse(error=str(exc))), _JSON_HEADERS
         except Exception as exc:  # a bug must answer 500 and be counted, never kill the connection
-            self.metrics.http_rejects.inc(scope["path"], "internal_error")
-            log.exception("event=internal_error path=%s", scope["path"])
-            await _send(send, 500, _json.encode(ErrorResponse(error=f"internal error: {type(exc).__name__}: {exc}")),
-                        _JSON_HEADERS)
-            return
+            path = "/" + endpoint
+            self.metrics.http_rejects.inc(path, "internal_error")
+            log.exception("event=internal_error path=%s", path)
+            return 500, _json.encode(ErrorResponse(error=f"internal error: {type(exc).__name__}: {exc}")), \
+                _JSON_HEADERS
         if accept is not None and b"msgpack" in accept:
-            await _send(send, 200, _msgpack.encode(res), _MSGPACK_HEADERS)
+            out = 200, _msgpack.encode(res), _MSGPACK_HEADERS
         else:
-            await _send(send, 200, _json.encode(res), _JSON_HEADERS)
+            out = 200, _json.encode(res), _JSON_HEADERS
         dt = time.perf_counter() - t0
         self.metrics.request_latency.observe(dt, endpoint)
         if endpoint == "score":
             self.metrics.recent_score.add(dt)
+        return out
 
     async def _read(self, receive: Callable) -> bytes:
         """The whole body; 413 as soon as it passes the limit (whatever Content-Length said)."""
@@ -326,29 +360,36 @@ async def _send(send: Callable, status: int, body: bytes, ctype: tuple[bytes, by
     await send({"type": "http.response.body", "body": body})
 
 
+def bearer_ok(headers: Any, token: bytes) -> bool:
+    """`Authorization: Bearer <token>` among the (lower-case name, value) pairs."""
+    for k, v in headers:
+        if k == b"authorization":
+            # The scheme is case-insensitive (RFC 9110 §11.1); the token is compared exactly.
+            scheme, _, cred = v.strip().partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(cred.strip(), token)
+    return False
+
+
 class BearerAuth:
     """Pure ASGI middleware: every path but /health needs `Authorization: Bearer <token>`.
     The dashboard page (`GET /`) may also carry it as `?token=` since a browser cannot set headers
     on navigation; the page then sends the header on its own requests."""
 
-    __slots__ = ("app", "fastapi", "token")
+    __slots__ = ("app", "fastapi", "token", "front")
 
     def __init__(self, app: Any, token: str) -> None:
         self.app = app
         self.fastapi = getattr(app, "fastapi", app)
         self.token = token.encode()
+        self.front: ScoreFront | None = app if isinstance(app, ScoreFront) else None
+        if self.front is not None:
+            self.front.token = self.token
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["path"] == "/health":
             await self.app(scope, receive, send)
             return
-        ok = False
-        for k, v in scope.get("headers") or ():
-            if k == b"authorization":
-                # The scheme is case-insensitive (RFC 9110 §11.1); the token is compared exactly.
-                scheme, _, cred = v.strip().partition(b" ")
-                ok = scheme.lower() == b"bearer" and hmac.compare_digest(cred.strip(), self.token)
-                break
+        ok = bearer_ok(scope.get("headers") or (), self.token)
         if not ok and scope["path"] == "/" and scope.get("query_string"):
             from urllib.parse import parse_qs
 
@@ -467,4 +508,78 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     front: Any = ScoreFront(app, service, native_bodies, limiter)
+
+    async def served(request: Request, route: Route) -> Response:
+        """/score and /query through FastAPI: the front's own path (reached when the app is mounted
+        without the front, e.g. `create_app(...).fastapi`); the routes also document the two in OpenAPI."""
+        t0 = time.perf_counter()
+        h = request.headers
+        try:
+            kind = front.prepare(_hb(h.get("content-type")), _hb(h.get("content-length")))
+            body = await read_body(request)
+        except ApiError as exc:
+            status, out, hdr = front.rejected(route[0], exc)
+        else:
+            status, out, hdr = front.answer(route, kind, _hb(h.get("accept")), request.scope["query_string"], body, t0)
+        return Response(out, status_code=status, media_type=hdr[1].decode())
+
+    docs = openapi_docs()
+
+    @app.post("/score", openapi_extra=docs["score"], responses=docs["responses"]["score"])
+    async def score(request: Request) -> Response:
+        return await served(request, front.routes["/score"])
+
+    @app.post("/query", openapi_extra=docs["query"], responses=docs["responses"]["query"])
+    async def query(request: Request) -> Response:
+        return await served(request, front.routes["/query"])
+
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(docs["components"])
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return BearerAuth(front, cfg.auth_token) if cfg.auth_token else front
+
+
+def _hb(value: str | None) -> bytes | None:
+    return None if value is None else value.encode("latin-1")
+
+
+_REF = "#/components/schemas/{name}"
+_QUERY_PARAMS = [
+    {"name": n, "in": "query", "required": False, "schema": {"type": "string"},
+     "description": f"{d} (application/octet-stream bodies only: JSON / msgpack bodies carry it as a field)"}
+    for n, d in (("model", "model name"), ("model_name", "alias of model"), ("lora_name", "LoRA adapter name"),
+                 ("cache_salt", "cache salt"))]
+
+
+def openapi_docs() -> dict[str, Any]:
+    """OpenAPI fragments for the front-served routes: request bodies in the three accepted
+    encodings, the query parameters of the raw one, answers in JSON or msgpack (by Accept), errors."""
+    (score_req, query_req, score_res, query_res, err), components = msgspec.json.schema_components(
+        [ScoreRequest, QueryRequest, ScoreResponse, QueryResponse, ErrorResponse], ref_template=_REF)
+    octet = {"schema": {"type": "string", "format": "binary"},
+             "example": "little-endian u32 token ids, 4 bytes each, no header"}
+
+    def body(ref: dict[str, Any], what: str) -> dict[str, Any]:
+        return {"requestBody": {"required": True, "description": what, "content": {
+            "application/json": {"schema": ref}, "application/msgpack": {"schema": ref}, "application/octet-stream": octet}},
+            "parameters": _QUERY_PARAMS}
+
+    def answers(ref: dict[str, Any]) -> dict[int | str, Any]:
+        error = {"content": {"application/json": {"schema": err}}}
+        return {200: {"description": "JSON, or msgpack when Accept names msgpack",
+                      "content": {"application/json": {"schema": ref}, "application/msgpack": {"schema": ref}}},
+                **{code: {"description": d, **error} for code, d in (
+                    (400, "malformed body"), (401, "missing or invalid bearer token (with --auth-token)"),
+                    (404, "unknown model"), (405, "not POST"), (413, "body over --max-body-mb"),
+                    (415, "unsupported Content-Type"), (422, "invalid request (e.g. a token id above 2^32-1)"))}}
+
+    return {"score": body(score_req, "the tokens of a prompt; the answer ranks every registered worker"),
+            "query": body(query_req, "Dynamo / Mooncake-RFC query; the answer is matched tokens per worker"),
+            "responses": {"score": answers(score_res), "query": answers(query_res)},
+            "components": components}

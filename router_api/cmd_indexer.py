@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resync-hold", type=float, help="seconds a resynced worker is reported 'resyncing' (default 30)")
     p.add_argument("--max-body-mb", type=float, help="request body limit in MiB; larger bodies get 413 (default 8)")
     p.add_argument("--replay-timeout", type=float, help="seconds to wait for a publisher's replay (default 2)")
+    p.add_argument("--http-fast-path", choices=("on", "off"),
+                   help="answer /score and /query in uvicorn's protocol callbacks (default on; off: through "
+                        "the ASGI front, for comparison)")
     p.add_argument("--log-format", choices=("text", "json"), help="log line format (default text)")
     # The JetStream event plane (docs/jetstream.md); the logic lives in router_api.nats_plane.
     p.add_argument("--nats", metavar="URL", help="consume every worker of the shared registry from NATS JetStream")
@@ -213,6 +216,21 @@ class SafeTextFormatter(logging.Formatter):
         return line if line.isprintable() else line.encode("unicode_escape").decode("ascii")
 
 
+def server_settings(host: str, port: int, fast_path: bool = True) -> dict[str, Any]:
+    """uvicorn settings for the indexer (measured choices, docs/service.md "HTTP stack"): the
+    httptools parser with the /score and /query fast path (`router_api.fasthttp`) and uvloop
+    (named, so a missing one fails loudly instead of silently serving at half speed), no access
+    log, no proxy-header rewriting (nothing here reads the client address, and it is a
+    per-request pass over the headers), no `server` header, and keep-alive long enough that a
+    router's connection is reused between its queries."""
+    from router_api import fasthttp
+
+    http: Any = fasthttp.ScoreHttpProtocol if fast_path and fasthttp.supported() else "httptools"
+    return {"host": host, "port": port, "http": http, "loop": "uvloop", "log_level": "warning",
+            "access_log": False, "proxy_headers": False, "server_header": False, "lifespan": "off",
+            "timeout_keep_alive": 30}
+
+
 def _make_server(uvicorn: Any, config: Any) -> Any:
     import contextlib
     import signal
@@ -303,10 +321,8 @@ def run(args: argparse.Namespace) -> int:
 
     gc.collect()
     gc.freeze()
-    server = _make_server(uvicorn, uvicorn.Config(
-        app, host=config.host, port=config.port, log_level="warning", access_log=False,
-        lifespan="off", timeout_keep_alive=30,
-    ))
+    fast = (getattr(args, "http_fast_path", None) or "on") == "on"
+    server = _make_server(uvicorn, uvicorn.Config(app, **server_settings(config.host, config.port, fast)))
     t0 = time.monotonic()
     log.info("event=listening url=http://%s:%d", config.host, config.port)
     try:

@@ -226,31 +226,7 @@ class IngestLoop:
         log.info("event=ingest_started poll_ms=%d", self._poll_ms)
         try:
             while not self._stop.is_set():
-                self._drain_commands(sub)
-                try:
-                    deliveries = sub.poll(self._poll_ms)
-                except Exception as exc:  # a subscriber bug must not kill ingestion silently
-                    self.last_error = repr(exc)
-                    self.metrics.drops.inc("subscriber_error")
-                    log.exception("event=subscriber_error")
-                    self._stop.wait(0.05)  # back off briefly instead of spinning on a broken poll
-                    continue
-                self._export_frame_drops(sub)
-                if deliveries:
-                    handle = self._handle
-                    try:
-                        for d in deliveries:
-                            handle(d)
-                    finally:
-                        self._tally.flush(self.metrics)
-                now = self._clock()
-                if deliveries:
-                    self.trimmer.note(len(deliveries))
-                elif self.trimmer.maybe_trim(now):  # a quiet poll: the burst is over
-                    log.debug("event=memory_trimmed trims=%d", self.trimmer.trims)
-                if now >= next_tick:
-                    next_tick = now + self._tick_s
-                    self._tick(now)
+                next_tick = self.step(sub, self._poll_ms, next_tick)
         finally:
             self._drain_commands(sub)
             try:
@@ -258,6 +234,37 @@ class IngestLoop:
             except Exception:
                 log.exception("event=subscriber_close_failed")
             log.info("event=ingest_stopped batches=%d", self.applied_batches)
+
+    def step(self, sub: Any, poll_ms: int, next_tick: float) -> float:
+        """One turn of the loop: commands, one poll, its deliveries, the tick when due. Returns the
+        next tick time. The thread calls it in a loop; bench/bench_ingest.py drives it directly."""
+        self._drain_commands(sub)
+        try:
+            deliveries = sub.poll(poll_ms)
+        except Exception as exc:  # a subscriber bug must not kill ingestion silently
+            self.last_error = repr(exc)
+            self.metrics.drops.inc("subscriber_error")
+            log.exception("event=subscriber_error")
+            self._stop.wait(0.05)  # back off briefly instead of spinning on a broken poll
+            return next_tick
+        self._export_frame_drops(sub)
+        if deliveries:
+            handle = self._handle
+            try:
+                for d in deliveries:
+                    handle(d)
+            finally:
+                self._tally.flush(self.metrics)
+        now = self._clock()
+        if deliveries:
+            self.trimmer.note(len(deliveries))
+        # A poll that took less than it may has drained the queues: a burst's buffers are free now.
+        if len(deliveries) < getattr(sub, "max_per_poll", 1) and self.trimmer.maybe_trim(now):
+            log.debug("event=memory_trimmed trims=%d", self.trimmer.trims)
+        if now >= next_tick:
+            next_tick = now + self._tick_s
+            self._tick(now)
+        return next_tick
 
     def _drain_commands(self, sub: Any) -> None:
         while True:

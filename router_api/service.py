@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from operator import attrgetter
 from typing import Any, Callable, Sequence
 
 from indexer.snapshot import (
@@ -32,6 +33,7 @@ from router_api.registry import (
     RegistryError,
     SubscribeFailed,
     UnknownWorker,
+    WorkerState,
 )
 from schemas.api import (
     BestWorker,
@@ -176,6 +178,23 @@ def _tiers(d: dict[str, int] | None) -> TierBlocks:
                       disk=int(d.get("disk", 0)), shared=int(d.get("shared", 0)))
 
 
+_by_score = attrgetter("score")
+
+
+class _ScorePlan:
+    """What `score` needs of the registry, kept between queries: the model's worker states, their
+    (worker_id, dp_rank) pairs, and the rank counts it was built from (its validity check)."""
+
+    __slots__ = ("states", "nranks", "pairs", "pairset", "by_id")
+
+    def __init__(self, states: list[WorkerState], nranks: list[int]) -> None:
+        self.states = states
+        self.nranks = nranks
+        self.by_id = {w.worker_id: w for w in states}
+        self.pairs = [(w.worker_id, rank) for w in states for rank in sorted(w.dp_ranks)]
+        self.pairset = frozenset(self.pairs)
+
+
 class IndexerService:
     def __init__(
         self,
@@ -216,6 +235,7 @@ class IndexerService:
         self._membership = 0  # bumped on (un)registration: a snapshot with nothing new is skipped
         self._saved_mark: tuple[int, int] | None = None
         self.plane: Any = None  # router_api.nats_plane.NatsPlane under `kvatlas indexer --nats` (docs/jetstream.md)
+        self._plans: dict[str, _ScorePlan] = {}  # per model, see _plan
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -353,6 +373,16 @@ class IndexerService:
         self.metrics.worker_blocks.replace(gauge)
         return WorkersResponse(workers=rows)
 
+    def _plan(self, model: str) -> "_ScorePlan":
+        """The model's registered (worker, rank) pairs, rebuilt only when membership or a worker's
+        ranks changed (ranks only grow while a worker is registered). Call under the lock."""
+        states = self.registry.of_model(model)
+        nranks = [len(w.dp_ranks) for w in states]
+        plan = self._plans.get(model)
+        if plan is None or plan.states != states or plan.nranks != nranks:
+            plan = self._plans[model] = _ScorePlan(states, nranks)
+        return plan
+
     def score(self, model: str, token_ids: Any, lora_name: str | None = None,
               cache_salt: str | None = None) -> ScoreResponse:
         now = self.clock()
@@ -361,30 +391,40 @@ class IndexerService:
             block_size = self.index.models().get(model)
             if block_size is None:
                 raise UnknownModel(f"unknown model {model!r}")
-            states = {w.worker_id: w for w in self.registry.of_model(model)}
-            pairs = [(wid, rank) for wid, w in states.items() for rank in sorted(w.dp_ranks)]
+            plan = self._plan(model)
+            # When the index holds exactly the registered pairs, it scores them all from its own
+            # cached order (no per-query selection); otherwise it scores the registered ones.
+            held = self.index.workers(model)
+            same = len(held) == len(plan.pairs) and plan.pairset.issuperset(held)
             result = self.index.score(model, token_ids, lora_name=lora_name, cache_salt=cache_salt,
-                                      workers=pairs)
-            out: list[WorkerScoreOut] = []
-            scored = {(ws.worker_id, ws.dp_rank) for ws in result.workers}
-            # Every registered worker is listed, even a rank the index has not seen yet.
-            missing = [WorkerScore(wid, rank, 0, 0, {}, 0.0) for wid, rank in pairs if (wid, rank) not in scored]
-            for ws in list(result.workers) + missing:
-                w = states.get(ws.worker_id)
+                                      workers=None if same else plan.pairs)
+            rows = result.workers
+            if len(rows) != len(plan.pairs):
+                # Every registered worker is listed, even a rank the index has not seen yet.
+                scored = {(ws.worker_id, ws.dp_rank) for ws in rows}
+                rows = list(rows) + [WorkerScore(wid, rank, 0, 0, {}, 0.0)
+                                     for wid, rank in plan.pairs if (wid, rank) not in scored]
+            by_id = plan.by_id
+            fresh: list[WorkerScoreOut] = []
+            stale: list[WorkerScoreOut] = []
+            for ws in rows:
+                w = by_id.get(ws.worker_id)
                 if w is None:
                     continue
                 status = w.status(now, policy)
-                out.append(WorkerScoreOut(
-                    worker_id=ws.worker_id, dp_rank=ws.dp_rank, device_blocks=ws.device_blocks,
-                    cached_blocks=ws.cached_blocks, tiers=_tiers(ws.tiers), score=float(ws.score),
-                    stale=status == "stale", last_seq=w.last_seq, status=status, kv_blocks=ws.kv_blocks,
-                ))
+                t = ws.tiers
+                tiers = TierBlocks(t["gpu"], t["host"], t["disk"], t["shared"]) if len(t) == 4 else _tiers(t)
+                is_stale = status == "stale"
+                (stale if is_stale else fresh).append(WorkerScoreOut(
+                    ws.worker_id, ws.dp_rank, ws.device_blocks, ws.cached_blocks, tiers, float(ws.score),
+                    is_stale, w.last_seq, status, ws.kv_blocks))
             query_blocks = result.query_blocks
-        # Best first; a stale worker may be gone, so it sorts after every fresh one (stable).
-        out.sort(key=lambda s: (s.stale, -s.score))
-        best = next((BestWorker(s.worker_id, s.dp_rank) for s in out if not s.stale and s.score > 0), None)
-        return ScoreResponse(model=model, block_size=block_size, query_blocks=query_blocks,
-                             workers=out, best=best)
+        # Best first; a stale worker may be gone, so it sorts after every fresh one (stable: the
+        # index's tie-break order is kept; reverse=True keeps sort stability).
+        fresh.sort(key=_by_score, reverse=True)
+        stale.sort(key=_by_score, reverse=True)
+        best = next((BestWorker(s.worker_id, s.dp_rank) for s in fresh if s.score > 0), None)
+        return ScoreResponse(model, block_size, query_blocks, fresh + stale if stale else fresh, best)
 
     def query_compat(self, model: str, token_ids: Any, lora_name: str | None,
                      cache_salt: str | None) -> QueryResponse:

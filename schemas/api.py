@@ -38,7 +38,9 @@ class RegisterWorker(Struct, forbid_unknown_fields=True, omit_defaults=True):
     topic: Annotated[str, Meta(max_length=256)] = ""
 
 
-class TierBlocks(Struct):
+# gc=False on the per-worker answer rows (no reference cycles are possible): a /score answer makes
+# two per worker, and untracked objects neither cost GC bookkeeping nor trigger collections.
+class TierBlocks(Struct, gc=False):
     gpu: int = 0
     host: int = 0
     disk: int = 0
@@ -91,7 +93,7 @@ class ScoreRequestRaw(Struct, omit_defaults=True):
     cache_salt: OptName = None
 
 
-class WorkerScoreOut(Struct, omit_defaults=True):
+class WorkerScoreOut(Struct, omit_defaults=True, gc=False):
     """One worker's row. For hybrid models (docs/hybrid.md) device_blocks / cached_blocks are the
     usable prefixes and `kv_blocks` the full-attention-only match; omitted for full-attention-only
     models (only `kv_blocks` has a default, so nothing else is ever omitted)."""
@@ -108,7 +110,7 @@ class WorkerScoreOut(Struct, omit_defaults=True):
     kv_blocks: Optional[int] = None
 
 
-class BestWorker(Struct):
+class BestWorker(Struct, gc=False):
     worker_id: str
     dp_rank: int
 

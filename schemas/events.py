@@ -3,6 +3,9 @@
 Events are tagged structs (tag field "type", value = class name). SGLang and vLLM encode them as
 msgpack *maps*; Dynamo also accepts the positional (array) form — `schemas.codec` decodes both.
 Field order matters for the positional form: it follows the engines' declarations.
+Events hold only ints, bytes, strings and lists of them (never a reference cycle), so they are
+not tracked by the cycle collector (`gc=False`, as SGLang declares them): a batch of thousands of
+events adds nothing to every garbage-collection pass (docs/producer-events.md).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import msgspec
 BlockHash = Union[int, bytes]
 
 
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, kw_only=False):
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, kw_only=False, gc=False):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
@@ -32,7 +35,7 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, kw_only=False):
     ownership: str | None = None
 
 
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     block_hashes: list[BlockHash]
     medium: str | None = None
     group_idx: int | None = None
@@ -40,7 +43,7 @@ class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
     ownership: str | None = None
 
 
-class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     pass
 
 

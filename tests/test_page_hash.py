@@ -30,8 +30,8 @@ class BytesSink(_PayloadSink):
     def __init__(self) -> None:
         self.payloads: list[bytes] = []
 
-    def emit(self, events: list[KVEvent], dp_rank: int | None) -> None:
-        self.send_payload(encode_batch(KVEventBatch(0.0, events, dp_rank)))
+    def batch_ts(self) -> float:
+        return 0.0
 
     def send_payload(self, payload: bytes) -> None:
         self.payloads.append(payload)
@@ -154,17 +154,24 @@ def test_large_insert_hashes_with_gil_released() -> None:
         assert fn(tokens, 16) == ph.py_sha256_ids(tokens, 16)
 
 
+class ObjectBytesSink(BytesSink):
+    """Encodes like BytesSink but declares it reads events: gets plain token-id lists."""
+
+    __slots__ = ()
+    encodes_events = False
+
+
 @pytest.mark.parametrize("page_hash", ["sha256", "xxh3"])
 def test_cache_events_are_byte_identical_native_or_pure(page_hash: str) -> None:
-    """The whole event stream of a cache under eviction pressure, native vs pure hashing."""
+    """The whole event stream of a cache under eviction pressure: native vs pure hashing, token
+    ids packed by the C helper vs msgspec, pre-encoded vs plain lists — the same bytes."""
     _native_fns()
     spec = StreamSpec(requests=120, prefixes=6, prefix_tokens=128, suffix_tokens=40, seed=5)
     payloads = []
-    for nat in (True, False):
-        sink = BytesSink()
-        rec = EventRecorder(sink, heartbeat_interval_s=3600.0)
+    for nat, sink in ((True, BytesSink()), (False, BytesSink()), (True, ObjectBytesSink())):
+        rec = EventRecorder(sink, heartbeat_interval_s=3600.0, native=nat)
         cache = build_cache(page_size=16, device_pages=64, recorder=rec, page_shape=(1,), page_hash=page_hash)
-        cache.tree.chain_ids = ph.page_hash_chain_ids(page_hash, native=nat)
+        cache.tree.chain_blob = ph.page_hash_chain_blob(page_hash, native=nat)
         for tokens in synthetic_stream(spec):
             m = cache.match_prefix(tokens)
             cache.lock(m.device_node)
@@ -173,5 +180,121 @@ def test_cache_events_are_byte_identical_native_or_pure(page_hash: str) -> None:
             cache.insert(tokens, m.device_pages + pages)
             cache.step(0.0)
         payloads.append(sink.payloads)
-    assert payloads[0] == payloads[1]
+    assert payloads[0] == payloads[1] == payloads[2]
     assert len(payloads[0]) > 50
+
+
+def test_native_batch_encode_is_msgspec_bytes() -> None:
+    """The C batch encoder writes exactly msgspec's bytes for KVEventBatch: every record kind,
+    optional fields set or omitted, ints of every width, arrays and strings across their size
+    classes, dp_rank None or set. What it does not take raises (and msgspec then encodes)."""
+    from producer.events import _Cleared, _Removed, _Store
+
+    if native is None:
+        pytest.fail("producer._native._pagehash is not built")
+    edges = [0, 1, 31, 32, 127, 128, 255, 256, 65535, 65536, 2**30 - 1, 2**30, 2**31, 2**32 - 1, 2**32,
+             2**63 - 1, 2**63, 2**64 - 1, -1, -32, -33, -128, -129, -32768, -32769, -2**31, -2**31 - 1, -2**63]
+    rng = random.Random(11)
+
+    def ints(n: int) -> list[int]:
+        return [rng.choice(edges) if rng.random() < 0.5 else rng.randrange(-2**63, 2**63) for _ in range(n)]
+
+    def opt(v):  # noqa: ANN001, ANN202
+        return v if rng.random() < 0.5 else None
+
+    def id_source(n: int):  # noqa: ANN202 - ints, or digest blobs of 32 or 16 bytes per id
+        if rng.random() < 0.5:
+            return ints(n), None, 0
+        dlen = rng.choice([16, 32])
+        digests = bytes(rng.randrange(256) for _ in range(n * dlen))
+        cut = rng.randrange(n + 1) * dlen
+        return None, [b for b in (digests[:cut], digests[cut:]) if b], dlen
+
+    for case in range(300):
+        recs: list = []
+        for _ in range(rng.randrange(0, 6)):
+            k = rng.randrange(3)
+            if k == 0:
+                sizes = [rng.choice([0, 1, 15, 16, 17, 300]) for _ in range(rng.randrange(1, 4))]
+                if case == 7:
+                    sizes = [40000, 30000]  # > 65535 tokens: the 32-bit array header
+                chunks = [tuple(ints(n)) if rng.random() < 0.5 else ints(n) for n in sizes]
+                ids, blobs, dlen = id_source(rng.choice([1, 15, 16, 40]))
+                recs.append(_Store(ids, blobs, dlen, 0, opt(rng.choice(edges)), chunks,
+                                   rng.choice([1, 16, 2**20]), rng.choice(["GPU", "CPU_PINNED", "x" * 40]),
+                                   opt(rng.choice([0, 1, 300])), opt(rng.choice(["full_attention", "y" * 300])),
+                                   opt(rng.choice([128, 70000]))))
+            elif k == 1:
+                ids, blobs, dlen = id_source(rng.choice([1, 16, 17]))
+                recs.append(_Removed(ids, blobs, dlen, rng.choice(["GPU", "DISK"]), opt(rng.choice([0, 5]))))
+            else:
+                recs.append(_Cleared())
+        ts, dp = rng.choice([0.0, 1.5e9 + rng.random(), -3.25]), rng.choice([None, 0, 3])
+        want = encode_batch(KVEventBatch(ts, [r.event() for r in recs], dp))
+        assert native.encode_batch(ts, recs, dp, _Store, _Removed, _Cleared) == want
+    for bad in (_Store([2**64], None, 0, 0, None, [(1,)], 16, "GPU", None, None, None),
+                _Store([1], None, 0, 0, None, [(True,)], 16, "GPU", None, None, None),
+                _Store([1], None, 0, 0, None, [(1.5,)], 16, "GPU", None, None, None),
+                _Store(None, [bytes(31)], 32, 0, None, [(1,)], 16, "GPU", None, None, None),
+                _Removed([b"raw"], None, 0, "GPU", None)):
+        with pytest.raises((TypeError, OverflowError)):
+            native.encode_batch(0.0, [bad], None, _Store, _Removed, _Cleared)
+    with pytest.raises(TypeError):
+        native.encode_batch(0.0, [object()], None, _Store, _Removed, _Cleared)
+
+
+def test_recorder_falls_back_to_msgspec_for_what_the_encoder_declines() -> None:
+    """Token ids the C encoder does not take (a bool from a caller) still go out, as msgspec's bytes."""
+    from schemas.media import Medium
+
+    sink = BytesSink()
+    rec = EventRecorder(sink)
+    rec.stored([5], None, (True, 2), 2, Medium.GPU)
+    rec.flush(0.0)
+    assert sink.payloads == [encode_batch(KVEventBatch(0.0, [rec_event_stored([5], None, [True, 2], 2)], None))]
+
+
+def rec_event_stored(ids: list, parent, tokens: list, size: int):  # noqa: ANN001, ANN201
+    from schemas.events import BlockStored
+
+    return BlockStored(ids, parent, tokens, size, None, "GPU")
+
+
+@pytest.mark.parametrize("nat", [True, False])
+def test_recorder_digest_ids_match_int_ids(nat: bool) -> None:
+    """Stores and removals given as digest blobs coalesce and encode exactly like the same ids
+    given as ints — mixed in one record too — for a sink that reads events and one that sends bytes."""
+    from producer.sinks import ListSink
+    from schemas.media import Medium
+
+    tokens = tuple(range(100, 100 + 8 * 4))
+    blob = ph.page_hash_chain_blob("sha256", native=nat)(tokens, 4, None)
+    ids = ph.ids_of(blob, 32)
+    assert ids == ph.py_sha256_ids(tokens, 4)[1]
+
+    def feed(rec: EventRecorder, as_blob: bool) -> None:
+        cut = 3 * 32
+        if as_blob:
+            rec.stored_digests(blob[:cut], 32, None, tokens[:12], 4, Medium.GPU)
+            rec.stored(ids[3:5], ids[2], tokens[12:20], 4, Medium.GPU)           # ints continue a blob record
+            rec.stored_digests(blob[5 * 32:], 32, ids[4], tokens[20:], 4, Medium.GPU)
+            rec.removed_digests(blob[:cut], 32, Medium.GPU)
+            rec.removed(ids[3:], Medium.GPU)
+            rec.stored_digests(blob[:32], 32, None, tokens[:4], 4, Medium.CPU_PINNED, group_idx=0, kind="full")
+        else:
+            rec.stored(ids[:3], None, tokens[:12], 4, Medium.GPU)
+            rec.stored(ids[3:5], ids[2], tokens[12:20], 4, Medium.GPU)
+            rec.stored(ids[5:], ids[4], tokens[20:], 4, Medium.GPU)
+            rec.removed(ids[:3], Medium.GPU)
+            rec.removed(ids[3:], Medium.GPU)
+            rec.stored(ids[:1], None, tokens[:4], 4, Medium.CPU_PINNED, group_idx=0, kind="full")
+        rec.flush(0.0)
+
+    out = []
+    for as_blob in (True, False):
+        lsink, bsink = ListSink(), BytesSink()
+        feed(EventRecorder(lsink, native=nat), as_blob)
+        feed(EventRecorder(bsink, native=nat), as_blob)
+        out.append(([(type(e).__name__, e.block_hashes) for e in lsink.events()], bsink.payloads))
+    assert out[0] == out[1]
+    assert out[0][0] == [("BlockStored", ids), ("BlockRemoved", ids), ("BlockStored", ids[:1])]

@@ -77,7 +77,8 @@ def test_tree_page_alignment_split_and_hash_lists() -> None:
     matched, n = t.match(t.page_key([1, 2, 3, 4, 5, 6, 99, 8]), 2)
     assert n == 4 and [len(x.key) for x in matched] == [4]
     parent = matched[0]
-    assert parent.ids == SGLANG_IDS_1_12_P4[:1] and new.ids == SGLANG_IDS_1_12_P4[1:]
+    assert t.ensure_hashes(parent) == SGLANG_IDS_1_12_P4[:1] and t.ensure_hashes(new) == SGLANG_IDS_1_12_P4[1:]
+    assert len(parent.digests) == 32 and len(new.digests) == 64  # one blob per node, split at the page
     assert new.parent is parent and t.parent_id(new) == SGLANG_IDS_1_12_P4[0]
 
 

@@ -135,7 +135,7 @@ def test_shared_redis_backup_is_external_and_serves_another_worker(redis_server)
         m = b.match_prefix(TOKENS)
         assert m.host_len == 16
         for node in b.tree.nodes():
-            for page, d in zip(node.host_value, node.digests):
+            for page, d in zip(node.host_value, b.tree.digest_list(node)):
                 assert page_matches(b.host, page, d)
         assert stored(sb, Medium.CPU_PINNED) == IDS
     finally:
@@ -166,7 +166,7 @@ def test_killed_redis_loses_no_host_data_and_claims_nothing(redis_server) -> Non
         m = cache.match_prefix(second)
         assert m.host_len == 8
         node = m.host_node
-        for page, d in zip(node.host_value, node.digests):
+        for page, d in zip(node.host_value, cache.tree.digest_list(node)):
             assert page_matches(cache.host, page, d)
         assert node.host_ref == 0  # the failed backup released its host lock
         assert cache.audit() == []

@@ -47,12 +47,12 @@ def check_bytes(cache) -> None:
     for node in cache.tree.nodes():
         if node.hollow:
             continue
-        cache.tree.ensure_hashes(node)
+        digests = cache.tree.digest_list(node)
         if node.value is not None and node.device_ready:
-            for page, d in zip(node.value, node.digests):
+            for page, d in zip(node.value, digests):
                 assert page_matches(cache.device, page, d), f"device page {page} of {node!r} wrong"
         if node.host_value is not None and node.host_ready:
-            for page, d in zip(node.host_value, node.digests):
+            for page, d in zip(node.host_value, digests):
                 assert page_matches(cache.host, page, d), f"host page {page} of {node!r} wrong"
 
 
@@ -156,9 +156,9 @@ def test_events_replay_to_acknowledged_residency(data, page_size, policy, device
                     if node.stored:
                         keys = cache._l3_keys(node)
                         values = backend.get(keys)
-                        for d, v in zip(node.digests, values):
+                        for d, v in zip(cache.tree.digest_list(node), values):
                             assert v is not None and v == bytes(page_pattern(d, cache.host.page_bytes).numpy())
-                        claimed.difference_update(node.ids)
+                        claimed.difference_update(cache.tree.ensure_hashes(node))
                 assert claimed == set()
         finally:
             if worker is not None:

@@ -284,23 +284,27 @@ def test_health_dump_metrics(fed: tuple[LiveIndexer, dict[str, WorkerSim]]) -> N
         assert f'kvatlas_worker_blocks{{tier="gpu",worker="{wid}"}} {rows[wid]["blocks"]["gpu"]}' in text
 
 
-def test_bearer_token() -> None:
-    cfg = ServiceConfig(port=free_port(), block_size=BS, auth_token="s3cret")
-    li = LiveIndexer(cfg).start()
-    try:
-        anon = httpx.Client(base_url=li.url, timeout=5)
-        assert anon.get("/health").status_code == 200
+@pytest.mark.asyncio
+async def test_bearer_token() -> None:
+    """In process through the ASGI app (httpx.AsyncClient): no server thread or port needed."""
+    from router_api.app import create_app
+    from router_api.service import IndexerService
+
+    svc = IndexerService(ServiceConfig(block_size=BS, auth_token="s3cret"))
+    svc.index.ensure_model("default", BS)
+    transport = httpx.ASGITransport(app=create_app(svc))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as anon, \
+            httpx.AsyncClient(transport=transport, base_url="http://t",
+                              headers={"Authorization": "Bearer s3cret"}) as authed:
+        assert (await anon.get("/health")).status_code == 200
         for method, path in (("POST", "/score"), ("GET", "/workers"), ("GET", "/metrics"), ("GET", "/"),
                              ("GET", "/dump"), ("POST", "/workers"), ("DELETE", "/workers/x")):
-            r = anon.request(method, path, json={"token_ids": [1]})
+            r = await anon.request(method, path, json={"token_ids": [1]})
             assert r.status_code == 401, (method, path, r.status_code)
             assert r.headers["www-authenticate"] == "Bearer" and r.json()["error"]
-        wrong = anon.post("/score", json={"token_ids": [1]}, headers={"Authorization": "Bearer nope"})
+        wrong = await anon.post("/score", json={"token_ids": [1]}, headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
-        assert li.client.post("/score", json={"token_ids": [1, 2, 3, 4]}).status_code == 200
-        assert anon.get("/?token=s3cret").status_code == 200
-        assert anon.get("/?token=wrong").status_code == 401
-        assert anon.get("/stats?token=s3cret").status_code == 401  # query token is for the page only
-        anon.close()
-    finally:
-        li.stop()
+        assert (await authed.post("/score", json={"token_ids": [1, 2, 3, 4]})).status_code == 200
+        assert (await anon.get("/?token=s3cret")).status_code == 200
+        assert (await anon.get("/?token=wrong")).status_code == 401
+        assert (await anon.get("/stats?token=s3cret")).status_code == 401  # query token is for the page only

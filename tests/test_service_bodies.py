@@ -1,7 +1,8 @@
 """/score and /query request bodies: the native u32 decoder (raw `token_ids` parsed in C) against the
-pure-Python typed msgspec decoder. Two real uvicorn servers front one live service fed by a real ZMQ
-publisher — one app decodes bodies natively, the other with the Python path — and random valid and
-invalid JSON / msgpack bodies must get the same status and the same response bytes from both."""
+pure-Python typed msgspec decoder. Three real uvicorn servers front one live service fed by a real ZMQ
+publisher — one app decodes bodies natively, one with the Python path, one natively behind the
+uvicorn protocol fast path (router_api.fasthttp) — and random valid and invalid JSON / msgpack
+bodies must get the same status and the same response bytes from all three."""
 from __future__ import annotations
 
 import struct
@@ -32,10 +33,12 @@ U32 = 2 ** 32
 class Pair:
     """The live service on two servers: `native` (default app) and `pure` (Python body decoder)."""
 
-    __slots__ = ("live", "server", "thread", "pure", "native", "sims")
+    __slots__ = ("live", "server", "thread", "pure", "native", "sims", "fast_server", "fast_thread", "fast")
 
     def __init__(self) -> None:
         import uvicorn
+
+        from router_api.cmd_indexer import server_settings
 
         cfg = ServiceConfig(port=free_port(), block_size=BS, stats_ttl_s=0.0, stale_after_s=3600.0,
                             remove_after_s=7200.0)
@@ -49,12 +52,21 @@ class Pair:
         wait_until(lambda: self.server.started, timeout=10)
         self.native = self.live.client
         self.pure = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
+        fport = free_port()
+        self.fast_server = uvicorn.Server(uvicorn.Config(create_app(self.live.service),
+                                                         **server_settings("127.0.0.1", fport)))
+        self.fast_thread = threading.Thread(target=self.fast_server.run, name="uvicorn-fast", daemon=True)
+        self.fast_thread.start()
+        wait_until(lambda: self.fast_server.started, timeout=10)
+        self.fast = httpx.Client(base_url=f"http://127.0.0.1:{fport}", timeout=10.0)
         self.sims: dict[str, WorkerSim] = {}
 
     def close(self) -> None:
         self.pure.close()
-        self.server.should_exit = True
-        self.thread.join(10)
+        self.fast.close()
+        for server, thread in ((self.server, self.thread), (self.fast_server, self.fast_thread)):
+            server.should_exit = True
+            thread.join(10)
         self.live.stop()
 
 
@@ -87,7 +99,9 @@ def _same(p: Pair, path: str, body: bytes, ctype: str) -> httpx.Response:
     h = {"content-type": ctype}
     a = p.native.post(path, content=body, headers=h)
     b = p.pure.post(path, content=body, headers=h)
+    c = p.fast.post(path, content=body, headers=h)
     assert (a.status_code, a.content) == (b.status_code, b.content), (path, body[:200], a.text, b.text)
+    assert (a.status_code, a.content) == (c.status_code, c.content), (path, body[:200], a.text, c.text)
     return a
 
 
@@ -253,3 +267,51 @@ def test_pure_python_switch_selects_the_typed_decoder(monkeypatch: pytest.Monkey
     assert toks == [3, 4] and req.model == "default"
     monkeypatch.setenv(native_core.ENV_PURE, "0")
     assert TokenBodies().native is not None
+
+
+def _judged(tb: TokenBodies, body: bytes, typ: type) -> object:
+    from router_api.app import ApiError
+
+    try:
+        req, toks = tb.decode("json", body, typ)
+    except ApiError as exc:
+        return ("error", exc.status, exc.message)
+    fields = {f: getattr(req, f) for f in req.__struct_fields__ if f != "token_ids"}
+    return ("ok", list(np.asarray(toks).tolist()), fields)
+
+
+def test_one_pass_json_body_parse_agrees_with_the_typed_decoder() -> None:
+    """The C scan that finds `token_ids` in a whole JSON body (then the typed decoder judges the
+    rest) against the typed decoder alone, on bodies built to mislead a scanner."""
+    fast, slow = TokenBodies(True), TokenBodies(False)
+    bodies = [
+        b'{"token_ids": [1, 2, 3]}', b' {"model":"default" , "token_ids":[7] } ', b'{"token_ids":[]}',
+        b'{"model": "a\\"token_ids\\":[9]", "token_ids": [1]}', b'{"model": "x\\\\", "token_ids": [2]}',
+        b'{"x": {"token_ids": [5]}, "token_ids": [6]}', b'{"x": ["token_ids", [5]], "token_ids": [6]}',
+        b'{"token_ids": [1], "token_ids": [2]}', b'{"token_\\u0069ds": [1]}', b'{"token_ids": [1], "token_\\u0069ds": [2]}',
+        b'{"token_ids": [1],}', b'{"token_ids": [1]} x', b'{"token_ids": [1]', b'{"token_ids" [1]}', b'{}', b'[]',
+        b'{"token_ids": [1], "model": 5}', b'{"token_ids": [1], "lora_name": null, "cache_salt": "s"}',
+        b'{"colour": [1, {"a": "}"}], "token_ids": [3]}', b'{"token_ids": [01]}', b'{"token_ids": [4294967296]}',
+        b'{"model": "default", "model": "other", "token_ids": [1]}', b'{"token_ids": [1], "x": tru}',
+        b'{"token_ids": [1], "x": "\x01"}', b'{"token_ids": [1]}\n', b'\t{"token_ids":\n[1,\n2]}\r\n',
+    ]
+    for typ in (ScoreRequest, QueryRequest):
+        for body in bodies:
+            assert _judged(fast, body, typ) == _judged(slow, body, typ), body
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=json_token_arrays(), extra=OTHER_FIELDS, first=st.booleans(), cut=st.integers(0, 400),
+       flip=st.integers(0, 400), junk=st.binary(max_size=8))
+def test_one_pass_json_parse_on_mangled_bodies(raw: bytes, extra: dict, first: bool, cut: int, flip: int,
+                                               junk: bytes) -> None:
+    """Random damage anywhere in a body (cut, flipped byte, junk spliced in): never a crash, and the
+    same judgement as the typed decoder alone."""
+    body = _wrap(msgspec.json.encode, raw, extra, first)
+    body = body[: max(1, len(body) - cut % 3)]
+    if body:
+        i = flip % len(body)
+        body = body[:i] + junk + body[i + (1 if junk else 0):]
+    fast, slow = TokenBodies(True), TokenBodies(False)
+    for typ in (ScoreRequest, QueryRequest):
+        assert _judged(fast, body, typ) == _judged(slow, body, typ), body

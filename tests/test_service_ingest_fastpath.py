@@ -4,6 +4,7 @@ them is intact), and the per-poll metric tally adds up to exactly what per-batch
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import zmq
 from hypothesis import given, settings
@@ -154,3 +155,49 @@ def test_service_counts_every_batch_and_block_through_the_fast_path() -> None:
     finally:
         pub.close()
         svc.stop(final_snapshot=False)
+
+
+def test_a_stray_copy_is_not_a_restart_and_a_restart_still_is() -> None:
+    """A seq that went back with the payload already delivered at that seq is a stray copy (dropped,
+    counted as a duplicate: no clear, no replay); a different payload at a passed seq is a restart
+    (docs/service.md, "Replays")."""
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUB)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    sub = Subscriber(ctx)
+    try:
+        sub.add("w", f"tcp://127.0.0.1:{port}")
+        got: list = []
+
+        def send(seq: int, tag: str = "p") -> None:  # a real publisher's payloads carry their ts
+            raw.send_multipart([b"", seq.to_bytes(8, "big"), f"{tag}{seq}".encode()])
+
+        def joined() -> bool:
+            send(0)
+            got.extend(sub.poll(10))
+            return bool(got)
+        wait_until(joined, timeout=10)
+        got.clear()
+        for seq in (1, 2, 3, 2, 4, 1, 3, 5):  # a duplicate, then two late copies in a row
+            send(seq)
+
+        def upto(seq: int) -> Any:
+            def ok() -> bool:
+                got.extend(sub.poll(10))
+                return any(isinstance(d, Batch) and d.seq == seq and not d.replayed for d in got)
+            return ok
+        wait_until(upto(5), timeout=10)
+        live = [d for d in got if not (isinstance(d, Batch) and d.seq == 0)]
+        assert [(type(d).__name__, getattr(d, "seq", None)) for d in live] == [("Batch", s) for s in range(1, 6)]
+        assert sub.stats.duplicates == 3 and sub.stats.restarts == 0
+        got.clear()
+        for seq in (0, 1, 2):  # the publisher restarted: without a replay endpoint, nothing is lost
+            send(seq, "r")
+        wait_until(upto(2), timeout=10)
+        assert [(type(d).__name__, getattr(d, "seq", getattr(d, "new_seq", None))) for d in got] == [
+            ("Restart", 0), ("Batch", 0), ("Batch", 1), ("Batch", 2)]
+        assert sub.stats.restarts == 1
+    finally:
+        sub.close()
+        raw.close(0)
+        ctx.term()

@@ -21,7 +21,7 @@ import httpx
 
 from conftest import free_port, wait_until
 from producer.page_hash import page_ids
-from schemas.events import BlockRemoved, BlockStored, KVEvent
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -198,6 +198,20 @@ class WorkerSim:
     def clear(self) -> None:
         self.blocks.clear()
         self.history.clear()
+
+    def snapshot(self) -> list[KVEvent]:
+        """The answer a kvatlas producer publishes to a snapshot request (a resync, docs/service.md):
+        AllBlocksCleared, then a store per (block, tier), parents before children."""
+        out: list[KVEvent] = [AllBlocksCleared()]
+        todo = sorted(h for h, b in self.blocks.items() if b.parent is None)
+        while todo:
+            h = todo.pop()
+            b = self.blocks[h]
+            for m in sorted(b.tiers):
+                out.append(BlockStored(block_hashes=[h], parent_block_hash=b.parent, token_ids=b.tokens,
+                                       block_size=self.bs, medium=m))
+            todo.extend(sorted(c for c in b.children if c in self.blocks))
+        return out
 
     def expect(self, tokens: list[int]) -> dict[str, Any]:
         ids = [h & ((1 << 64) - 1) for h in page_ids(tokens, self.bs)]

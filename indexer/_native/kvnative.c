@@ -177,6 +177,51 @@ static PyObject *u32_bytes(const uint64_t *t, Py_ssize_t n) {
 
 static inline int json_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
+/* The JSON array at q (whitespace before it skipped): its u32 tokens into o (at most cap of them).
+ * Returns the position just past ']' with *n set, or NULL when undecided (not exactly an array of
+ * plain u32 integers, or more than cap). */
+static const unsigned char *json_u32_scan(const unsigned char *q, const unsigned char *end, uint32_t *o,
+                                          Py_ssize_t cap, Py_ssize_t *nout) {
+    Py_ssize_t n = 0;
+    while (q < end && json_ws(*q)) q++;
+    if (q >= end || *q != '[') return NULL;
+    q++;
+    while (q < end && json_ws(*q)) q++;
+    if (q < end && *q == ']') { *nout = 0; return q + 1; }
+    for (;;) {
+        unsigned d;
+        if (q >= end || (d = (unsigned)*q - '0') > 9) return NULL;
+        q++;
+        if (d == 0 && q < end && (unsigned)*q - '0' <= 9) return NULL; /* leading zero */
+        uint64_t v = d;
+        /* at most 10 digits fit below 2^32; a leading 0 must stand alone */
+        const unsigned char *lim = end - q > 9 ? q + 9 : end;
+        while (q < lim && (d = (unsigned)*q - '0') <= 9) { v = v * 10 + d; q++; }
+        if (v > 0xFFFFFFFFULL || (q < end && (unsigned)*q - '0' <= 9)) return NULL; /* the typed decoder words it */
+        if (n >= cap) return NULL; /* more than max tokens */
+        o[n++] = (uint32_t)v;
+        if (q < end && *q == ',') { /* the common case first */
+            q++;
+            while (q < end && json_ws(*q)) q++;
+            continue;
+        }
+        while (q < end && json_ws(*q)) q++;
+        if (q >= end) return NULL;
+        if (*q == ']') { *nout = n; return q + 1; }
+        if (*q != ',') return NULL; /* '.', 'e', 'E' land here: a float is not a token */
+        q++;
+        while (q < end && json_ws(*q)) q++;
+    }
+}
+
+/* Exactly-sized bytes of the first n u32 of `out` (a fresh object: no in-place resize in the public API). */
+static PyObject *u32_exact(PyObject *out, Py_ssize_t n, Py_ssize_t cap) {
+    if (n == cap) return out;
+    PyObject *exact = PyBytes_FromStringAndSize(PyBytes_AS_STRING(out), n * 4);
+    Py_DECREF(out);
+    return exact;
+}
+
 static PyObject *py_json_u32_array(PyObject *self, PyObject *args) {
     PyObject *raw;
     Py_ssize_t maxn;
@@ -189,46 +234,92 @@ static PyObject *py_json_u32_array(PyObject *self, PyObject *args) {
     if (cap > maxn) cap = maxn < 0 ? 0 : maxn;
     PyObject *out = PyBytes_FromStringAndSize(NULL, cap * 4);
     if (!out) { PyBuffer_Release(&view); return NULL; }
-    uint32_t *o = (uint32_t *)PyBytes_AS_STRING(out);
-    while (q < end && json_ws(*q)) q++;
-    if (q >= end || *q != '[') goto undecided;
-    q++;
-    while (q < end && json_ws(*q)) q++;
-    if (q < end && *q == ']') { q++; goto done; }
-    for (;;) {
-        unsigned d;
-        if (q >= end || (d = (unsigned)*q - '0') > 9) goto undecided;
-        q++;
-        if (d == 0 && q < end && (unsigned)*q - '0' <= 9) goto undecided; /* leading zero */
-        uint64_t v = d;
-        /* at most 10 digits fit below 2^32; a leading 0 must stand alone */
-        const unsigned char *lim = end - q > 9 ? q + 9 : end;
-        while (q < lim && (d = (unsigned)*q - '0') <= 9) { v = v * 10 + d; q++; }
-        if (v > 0xFFFFFFFFULL || (q < end && (unsigned)*q - '0' <= 9)) goto undecided; /* the typed decoder words it */
-        if (n >= cap) goto undecided; /* more than max tokens */
-        o[n++] = (uint32_t)v;
-        if (q < end && *q == ',') { /* the common case first */
-            q++;
-            while (q < end && json_ws(*q)) q++;
-            continue;
-        }
-        while (q < end && json_ws(*q)) q++;
-        if (q >= end) goto undecided;
-        if (*q == ']') { q++; break; }
-        if (*q != ',') goto undecided; /* '.', 'e', 'E' land here: a float is not a token */
-        q++;
-        while (q < end && json_ws(*q)) q++;
-    }
-done:
-    while (q < end && json_ws(*q)) q++;
-    if (q != end) goto undecided;
+    q = json_u32_scan(q, end, (uint32_t *)PyBytes_AS_STRING(out), cap, &n);
+    if (q) while (q < end && json_ws(*q)) q++;
     PyBuffer_Release(&view);
-    if (n != cap) { /* a fresh object of the right size (public API; no in-place resize) */
-        PyObject *exact = PyBytes_FromStringAndSize(PyBytes_AS_STRING(out), n * 4);
-        Py_DECREF(out);
-        return exact;
+    if (q != end) { Py_DECREF(out); Py_RETURN_NONE; }
+    return u32_exact(out, n, cap);
+}
+
+/* Past the JSON string opening at q ('"'), or NULL if unterminated; *esc set if it holds a backslash. */
+static const unsigned char *json_skip_string(const unsigned char *q, const unsigned char *end, int *esc) {
+    *esc = 0;
+    for (q++; q < end; q++) {
+        if (*q == '"') return q + 1;
+        if (*q == '\\') { *esc = 1; q++; }
     }
-    return out;
+    return NULL;
+}
+
+/* Past the JSON value at q, judged only as far as finding its end (msgspec judges it afterwards). */
+static const unsigned char *json_skip_value(const unsigned char *q, const unsigned char *end) {
+    int esc, depth = 0;
+    if (q >= end) return NULL;
+    if (*q == '"') return json_skip_string(q, end, &esc);
+    if (*q != '[' && *q != '{') { /* a scalar: up to a delimiter */
+        while (q < end && !json_ws(*q) && *q != ',' && *q != '}' && *q != ']' && *q != '"') q++;
+        return q;
+    }
+    while (q < end) {
+        unsigned char c = *q;
+        if (c == '"') { q = json_skip_string(q, end, &esc); if (!q) return NULL; continue; }
+        if (c == '[' || c == '{') depth++;
+        else if (c == ']' || c == '}') { if (--depth == 0) return q + 1; }
+        q++;
+    }
+    return NULL;
+}
+
+/* json_body_u32(body, max_tokens) -> (u32 bytes, start, end) | None
+ * One pass over a whole JSON /score or /query body: the top-level object's "token_ids" array is parsed
+ * into u32 (as json_u32_array), and [start, end) is its span in the body. The caller decodes the body
+ * with that span replaced by [] with its typed decoder, which judges every other field: the text outside
+ * the span is unchanged, and the span held a well-formed array, so that body is valid iff this one is.
+ * None when undecided: not an object, any escaped key (it could alias "token_ids"), the key absent or
+ * repeated, or the array not plain u32s. */
+static PyObject *py_json_body_u32(PyObject *self, PyObject *args) {
+    PyObject *body;
+    Py_ssize_t maxn;
+    if (!PyArg_ParseTuple(args, "On", &body, &maxn)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    const unsigned char *base = view.buf, *q = base, *end = q + view.len, *a0 = NULL, *a1 = NULL;
+    Py_ssize_t cap = view.len / 2 + 1, n = 0;
+    if (cap > maxn) cap = maxn < 0 ? 0 : maxn;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, cap * 4);
+    if (!out) { PyBuffer_Release(&view); return NULL; }
+    while (q < end && json_ws(*q)) q++;
+    if (q >= end || *q != '{') goto undecided;
+    q++;
+    for (;;) {
+        while (q < end && json_ws(*q)) q++;
+        if (q >= end || *q != '"') goto undecided; /* incl. '}' of an empty object: token_ids is required */
+        int esc;
+        const unsigned char *k0 = q + 1, *k1 = json_skip_string(q, end, &esc);
+        if (!k1 || esc) goto undecided; /* an escaped key could alias "token_ids": the typed decoder judges */
+        int is_tokens = k1 - 1 - k0 == 9 && memcmp(k0, "token_ids", 9) == 0;
+        q = k1;
+        while (q < end && json_ws(*q)) q++;
+        if (q >= end || *q != ':') goto undecided;
+        q++;
+        while (q < end && json_ws(*q)) q++;
+        if (is_tokens) {
+            if (a0) goto undecided; /* repeated: the typed decoder says what that means */
+            a0 = q;
+            q = json_u32_scan(q, end, (uint32_t *)PyBytes_AS_STRING(out), cap, &n);
+            if (!q) goto undecided;
+            a1 = q;
+        } else if (!(q = json_skip_value(q, end))) goto undecided;
+        while (q < end && json_ws(*q)) q++;
+        if (q < end && *q == ',') { q++; continue; }
+        if (q < end && *q == '}') { q++; break; }
+        goto undecided;
+    }
+    while (q < end && json_ws(*q)) q++;
+    if (q != end || !a0) goto undecided;
+    PyBuffer_Release(&view);
+    out = u32_exact(out, n, cap);
+    return out ? Py_BuildValue("(Nnn)", out, (Py_ssize_t)(a0 - base), (Py_ssize_t)(a1 - base)) : NULL;
 undecided:
     PyBuffer_Release(&view);
     Py_DECREF(out);
@@ -1704,6 +1795,7 @@ static PyMethodDef module_methods[] = {
     {"score_rows", (PyCFunction)(void (*)(void))py_score_rows, METH_VARARGS | METH_KEYWORDS,
      "score, rank and build the result rows"},
     {"json_u32_array", py_json_u32_array, METH_VARARGS, "u32 tokens from a raw JSON int array"},
+    {"json_body_u32", py_json_body_u32, METH_VARARGS, "u32 tokens and their span from a whole JSON request body"},
     {"msgpack_u32_array", py_msgpack_u32_array, METH_VARARGS, "u32 tokens from a raw msgpack int array"},
     {"wire_tables", py_wire_tables, METH_NOARGS, "the generated wire tables this module was built with"},
     {NULL, NULL, 0, NULL},

@@ -19,10 +19,10 @@ import msgspec
 import numpy as np
 
 from indexer.core.groups import route_remove, route_store
-from indexer.core.state import NIBBLE, ModelState, PendingOrphan, WorkerState
+from indexer.core.state import ModelState, PendingOrphan, WorkerState, unset_tier
 from indexer.core.types import (
-    CLEARED_KEY, DROP_BLOCK_SIZE, DROP_NON_FULL, DROP_PARTIAL, DROP_PLACEHOLDER, MEDIUM_NAMES, REMOVE_OUTCOMES,
-    STORE_OUTCOMES, ApplyStats,
+    CLEARED_KEY, DROP_NON_FULL, DROP_PLACEHOLDER, MEDIUM_NAMES, REMOVE_OUTCOMES,
+    STORE_OUTCOMES, ApplyStats, full_block_hashes,
 )
 from indexer.hashing import CHAIN_P, MASK64, block_digest_py, block_digests, extra_digest
 from schemas.codec import DecodeError, decode_batch
@@ -206,15 +206,10 @@ def _store(m: ModelState, w: WorkerState, ev: BlockStored, digests: list[int] | 
         assert res is not None
         _count_store(stats, mname, res)
         return
-    if ev.block_size != bs:
-        stats.drop(DROP_BLOCK_SIZE, n)
-        return
-    nfull = min(n, ntok // bs)
-    if nfull < n:
-        stats.drop(DROP_PARTIAL, n - nfull)
-        hashes = hashes[:nfull]
+    hashes = full_block_hashes(ev, ntok, bs, stats)
     if not hashes:
         return  # nothing to store (an event with no full block), whatever its parent
+    nfull = len(hashes)
     parent = ev.parent_block_hash
     if parent is None:
         state = m.seed(ev.lora_name, ev.cache_salt)
@@ -262,25 +257,13 @@ def _remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplyStats) 
     bit = 1 << (sh + tier)
     removed = absent = cancelled = 0
     for h in hashes:
-        key = ext.get(h)
-        if key is None:
-            if w.pending and _cancel_pending(w, h, tier):
-                cancelled += 1
-            else:
-                absent += 1
-            continue
-        r = nodes.get(key, 0)
-        if r & bit:
-            r ^= bit
+        hit = unset_tier(nodes, ext, h, bit, sh)
+        if hit:
             removed += 1
+        elif hit is None and w.pending and _cancel_pending(w, h, tier):
+            cancelled += 1
         else:
             absent += 1
-        if not (r >> sh) & NIBBLE:
-            del ext[h]  # no tier left for this worker: its mapping goes
-        if r:
-            nodes[key] = r
-        elif key in nodes:
-            del nodes[key]
     for outcome, n in zip((*REMOVE_OUTCOMES, "pending_cancelled"), (removed, absent, cancelled)):
         stats.count("removed", mname, outcome, n)
 

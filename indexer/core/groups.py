@@ -24,9 +24,10 @@ from collections.abc import Callable
 from itertools import groupby
 from typing import TYPE_CHECKING, Any
 
+from indexer.core.state import clear_bits, move_bits, unset_tier
 from indexer.core.types import (
-    DROP_BLOCK_SIZE, DROP_PARTIAL, DROP_PLACEHOLDER, MEDIUM_NAMES, REMOVE_OUTCOMES, STORE_OUTCOMES,
-    ApplyStats, ScoreResult, TierWeights, WorkerScore,
+    DROP_PLACEHOLDER, MEDIUM_NAMES, REMOVE_OUTCOMES, STORE_OUTCOMES,
+    ApplyStats, ScoreResult, TierWeights, WorkerScore, full_block_hashes,
 )
 from indexer.hashing import CHAIN_P, MASK64, block_digest_py, extra_digest
 from schemas.events import BlockRemoved, BlockStored, is_full_attention
@@ -94,17 +95,7 @@ class Group:
         ext = self.ext.pop(slot, None)
         if not ext:
             return
-        nodes = self.nodes
-        keep = ~(NIBBLE << (4 * slot))
-        for key in set(ext.values()):
-            r = nodes.get(key)
-            if r is None:
-                continue
-            r &= keep
-            if r:
-                nodes[key] = r
-            else:
-                del nodes[key]
+        clear_bits(self.nodes, set(ext.values()), 4 * slot)
 
     def move_slot(self, old: int, new: int) -> None:
         """A worker moved from slot `old` to the free slot `new` (the model keeps slots dense)."""
@@ -112,12 +103,7 @@ class Group:
         if not ext:
             return
         self.ext[new] = ext
-        nodes = self.nodes
-        keep = ~(NIBBLE << (4 * old))
-        for key in set(ext.values()):
-            r = nodes.get(key)
-            if r is not None:
-                nodes[key] = (r & keep) | (((r >> (4 * old)) & NIBBLE) << (4 * new))
+        move_bits(self.nodes, set(ext.values()), 4 * old, 4 * new)
 
 
 class GroupTable:
@@ -204,13 +190,7 @@ def _group_store(m: ModelState, w: WorkerState, g: Group, ev: BlockStored, stats
                 return
             keys.append(key)
     else:
-        if ev.block_size != bs:
-            stats.drop(DROP_BLOCK_SIZE, n)
-            return
-        nfull = min(n, ntok // bs)
-        if nfull < n:
-            stats.drop(DROP_PARTIAL, n - nfull)
-            hashes = hashes[:nfull]
+        hashes = full_block_hashes(ev, ntok, bs, stats)
         if not hashes:
             return
         if ev.parent_block_hash is None:
@@ -278,22 +258,10 @@ def route_remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplySt
     bit = 1 << (sh + int(medium))
     removed = absent = 0
     for h in ev.block_hashes:
-        key = gext.get(h) if gext is not None else None
-        if key is None:
-            absent += 1
-            continue
-        r = nodes.get(key, 0)
-        if r & bit:
-            r ^= bit
+        if gext is not None and unset_tier(nodes, gext, h, bit, sh):
             removed += 1
         else:
             absent += 1
-        if not (r >> sh) & NIBBLE:
-            del gext[h]
-        if r:
-            nodes[key] = r
-        elif key in nodes:
-            del nodes[key]
     mname = MEDIUM_NAMES[medium]
     for outcome, c in zip(REMOVE_OUTCOMES, (removed, absent)):
         stats.count(GROUP_REMOVED, mname, outcome, c)

@@ -14,7 +14,7 @@ from itertools import groupby
 
 from indexer.core.groups import score_groups
 from indexer.core.state import ModelState
-from indexer.core.types import TIER_NAMES, ScoreResult, TierWeights, WorkerScore
+from indexer.core.types import ScoreResult, TierWeights, WorkerScore
 
 _FIRST_CHUNK = 16
 

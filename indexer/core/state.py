@@ -20,7 +20,7 @@ Layout (chosen for speed and size in pure Python):
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from indexer.core.types import DROP_RANK_COUNT, DROP_RANK_RANGE, RankLimits
@@ -43,6 +43,48 @@ class PendingOrphan:
         self.medium = medium
         self.age = 0
         self.cancelled: set | None = None
+
+
+def unset_tier(nodes: Any, ext: Any, h: Any, bit: int, sh: int) -> bool | None:
+    """Take one tier bit of one worker off the block its engine hash `h` maps to. None when `h` is
+    not mapped, else whether the bit was set. A block left with no tier for that worker loses the
+    mapping; a key left with no residency at all leaves the table (main tree and groups alike)."""
+    key = ext.get(h)
+    if key is None:
+        return None
+    r = nodes.get(key, 0)
+    hit = bool(r & bit)
+    r &= ~bit
+    if not (r >> sh) & NIBBLE:
+        del ext[h]
+    if r:
+        nodes[key] = r
+    elif key in nodes:
+        del nodes[key]
+    return hit
+
+
+def clear_bits(nodes: Any, keys: Iterable[Any], sh: int) -> None:
+    """Drop one worker's nibble (at shift `sh`) from every key in `keys`."""
+    keep = ~(NIBBLE << sh)
+    for key in keys:
+        r = nodes.get(key)
+        if r is None:
+            continue
+        r &= keep
+        if r:
+            nodes[key] = r
+        else:
+            del nodes[key]
+
+
+def move_bits(nodes: Any, keys: Iterable[Any], old: int, new: int) -> None:
+    """Move one worker's nibble from shift `old` to the free shift `new` on every key in `keys`."""
+    keep = ~(NIBBLE << old)
+    for key in keys:
+        r = nodes.get(key)
+        if r is not None:
+            nodes[key] = (r & keep) | (((r >> old) & NIBBLE) << new)
 
 
 class WorkerState:
@@ -118,17 +160,7 @@ class ModelState:
 
     def clear(self, w: WorkerState) -> int:
         """Drop every block of one worker on every tier; returns how many mappings went."""
-        nodes = self.nodes
-        keep = ~(NIBBLE << w.shift)
-        for key in set(w.ext.values()):
-            r = nodes.get(key)
-            if r is None:
-                continue
-            r &= keep
-            if r:
-                nodes[key] = r
-            else:
-                del nodes[key]
+        clear_bits(self.nodes, set(w.ext.values()), w.shift)
         if self.groups is not None:
             self.groups.clear_slot(w.slot)
         n = len(w.ext)
@@ -180,13 +212,8 @@ class ModelState:
             self._move(w, min(self.free_slots))
 
     def _move(self, w: WorkerState, slot: int) -> None:
-        nodes = self.nodes
         old, new = w.shift, 4 * slot
-        keep = ~(NIBBLE << old)
-        for key in set(w.ext.values()):
-            r = nodes.get(key)
-            if r is not None:
-                nodes[key] = (r & keep) | (((r >> old) & NIBBLE) << new)
+        move_bits(self.nodes, set(w.ext.values()), old, new)
         if self.groups is not None:
             self.groups.move_slot(w.slot, slot)
         self.free_slots.remove(slot)

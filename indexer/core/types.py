@@ -1,6 +1,8 @@
 """Result and configuration types of the index core (no logic beyond small helpers)."""
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from schemas.media import Medium
@@ -110,3 +112,20 @@ class ScoreResult(msgspec.Struct):
     query_blocks: int
     block_size: int
     workers: list[WorkerScore]
+
+
+def full_block_hashes(ev: Any, ntok: int, bs: int, stats: ApplyStats) -> list[Any]:
+    """The hashes of a self-describing store's full blocks: none when its block size is not the
+    model's, and without a trailing block its tokens do not fill (both counted). Shared by the main
+    tree and the groups (docs/hybrid.md)."""
+    hashes = ev.block_hashes
+    n = len(hashes)
+    if ev.block_size != bs:
+        stats.drop(DROP_BLOCK_SIZE, n)
+        return []
+    nfull = min(n, ntok // bs)
+    if nfull < n:
+        stats.drop(DROP_PARTIAL, n - nfull)
+        return hashes[:nfull]
+    return hashes
+

@@ -6,7 +6,6 @@ Pure functions over plain data (docs/end-to-end.md, "The trace"). No I/O beyond 
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path

@@ -1,0 +1,95 @@
+"""Embedded mode: a Python router subscribes to its workers' KV event streams and scores queries in
+its own process — no HTTP, no second service (docs/service.md, "Embedded mode").
+
+    from router_api.embedded import EmbeddedIndexer
+
+    with EmbeddedIndexer(workers=[{"worker_id": "w0", "endpoint": "tcp://10.0.0.5:5557",
+                                   "replay_endpoint": "tcp://10.0.0.5:5558"}], block_size=16) as idx:
+        res = idx.score(token_ids)          # schemas.api.ScoreResponse, best worker first
+        target = res.best                   # BestWorker(worker_id, dp_rank) or None
+
+It is the `kvatlas indexer` service minus the HTTP app: the same `IndexerService` (ingest thread,
+reconciliation policy, registry, liveness, metrics, optional snapshots), so an embedded index and
+a served one apply the same stream to the same state. It lives in `router_api` because it reuses
+that service; importing it loads neither FastAPI nor uvicorn.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import msgspec
+
+from router_api.service import IndexerService, ServiceConfig
+from schemas.api import QueryResponse, RegisterWorker, ScoreResponse, WorkersResponse, WorkerStatus
+
+WorkerSpec = RegisterWorker | Mapping[str, Any]
+
+
+class EmbeddedIndexer:
+    """The indexer inside the caller's process. `workers`: registrations (RegisterWorker or dicts of
+    its fields; `model` / `block_size` default to this indexer's); `**config`: any further
+    `ServiceConfig` keyword (e.g. `stale_after_s`, `tier_weights`, `snapshot_target`).
+    `start()` subscribes (returns self), `close()` stops the ingest thread; `score` / `query` may be
+    called from any thread, before `start()` too (they then see an empty index)."""
+
+    __slots__ = ("service", "model", "_closed")
+
+    def __init__(self, workers: Iterable[WorkerSpec] = (), *, block_size: int = 16, model: str = "default",
+                 **config: Any) -> None:
+        regs = [self._reg(w, model, block_size) for w in workers]
+        self.model = model
+        self.service = IndexerService(ServiceConfig(model=model, block_size=block_size, static_workers=regs,
+                                                    **config))
+        self.service.index.ensure_model(model, block_size)  # scoring before start() sees an empty index
+        self._closed = False
+
+    @staticmethod
+    def _reg(spec: WorkerSpec, model: str, block_size: int) -> RegisterWorker:
+        if isinstance(spec, RegisterWorker):
+            return spec
+        fields = {"model": model, "block_size": block_size, **spec}
+        try:
+            return msgspec.convert(fields, RegisterWorker)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"bad worker registration {dict(spec)!r}: {exc}") from None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "EmbeddedIndexer":
+        self.service.start()
+        return self
+
+    def close(self, final_snapshot: bool = True) -> None:
+        """Stop ingestion (idempotent); with a snapshot target, write a last snapshot first."""
+        if not self._closed:
+            self._closed = True
+            self.service.stop(final_snapshot=final_snapshot)
+
+    def __enter__(self) -> "EmbeddedIndexer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- queries -----------------------------------------------------------------------------
+    def score(self, token_ids: Sequence[int] | Any, *, model: str | None = None, lora_name: str | None = None,
+              cache_salt: str | None = None) -> ScoreResponse:
+        """Every registered worker's prefix match, best first: exactly the body `POST /score`
+        answers. `token_ids`: a list of ints or an integer numpy array (a u32 array is the fastest).
+        Raises `router_api.service.UnknownModel` for a model no worker is registered for."""
+        return self.service.score(model or self.model, token_ids, lora_name, cache_salt)
+
+    def query(self, token_ids: Sequence[int] | Any, *, model: str | None = None, lora_name: str | None = None,
+              cache_salt: str | None = None) -> QueryResponse:
+        """The Dynamo / Mooncake-RFC shape `POST /query` answers (matched tokens per worker)."""
+        return self.service.query_compat(model or self.model, token_ids, lora_name, cache_salt)
+
+    # -- membership --------------------------------------------------------------------------
+    def add_worker(self, worker: WorkerSpec) -> WorkerStatus:
+        """Register and subscribe (like `POST /workers`); `RegistryError` subclasses on refusal."""
+        return self.service.register(self._reg(worker, self.model, self.service.config.block_size))
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.service.unregister(worker_id)
+
+    def workers(self) -> WorkersResponse:
+        return self.service.workers()
