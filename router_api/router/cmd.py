@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -131,8 +132,11 @@ async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[An
             if args.report:
                 rep = RouterReport(policy=args.policy, replica=args.replica_index, replicas=args.replicas,
                                    records=sorted(records, key=lambda r: r.index))
-                with open(args.report, "wb") as f:
+                # temp + rename: a reader (a script, the compose test) never sees a half-written report
+                tmp = f"{args.report}.tmp"
+                with open(tmp, "wb") as f:
                     f.write(msgspec.json.encode(rep))
+                os.replace(tmp, args.report)
             if args.exit_after_replay or serve_task is None:
                 return 0
         if serve_task is not None:
