@@ -28,12 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
         sp.set_defaults(_module=module_name)
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:  # a missing optional extra must not break other subcommands
+        try:  # a missing optional dependency must not break the other subcommands
+            importlib.import_module(module_name).add_arguments(sp)
+        except ImportError as exc:
             sp.set_defaults(_import_error=exc)
-            continue
-        module.add_arguments(sp)
     return parser
 
 
