@@ -63,9 +63,8 @@ __all__ = [
 ]
 
 
-def _hybrid(m: ModelState) -> bool:
-    """A model with more groups than its main tree scores usable prefixes on the pure core."""
-    return m.groups is not None and m.groups.hybrid
+# Token containers the native score reads itself; anything else is hashed by the pure path.
+_SEQ_TYPES = (list, tuple, np.ndarray)
 
 
 class KVIndex:
@@ -220,11 +219,13 @@ class KVIndex:
         workers: Iterable[tuple[str, int]] | None = None,
         extra_keys: Sequence[Any] | None = None,
     ) -> ScoreResult:
-        """Score a token sequence. `extra_keys`: per full block, that block's vLLM extra keys or None."""
+        """Score a token sequence. `extra_keys`: per full block, that block's vLLM extra keys or None.
+        A model with more groups than its main tree (hybrid) scores usable prefixes on the pure core."""
         m = self._model(model)
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
         wl = list(workers) if workers is not None else None
-        if self._accel is not None and extras is None and type(token_ids) in (list, tuple, np.ndarray) and not _hybrid(m):
+        native = self._accel is not None and (m.groups is None or not m.groups.hybrid)
+        if native and extras is None and type(token_ids) in _SEQ_TYPES:
             res = self._accel.score(m, None, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
             if res is not None:
                 return res
@@ -235,7 +236,7 @@ class KVIndex:
         """Score pre-hashed blocks (keys from `indexer.hashing.query_keys`)."""
         m = self._model(model)
         wl = list(workers) if workers is not None else None
-        if self._accel is not None and type(keys) is list and not _hybrid(m):
+        if self._accel is not None and type(keys) is list and (m.groups is None or not m.groups.hybrid):
             res = self._accel.score(m, keys, None, 0, self.weights, wl)
             if res is not None:
                 return res

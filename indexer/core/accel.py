@@ -37,18 +37,35 @@ class Accelerator:
         registered). With `rank_from_batch` the walk reads the batch's rank before touching anything:
         the maps passed are those of `rank` (the default), and a batch naming another rank is retried
         once with that rank's maps, if `limits` admit that rank."""
-        default = rank
-        for _ in range(2 if rank_from_batch else 1):
+        apply_msgpack = self.mod.apply_msgpack
+        known = m.known_ext if m.trust else None
+        if not rank_from_batch:  # the common case: one C call, nothing to compare afterwards
             w = m.by_id.get((worker_id, rank))
             if w is not None and w.pending:
                 return None  # orphans wait on this worker: only the pure core resolves them
             fresh = w is None
             if fresh:
                 w = m.worker(worker_id, rank)
-            res = self.mod.apply_msgpack(
-                payload, ext=w.ext, nodes=m.nodes, known=m.known_ext if m.trust else None, shift=w.shift,
-                block_size=m.block_size, seed=m.seed0, known_limit=KNOWN_EXT_LIMIT,
-                want_rank=rank if rank_from_batch else None, default_rank=default,
+            # positional: keyword parsing costs more than the walk of a small batch (docs/index-core.md)
+            res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT)
+            if res is None:
+                if fresh:
+                    m.remove(w)  # a payload the C walk does not take must not register its worker
+                return None
+            stats = ApplyStats(res[1], res[2])
+            if res[0] >= 0:
+                self._apply_rest(m, w, payload, res[0], grace, stats)
+            return stats
+        default = rank
+        for _ in range(2):
+            w = m.by_id.get((worker_id, rank))
+            if w is not None and w.pending:
+                return None  # orphans wait on this worker: only the pure core resolves them
+            fresh = w is None
+            if fresh:
+                w = m.worker(worker_id, rank)
+            res = apply_msgpack(
+                payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT, rank, default,
             )
             if res is None:
                 if fresh:
@@ -56,7 +73,7 @@ class Accelerator:
                 return None
             stop, counts, drops, ts, got, n = res
             ts = finite_ts(ts)
-            if rank_from_batch and (got != rank or not n):
+            if got != rank or not n:
                 if fresh:
                     m.remove(w)  # nothing applied: a worker only the rank guess created goes again
                 refused = m.refuses(worker_id, got, default, limits)
@@ -66,9 +83,7 @@ class Accelerator:
                     return ApplyStats(dp_rank=got, ts=ts)  # a heartbeat
                 rank = got
                 continue
-            stats = ApplyStats(counts, drops)
-            if rank_from_batch:
-                stats.dp_rank, stats.ts, stats.n_events = got, ts, n
+            stats = ApplyStats(counts, drops, dp_rank=got, ts=ts, n_events=n)
             if stop >= 0:
                 self._apply_rest(m, w, payload, stop, grace, stats)
             return stats
@@ -101,9 +116,9 @@ class Accelerator:
                 key=lambda w: (w.worker_id, w.dp_rank),
             )
             slots, wids, ranks = [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
+        # positional, like apply_msgpack: keyword parsing is a large share of a short query's cost
         res = self.mod.score_rows(
-            m.nodes, keys=keys, tokens=tokens, seed=seed, block_size=m.block_size, slots=slots, worker_ids=wids,
-            ranks=ranks, weights=weights.as_tuple(), row_type=WorkerScore, tier_names=TIER_NAMES,
+            m.nodes, keys, tokens, seed, m.block_size, slots, wids, ranks, weights.as_tuple(), WorkerScore, TIER_NAMES,
         )
         if res is None:
             return None
