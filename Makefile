@@ -33,10 +33,10 @@ clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
 # ASan + UBSan build of the C accelerator, in its own directory (the in-tree build is untouched),
-# running the fuzz and differential tests in their short mode (docs/index-core.md).
+# running the fuzz and differential tests in their short mode, and the HTTP body parsers (docs/index-core.md).
 SAN_SO    := build/sanitize/_kvnative.so
 SAN_TESTS := tests/test_fuzz_native.py tests/test_index_fastpath.py tests/test_index_native.py \
-             tests/test_index_conformance.py tests/test_native_built.py
+             tests/test_index_conformance.py tests/test_native_built.py tests/test_service_bodies.py
 
 .PHONY: test-sanitize
 test-sanitize: $(STAMP)
