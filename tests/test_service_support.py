@@ -203,7 +203,7 @@ class WorkerSim:
         """The answer a kvatlas producer publishes to a snapshot request (a resync, docs/service.md):
         AllBlocksCleared, then a store per (block, tier), parents before children."""
         out: list[KVEvent] = [AllBlocksCleared()]
-        todo = sorted(h for h, b in self.blocks.items() if b.parent is None)
+        todo = sorted(h for h, b in self.blocks.items() if b.parent is None or b.parent not in self.blocks)
         while todo:
             h = todo.pop()
             b = self.blocks[h]

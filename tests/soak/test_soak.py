@@ -21,7 +21,6 @@ import zmq
 
 from conftest import REDIS_BIN, RedisServer, free_port, wait_until
 from producer.publisher import ZmqEventPublisher
-from schemas.events import AllBlocksCleared, BlockStored, KVEvent
 from test_service_hardening import _HostilePublisher
 from test_service_support import KVIndexerProcess, WorkerSim, make_prompts
 
@@ -92,21 +91,6 @@ class LossyRelay:
             s.close(0)
             p.close(0)
         self.ctx.term()
-
-
-def snapshot_events(sim: WorkerSim) -> list[KVEvent]:
-    """What a kvatlas producer publishes when asked for a snapshot (docs/service.md, "Resync"):
-    AllBlocksCleared, then every block it holds, parents first, once per tier."""
-    out: list[KVEvent] = [AllBlocksCleared()]
-    todo = [h for h, b in sim.blocks.items() if b.parent is None or b.parent not in sim.blocks]
-    while todo:
-        h = todo.pop()
-        b = sim.blocks[h]
-        for tier in sorted(b.tiers):
-            out.append(BlockStored(block_hashes=[h], parent_block_hash=b.parent, token_ids=b.tokens,
-                                   block_size=sim.bs, medium=tier))
-        todo.extend(sorted(c for c in b.children if c in sim.blocks))
-    return out
 
 
 def _redis(port: int, tmp: Path) -> RedisServer:
@@ -185,7 +169,7 @@ def test_soak(tmp_path: Path) -> None:
             frac = 1 - (t_end - time.monotonic()) / SOAK_S
             for w in sorted(alive):
                 # A resync (a gap the replay could not fill) asks for the state in-stream.
-                evs = snapshot_events(sims[w]) if pubs[w].snapshot_requested() else sims[w].step()
+                evs = sims[w].snapshot() if pubs[w].snapshot_requested() else sims[w].step()
                 pubs[w].publish(evs)
                 events_sent += len(evs)
                 _answer_resync(pubs[w], sims[w])
