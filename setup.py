@@ -14,6 +14,15 @@ setup(
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter", "-Wconversion", "-Wno-sign-conversion"],
             optional=True,
         ),
+        # The live subscriber's receive loop over libzmq's message API (resolved at run time from
+        # the libzmq pyzmq loaded: nothing to link); optional, indexer/zmqdrain.py falls back to pyzmq.
+        Extension(
+            "indexer._native._zmqdrain",
+            sources=["indexer/_native/zmqdrain.c"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter"],
+            libraries=["dl"],
+            optional=True,
+        ),
         # Producer page-hash chains (SHA-256 written from FIPS 180-4: no libssl needed); optional
         # like the one above, producer/page_hash.py falls back to hashlib (docs/producer-events.md).
         Extension(

@@ -87,12 +87,18 @@ class SeqTracker:
 
     def remember(self, seq: int, payload: bytes) -> None:
         """Note the payload delivered at `seq`, so a stale copy of it can be told from a restart."""
+        seqs, fps = self.rings()
+        i = seq % FP_WINDOW
+        seqs[i] = seq
+        fps[i] = fingerprint(payload)
+
+    def rings(self) -> tuple[array, array]:
+        """The fingerprint rings `(seqs, fingerprints)`, indexed by seq % FP_WINDOW, for a caller
+        that records deliveries itself (the C receive loop writes `fingerprint` into them)."""
         if self._fp is None:
             self._fp_seq = array("q", [-1]) * FP_WINDOW
             self._fp = array("q", [0]) * FP_WINDOW
-        i = seq % FP_WINDOW
-        self._fp_seq[i] = seq  # type: ignore[index]
-        self._fp[i] = fingerprint(payload)
+        return self._fp_seq, self._fp  # type: ignore[return-value]
 
     def stale_copy(self, seq: int, payload: bytes) -> bool:
         """True when a live `seq` that would read as a RESTART is a copy of the payload already

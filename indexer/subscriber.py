@@ -5,6 +5,8 @@
 - `Gap`     announced *before* the batches that follow it; `recovered=False` means some batches
             are lost and the consumer must resync the worker (clear it, rebuild from what follows),
 - `Restart` the publisher started over at seq 0: clear the worker, then apply what follows.
+- `Run`     (only with `runs=True`) consecutive in-order live batches of one worker, received in
+            one C call (`indexer.zmqdrain`); exactly the Batches `first_seq`, `first_seq + 1`, ...
 
 Sequencing decisions are made by `indexer.sequencing` (pure); this module does the I/O.
 Replays never block other publishers (docs/service.md, "Replays"): a gap starts a replay that is
@@ -28,6 +30,7 @@ import msgspec
 import zmq
 
 from indexer.sequencing import DeliverStep, GapStep, SeqTracker, on_live
+from indexer.zmqdrain import recv_run as _recv_run
 from schemas.codec import DEFAULT_MAX_PAYLOAD
 from schemas.frames import END_SEQ, SEQ_BYTES, SNAPSHOT_REQUEST, seq_bytes, seq_of
 
@@ -44,6 +47,18 @@ class Batch(msgspec.Struct, frozen=True):
     replayed: bool = False
 
 
+class Run(msgspec.Struct, frozen=True):
+    """Live batches `first_seq`, `first_seq + 1`, ... of one worker, in order, none replayed."""
+    worker_id: str
+    first_seq: int
+    payloads: list[bytes]
+    recv_ts: float
+
+    @property
+    def last_seq(self) -> int:
+        return self.first_seq + len(self.payloads) - 1
+
+
 class Gap(msgspec.Struct, frozen=True):
     worker_id: str
     first: int
@@ -57,7 +72,7 @@ class Restart(msgspec.Struct, frozen=True):
     new_seq: int
 
 
-Delivery = Union[Batch, Gap, Restart]
+Delivery = Union[Batch, Run, Gap, Restart]
 
 
 class SubscriberStats(msgspec.Struct):
@@ -99,7 +114,7 @@ class _Replay:
 
 
 class _Source:
-    __slots__ = ("worker_id", "endpoint", "replay_endpoint", "topic", "sock", "tracker", "replay", "last_rx")
+    __slots__ = ("worker_id", "endpoint", "replay_endpoint", "topic", "sock", "addr", "tracker", "replay", "last_rx")
 
     def __init__(self, worker_id: str, endpoint: str, replay_endpoint: str | None, topic: bytes,
                  sock: zmq.Socket, tracker: SeqTracker) -> None:
@@ -108,6 +123,7 @@ class _Source:
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.sock = sock
+        self.addr = int(sock.underlying)  # libzmq's socket, for the C receive loop
         self.tracker = tracker
         self.replay: _Replay | None = None
         self.last_rx = time.monotonic()  # last time anything arrived (or the last reconnect)
@@ -135,7 +151,7 @@ class Subscriber:
     __slots__ = ("_ctx", "_own_ctx", "_sources", "_by_sock", "_by_replay", "_poller", "replay_timeout",
                  "replay_deadline", "replay_max_bytes", "replay_max_batches", "max_msg_bytes",
                  "reconnect_after", "_next_reconnect_check", "_drop_live", "_max_per_poll", "_rcvhwm", "stats", "_closed",
-                 "_turn")
+                 "_turn", "_runs", "_recv_run")
 
     def __init__(
         self,
@@ -151,6 +167,8 @@ class Subscriber:
         max_msg_bytes: int = DEFAULT_MAX_PAYLOAD,
         max_sockets: int | None = None,
         reconnect_after: float = 5.0,
+        runs: bool = False,
+        native_recv: bool | None = None,
     ) -> None:
         """`replay_timeout`: seconds of silence on the replay socket before giving up;
         `replay_deadline`: seconds a whole replay may take (default 5 x replay_timeout, at least
@@ -161,7 +179,10 @@ class Subscriber:
         `reconnect_after`: a publisher silent this long is reconnected — ZeroMQ ends a session
         on a protocol error such as an oversize message and does not reconnect it by itself.
         `drop_live(worker_id, seq)`: test hook — live batches it returns True for are discarded as
-        if lost on the wire (counted in `stats.dropped_by_hook`)."""
+        if lost on the wire (counted in `stats.dropped_by_hook`).
+        `runs`: deliver in-order live batches received together as one `Run` instead of Batches.
+        `native_recv`: the C receive loop (None: when available; False: pyzmq frame by frame;
+        True: required). Deliveries are the same either way."""
         if replay_timeout <= 0 or max_msg_bytes < 1 or replay_max_bytes < 1 or replay_max_batches < 1:
             raise ValueError("replay_timeout, max_msg_bytes and the replay caps must be positive")
         self._own_ctx = ctx is None
@@ -186,6 +207,12 @@ class Subscriber:
         self.stats = SubscriberStats()
         self._closed = False
         self._turn = 0  # rotates which ready socket is drained first (no publisher starves the rest)
+        self._runs = runs
+        if native_recv and _recv_run is None:
+            from indexer.zmqdrain import unavailable_reason
+            raise RuntimeError(f"the C receive loop is not available: {unavailable_reason}")
+        # The test hook sees every message, so it takes the frame-by-frame path.
+        self._recv_run = None if native_recv is False or drop_live is not None else _recv_run
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -341,58 +368,100 @@ class Subscriber:
     def _drain(self, src: _Source, limit: int, out: list[Delivery]) -> int:
         """Receive up to `limit` ready messages of one socket; returns how many were taken.
 
+        While the stream is caught up, runs of in-order messages are received by the C loop
+        (`indexer.zmqdrain.recv_run`) in one call; the message that ends a run (another seq, bad
+        frames) is judged here. Otherwise, and without the C loop, messages are taken one by one."""
+        tracker = src.tracker
+        fast = self._recv_run
+        n = 0
+        while n < limit:
+            last = tracker.last
+            if fast is not None and last is not None and tracker.live_last == last:
+                got, payloads, odd = fast(src.addr, limit - n, last + 1, *tracker.rings())
+                n += got
+                if payloads:
+                    tracker.last = tracker.live_last = last + len(payloads)
+                    self._deliver_run(src, last + 1, payloads, out)
+                if odd is None:
+                    break  # nothing more ready, or the limit
+                kind, value, payload = odd
+                if kind == 0:
+                    if self._on_live(src, value, payload, out):
+                        break  # a replay started: this publisher's live stream is parked until it ends
+                elif kind == 1:
+                    self._bad_frame("frame_count", f"live message from {src.worker_id!r}: {value} frame"
+                                    + ("" if value == 1 else "s"))
+                else:
+                    self._bad_frame("seq_frame_size", f"live message from {src.worker_id!r}: seq frame of {value} bytes")
+                continue
+            taken = self._take_one(src, out)
+            if not taken:
+                break
+            n += 1
+            if taken == 2:
+                break  # a replay started
+        if n:
+            src.last_rx = time.monotonic()
+        self.stats.received += n
+        return n
+
+    def _deliver_run(self, src: _Source, first: int, payloads: list[bytes], out: list[Delivery]) -> None:
+        now = time.time()
+        if self._runs:
+            out.append(Run(src.worker_id, first, payloads, now))
+        else:
+            wid = src.worker_id
+            out.extend(Batch(wid, first + k, p, now, False) for k, p in enumerate(payloads))
+
+    def _take_one(self, src: _Source, out: list[Delivery]) -> int:
+        """One message through pyzmq: 0 nothing ready, 1 taken, 2 taken and a replay started.
+
         Frames are received one by one without copying so that each frame's `more` flag is read
         from the frame itself: `recv_multipart` asks the socket for RCVMORE after every frame, a
         syscall-backed getsockopt that costs more than the receive (measured ~2x per message).
         The common case (next seq on a caught-up stream) is delivered here with no other work;
         everything else goes through `indexer.sequencing.on_live`."""
         recv = src.sock.recv
-        tracker = src.tracker
         wid = src.worker_id
+        try:
+            f0 = recv(_NOBLOCK, copy=False)
+        except zmq.Again:
+            return 0
+        # The frames of one message arrive together, so the later recvs cannot hit Again.
+        if not f0.more:
+            self._bad_frame("frame_count", f"live message from {wid!r}: 1 frame")
+            return 1
+        f1 = recv(_NOBLOCK, copy=False)
+        if not f1.more:
+            self._bad_frame("frame_count", f"live message from {wid!r}: 2 frames")
+            return 1
+        f2 = recv(_NOBLOCK, copy=False)
+        if f2.more:
+            extra = 0
+            while f2.more:  # skip to the end of the oversized message
+                f2 = recv(_NOBLOCK, copy=False)
+                extra += 1
+            self._bad_frame("frame_count", f"live message from {wid!r}: {3 + extra} frames")
+            return 1
+        seq_b = f1.bytes
+        if len(seq_b) != SEQ_BYTES:
+            self._bad_frame("seq_frame_size", f"live message from {wid!r}: seq frame of {len(seq_b)} bytes")
+            return 1
+        seq = seq_of(seq_b)
         drop = self._drop_live
-        clock = time.time
-        append = out.append
-        n = 0
-        while n < limit:
-            try:
-                f0 = recv(_NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            n += 1
-            # The frames of one message arrive together, so the later recvs cannot hit Again.
-            if not f0.more:
-                self._bad_frame("frame_count", f"live message from {wid!r}: 1 frame")
-                continue
-            f1 = recv(_NOBLOCK, copy=False)
-            if not f1.more:
-                self._bad_frame("frame_count", f"live message from {wid!r}: 2 frames")
-                continue
-            f2 = recv(_NOBLOCK, copy=False)
-            if f2.more:
-                extra = 0
-                while f2.more:  # skip to the end of the oversized message
-                    f2 = recv(_NOBLOCK, copy=False)
-                    extra += 1
-                self._bad_frame("frame_count", f"live message from {wid!r}: {3 + extra} frames")
-                continue
-            seq_b = f1.bytes
-            if len(seq_b) != SEQ_BYTES:
-                self._bad_frame("seq_frame_size", f"live message from {wid!r}: seq frame of {len(seq_b)} bytes")
-                continue
-            seq = seq_of(seq_b)
-            if drop is not None and drop(wid, seq):
-                self.stats.dropped_by_hook += 1
-                continue
-            if tracker.take_next(seq):
-                payload = f2.bytes
-                tracker.remember(seq, payload)
-                append(Batch(wid, seq, payload, clock(), False))
-            elif self._on_live(src, seq, f2.bytes, out):
-                break  # a replay started: this publisher's live stream is parked until it ends
-        if n:
-            src.last_rx = time.monotonic()
-        self.stats.received += n
-        return n
+        if drop is not None and drop(wid, seq):
+            self.stats.dropped_by_hook += 1
+            return 1
+        tracker = src.tracker
+        if tracker.take_next(seq):
+            payload = f2.bytes
+            tracker.remember(seq, payload)
+            if self._runs:
+                out.append(Run(wid, seq, [payload], time.time()))
+            else:
+                out.append(Batch(wid, seq, payload, time.time(), False))
+            return 1
+        return 2 if self._on_live(src, seq, f2.bytes, out) else 1
 
     def _reconnect_silent(self, now: float) -> None:
         for src in self._sources.values():
