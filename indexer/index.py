@@ -151,6 +151,23 @@ class KVIndex:
         batch = decode_or_drop(payload, stats)
         return stats if batch is None else self.apply(model, worker_id, rank, batch)
 
+    def apply_run(
+        self, model: str, worker_id: str, rank: int, default_rank: int, payloads: list[bytes],
+    ) -> tuple[int, ApplyStats, ApplyStats | None]:
+        """Consecutive batches of one worker, as `apply_payload(..., rank_from_batch=True)` with
+        `default_rank` would apply them one by one, in one call where it can: returns `(k, stats,
+        extra)` — payloads[:k] were applied whole, all of rank `rank`, none a heartbeat, none with
+        expired orphans, and `stats` sums their counts, drops and events (`ts`: the last finite ts > 0,
+        else 0.0). `extra` is not None when payloads[k] was applied too (it met an orphan): its own stats,
+        as apply_payload returns them. The caller applies the batch after the run one by one. k may
+        be 0 (the pure core, a hybrid model, a worker not yet known or with orphans pending)."""
+        m = self._models.get(model) or self._model(model)
+        if self._accel is None or m.groups is not None:
+            return 0, ApplyStats(), None
+        return self._accel.apply_run(
+            m, worker_id, int(rank), int(default_rank), payloads, self.orphan_grace_batches, DEFAULT_MAX_PAYLOAD,
+        )
+
     def _apply_headed(self, m: ModelState, worker_id: str, default: int, payload: bytes) -> ApplyStats:
         """`rank_from_batch` on the pure path: the head read first (rank, ts, heartbeat), then the
         batch decoded and applied; a payload whose head does not read is judged by the full decoder."""

@@ -43,6 +43,13 @@ class Index(Protocol):
         self, model: str, worker_id: str, dp_rank: int, payload: bytes, *, rank_from_batch: bool = False,
     ) -> ApplyStats: ...
 
+    def apply_run(
+        self, model: str, worker_id: str, rank: int, default_rank: int, payloads: list[bytes],
+    ) -> tuple[int, ApplyStats, ApplyStats | None]:
+        """Apply a prefix of consecutive raw batches in one call (see `KVIndex.apply_run`); an index
+        without a run path returns `(0, ApplyStats(), None)` and the caller goes one by one."""
+        ...
+
     # workers
     def register_worker(self, model: str, worker_id: str, dp_rank: int = 0) -> None: ...
 

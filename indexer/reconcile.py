@@ -152,6 +152,19 @@ def on_batch(s: StreamState, seq: int, now: float, policy: LivenessPolicy, heart
     return ORPHANS_LOST
 
 
+def on_run(s: StreamState, last_seq: int, n: int, now: float, cleared: bool) -> Decision:
+    """`n` consecutive batches up to `last_seq` were applied, none a heartbeat, none with expired
+    orphans (`cleared`: one of them held an AllBlocksCleared): the same state as `n` calls of
+    `on_batch`, in one step (the live ingest applies in-order runs at once)."""
+    if cleared:
+        s.clean = True
+        s.resync_until = None
+    s.last_seq = last_seq
+    s.last_msg_at = now
+    s.batches += n
+    return NOTHING
+
+
 def on_gap(s: StreamState, first: int, last: int, now: float, policy: LivenessPolicy, *,
            recovered: bool) -> Decision:
     """Seqs first..last were missing; `recovered`: a replay filled all of them (delivered next)."""

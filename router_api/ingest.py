@@ -13,6 +13,13 @@ which reads the batch's dp_rank and ts in the same C walk that hashes token ids 
 bytes and applies them; odd payloads (array-form events, bad bytes) take the index's general paths,
 which read the head in Python or use the full decoder (and give the exact error label).
 
+Runs: the subscriber hands in-order live batches received together over as one `Run`; they are
+applied by `Index.apply_run` in one C call under one hold of the lock (bounded by the subscriber's
+per-socket chunk, 1024 batches) and reported to the policy by `reconcile.on_run`. A batch the run
+does not cover (a heartbeat, another rank, an orphan, odd bytes) goes the one-by-one way above,
+and the run resumes after it; the outcome is the same as applying every batch alone
+(tests/test_ingest_runs.py).
+
 Resync: when the policy resyncs a worker its publisher is asked for a snapshot if the subscriber
 can (`request_snapshot`): a kvatlas producer answers in-stream with AllBlocksCleared + its full
 state, and that AllBlocksCleared makes the stream clean again.
@@ -183,6 +190,7 @@ class IngestLoop:
         # Returns burst buffers to the OS once ingestion goes idle (see router_api.memtrim).
         self.trimmer = trimmer if trimmer is not None else MemoryTrimmer()
         self._tally = Tally()  # this poll's metric increments, flushed once per poll
+        self._rank: dict[str, int] = {}  # per worker, the dp_rank its last batch applied to (a run's guess)
         self.applied_batches = 0  # read by /health and the dashboard
         self.deliveries = 0  # every Batch/Gap/Restart handled (snapshots skip when unchanged)
         self.last_error: str | None = None
@@ -282,6 +290,7 @@ class IngestLoop:
                              0 if cmd.last_seq is None else cmd.last_seq + 1)
                 elif cmd.kind == "remove":
                     sub.remove(cmd.worker_id)
+                    self._rank.pop(cmd.worker_id, None)
                     log.info("event=unsubscribed worker=%s", cmd.worker_id)
             except Exception as exc:
                 self.metrics.drops.inc("subscribe_error")
@@ -315,8 +324,10 @@ class IngestLoop:
     def _handle(self, d: Any) -> None:
         self.deliveries += 1
         kind = type(d).__name__
-        if kind == "Batch":
-            self._on_batch(d)
+        if kind == "Run":
+            self._on_run(d)
+        elif kind == "Batch":
+            self._on_batch(d.worker_id, d.seq, d.payload, d.replayed)
         elif kind == "Gap":
             self._on_seq_event(d, True)
         elif kind == "Restart":
@@ -331,8 +342,49 @@ class IngestLoop:
         if n <= _LOG_FIRST or n % 1000 == 0:
             log.warning("event=dropped reason=%s count=%d detail=%s", reason, n, message)
 
-    def _on_batch(self, d: Any) -> None:
+    def _on_run(self, d: Any) -> None:
+        """In-order live batches `d.first_seq`..: whole common-case stretches in one index call,
+        anything else one by one (`_on_batch`)."""
         wid = d.worker_id
+        payloads = d.payloads
+        n = len(payloads)
+        i = 0
+        tally = self._tally
+        while i < n:
+            k = 0
+            extra = None
+            now = self._clock()
+            with self.lock:  # one stretch per hold: /score waits for at most one run
+                state = self.registry.get(wid)
+                if state is None:  # removed while its messages were in flight
+                    self.metrics.drops.inc("unregistered_worker", amount=float(n - i))
+                    return
+                rank = self._rank.get(wid, state.reg.dp_rank)
+                try:
+                    k, stats, extra = self.index.apply_run(state.reg.model, wid, rank, state.reg.dp_rank,
+                                                           payloads if i == 0 else payloads[i:])
+                except Exception as exc:  # the index promises not to raise; the batch goes one by one
+                    self._count_bad("apply_error", f"worker={wid} seq={d.first_seq + i}: {exc!r}")
+                    k, extra = 0, None
+                if k:
+                    cleared = tally.add_stats(stats)[1]
+                    reconcile.on_run(state, d.first_seq + i + k - 1, k, now, cleared)
+                    state.dp_ranks.add(rank)
+                    if stats.ts > 0:
+                        lag = self._wall() - stats.ts
+                        state.lag = lag = lag if lag > 0.0 else 0.0
+                        tally.lag[(wid,)] = lag
+            if k:
+                self.applied_batches += k
+                key = (wid, "live")
+                tally.batches[key] = tally.batches.get(key, 0) + k
+                i += k
+            if i < n:  # the batch the run stopped before (or partly applied: `extra`)
+                self._on_batch(wid, d.first_seq + i, payloads[i], False, extra)
+                i += 1
+
+    def _on_batch(self, wid: str, seq: int, payload: bytes, replayed: bool, applied: Any = None) -> None:
+        """One batch; `applied`: its ApplyStats when the index already applied it (`apply_run`)."""
         now = self._clock()
         tally = self._tally
         heartbeat = False
@@ -347,11 +399,14 @@ class IngestLoop:
             model = state.reg.model
             dp_rank: int | None = None
             orphans = cleared = False
-            try:
-                stats = self.adapter.apply_payload(model, wid, state.reg.dp_rank, d.payload)
-            except Exception as exc:  # the index promises not to raise; never trust it blindly
-                self._count_bad("apply_error", f"worker={wid} seq={d.seq}: {exc!r}")
-                stats = None
+            if applied is not None:
+                stats = applied
+            else:
+                try:
+                    stats = self.adapter.apply_payload(model, wid, state.reg.dp_rank, payload)
+                except Exception as exc:  # the index promises not to raise; never trust it blindly
+                    self._count_bad("apply_error", f"worker={wid} seq={seq}: {exc!r}")
+                    stats = None
             if stats is not None:
                 bad = reconcile.whole_batch_drop(stats.drops) if stats.drops else None
                 if bad is None:
@@ -362,23 +417,24 @@ class IngestLoop:
                         heartbeat = True
                     if stats.ts > 0:
                         lag = self._wall() - stats.ts
-            decision = reconcile.on_batch(state, d.seq, now, self.registry.policy, heartbeat, cleared, orphans)
+            decision = reconcile.on_batch(state, seq, now, self.registry.policy, heartbeat, cleared, orphans)
             # What the API reports beyond the policy: the batch's rank and lag.
             if dp_rank is not None:
                 state.dp_ranks.add(dp_rank)
+                self._rank[wid] = dp_rank
             if lag is not None:
                 state.lag = lag if lag > 0.0 else 0.0
             if decision.clear:
                 self.index.clear_worker(model, wid)
         if bad is not None:
-            self._count_bad(bad, f"worker={wid} seq={d.seq}: payload does not decode")
+            self._count_bad(bad, f"worker={wid} seq={seq}: payload does not decode")
         self.applied_batches += 1
-        key = (wid, "replayed" if d.replayed else ("heartbeat" if heartbeat else "live"))
+        key = (wid, "replayed" if replayed else ("heartbeat" if heartbeat else "live"))
         tally.batches[key] = tally.batches.get(key, 0) + 1
         if lag is not None:
             tally.lag[(wid,)] = lag if lag > 0.0 else 0.0
         if decision is not reconcile.NOTHING:
-            self._carry_out(decision, wid, f"seq={d.seq}")
+            self._carry_out(decision, wid, f"seq={seq}")
 
     def _carry_out(self, decision: reconcile.Decision, wid: str, where: str) -> None:
         """The counting and asking half of a reconciliation decision (the clear ran under the lock)."""

@@ -164,7 +164,7 @@ def _default_subscriber(config: ServiceConfig) -> Callable[[], Any]:
         # Bounded per poll: fewer payloads alive at once, and commands/ticks are served between chunks.
         return Subscriber(replay_timeout=config.replay_timeout_s, max_per_poll=1024,
                           replay_deadline=config.replay_deadline_s, replay_max_bytes=config.replay_max_bytes,
-                          max_msg_bytes=config.max_msg_bytes,
+                          max_msg_bytes=config.max_msg_bytes, runs=True,
                           # a SUB per worker plus replay / snapshot-request DEALERs in flight
                           max_sockets=2 * config.max_workers + 64)
 

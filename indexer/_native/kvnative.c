@@ -1613,6 +1613,45 @@ static int add_count(PyObject *d, PyObject *key, Py_ssize_t n) {
     return r;
 }
 
+/* The parsed events of one batch applied in order; *stop = the first orphan event (nothing of it
+ * applied), else -1. 0, or -1 on error. */
+static int walk_events(FCtx *c, const FBatch *b, Py_ssize_t *stop) {
+    *stop = -1;
+    for (Py_ssize_t i = 0; i < b->nev; i++) {
+        const FEv *e = b->ev + i;
+        /* no arithmetic on NULL: an event (or a whole batch) without hashes or tokens passes NULL */
+        const HRef *hs = e->nh ? b->h + e->h0 : NULL;
+        const uint64_t *ts = e->nt ? b->t + e->t0 : NULL;
+        int r = e->type == EV_STORED ? fp_store(c, e, hs, ts)
+              : e->type == EV_REMOVED ? fp_remove(c, e, hs) : fp_clear(c);
+        if (r < 0) return -1;
+        if (r > 0) { *stop = i; break; }
+    }
+    return 0;
+}
+
+/* The counters of c as ApplyStats' counts and drops dicts (zeros left out). */
+static int tally_dicts(const FCtx *c, PyObject *counts, PyObject *drops) {
+    for (int t = 0; t < 4; t++) {
+        for (int o = 0; o < 3; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_STORED(t, o)), c->stored[t][o]) < 0) return -1;
+        for (int o = 0; o < 2; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_REMOVED(t, o)), c->removed[t][o]) < 0) return -1;
+    }
+    if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_CLEARED), c->cleared) < 0) return -1;
+    for (int d = 0; d < N_DROPS; d++) if (add_count(drops, PyTuple_GET_ITEM(DROP_KEY_OBJS, d), c->drops[d]) < 0) return -1;
+    return 0;
+}
+
+static void add_counters(FCtx *to, const FCtx *from) {
+    for (int t = 0; t < 4; t++) {
+        for (int o = 0; o < 3; o++) to->stored[t][o] += from->stored[t][o];
+        for (int o = 0; o < 2; o++) to->removed[t][o] += from->removed[t][o];
+    }
+    to->cleared += from->cleared;
+    for (int d = 0; d < N_DROPS; d++) to->drops[d] += from->drops[d];
+}
+
 /* apply_msgpack(payload, *, ext, nodes, known, shift, block_size, seed, known_limit, want_rank=None,
  *               default_rank=0) -> None | (stop, counts, drops, ts, rank, n_events)
  * One raw batch of one worker, applied straight to its maps (see the section comment above).
@@ -1670,24 +1709,7 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
     if (!cols) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
     c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
-    for (Py_ssize_t i = 0; i < b.nev; i++) {
-        const FEv *e = b.ev + i;
-        /* no arithmetic on NULL: an event (or a whole batch) without hashes or tokens passes NULL */
-        const HRef *hs = e->nh ? b.h + e->h0 : NULL;
-        const uint64_t *ts = e->nt ? b.t + e->t0 : NULL;
-        int r = e->type == EV_STORED ? fp_store(&c, e, hs, ts)
-              : e->type == EV_REMOVED ? fp_remove(&c, e, hs) : fp_clear(&c);
-        if (r < 0) goto done;
-        if (r > 0) { stop = i; break; }
-    }
-    for (int t = 0; t < 4; t++) {
-        for (int o = 0; o < 3; o++)
-            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_STORED(t, o)), c.stored[t][o]) < 0) goto done;
-        for (int o = 0; o < 2; o++)
-            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_REMOVED(t, o)), c.removed[t][o]) < 0) goto done;
-    }
-    if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_CLEARED), c.cleared) < 0) goto done;
-    for (int d = 0; d < N_DROPS; d++) if (add_count(drops, PyTuple_GET_ITEM(DROP_KEY_OBJS, d), c.drops[d]) < 0) goto done;
+    if (walk_events(&c, &b, &stop) < 0 || tally_dicts(&c, counts, drops) < 0) goto done;
 result:
     out = Py_BuildValue("(nOOdLn)", stop, counts, drops, hd.ts, rank, b.nev);
 done:
@@ -1698,6 +1720,95 @@ done:
     PyMem_Free(b.h);
     PyMem_Free(b.t);
     PyBuffer_Release(&view);
+    return out;
+}
+
+/* apply_msgpack_run(payloads, ext, nodes, known, shift, block_size, seed, known_limit, rank, default_rank,
+ *                   max_payload) -> (k, counts, drops, ts, n_events, partial)
+ * Consecutive batches of one worker (a list of raw payloads) applied in order to the maps of `rank`,
+ * each exactly as apply_msgpack(payload, ..., want_rank=rank, default_rank=default_rank) would, with
+ * their counts and drops summed. It stops before the first batch apply_msgpack would not apply
+ * whole: one outside the fast subset or above max_payload bytes, of another rank, without events (a heartbeat), with a rank
+ * Python must read; the caller takes payloads[k] the usual way. A batch whose walk stops at an
+ * orphan was partly applied: `partial` is then apply_msgpack's own (stop, counts, drops, ts, rank,
+ * n_events) for payloads[k] (the caller finishes it), else None. `ts` is the last finite ts > 0 of
+ * the k whole batches (0.0 if none): the lag the batch-by-batch path would end with. Why: one call
+ * per run instead of a call, two dicts and a tuple per batch (docs/index-core.md). */
+static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 positional arguments"); return NULL; }
+    PyObject *payloads = args[0], *knowno = args[3];
+    if (!PyList_Check(payloads)) { PyErr_SetString(PyExc_TypeError, "payloads must be a list"); return NULL; }
+    if (!PyObject_TypeCheck(args[1], &U64MapType) || !PyObject_TypeCheck(args[2], &U64MapType)
+        || (knowno != Py_None && !PyObject_TypeCheck(knowno, &U64MapType))) {
+        PyErr_SetString(PyExc_TypeError, "apply_msgpack_run: ext, nodes and known must be U64Map (known may be None)");
+        return NULL;
+    }
+    U64Map *ext = (U64Map *)args[1], *nodes = (U64Map *)args[2], *known = knowno == Py_None ? NULL : (U64Map *)knowno;
+    if (ext == nodes || (known && (known == ext || known == nodes))) {
+        PyErr_SetString(PyExc_ValueError, "apply_msgpack_run: ext, nodes and known must be distinct maps");
+        return NULL;
+    }
+    long shiftl = PyLong_AsLong(args[4]);
+    Py_ssize_t bs = PyLong_AsSsize_t(args[5]);
+    uint64_t seed = PyLong_AsUnsignedLongLongMask(args[6]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[7]);
+    long long want = PyLong_AsLongLong(args[8]), defrank = PyLong_AsLongLong(args[9]);
+    Py_ssize_t max_payload = PyLong_AsSsize_t(args[10]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *counts = PyDict_New(), *drops = PyDict_New(), *partial = NULL, *out = NULL;
+    uint64_t *cols = NULL;
+    FBatch b;
+    memset(&b, 0, sizeof(b));
+    FCtx run, c;
+    memset(&run, 0, sizeof(run));
+    double last_ts = 0.0;
+    Py_ssize_t k = 0, n = PyList_GET_SIZE(payloads), nev = 0;
+    if (!counts || !drops) goto done;
+    /* a slot position outside [0, MAX_SLOT) would shift past any word, or widen a map without bound */
+    if (bs <= 0 || shiftl < 0 || shiftl % 4 || shiftl / 4 >= MAX_SLOT || (int)shiftl != shiftl) n = 0;
+    if (n) {
+        cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
+        if (!cols) { PyErr_NoMemory(); goto done; }
+        for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
+    }
+    for (; k < n; k++) {
+        PyObject *p = PyList_GET_ITEM(payloads, k);
+        if (!PyBytes_Check(p) || PyBytes_GET_SIZE(p) > max_payload) break; /* the one-by-one path judges it */
+        b.nev = b.nh = b.nt = 0; /* the arrays are kept from batch to batch */
+        FHead hd;
+        int rc = parse_batch((const unsigned char *)PyBytes_AS_STRING(p), PyBytes_GET_SIZE(p), bs, &b, &hd);
+        if (rc < 0) goto done;
+        if (rc > 0 || hd.rank_kind == 3) break;
+        long long rank = hd.rank_kind == 1 ? (long long)hd.rank : defrank;
+        if (rank != want || b.nev == 0) break;
+        memset(&c, 0, sizeof(c));
+        c.ext = ext; c.nodes = nodes; c.known = known; c.shift = (int)shiftl; c.bs = bs; c.limit = limit;
+        c.seed = seed; c.cols = cols;
+        Py_ssize_t stop;
+        if (walk_events(&c, &b, &stop) < 0) goto done;
+        if (stop >= 0) { /* an orphan: this batch is the caller's to finish */
+            PyObject *pc = PyDict_New(), *pd = PyDict_New();
+            if (pc && pd && tally_dicts(&c, pc, pd) == 0)
+                partial = Py_BuildValue("(nOOdLn)", stop, pc, pd, hd.ts, rank, b.nev);
+            Py_XDECREF(pc);
+            Py_XDECREF(pd);
+            if (!partial) goto done;
+            break;
+        }
+        add_counters(&run, &c);
+        nev += b.nev;
+        if (isfinite(hd.ts) && hd.ts > 0) last_ts = hd.ts;
+    }
+    if (tally_dicts(&run, counts, drops) < 0) goto done;
+    out = Py_BuildValue("(nOOdnO)", k, counts, drops, last_ts, nev, partial ? partial : Py_None);
+done:
+    Py_XDECREF(counts);
+    Py_XDECREF(drops);
+    Py_XDECREF(partial);
+    PyMem_Free(cols);
+    PyMem_Free(b.ev);
+    PyMem_Free(b.h);
+    PyMem_Free(b.t);
     return out;
 }
 
@@ -1792,6 +1903,8 @@ static PyTypeObject U64MapType = {
 static PyMethodDef module_methods[] = {
     {"apply_msgpack", (PyCFunction)(void (*)(void))py_apply_msgpack, METH_VARARGS | METH_KEYWORDS,
      "apply the common case of one worker's raw batch to its maps"},
+    {"apply_msgpack_run", (PyCFunction)(void (*)(void))py_apply_msgpack_run, METH_FASTCALL,
+     "apply a run of one worker's raw batches, stopping before the first the common case does not cover"},
     {"score_rows", (PyCFunction)(void (*)(void))py_score_rows, METH_VARARGS | METH_KEYWORDS,
      "score, rank and build the result rows"},
     {"json_u32_array", py_json_u32_array, METH_VARARGS, "u32 tokens from a raw JSON int array"},

@@ -89,6 +89,26 @@ class Accelerator:
             return stats
         return None
 
+    def apply_run(
+        self, m: ModelState, worker_id: str, rank: int, default: int, payloads: list[bytes], grace: int,
+        max_payload: int,
+    ) -> tuple[int, ApplyStats, ApplyStats | None]:
+        """`KVIndex.apply_run` on the C walk: whole batches of `rank` applied in one call while they
+        are the common case; (0, empty stats, None) when the worker is unknown or has orphans."""
+        w = m.by_id.get((worker_id, rank))
+        if w is None or w.pending:
+            return 0, ApplyStats(), None
+        k, counts, drops, ts, n_events, partial = self.mod.apply_msgpack_run(
+            payloads, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size, m.seed0,
+            KNOWN_EXT_LIMIT, rank, default, max_payload,
+        )
+        extra = None
+        if partial is not None:  # payloads[k] stopped at an orphan: the pure core finishes it
+            stop, pc, pd, pts, got, n = partial
+            extra = ApplyStats(pc, pd, dp_rank=got, ts=finite_ts(pts), n_events=n)
+            self._apply_rest(m, w, payloads[k], stop, grace, extra)
+        return k, ApplyStats(counts, drops, dp_rank=rank, ts=ts, n_events=n_events), extra
+
     @staticmethod
     def narrow(m: ModelState) -> None:
         """Give back the residency words no slot uses any more (after `ModelState` compacted them)."""
