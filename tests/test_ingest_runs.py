@@ -1,0 +1,171 @@
+"""Runs: the live ingest applies in-order batches received together with one `Index.apply_run`
+call (router_api/ingest.py, `IngestLoop._on_run`). For any stream — stores on every tier, removes,
+clears, heartbeats, other dp_ranks, orphans (held, attached, expired), non-full-attention and
+partial blocks, odd bytes — cut into runs anyhow, the index, the metrics and the policy's state
+must equal those of the same batches delivered one by one."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer.subscriber import Batch, Run
+from producer.page_hash import page_ids
+from router_api.service import IndexerService, ServiceConfig
+from schemas.api import RegisterWorker
+from schemas.codec import encode_batch
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+BS = 4
+WORKERS = ("w0", "w1")
+MEDIA = ("GPU", "CPU_PINNED", "DISK", "EXTERNAL")
+
+
+def make_payloads(seed: int, n: int, odd: float) -> list[bytes]:
+    """One worker's stream: mostly chains continuing what it stored, with every odd case mixed in
+    (`odd` scales how often: rare odd cases leave long runs, frequent ones cut them short)."""
+    rng = random.Random(seed)
+    stored: list[int] = []
+    alive: list[int] = []  # stored and neither removed nor cleared since: safe parents
+    out: list[bytes] = []
+    base = 1000.0
+    for _ in range(n):
+        base += 0.5
+        ts = rng.choice([float("nan"), -1.0, 0.0]) if rng.random() < odd else base  # odd ts: no lag from those
+        kind = rng.random()
+        rank = rng.choice([None, 0, 0]) if rng.random() > odd else 1
+        if kind < 0.3 * odd:
+            out.append(rng.choice([b"", b"\xc1", b"\x92\xcb", b"\x93\x01\x90\x01\xff"]))
+            continue
+        if kind < 0.6 * odd:
+            out.append(encode_batch(KVEventBatch(ts, [], rank)))  # a heartbeat
+            continue
+        events: list[Any] = []
+        for _ in range(rng.randint(1, 3)):
+            r = rng.random()
+            if r < 0.6 or not stored:
+                toks = [rng.randrange(1, 50) for _ in range(BS * rng.randint(1, 4))]
+                parent = rng.choice(alive) if alive and rng.random() < 0.7 else None
+                if rng.random() < 0.2 * odd:
+                    parent = rng.randrange(1 << 40, 1 << 41)  # an orphan: a parent never stored
+                ids = page_ids(toks, BS)
+                if parent is not None:
+                    ids = [(i ^ parent) & ((1 << 62) - 1) for i in ids]
+                if rng.random() < 0.3 * odd:
+                    toks = toks[:-1]  # a partial trailing block
+                ev = BlockStored(ids, parent, toks, BS if rng.random() > 0.2 * odd else BS * 2, None,
+                                 rng.choice(MEDIA))
+                if rng.random() < 0.2 * odd:
+                    ev.kv_cache_spec_kind = "sliding_window"
+                events.append(ev)
+                stored += ids
+                alive += ids
+            elif r < 0.9:
+                gone = rng.sample(stored, min(len(stored), rng.randint(1, 3)))
+                events.append(BlockRemoved(gone, rng.choice(MEDIA)))
+                alive = [h for h in alive if h not in gone]
+            else:
+                events.append(AllBlocksCleared())
+                alive = []
+        out.append(encode_batch(KVEventBatch(ts, events, rank)))
+    return out
+
+
+class CountingIndex:
+    """The service's index, with the sizes of what `apply_run` was given and applied whole."""
+
+    def __init__(self, index: Any) -> None:
+        self._index = index
+        self.calls: list[tuple[int, int]] = []
+
+    def apply_run(self, *args: Any) -> Any:
+        res = self._index.apply_run(*args)
+        self.calls.append((len(args[4]), res[0]))
+        return res
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._index, name)
+
+
+def service() -> IndexerService:
+    svc = IndexerService(ServiceConfig(port=0, block_size=BS, stale_after_s=600, remove_after_s=3600))
+    svc.ingest._wall = lambda: 2000.0  # lag is wall - ts: the same clock for both sides
+    svc.ingest._clock = lambda: 50.0
+    for i, wid in enumerate(WORKERS):
+        svc.register(RegisterWorker(worker_id=wid, endpoint=f"tcp://127.0.0.1:{20000 + i}", block_size=BS))
+    return svc
+
+
+def light(svc: IndexerService) -> tuple:
+    """What the policy and the API know of each worker (cheap enough to compare after every run)."""
+    out = []
+    for wid in WORKERS:
+        s = svc.registry.get(wid)
+        out.append((s.last_seq, s.batches, s.heartbeats, s.clean, s.resync_until, s.resyncs, sorted(s.dp_ranks),
+                    s.lag, svc.ingest._tally.lag.get((wid,))))
+    return tuple(out)
+
+
+def outcome(svc: IndexerService) -> dict[str, Any]:
+    loop = svc.ingest
+    loop._tally.flush(svc.metrics)
+    state = {}
+    for wid in WORKERS:
+        s = svc.registry.get(wid)
+        state[wid] = (s.last_seq, s.batches, s.heartbeats, s.clean, s.resync_until, s.resyncs,
+                      sorted(s.dp_ranks), s.lag)
+    dump = {(w, r): sorted(map(repr, evs)) for w, r, evs in svc.index.dump("default")}
+    return {"state": state, "dump": dump, "workers": svc.index.worker_stats("default"),
+            "events": svc.metrics.events.items(), "drops": svc.metrics.drops.items(),
+            "batches": svc.metrics.batches.items(), "lag": svc.metrics.worker_lag.items(),
+            "applied": loop.applied_batches, "resyncs": svc.metrics.resyncs.items()}
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 60), odd=st.sampled_from([0.0, 0.02, 0.1, 0.3, 1.0]), cuts=st.lists(st.integers(1, 12), min_size=1, max_size=20))
+def test_runs_equal_one_by_one(seed: int, n: int, odd: float, cuts: list[int]) -> None:
+    streams = {wid: make_payloads(seed + k, n, odd) for k, wid in enumerate(WORKERS)}
+    one, runs = service(), service()
+    counting = runs.ingest.index = CountingIndex(runs.ingest.index)
+    pos = {wid: 0 for wid in WORKERS}
+    c = 0
+    while any(pos[w] < n for w in WORKERS):  # the workers' runs interleaved, cut at `cuts`
+        for wid in WORKERS:
+            if pos[wid] < n:
+                size = cuts[c % len(cuts)]
+                c += 1
+                chunk = streams[wid][pos[wid]:pos[wid] + size]
+                runs.ingest._handle(Run(wid, pos[wid], chunk, 0.0))
+                for k, p in enumerate(chunk):
+                    one.ingest._handle(Batch(wid, pos[wid] + k, p, 0.0))
+                pos[wid] += len(chunk)
+                assert light(runs) == light(one)  # equal at every run's end, not only at the last
+    assert outcome(runs) == outcome(one)
+    RUN_BATCHES.append(sum(k for _, k in counting.calls))
+
+
+RUN_BATCHES: list[int] = []
+
+
+def test_the_streams_above_took_the_run_path() -> None:
+    """The property is only worth as much as the share of batches the run path took."""
+    assert RUN_BATCHES and sum(RUN_BATCHES) > 1000, RUN_BATCHES
+
+
+def test_a_long_common_case_run_is_one_index_call() -> None:
+    svc = service()
+    toks = [i % 97 + 1 for i in range(BS * 200)]
+    ids = page_ids(toks, BS)
+    payloads = [encode_batch(KVEventBatch(1999.0, [BlockStored(ids[i:i + 2], ids[i - 1] if i else None,
+                                                              toks[i * BS:(i + 2) * BS], BS, None, "GPU")]))
+                for i in range(0, 200, 2)]
+    counting = svc.ingest.index = CountingIndex(svc.ingest.index)
+    svc.ingest._handle(Run("w0", 0, payloads, 0.0))
+    assert counting.calls == [(100, 100)]
+    assert svc.index.score("default", toks).workers[0].device_blocks == 200
+    assert svc.registry.get("w0").last_seq == 99 and svc.ingest.applied_batches == 100
+    assert svc.registry.get("w0").lag == 1.0
+
+
