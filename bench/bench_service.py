@@ -163,6 +163,7 @@ class RawPublisher:
         self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops replies past its HWM: a replay must not lose any
         self.replay_endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
         self.sent: list[bytes] = []  # payload by seq (the replay buffer)
 

@@ -247,6 +247,7 @@ class IngestLoop:
         """One turn of the loop: commands, one poll, its deliveries, the tick when due. Returns the
         next tick time. The thread calls it in a loop; bench/bench_ingest.py drives it directly."""
         self._drain_commands(sub)
+        applied0 = self.applied_batches
         try:
             deliveries = sub.poll(poll_ms)
         except Exception as exc:  # a subscriber bug must not kill ingestion silently
@@ -264,10 +265,11 @@ class IngestLoop:
             finally:
                 self._tally.flush(self.metrics)
         now = self._clock()
-        if deliveries:
-            self.trimmer.note(len(deliveries))
+        batches = self.applied_batches - applied0  # a Run delivers many
+        if batches:
+            self.trimmer.note(batches)
         # A poll that took less than it may has drained the queues: a burst's buffers are free now.
-        if len(deliveries) < getattr(sub, "max_per_poll", 1) and self.trimmer.maybe_trim(now):
+        if batches < getattr(sub, "max_per_poll", 1) and self.trimmer.maybe_trim(now):
             log.debug("event=memory_trimmed trims=%d", self.trimmer.trims)
         if now >= next_tick:
             next_tick = now + self._tick_s
