@@ -36,7 +36,9 @@ clean:
 # running the fuzz and differential tests in their short mode, and the HTTP body parsers (docs/index-core.md).
 SAN_SO    := build/sanitize/_kvnative.so
 SAN_TESTS := tests/test_fuzz_native.py tests/test_index_fastpath.py tests/test_index_native.py \
-             tests/test_index_conformance.py tests/test_native_built.py tests/test_service_bodies.py
+             tests/test_index_conformance.py tests/test_native_built.py tests/test_service_bodies.py \
+             tests/test_index_apply_run.py tests/test_zmqdrain.py
+SAN_ZMQ_SO := build/sanitize/_zmqdrain.so
 
 .PHONY: test-sanitize
 test-sanitize: $(STAMP)
@@ -44,6 +46,10 @@ test-sanitize: $(STAMP)
 	gcc -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
 	    -fno-sanitize-recover=all -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
 	    indexer/_native/kvnative.c -o $(SAN_SO)
+	gcc -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
+	    -fno-sanitize-recover=all -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	    indexer/_native/zmqdrain.c -o $(SAN_ZMQ_SO) -ldl
 	PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	    LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" KVATLAS_NATIVE_PATH="$(CURDIR)/$(SAN_SO)" \
+	    KVATLAS_ZMQDRAIN_PATH="$(CURDIR)/$(SAN_ZMQ_SO)" \
 	    KVATLAS_FUZZ=short $(PY) -m pytest -q -p no:cacheprovider $(SAN_TESTS)

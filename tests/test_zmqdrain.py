@@ -7,14 +7,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from indexer import zmqdrain
 from indexer.sequencing import fingerprint
 from indexer.subscriber import Batch, Run, Subscriber
 from schemas.frames import seq_bytes
-
-
-def test_the_c_loop_is_built_and_bound() -> None:
-    assert zmqdrain.recv_run is not None, zmqdrain.unavailable_reason
 
 
 msg = st.one_of(
