@@ -416,10 +416,11 @@ static inline Py_ssize_t find(const U64Map *m, uint64_t k, int *found) {
     }
 }
 
-/* Put absent key k at empty slot i, value zeroed. */
+/* Put absent key k at empty slot i, value zeroed (a loop: width is 1-3 words, a memset call costs more). */
 static inline void place_at(U64Map *m, Py_ssize_t i, uint64_t k) {
     KEY(m, i) = k;
-    memset(VALS(m, i), 0, sizeof(uint64_t) * (size_t)m->width);
+    uint64_t *v = VALS(m, i);
+    for (int w = 0; w < m->width; w++) v[w] = 0;
 }
 
 /* Memory latency dominates the map updates: the slots an event will touch are prefetched first. */
@@ -432,13 +433,19 @@ static int rehash(U64Map *m, Py_ssize_t ncap, int width) {
     Py_ssize_t ocap = m->cap, used = m->used;
     int ow = m->width;
     if (map_alloc(m, ncap, width) < 0) { m->tab = ot; m->cap = ocap; m->width = ow; m->used = used; return -1; }
+    /* keys are distinct: each goes to the first empty slot from its home, no comparisons; the new
+     * table is zeroed, so only the words both widths have are copied */
+    int cw = ow < width ? ow : width;
     for (Py_ssize_t i = 0; i < ocap; i++) {
         const uint64_t *e = ot + (size_t)i * (1 + ow);
         if (!e[0]) continue;
-        int f;
-        Py_ssize_t j = find(m, e[0], &f);
-        place_at(m, j, e[0]);
-        memcpy(VALS(m, j), e + 1, sizeof(uint64_t) * (ow < width ? ow : width));
+        Py_ssize_t j = slot_of(m, e[0]);
+        while (KEY(m, j)) if (++j == ncap) j = 0;
+        KEY(m, j) = e[0];
+        uint64_t *v = VALS(m, j);
+        if (cw == 1) v[0] = e[1]; /* the common widths, without a loop */
+        else if (cw == 2) { v[0] = e[1]; v[1] = e[2]; }
+        else for (int w = 0; w < cw; w++) v[w] = e[1 + w];
     }
     m->used = used;
     tab_free(ot, ocap, ow);
@@ -1088,7 +1095,8 @@ static inline int rd_int(Rd *r, uint64_t *v, int *neg) {
     if (r->pos + 1 + nb > r->len) return -1;
     const unsigned char *q = r->p + r->pos + 1;
     uint64_t x = 0;
-    for (int k = 0; k < nb; k++) x = (x << 8) | q[k];
+    if (nb == 8) { memcpy(&x, q, 8); x = __builtin_bswap64(x); } /* block hashes: the common 8-byte case */
+    else for (int k = 0; k < nb; k++) x = (x << 8) | q[k];
     r->pos += 1 + nb;
     if (sgn && nb < 8) { int sh = 64 - 8 * nb; x = (uint64_t)(((int64_t)(x << sh)) >> sh); }
     *neg = sgn && (int64_t)x < 0;
@@ -1434,7 +1442,7 @@ static int href_set(U64Map *m, const HRef *h, uint64_t val) {
     Py_ssize_t i = find_or_insert(m, h->k, &f);
     if (i < 0) return -1;
     uint64_t *dst = VALS(m, i);
-    memset(dst, 0, sizeof(uint64_t) * m->width);
+    for (int w = 1; w < m->width; w++) dst[w] = 0;
     dst[0] = val;
     return 0;
 }
