@@ -29,7 +29,7 @@ from producer.components.base import DEVICE, HOST, STORAGE, Component, CompState
 from producer.components.extra_pool import ExtraPool
 from producer.components.full import FullAttention
 from producer.events import EventRecorder
-from producer.page_hash import DIGEST_LEN, page_hash_chain, page_hash_chain_blob
+from producer.page_hash import DIGEST_LEN, fused_digest, page_hash_chain, page_hash_chain_blob
 from producer.pools import KVPool
 from producer.radix_tree import RadixTree, TreeNode
 from producer.storage.base import backend_medium
@@ -168,6 +168,8 @@ class TieredCache:
                               chain=page_hash_chain(config.page_hash),
                               chain_blob=page_hash_chain_blob(config.page_hash),
                               digest_len=DIGEST_LEN[config.page_hash])
+        # Whether a new node's hashing and store can be one native call (recorder.stored_chain).
+        self._fused, self._digest_fn = fused_digest(config.page_hash)
         self.tick = 0  # logical LRU time
         self._ops: dict[int, Flight] = {}
         self._prefetches: list[Flight] = []
@@ -208,6 +210,19 @@ class TieredCache:
         rec = self.recorder
         if rec.enabled:
             tree = self.tree
+            if node.digests is None and self._fused:
+                # A new node: its pages are hashed and its store recorded in one native call (the
+                # token ids are read once, docs/producer-events.md); None = the recorder can't.
+                p = node.parent
+                prior = tree.last_digest(p) if p is not tree.root and p is not None else None
+                if self._grp:
+                    d = rec.stored_chain(self._digest_fn, node.key, self.page_size, prior, medium, group_idx=0,
+                                         kind=self.full.kind)
+                else:
+                    d = rec.stored_chain(self._digest_fn, node.key, self.page_size, prior, medium)
+                if d is not None:
+                    node.digests = d
+                    return
             # The node's digests go to the recorder as they are: ids are read from them only when
             # the batch is built (docs/producer-events.md).
             if self._grp:

@@ -234,6 +234,19 @@ def page_hash_chain_ids(name: str, native: bool | None = None) -> ChainIds:
     return functools.partial(nat.call_chain, xxhash.xxh3_128_digest)
 
 
+def fused_digest(name: str, native: bool | None = None) -> tuple[bool, Callable[[bytes], bytes] | None]:
+    """For the event recorder's one-call store of a new node (`Batch.stored_chain`): whether the
+    C helper serves `name`, and the per-page digest it takes (None = its own SHA-256)."""
+    _check(name)
+    if _select(native) is None:
+        return False, None
+    if name == "sha256":
+        return True, None
+    import xxhash
+
+    return True, xxhash.xxh3_128_digest
+
+
 def page_hash_chain_blob(name: str, native: bool | None = None) -> ChainBlob:
     """The chain as one bytes object per call (every page's digest, concatenated): what the radix
     tree keeps per node (docs/producer-events.md). `native` as in `_select`."""

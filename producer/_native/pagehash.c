@@ -799,6 +799,562 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Batch: the recorder's pending events, encoded as they are recorded (docs/producer-events.md)
+ *
+ * Every record is validated and packed into msgpack when it is recorded, so a flush is one
+ * memcpy into the payload. The last record stays open (ids, token ids and the fields after them
+ * in separate buffers) so a store continuing its chain, or a removal of the same tier, coalesces
+ * into it exactly as the Python records do; it is closed (written out with its headers) when a
+ * record that does not coalesce arrives, or at `take`. A record the batch cannot take (a non-int,
+ * an int beyond 64 bits) raises TypeError / OverflowError before anything changes, and the
+ * recorder then moves the batch to its Python records (it decodes `take`'s bytes) and goes on
+ * there: the bytes on the wire stay those msgspec writes.
+ */
+
+enum { OPEN_NONE = 0, OPEN_STORE = 1, OPEN_REMOVED = 2 };
+
+/* A block id as msgpack sees it: hi 0 for 0 <= v < 2^64, hi -1 for negatives (v = the int64's
+ * bits). Two ids are equal iff both fields are. */
+typedef struct {
+    uint64_t v;
+    int hi;
+} BlockId;
+
+typedef struct {
+    PyObject_HEAD
+    Writer out;                   /* closed events, each a whole msgpack map */
+    Py_ssize_t nout;
+    int open;
+    Writer ids, toks, tail;       /* the open record: ids, token ids, encoded fields after those */
+    Py_ssize_t nids, ntoks;
+    size_t nfields;
+    uint8_t parent[9];            /* the open store's encoded parent_block_hash */
+    size_t parent_len;
+    BlockId last;                 /* the open store's last id (coalescing) */
+    PyObject *medium, *block_size, *group_idx, *kind;  /* the open record's keys (coalescing) */
+    Writer t_ids, t_toks, t_tail; /* a record being validated, before it touches the batch */
+    Py_ssize_t t_nids, t_ntoks;
+} BatchObject;
+
+static uint8_t *id_write(uint8_t *q, BlockId id) {
+    return id.hi ? mp_write_i64(q, (int64_t)id.v) : mp_write_u64(q, id.v);
+}
+
+static BlockId id_of_digest(const uint8_t *d) {
+    uint64_t u = 0;
+    for (int j = 0; j < 8; j++) u = (u << 8) | d[j];
+    BlockId id = {u, (int64_t)u < 0 ? -1 : 0};
+    return id;
+}
+
+/* An exact int within [-2^63, 2^64) as a BlockId (msgspec's range); TypeError / OverflowError. */
+static int id_of_obj(PyObject *o, BlockId *out) {
+    unsigned long s;
+    if (small_nonneg(o, &s)) {
+        out->v = s;
+        out->hi = 0;
+        return 0;
+    }
+    if (!PyLong_CheckExact(o)) {
+        PyErr_SetString(PyExc_TypeError, "Batch: expected an int");
+        return -1;
+    }
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (overflow > 0) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(o);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+        out->v = u;
+        out->hi = 0;
+    } else if (overflow < 0) {
+        PyErr_SetString(PyExc_OverflowError, "Batch: int below -2^63");
+        return -1;
+    } else {
+        out->v = (uint64_t)x;
+        out->hi = x < 0 ? -1 : 0;
+    }
+    return 0;
+}
+
+/* Ids of `n` digests of `dlen` bytes into t_ids; *last is the last one's. */
+static int enc_blob_ids(BatchObject *b, const uint8_t *d, Py_ssize_t n, Py_ssize_t dlen, BlockId *last) {
+    b->t_ids.len = 0;
+    if (w_reserve(&b->t_ids, 9 * (size_t)n) < 0) return -1;
+    uint8_t *q = b->t_ids.buf;
+    for (Py_ssize_t k = 0; k < n; k++, d += dlen) {
+        *last = id_of_digest(d);
+        q = id_write(q, *last);
+    }
+    b->t_ids.len = (size_t)(q - b->t_ids.buf);
+    b->t_nids = n;
+    return 0;
+}
+
+static int enc_int_ids(BatchObject *b, PyObject *ids, BlockId *last) {
+    PyObject *seq = PySequence_Fast(ids, "Batch: block ids must be a sequence of ints");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int rc = -1;
+    b->t_ids.len = 0;
+    if (w_reserve(&b->t_ids, 9 * (size_t)n) < 0) goto done;
+    uint8_t *q = b->t_ids.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (id_of_obj(items[i], last) < 0) goto done;
+        q = id_write(q, *last);
+    }
+    b->t_ids.len = (size_t)(q - b->t_ids.buf);
+    b->t_nids = n;
+    rc = 0;
+done:
+    Py_DECREF(seq);
+    return rc;
+}
+
+/* Token ids from a sequence of exact ints (what msgspec writes for them) into t_toks. */
+static int enc_int_tokens(BatchObject *b, PyObject *tokens) {
+    PyObject *seq = PySequence_Fast(tokens, "Batch: token ids must be a sequence of ints");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int rc = -1;
+    b->t_toks.len = 0;
+    if (w_reserve(&b->t_toks, 9 * (size_t)n) < 0) goto done;
+    uint8_t *q = b->t_toks.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (w_int_unchecked(&q, items[i]) < 0) goto done;
+    b->t_toks.len = (size_t)(q - b->t_toks.buf);
+    b->t_ntoks = n;
+    rc = 0;
+done:
+    Py_DECREF(seq);
+    return rc;
+}
+
+/* Token ids already read as u32 little-endian (the hash's page buffer) into t_toks. */
+static int enc_u32_tokens(BatchObject *b, const uint8_t *p, Py_ssize_t n) {
+    b->t_toks.len = 0;
+    if (w_reserve(&b->t_toks, 5 * (size_t)n) < 0) return -1;
+    uint8_t *q = b->t_toks.buf;
+    for (Py_ssize_t i = 0; i < n; i++, p += 4)
+        q = mp_write_u64(q, (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16) | ((uint64_t)p[3] << 24));
+    b->t_toks.len = (size_t)(q - b->t_toks.buf);
+    b->t_ntoks = n;
+    return 0;
+}
+
+static int opt_str(PyObject *o) {
+    if (o != Py_None && !PyUnicode_CheckExact(o)) {
+        PyErr_SetString(PyExc_TypeError, "Batch: expected a str or None");
+        return -1;
+    }
+    return 0;
+}
+
+/* None-equal-None, else ==; -1 on error. */
+static int same(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (a == Py_None || b == Py_None) return 0;
+    return PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+static void swap_w(Writer *a, Writer *b) {
+    Writer t = *a;
+    *a = *b;
+    *b = t;
+}
+
+static void drop_keys(BatchObject *b) {
+    Py_CLEAR(b->medium);
+    Py_CLEAR(b->block_size);
+    Py_CLEAR(b->group_idx);
+    Py_CLEAR(b->kind);
+}
+
+/* Writes the open record to `out` with its headers (only memory can fail here). */
+static int close_open(BatchObject *b) {
+    if (b->open == OPEN_NONE) return 0;
+    Writer *w = &b->out;
+    if (b->open == OPEN_STORE) {
+        if (W_MAP16(w, b->nfields) < 0 || w_lit(w, "type") < 0 || w_lit(w, "BlockStored") < 0 ||
+            w_lit(w, "block_hashes") < 0 || W_ARRAY(w, (size_t)b->nids) < 0 || w_raw(w, b->ids.buf, b->ids.len) < 0 ||
+            w_lit(w, "parent_block_hash") < 0 || w_raw(w, b->parent, b->parent_len) < 0 ||
+            w_lit(w, "token_ids") < 0 || W_ARRAY(w, (size_t)b->ntoks) < 0 || w_raw(w, b->toks.buf, b->toks.len) < 0 ||
+            w_raw(w, b->tail.buf, b->tail.len) < 0)
+            return -1;
+    } else {
+        if (W_FIXMAP(w, b->nfields) < 0 || w_lit(w, "type") < 0 || w_lit(w, "BlockRemoved") < 0 ||
+            w_lit(w, "block_hashes") < 0 || W_ARRAY(w, (size_t)b->nids) < 0 || w_raw(w, b->ids.buf, b->ids.len) < 0 ||
+            w_raw(w, b->tail.buf, b->tail.len) < 0)
+            return -1;
+    }
+    b->nout++;
+    b->open = OPEN_NONE;
+    drop_keys(b);
+    return 0;
+}
+
+/* Appends the validated t_ids (and t_toks) to the open record. */
+static int extend_open(BatchObject *b, int store) {
+    if (w_raw(&b->ids, b->t_ids.buf, b->t_ids.len) < 0) return -1;
+    b->nids += b->t_nids;
+    if (store) {
+        if (w_raw(&b->toks, b->t_toks.buf, b->t_toks.len) < 0) return -1;
+        b->ntoks += b->t_ntoks;
+    }
+    return 0;
+}
+
+/* A store whose ids are in t_ids (last id `last`) and token ids in t_toks: coalesced into the open
+ * store when it continues that chain on the same tier and group (the recorder's rule), else
+ * opened as a new record. `parent` NULL = none. */
+static int commit_store(BatchObject *b, const BlockId *parent, BlockId last, PyObject *block_size,
+                        PyObject *medium, PyObject *group_idx, PyObject *kind, PyObject *window) {
+    if (b->open == OPEN_STORE && parent != NULL && parent->v == b->last.v && parent->hi == b->last.hi) {
+        int eq = same(b->medium, medium);
+        if (eq > 0) eq = same(b->block_size, block_size);
+        if (eq > 0) eq = same(b->group_idx, group_idx);
+        if (eq > 0) eq = same(b->kind, kind);
+        if (eq < 0) return -1;
+        if (eq) {
+            if (extend_open(b, 1) < 0) return -1;
+            b->last = last;
+            return 0;
+        }
+    }
+    /* the fields after token_ids, validated before the open record is closed */
+    Writer *t = &b->t_tail;
+    t->len = 0;
+    if (opt_str(medium) < 0 || opt_str(kind) < 0) return -1;
+    if (w_lit(t, "block_size") < 0 || w_int(t, block_size) < 0) return -1;
+    if (medium != Py_None && (w_lit(t, "medium") < 0 || w_str(t, medium) < 0)) return -1;
+    if (group_idx != Py_None && (w_lit(t, "group_idx") < 0 || w_int(t, group_idx) < 0)) return -1;
+    if (kind != Py_None && (w_lit(t, "kv_cache_spec_kind") < 0 || w_str(t, kind) < 0)) return -1;
+    if (window != Py_None && (w_lit(t, "kv_cache_spec_sliding_window") < 0 || w_int(t, window) < 0)) return -1;
+    if (close_open(b) < 0) return -1;
+    swap_w(&b->ids, &b->t_ids);
+    swap_w(&b->toks, &b->t_toks);
+    swap_w(&b->tail, &b->t_tail);
+    b->nids = b->t_nids;
+    b->ntoks = b->t_ntoks;
+    b->nfields = 5 + (medium != Py_None) + (group_idx != Py_None) + (kind != Py_None) + (window != Py_None);
+    if (parent == NULL) {
+        b->parent[0] = 0xc0;
+        b->parent_len = 1;
+    } else {
+        b->parent_len = (size_t)(id_write(b->parent, *parent) - b->parent);
+    }
+    b->last = last;
+    b->open = OPEN_STORE;
+    Py_INCREF(medium); b->medium = medium;
+    Py_INCREF(block_size); b->block_size = block_size;
+    Py_INCREF(group_idx); b->group_idx = group_idx;
+    Py_INCREF(kind); b->kind = kind;
+    return 0;
+}
+
+static int commit_removed(BatchObject *b, PyObject *medium, PyObject *group_idx) {
+    if (b->open == OPEN_REMOVED) {
+        int eq = same(b->medium, medium);
+        if (eq > 0) eq = same(b->group_idx, group_idx);
+        if (eq < 0) return -1;
+        if (eq) return extend_open(b, 0);
+    }
+    Writer *t = &b->t_tail;
+    t->len = 0;
+    if (opt_str(medium) < 0) return -1;
+    if (medium != Py_None && (w_lit(t, "medium") < 0 || w_str(t, medium) < 0)) return -1;
+    if (group_idx != Py_None && (w_lit(t, "group_idx") < 0 || w_int(t, group_idx) < 0)) return -1;
+    if (close_open(b) < 0) return -1;
+    swap_w(&b->ids, &b->t_ids);
+    swap_w(&b->tail, &b->t_tail);
+    b->nids = b->t_nids;
+    b->nfields = 2 + (medium != Py_None) + (group_idx != Py_None);
+    b->open = OPEN_REMOVED;
+    Py_INCREF(medium); b->medium = medium;
+    Py_INCREF(group_idx); b->group_idx = group_idx;
+    return 0;
+}
+
+/* The digests buffer `o` as n whole digests of `dlen` bytes (TypeError otherwise). */
+static int digests_view(PyObject *o, Py_ssize_t dlen, Py_buffer *view, Py_ssize_t *n) {
+    if (PyObject_GetBuffer(o, view, PyBUF_SIMPLE) < 0) return -1;
+    if (dlen < 8 || view->len % dlen) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "Batch: digests must be bytes of whole digests of at least 8 bytes");
+        return -1;
+    }
+    *n = view->len / dlen;
+    return 0;
+}
+
+/* stored_digests(digests, dlen, parent, tokens, block_size, medium, group_idx, kind, window) */
+static PyObject *Batch_stored_digests(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "stored_digests takes 9 arguments");
+        return NULL;
+    }
+    Py_ssize_t dlen = PyLong_AsSsize_t(args[1]), n;
+    if (dlen == -1 && PyErr_Occurred()) return NULL;
+    BlockId parent, last;
+    if (args[2] != Py_None && id_of_obj(args[2], &parent) < 0) return NULL;
+    Py_buffer view;
+    if (digests_view(args[0], dlen, &view, &n) < 0) return NULL;
+    int rc = n == 0 ? 0 : -1;
+    if (n > 0 && enc_blob_ids(b, view.buf, n, dlen, &last) == 0 && enc_int_tokens(b, args[3]) == 0)
+        rc = commit_store(b, args[2] == Py_None ? NULL : &parent, last, args[4], args[5], args[6], args[7], args[8]);
+    PyBuffer_Release(&view);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* stored_ids(ids, parent, tokens, block_size, medium, group_idx, kind, window) */
+static PyObject *Batch_stored_ids(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "stored_ids takes 8 arguments");
+        return NULL;
+    }
+    BlockId parent, last;
+    if (args[1] != Py_None && id_of_obj(args[1], &parent) < 0) return NULL;
+    if (enc_int_ids(b, args[0], &last) < 0) return NULL;
+    if (b->t_nids == 0) Py_RETURN_NONE;
+    if (enc_int_tokens(b, args[2]) < 0) return NULL;
+    if (commit_store(b, args[1] == Py_None ? NULL : &parent, last, args[3], args[4], args[5], args[6], args[7]) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* removed_digests(digests, dlen, medium, group_idx) */
+static PyObject *Batch_removed_digests(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "removed_digests takes 4 arguments");
+        return NULL;
+    }
+    Py_ssize_t dlen = PyLong_AsSsize_t(args[1]), n;
+    if (dlen == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (digests_view(args[0], dlen, &view, &n) < 0) return NULL;
+    BlockId last;
+    int rc = n == 0 ? 0 : enc_blob_ids(b, view.buf, n, dlen, &last);
+    if (n > 0 && rc == 0) rc = commit_removed(b, args[2], args[3]);
+    PyBuffer_Release(&view);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* removed_ids(ids, medium, group_idx) */
+static PyObject *Batch_removed_ids(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "removed_ids takes 3 arguments");
+        return NULL;
+    }
+    BlockId last;
+    if (enc_int_ids(b, args[0], &last) < 0) return NULL;
+    if (b->t_nids > 0 && commit_removed(b, args[1], args[2]) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Batch_cleared(BatchObject *b, PyObject *unused) {
+    if (close_open(b) < 0) return NULL;
+    Writer *w = &b->out;
+    if (W_FIXMAP(w, 1) < 0 || w_lit(w, "type") < 0 || w_lit(w, "AllBlocksCleared") < 0) return NULL;
+    b->nout++;
+    Py_RETURN_NONE;
+}
+
+/* The chain's digests (one call of `fn` per page, or SHA-256 here when fn is None) into `blob`:
+ * `n` pages of `len` bytes at `data`, chained on `prior` (plen bytes, 0 = none). *dlen is set. */
+static int chain_into(PyObject *fn, const uint8_t *prior, Py_ssize_t plen, const uint8_t *data, Py_ssize_t n,
+                      Py_ssize_t len, Writer *blob, Py_ssize_t *dlen) {
+    blob->len = 0;
+    if (fn == Py_None) {
+        *dlen = 32;
+        size_t scratch_len = (size_t)(plen > 32 ? plen : 32) + (size_t)len + 72;
+        uint8_t *scratch = PyMem_Malloc(scratch_len);
+        if (scratch == NULL || w_reserve(blob, (size_t)n * 32) < 0) {
+            PyMem_Free(scratch);
+            if (!PyErr_Occurred()) PyErr_NoMemory();
+            return -1;
+        }
+        uint8_t *out = blob->buf;
+        PyThreadState *ts = n >= NOGIL_PAGES ? PyEval_SaveThread() : NULL;
+        sha256_two(best_compress, prior, (size_t)plen, data, (size_t)len, out, scratch);
+        for (Py_ssize_t i = 1; i < n; i++)
+            sha256_two(best_compress, out + 32 * (i - 1), 32, data + i * len, (size_t)len, out + 32 * i, scratch);
+        if (ts) PyEval_RestoreThread(ts);
+        PyMem_Free(scratch);
+        blob->len = (size_t)n * 32;
+        return 0;
+    }
+    *dlen = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *pp = i == 0 ? prior : blob->buf + blob->len - *dlen;
+        Py_ssize_t pl = i == 0 ? plen : *dlen;
+        PyObject *msg = PyBytes_FromStringAndSize(NULL, pl + len);
+        if (msg == NULL) return -1;
+        if (pl) memcpy(PyBytes_AS_STRING(msg), pp, (size_t)pl);
+        memcpy(PyBytes_AS_STRING(msg) + pl, data + i * len, (size_t)len);
+        PyObject *d = PyObject_CallOneArg(fn, msg);
+        Py_DECREF(msg);
+        if (d == NULL) return -1;
+        Py_ssize_t dl = PyBytes_Check(d) ? PyBytes_GET_SIZE(d) : -1;
+        if (dl < 8 || (i > 0 && dl != *dlen)) {
+            Py_DECREF(d);
+            PyErr_SetString(PyExc_TypeError, "the digest function must return bytes of at least 8 bytes, always as many");
+            return -1;
+        }
+        *dlen = dl;
+        int rc = w_raw(blob, PyBytes_AS_STRING(d), (size_t)dl);
+        Py_DECREF(d);
+        if (rc < 0) return -1;
+    }
+    return 0;
+}
+
+/* stored_chain(fn, tokens, page_size, prior, block_size, medium, group_idx, kind, window) -> bytes
+ *
+ * A new tree node's store in one call: hashes every whole page of `tokens` (fn None = SHA-256,
+ * else digest_i = fn(digest_{i-1} || page_i) as call_chain), records the store with those ids,
+ * the parent id read from `prior` (the parent node's last digest; None at the root: no parent)
+ * and the token ids packed from the same u32 buffer the hash read, and returns the digests
+ * concatenated (what the node keeps). Hashing errors are call_chain's / sha256_blob's. */
+static PyObject *Batch_stored_chain(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "stored_chain takes 9 arguments");
+        return NULL;
+    }
+    PyObject *fn = args[0];
+    Py_ssize_t page_size = PyLong_AsSsize_t(args[2]);
+    if (page_size == -1 && PyErr_Occurred()) return NULL;
+    Pages pg;
+    if (pages_from(args[1], page_size, &pg) < 0) return NULL;
+    Py_buffer pv;
+    int has_prior = prior_from(args[3], &pv);
+    if (has_prior < 0) {
+        pages_release(&pg);
+        return NULL;
+    }
+    Py_ssize_t n = pg.npages, plen = has_prior ? pv.len : 0, dlen = 32;
+    PyObject *res = NULL;
+    Writer blob = {NULL, 0, 0};
+    if (chain_into(fn, has_prior ? pv.buf : NULL, plen, pg.data, n, 4 * page_size, &blob, &dlen) < 0) goto done;
+    res = PyBytes_FromStringAndSize((const char *)blob.buf, (Py_ssize_t)blob.len);
+    if (res == NULL || n == 0) goto done;
+    BlockId parent, last;
+    int has_parent = plen >= 8;
+    if (has_parent) parent = id_of_digest(pv.buf);
+    if (enc_blob_ids(b, blob.buf, n, dlen, &last) < 0 || enc_u32_tokens(b, pg.data, n * page_size) < 0 ||
+        commit_store(b, has_parent ? &parent : NULL, last, args[4], args[5], args[6], args[7], args[8]) < 0)
+        Py_CLEAR(res);
+done:
+    PyMem_Free(blob.buf);
+    if (has_prior) PyBuffer_Release(&pv);
+    pages_release(&pg);
+    return res;
+}
+
+/* take(ts, dp_rank) -> bytes: the whole batch as msgspec writes KVEventBatch, and empty again. */
+static PyObject *Batch_take(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "take takes 2 arguments");
+        return NULL;
+    }
+    double ts = PyFloat_AsDouble(args[0]);
+    if (ts == -1.0 && PyErr_Occurred()) return NULL;
+    uint8_t dp[9], *q = dp;
+    if (args[1] == Py_None) *q++ = 0xc0;
+    else if (w_int_unchecked(&q, args[1]) < 0) return NULL;
+    if (close_open(b) < 0) return NULL;
+    uint8_t head[15];
+    size_t hl = 0, n = (size_t)b->nout;
+    head[hl++] = 0x93;  /* [ts, events, dp_rank]: msgspec writes all three */
+    uint64_t bits;
+    memcpy(&bits, &ts, 8);
+    head[hl++] = 0xcb;
+    for (int s = 56; s >= 0; s -= 8) head[hl++] = (uint8_t)(bits >> s);
+    if (n < 16) {
+        head[hl++] = (uint8_t)(0x90 | n);
+    } else if (n < 65536) {
+        head[hl++] = 0xdc; head[hl++] = (uint8_t)(n >> 8); head[hl++] = (uint8_t)n;
+    } else {
+        head[hl++] = 0xdd;
+        for (int s = 24; s >= 0; s -= 8) head[hl++] = (uint8_t)((uint64_t)n >> s);
+    }
+    size_t dl = (size_t)(q - dp);
+    PyObject *res = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(hl + b->out.len + dl));
+    if (res == NULL) return NULL;
+    char *r = PyBytes_AS_STRING(res);
+    memcpy(r, head, hl);
+    if (b->out.len) memcpy(r + hl, b->out.buf, b->out.len);
+    memcpy(r + hl + b->out.len, dp, dl);
+    b->out.len = 0;
+    b->nout = 0;
+    return res;
+}
+
+static PyObject *Batch_clear(BatchObject *b, PyObject *unused) {
+    b->out.len = 0;
+    b->nout = 0;
+    b->open = OPEN_NONE;
+    drop_keys(b);
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t Batch_len(BatchObject *b) {
+    return b->nout + (b->open != OPEN_NONE);
+}
+
+static PyObject *Batch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "Batch() takes no arguments");
+        return NULL;
+    }
+    BatchObject *b = (BatchObject *)type->tp_alloc(type, 0);  /* zeroed: empty writers, no keys */
+    return (PyObject *)b;
+}
+
+static void Batch_dealloc(BatchObject *b) {
+    PyTypeObject *tp = Py_TYPE(b);
+    drop_keys(b);
+    Writer *ws[6] = {&b->out, &b->ids, &b->toks, &b->tail, &b->t_ids, &b->t_toks};
+    for (int i = 0; i < 6; i++) PyMem_Free(ws[i]->buf);
+    PyMem_Free(b->t_tail.buf);
+    tp->tp_free((PyObject *)b);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef Batch_methods[] = {
+    {"stored_chain", (PyCFunction)(void (*)(void))Batch_stored_chain, METH_FASTCALL,
+     "stored_chain(fn, tokens, page_size, prior, block_size, medium, group_idx, kind, window) -> digests"},
+    {"stored_digests", (PyCFunction)(void (*)(void))Batch_stored_digests, METH_FASTCALL,
+     "stored_digests(digests, dlen, parent, tokens, block_size, medium, group_idx, kind, window)"},
+    {"stored_ids", (PyCFunction)(void (*)(void))Batch_stored_ids, METH_FASTCALL,
+     "stored_ids(ids, parent, tokens, block_size, medium, group_idx, kind, window)"},
+    {"removed_digests", (PyCFunction)(void (*)(void))Batch_removed_digests, METH_FASTCALL,
+     "removed_digests(digests, dlen, medium, group_idx)"},
+    {"removed_ids", (PyCFunction)(void (*)(void))Batch_removed_ids, METH_FASTCALL, "removed_ids(ids, medium, group_idx)"},
+    {"cleared", (PyCFunction)Batch_cleared, METH_NOARGS, "cleared(): an AllBlocksCleared"},
+    {"take", (PyCFunction)(void (*)(void))Batch_take, METH_FASTCALL,
+     "take(ts, dp_rank) -> bytes: the msgpack KVEventBatch of everything recorded; the batch is empty again"},
+    {"clear", (PyCFunction)Batch_clear, METH_NOARGS, "clear(): drop everything recorded"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Batch_slots[] = {
+    {Py_tp_new, Batch_new},
+    {Py_tp_dealloc, Batch_dealloc},
+    {Py_tp_methods, Batch_methods},
+    {Py_sq_length, Batch_len},
+    {Py_tp_doc, "The recorder's pending events, msgpack-encoded as they are recorded (docs/producer-events.md)."},
+    {0, NULL},
+};
+
+static PyType_Spec Batch_spec = {
+    "producer._native._pagehash.Batch", sizeof(BatchObject), 0, Py_TPFLAGS_DEFAULT, Batch_slots,
+};
+
 static PyMethodDef methods[] = {
     {"sha256_chain", (PyCFunction)(void (*)(void))py_sha256_chain, METH_VARARGS | METH_KEYWORDS,
      "sha256_chain(tokens, page_size, prior=None) -> (digests, ids) of every whole page"},
@@ -828,6 +1384,12 @@ PyMODINIT_FUNC PyInit__pagehash(void) {
             Py_DECREF(m);
             return NULL;
         }
+    }
+    PyObject *batch_t = PyType_FromSpec(&Batch_spec);
+    if (batch_t == NULL || PyModule_AddObject(m, "Batch", batch_t) < 0) {
+        Py_XDECREF(batch_t);
+        Py_DECREF(m);
+        return NULL;
     }
     int sha = 0;
 #ifdef HAVE_X86_SHA
