@@ -183,7 +183,9 @@ class EventRecorder:
         # recorded (one C call per event, a memcpy per flush). `_pending` (Python records) takes
         # over until the next flush when the batch declines a value, and serves every other sink.
         self._batch: Any = mod.Batch() if encodes and enabled else None
-        self._ask: Callable[[], bool] | None = getattr(sink, "snapshot_requested", None) if enabled else None
+        # A sink that says it never asks for a snapshot (`asks_snapshots = False`) is not polled.
+        self._ask: Callable[[], bool] | None = (getattr(sink, "snapshot_requested", None)
+                                                if enabled and getattr(sink, "asks_snapshots", True) else None)
         self._pending: list[_Record] = []
         self._last_sent: float | None = None
         self.events_emitted = 0
@@ -243,20 +245,21 @@ class EventRecorder:
                                     [tokens if type(tokens) is tuple else tuple(tokens)], block_size,
                                     name, group_idx, kind, window))
 
-    def stored_chain(self, digest: Callable[[bytes], bytes] | None, tokens: tuple[int, ...], page_size: int,
-                     prior: bytes | None, medium: Medium, *, group_idx: int | None = None, kind: str | None = None,
-                     window: int | None = None) -> bytes | None:
+    def stored_chain(self, digest: Callable[[bytes], bytes] | None, dlen: int, tokens: tuple[int, ...],
+                     page_size: int, parent: bytes | None, medium: Medium, *, group_idx: int | None = None,
+                     kind: str | None = None, window: int | None = None) -> bytes | None:
         """A new tree node's store, hashed and recorded in one native call (`Batch.stored_chain`):
-        the chain of `tokens`' whole pages on `prior` (the parent's last digest, None at the root;
-        the parent id is read from it) with `digest` per page (None = SHA-256). Returns the node's
-        digests, or None when this recorder cannot (no native batch, or it declined a value):
-        the caller then hashes as usual and calls `stored_digests`, which raises any hashing error."""
+        the chain of `tokens`' whole pages (`digest` per page, None = SHA-256; `dlen` bytes each)
+        on the last digest of `parent` (the parent node's digests, None at the root; the parent id
+        is read from it). Returns the node's digests, or None when this recorder cannot (no native
+        batch, or a value it declines): the caller then hashes as usual and calls
+        `stored_digests`, which raises any hashing error as before."""
         b = self._batch
-        if b is None or self._pending or not self.enabled:
+        if b is None or self._pending:
             return None
         try:
-            return b.stored_chain(digest, tokens, page_size, prior, page_size, self.names[medium], group_idx, kind,
-                                  window)
+            return b.stored_chain(digest, dlen, tokens, page_size, parent, page_size, self.names[medium], group_idx,
+                                  kind, window)
         except (TypeError, OverflowError, ValueError):
             return None
 
@@ -342,18 +345,18 @@ class EventRecorder:
         """Send buffered events as one batch; if none and the sink has been idle for the
         heartbeat interval, send an empty batch. Returns the number of events sent."""
         b = self._batch
+        if b is not None and not self._pending:
+            n = len(b)
+            if n:  # (a native batch implies an enabled recorder with a sink)
+                sink = self.sink
+                sink.send_payload(b.take(sink.batch_ts(), self.dp_rank))  # type: ignore[union-attr]
+                self._last_sent = now
+                self.events_emitted += n
+                self.batches_sent += 1
+                return n
         if not self.enabled or self.sink is None:
             self._pending.clear()
-            if b is not None:
-                b.clear()
             return 0
-        if b is not None and not self._pending and len(b):
-            n = len(b)
-            self.sink.send_payload(b.take(self.sink.batch_ts(), self.dp_rank))  # type: ignore[attr-defined]
-            self._last_sent = now
-            self.events_emitted += n
-            self.batches_sent += 1
-            return n
         if self._pending:
             pending, self._pending = self._pending, []
             self._send(pending)

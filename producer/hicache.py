@@ -214,12 +214,12 @@ class TieredCache:
                 # A new node: its pages are hashed and its store recorded in one native call (the
                 # token ids are read once, docs/producer-events.md); None = the recorder can't.
                 p = node.parent
-                prior = tree.last_digest(p) if p is not tree.root and p is not None else None
+                pd = None if p is tree.root or p is None else (p.digests or tree.ensure_digests(p))
                 if self._grp:
-                    d = rec.stored_chain(self._digest_fn, node.key, self.page_size, prior, medium, group_idx=0,
-                                         kind=self.full.kind)
+                    d = rec.stored_chain(self._digest_fn, tree.dlen, node.key, self.page_size, pd, medium,
+                                         group_idx=0, kind=self.full.kind)
                 else:
-                    d = rec.stored_chain(self._digest_fn, node.key, self.page_size, prior, medium)
+                    d = rec.stored_chain(self._digest_fn, tree.dlen, node.key, self.page_size, pd, medium)
                 if d is not None:
                     node.digests = d
                     return
@@ -233,9 +233,11 @@ class TieredCache:
                                    self.page_size, medium)
 
     def _emit_removed(self, node: TreeNode, medium: Medium) -> None:
-        if self.recorder.enabled:
-            self.recorder.removed_digests(self.tree.ensure_digests(node), self.tree.dlen, medium,
-                                          group_idx=0 if self._grp else None)
+        rec = self.recorder
+        if rec.enabled:
+            tree = self.tree
+            rec.removed_digests(node.digests or tree.ensure_digests(node), tree.dlen, medium,
+                                group_idx=0 if self._grp else None)
 
     def _comp_blocks(self, node: TreeNode, c: Component) -> tuple[list[int], int | None, tuple[int, ...]]:
         """(block ids, parent id, tokens) a component's state at `node` names: every page for

@@ -45,6 +45,13 @@ class _PayloadSink:
 
     __slots__ = ()
     encodes_events = True
+    # snapshot_requested() here is always False, so the recorder need not poll it; a subclass
+    # with its own snapshot_requested asks (set below, per subclass).
+    asks_snapshots = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.asks_snapshots = cls.snapshot_requested is not _PayloadSink.snapshot_requested
 
     def send_payload(self, payload: bytes) -> None:  # pragma: no cover - interface
         raise NotImplementedError

@@ -175,6 +175,26 @@ static void sha256_two(compress_fn compress, const uint8_t *prior, size_t plen, 
  * Arguments
  */
 
+/* A growable byte buffer (the batch encoder's output, reusable scratch). */
+typedef struct {
+    uint8_t *buf;
+    size_t len, cap;
+} Writer;
+
+static int w_reserve(Writer *w, size_t n) {
+    if (w->len + n <= w->cap) return 0;
+    size_t cap = w->cap ? w->cap : 1024;
+    while (cap < w->len + n) cap *= 2;
+    uint8_t *b = PyMem_Realloc(w->buf, cap);
+    if (b == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    w->buf = b;
+    w->cap = cap;
+    return 0;
+}
+
 /* The whole pages of `tokens` as u32 little-endian bytes. Sets *owned when the buffer must be
  * freed with PyMem_Free; for a bytes-like input it points into `view` (released by the caller). */
 typedef struct {
@@ -210,7 +230,8 @@ static inline int small_nonneg(PyObject *o, unsigned long *v) {
 #endif
 }
 
-static int pages_from(PyObject *tokens, Py_ssize_t page_size, Pages *out) {
+/* `reuse` (or NULL): a buffer the u32 pages are written into instead of a fresh allocation. */
+static int pages_into(PyObject *tokens, Py_ssize_t page_size, Pages *out, Writer *reuse) {
     memset(out, 0, sizeof *out);
     if (page_size <= 0) {
         PyErr_Format(PyExc_ValueError, "page_size must be positive, got %zd", page_size);
@@ -233,10 +254,16 @@ static int pages_from(PyObject *tokens, Py_ssize_t page_size, Pages *out) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     out->npages = n / page_size;
     Py_ssize_t nt = out->npages * page_size;
-    out->owned = PyMem_Malloc(nt > 0 ? (size_t)nt * 4 : 1);
-    if (out->owned == NULL) {
+    uint8_t *dst;
+    if (reuse != NULL) {
+        reuse->len = 0;
+        dst = w_reserve(reuse, (size_t)nt * 4 + 1) < 0 ? NULL : reuse->buf;
+    } else {
+        dst = out->owned = PyMem_Malloc(nt > 0 ? (size_t)nt * 4 : 1);
+        if (dst == NULL) PyErr_NoMemory();
+    }
+    if (dst == NULL) {
         Py_DECREF(seq);
-        PyErr_NoMemory();
         return -1;
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -258,17 +285,21 @@ static int pages_from(PyObject *tokens, Py_ssize_t page_size, Pages *out) {
             PyErr_SetString(PyExc_OverflowError, "token id is greater than the u32 maximum");
             goto fail;
         }
-        uint8_t *q = out->owned + 4 * i;
+        uint8_t *q = dst + 4 * i;
         q[0] = (uint8_t)v; q[1] = (uint8_t)(v >> 8); q[2] = (uint8_t)(v >> 16); q[3] = (uint8_t)(v >> 24);
     }
     Py_DECREF(seq);
-    out->data = out->owned;
+    out->data = dst;
     return 0;
 fail:
     Py_DECREF(seq);
     pages_release(out);
     out->owned = NULL;
     return -1;
+}
+
+static int pages_from(PyObject *tokens, Py_ssize_t page_size, Pages *out) {
+    return pages_into(tokens, page_size, out, NULL);
 }
 
 /* `prior` None or bytes-like; empty counts as none (the Python reference tests truthiness). */
@@ -492,24 +523,6 @@ static uint8_t *mp_write_i64(uint8_t *q, int64_t x) {
  * OverflowError and the recorder lets msgspec encode the events instead.
  */
 
-typedef struct {
-    uint8_t *buf;
-    size_t len, cap;
-} Writer;
-
-static int w_reserve(Writer *w, size_t n) {
-    if (w->len + n <= w->cap) return 0;
-    size_t cap = w->cap ? w->cap : 1024;
-    while (cap < w->len + n) cap *= 2;
-    uint8_t *b = PyMem_Realloc(w->buf, cap);
-    if (b == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    w->buf = b;
-    w->cap = cap;
-    return 0;
-}
 
 static int w_header(Writer *w, size_t n, uint8_t fix, uint8_t fixmax, uint8_t b16, uint8_t b32) {
     if (w_reserve(w, 5) < 0) return -1;
@@ -834,8 +847,15 @@ typedef struct {
     BlockId last;                 /* the open store's last id (coalescing) */
     PyObject *medium, *block_size, *group_idx, *kind;  /* the open record's keys (coalescing) */
     Writer t_ids, t_toks, t_tail; /* a record being validated, before it touches the batch */
+    Writer u32, dig;              /* stored_chain's page buffer and digests (reused: no malloc a call) */
+    int busy;                     /* stored_chain runs with the GIL released (big inserts) */
     Py_ssize_t t_nids, t_ntoks;
 } BatchObject;
+
+/* The batch's buffers are in use while a big insert is hashed without the GIL: a second thread
+ * using the same batch gets an error, not a buffer freed under the hash. */
+#define BATCH_ENTER(b) do { if ((b)->busy) { \
+        PyErr_SetString(PyExc_RuntimeError, "Batch used from two threads at once"); return NULL; } } while (0)
 
 static uint8_t *id_write(uint8_t *q, BlockId id) {
     return id.hi ? mp_write_i64(q, (int64_t)id.v) : mp_write_u64(q, id.v);
@@ -1092,6 +1112,7 @@ static int digests_view(PyObject *o, Py_ssize_t dlen, Py_buffer *view, Py_ssize_
 
 /* stored_digests(digests, dlen, parent, tokens, block_size, medium, group_idx, kind, window) */
 static PyObject *Batch_stored_digests(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
+    BATCH_ENTER(b);
     if (nargs != 9) {
         PyErr_SetString(PyExc_TypeError, "stored_digests takes 9 arguments");
         return NULL;
@@ -1112,6 +1133,7 @@ static PyObject *Batch_stored_digests(BatchObject *b, PyObject *const *args, Py_
 
 /* stored_ids(ids, parent, tokens, block_size, medium, group_idx, kind, window) */
 static PyObject *Batch_stored_ids(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
+    BATCH_ENTER(b);
     if (nargs != 8) {
         PyErr_SetString(PyExc_TypeError, "stored_ids takes 8 arguments");
         return NULL;
@@ -1128,6 +1150,7 @@ static PyObject *Batch_stored_ids(BatchObject *b, PyObject *const *args, Py_ssiz
 
 /* removed_digests(digests, dlen, medium, group_idx) */
 static PyObject *Batch_removed_digests(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
+    BATCH_ENTER(b);
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "removed_digests takes 4 arguments");
         return NULL;
@@ -1146,6 +1169,7 @@ static PyObject *Batch_removed_digests(BatchObject *b, PyObject *const *args, Py
 
 /* removed_ids(ids, medium, group_idx) */
 static PyObject *Batch_removed_ids(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
+    BATCH_ENTER(b);
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "removed_ids takes 3 arguments");
         return NULL;
@@ -1157,6 +1181,7 @@ static PyObject *Batch_removed_ids(BatchObject *b, PyObject *const *args, Py_ssi
 }
 
 static PyObject *Batch_cleared(BatchObject *b, PyObject *unused) {
+    BATCH_ENTER(b);
     if (close_open(b) < 0) return NULL;
     Writer *w = &b->out;
     if (W_FIXMAP(w, 1) < 0 || w_lit(w, "type") < 0 || w_lit(w, "AllBlocksCleared") < 0) return NULL;
@@ -1167,24 +1192,27 @@ static PyObject *Batch_cleared(BatchObject *b, PyObject *unused) {
 /* The chain's digests (one call of `fn` per page, or SHA-256 here when fn is None) into `blob`:
  * `n` pages of `len` bytes at `data`, chained on `prior` (plen bytes, 0 = none). *dlen is set. */
 static int chain_into(PyObject *fn, const uint8_t *prior, Py_ssize_t plen, const uint8_t *data, Py_ssize_t n,
-                      Py_ssize_t len, Writer *blob, Py_ssize_t *dlen) {
+                      Py_ssize_t len, Writer *blob, Py_ssize_t *dlen, int *busy) {
     blob->len = 0;
     if (fn == Py_None) {
         *dlen = 32;
         size_t scratch_len = (size_t)(plen > 32 ? plen : 32) + (size_t)len + 72;
-        uint8_t *scratch = PyMem_Malloc(scratch_len);
+        uint8_t stack[1024];  /* prior || page || padding: page sizes up to ~200 tokens fit here */
+        uint8_t *scratch = scratch_len <= sizeof stack ? stack : PyMem_Malloc(scratch_len);
         if (scratch == NULL || w_reserve(blob, (size_t)n * 32) < 0) {
-            PyMem_Free(scratch);
+            if (scratch != stack) PyMem_Free(scratch);
             if (!PyErr_Occurred()) PyErr_NoMemory();
             return -1;
         }
         uint8_t *out = blob->buf;
-        PyThreadState *ts = n >= NOGIL_PAGES ? PyEval_SaveThread() : NULL;
+        *busy = n >= NOGIL_PAGES;
+        PyThreadState *ts = *busy ? PyEval_SaveThread() : NULL;
         sha256_two(best_compress, prior, (size_t)plen, data, (size_t)len, out, scratch);
         for (Py_ssize_t i = 1; i < n; i++)
             sha256_two(best_compress, out + 32 * (i - 1), 32, data + i * len, (size_t)len, out + 32 * i, scratch);
         if (ts) PyEval_RestoreThread(ts);
-        PyMem_Free(scratch);
+        *busy = 0;
+        if (scratch != stack) PyMem_Free(scratch);
         blob->len = (size_t)n * 32;
         return 0;
     }
@@ -1213,43 +1241,59 @@ static int chain_into(PyObject *fn, const uint8_t *prior, Py_ssize_t plen, const
     return 0;
 }
 
-/* stored_chain(fn, tokens, page_size, prior, block_size, medium, group_idx, kind, window) -> bytes
+/* stored_chain(fn, dlen, tokens, page_size, parent, block_size, medium, group_idx, kind, window) -> bytes
  *
  * A new tree node's store in one call: hashes every whole page of `tokens` (fn None = SHA-256,
- * else digest_i = fn(digest_{i-1} || page_i) as call_chain), records the store with those ids,
- * the parent id read from `prior` (the parent node's last digest; None at the root: no parent)
- * and the token ids packed from the same u32 buffer the hash read, and returns the digests
- * concatenated (what the node keeps). Hashing errors are call_chain's / sha256_blob's. */
+ * else digest_i = fn(digest_{i-1} || page_i) as call_chain; `dlen` bytes a digest) chained on
+ * the last digest of `parent` (the parent node's digests; None at the root: no parent id),
+ * records the store with those ids, the parent id and the token ids packed from the same u32
+ * buffer the hash read, and returns the digests concatenated (what the node keeps). Hashing
+ * errors are call_chain's / sha256_blob's. */
 static PyObject *Batch_stored_chain(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "stored_chain takes 9 arguments");
+    BATCH_ENTER(b);
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "stored_chain takes 10 arguments");
         return NULL;
     }
     PyObject *fn = args[0];
-    Py_ssize_t page_size = PyLong_AsSsize_t(args[2]);
-    if (page_size == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t want = PyLong_AsSsize_t(args[1]), page_size = PyLong_AsSsize_t(args[3]);
+    if ((want == -1 || page_size == -1) && PyErr_Occurred()) return NULL;
+    if (want < 8 || (fn == Py_None && want != 32)) {
+        PyErr_SetString(PyExc_ValueError, "stored_chain: dlen must be 32 for SHA-256, at least 8 otherwise");
+        return NULL;
+    }
     Pages pg;
-    if (pages_from(args[1], page_size, &pg) < 0) return NULL;
+    if (pages_into(args[2], page_size, &pg, &b->u32) < 0) return NULL;
     Py_buffer pv;
-    int has_prior = prior_from(args[3], &pv);
+    int has_prior = prior_from(args[4], &pv);
     if (has_prior < 0) {
         pages_release(&pg);
         return NULL;
     }
-    Py_ssize_t n = pg.npages, plen = has_prior ? pv.len : 0, dlen = 32;
+    if (has_prior && (pv.len < want || pv.len % want)) {
+        PyErr_SetString(PyExc_ValueError, "stored_chain: the parent's digests must be whole digests");
+        PyBuffer_Release(&pv);
+        pages_release(&pg);
+        return NULL;
+    }
+    /* the parent's last digest is the chain's prior; its first 8 bytes the parent id */
+    const uint8_t *prior = has_prior ? (const uint8_t *)pv.buf + pv.len - want : NULL;
+    Py_ssize_t n = pg.npages, plen = has_prior ? want : 0, dlen = 32;
     PyObject *res = NULL;
-    Writer blob = {NULL, 0, 0};
-    if (chain_into(fn, has_prior ? pv.buf : NULL, plen, pg.data, n, 4 * page_size, &blob, &dlen) < 0) goto done;
-    res = PyBytes_FromStringAndSize((const char *)blob.buf, (Py_ssize_t)blob.len);
+    Writer *blob = &b->dig;
+    if (chain_into(fn, prior, plen, pg.data, n, 4 * page_size, blob, &dlen, &b->busy) < 0) goto done;
+    if (n > 0 && dlen != want) {
+        PyErr_SetString(PyExc_TypeError, "stored_chain: the digest function returned digests of another length");
+        goto done;
+    }
+    res = PyBytes_FromStringAndSize((const char *)blob->buf, (Py_ssize_t)blob->len);
     if (res == NULL || n == 0) goto done;
     BlockId parent, last;
-    int has_parent = plen >= 8;
-    if (has_parent) parent = id_of_digest(pv.buf);
-    if (enc_blob_ids(b, blob.buf, n, dlen, &last) < 0 || enc_u32_tokens(b, pg.data, n * page_size) < 0 ||
-        commit_store(b, has_parent ? &parent : NULL, last, args[4], args[5], args[6], args[7], args[8]) < 0)
+    if (prior != NULL) parent = id_of_digest(prior);
+    if (enc_blob_ids(b, blob->buf, n, dlen, &last) < 0 || enc_u32_tokens(b, pg.data, n * page_size) < 0 ||
+        commit_store(b, prior != NULL ? &parent : NULL, last, args[5], args[6], args[7], args[8], args[9]) < 0)
         Py_CLEAR(res);
 done:
-    PyMem_Free(blob.buf);
     if (has_prior) PyBuffer_Release(&pv);
     pages_release(&pg);
     return res;
@@ -1257,6 +1301,7 @@ done:
 
 /* take(ts, dp_rank) -> bytes: the whole batch as msgspec writes KVEventBatch, and empty again. */
 static PyObject *Batch_take(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
+    BATCH_ENTER(b);
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "take takes 2 arguments");
         return NULL;
@@ -1295,6 +1340,7 @@ static PyObject *Batch_take(BatchObject *b, PyObject *const *args, Py_ssize_t na
 }
 
 static PyObject *Batch_clear(BatchObject *b, PyObject *unused) {
+    BATCH_ENTER(b);
     b->out.len = 0;
     b->nout = 0;
     b->open = OPEN_NONE;
@@ -1318,16 +1364,15 @@ static PyObject *Batch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 static void Batch_dealloc(BatchObject *b) {
     PyTypeObject *tp = Py_TYPE(b);
     drop_keys(b);
-    Writer *ws[6] = {&b->out, &b->ids, &b->toks, &b->tail, &b->t_ids, &b->t_toks};
-    for (int i = 0; i < 6; i++) PyMem_Free(ws[i]->buf);
-    PyMem_Free(b->t_tail.buf);
+    Writer *ws[9] = {&b->out, &b->ids, &b->toks, &b->tail, &b->t_ids, &b->t_toks, &b->t_tail, &b->u32, &b->dig};
+    for (int i = 0; i < 9; i++) PyMem_Free(ws[i]->buf);
     tp->tp_free((PyObject *)b);
     Py_DECREF(tp);
 }
 
 static PyMethodDef Batch_methods[] = {
     {"stored_chain", (PyCFunction)(void (*)(void))Batch_stored_chain, METH_FASTCALL,
-     "stored_chain(fn, tokens, page_size, prior, block_size, medium, group_idx, kind, window) -> digests"},
+     "stored_chain(fn, dlen, tokens, page_size, parent, block_size, medium, group_idx, kind, window) -> digests"},
     {"stored_digests", (PyCFunction)(void (*)(void))Batch_stored_digests, METH_FASTCALL,
      "stored_digests(digests, dlen, parent, tokens, block_size, medium, group_idx, kind, window)"},
     {"stored_ids", (PyCFunction)(void (*)(void))Batch_stored_ids, METH_FASTCALL,
