@@ -95,15 +95,30 @@ static void compress_portable(uint32_t state[8], const uint8_t *data, size_t blo
     (a) = _mm_sha256msg2_epu32(_mm_add_epi32(_mm_sha256msg1_epu32((a), (b)), _mm_alignr_epi8((d), (c), 4)), (d))
 #define SHA_STEP(g, a, b, c, d) do { SHA_SCHED(a, b, c, d); SHA_RNDS4(g, a); } while (0)
 
-__attribute__((target("sha,sse4.1,ssse3")))
-static void compress_shani(uint32_t state[8], const uint8_t *data, size_t blocks) {
-    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+/* The state as (ABEF, CDGH), the form rnds2 works on, from / to eight words a..h. */
+__attribute__((target("sha,sse4.1,ssse3"), always_inline))
+static inline void shani_load(const uint32_t state[8], __m128i *s0, __m128i *s1) {
     __m128i tmp = _mm_loadu_si128((const __m128i *)&state[0]);   /* ABCD (a in the low lane) */
     __m128i st1 = _mm_loadu_si128((const __m128i *)&state[4]);   /* EFGH */
     tmp = _mm_shuffle_epi32(tmp, 0xB1);                          /* CDAB */
     st1 = _mm_shuffle_epi32(st1, 0x1B);                          /* EFGH reversed: HGFE */
-    __m128i st0 = _mm_alignr_epi8(tmp, st1, 8);                  /* ABEF */
-    st1 = _mm_blend_epi16(st1, tmp, 0xF0);                       /* CDGH */
+    *s0 = _mm_alignr_epi8(tmp, st1, 8);                          /* ABEF */
+    *s1 = _mm_blend_epi16(st1, tmp, 0xF0);                       /* CDGH */
+}
+
+/* (ABEF, CDGH) back to a..h in lane order: *lo = ABCD, *hi = EFGH. */
+__attribute__((target("sha,sse4.1,ssse3"), always_inline))
+static inline void shani_words(__m128i st0, __m128i st1, __m128i *lo, __m128i *hi) {
+    __m128i tmp = _mm_shuffle_epi32(st0, 0x1B);                  /* FEBA */
+    st1 = _mm_shuffle_epi32(st1, 0xB1);                          /* DCHG */
+    *lo = _mm_blend_epi16(tmp, st1, 0xF0);                       /* DCBA */
+    *hi = _mm_alignr_epi8(st1, tmp, 8);                          /* EFGH in memory order */
+}
+
+__attribute__((target("sha,sse4.1,ssse3"), always_inline))
+static inline void shani_blocks(__m128i *s0, __m128i *s1, const uint8_t *data, size_t blocks) {
+    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i st0 = *s0, st1 = *s1;
     while (blocks--) {
         const __m128i save0 = st0, save1 = st1;
         __m128i m0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 0)), bswap);
@@ -130,12 +145,18 @@ static void compress_shani(uint32_t state[8], const uint8_t *data, size_t blocks
         st1 = _mm_add_epi32(st1, save1);
         data += 64;
     }
-    tmp = _mm_shuffle_epi32(st0, 0x1B);                          /* FEBA */
-    st1 = _mm_shuffle_epi32(st1, 0xB1);                          /* DCHG */
-    st0 = _mm_blend_epi16(tmp, st1, 0xF0);                       /* DCBA */
-    st1 = _mm_alignr_epi8(st1, tmp, 8);                          /* EFGH in memory order */
-    _mm_storeu_si128((__m128i *)&state[0], st0);
-    _mm_storeu_si128((__m128i *)&state[4], st1);
+    *s0 = st0;
+    *s1 = st1;
+}
+
+__attribute__((target("sha,sse4.1,ssse3")))
+static void compress_shani(uint32_t state[8], const uint8_t *data, size_t blocks) {
+    __m128i st0, st1, lo, hi;
+    shani_load(state, &st0, &st1);
+    shani_blocks(&st0, &st1, data, blocks);
+    shani_words(st0, st1, &lo, &hi);
+    _mm_storeu_si128((__m128i *)&state[0], lo);
+    _mm_storeu_si128((__m128i *)&state[4], hi);
 }
 
 static int cpu_has_sha(void) {
@@ -169,6 +190,49 @@ static void sha256_two(compress_fn compress, const uint8_t *prior, size_t plen, 
         out[4 * i + 2] = (uint8_t)(st[i] >> 8);
         out[4 * i + 3] = (uint8_t)st[i];
     }
+}
+
+#ifdef HAVE_X86_SHA
+/* Pages 1..n-1 of a chain whose page 0 digest is already at out[0..32): every message is
+ * digest || page, the same length, so its padding is laid out once; the digest goes out with
+ * one byte shuffle per half instead of a byte loop. */
+__attribute__((target("sha,sse4.1,ssse3")))
+static void chain_rest_shani(const uint8_t *data, Py_ssize_t n, size_t len, uint8_t *out, uint8_t *scratch) {
+    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    size_t total = 32 + len, nblocks = (total + 9 + 63) / 64;
+    memset(scratch + total, 0, nblocks * 64 - total);
+    scratch[total] = 0x80;
+    uint64_t bits = (uint64_t)total * 8;
+    for (int i = 0; i < 8; i++) scratch[nblocks * 64 - 1 - i] = (uint8_t)(bits >> (8 * i));
+    __m128i init0, init1;
+    shani_load(H0, &init0, &init1);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        memcpy(scratch, out + 32 * (i - 1), 32);
+        memcpy(scratch + 32, data + (size_t)i * len, len);
+        __m128i st0 = init0, st1 = init1, lo, hi;
+        shani_blocks(&st0, &st1, scratch, nblocks);
+        shani_words(st0, st1, &lo, &hi);
+        _mm_storeu_si128((__m128i *)(out + 32 * i), _mm_shuffle_epi8(lo, bswap));
+        _mm_storeu_si128((__m128i *)(out + 32 * i + 16), _mm_shuffle_epi8(hi, bswap));
+    }
+}
+#endif
+
+/* The chain's n digests into `out` (32 bytes each): page i (len bytes at data + i * len) chained
+ * on the previous digest, page 0 on `prior` (plen bytes, 0 = none). `scratch` holds
+ * max(plen, 32) + len + 72 bytes. */
+static void sha256_pages(compress_fn compress, const uint8_t *prior, size_t plen, const uint8_t *data, Py_ssize_t n,
+                         size_t len, uint8_t *out, uint8_t *scratch) {
+    if (n <= 0) return;
+    sha256_two(compress, prior, plen, data, len, out, scratch);
+#ifdef HAVE_X86_SHA
+    if (compress == compress_shani) {
+        chain_rest_shani(data, n, len, out, scratch);
+        return;
+    }
+#endif
+    for (Py_ssize_t i = 1; i < n; i++)
+        sha256_two(compress, out + 32 * (i - 1), 32, data + (size_t)i * len, len, out + 32 * i, scratch);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -270,6 +334,10 @@ static int pages_into(PyObject *tokens, Py_ssize_t page_size, Pages *out, Writer
     for (Py_ssize_t i = 0; i < nt; i++) {
         PyObject *o = items[i];
         unsigned long v;
+#if defined(__GNUC__)
+        /* the int objects are scattered on the heap: ask for one a few steps ahead */
+        if (i + 8 < nt) __builtin_prefetch(items[i + 8]);
+#endif
         if (small_nonneg(o, &v)) {
             /* v < 2^30: fits u32 */
         } else if (PyLong_Check(o)) {
@@ -372,9 +440,7 @@ static PyObject *sha256_chain_impl(PyObject *args, PyObject *kwargs, compress_fn
     if (n > 0) {
         const uint8_t *pr = has_prior ? pv.buf : NULL;
         PyThreadState *ts = n >= NOGIL_PAGES ? PyEval_SaveThread() : NULL;
-        sha256_two(compress, pr, (size_t)plen, pg.data, (size_t)len, out, scratch);
-        for (Py_ssize_t i = 1; i < n; i++)
-            sha256_two(compress, out + 32 * (i - 1), 32, pg.data + i * len, (size_t)len, out + 32 * i, scratch);
+        sha256_pages(compress, pr, (size_t)plen, pg.data, n, (size_t)len, out, scratch);
         if (ts) PyEval_RestoreThread(ts);
     }
     res = blob ? PyBytes_FromStringAndSize((const char *)out, n * 32) : build_result(out, n, 32);
@@ -852,8 +918,9 @@ typedef struct {
     Py_ssize_t t_nids, t_ntoks;
 } BatchObject;
 
-/* The batch's buffers are in use while a big insert is hashed without the GIL: a second thread
- * using the same batch gets an error, not a buffer freed under the hash. */
+/* The batch's buffers are in use while a chain is hashed (a big one without the GIL, or calling a
+ * Python digest function): another thread, or `fn` itself, using the same batch then gets an
+ * error, not a buffer freed under the hash. */
 #define BATCH_ENTER(b) do { if ((b)->busy) { \
         PyErr_SetString(PyExc_RuntimeError, "Batch used from two threads at once"); return NULL; } } while (0)
 
@@ -1192,7 +1259,7 @@ static PyObject *Batch_cleared(BatchObject *b, PyObject *unused) {
 /* The chain's digests (one call of `fn` per page, or SHA-256 here when fn is None) into `blob`:
  * `n` pages of `len` bytes at `data`, chained on `prior` (plen bytes, 0 = none). *dlen is set. */
 static int chain_into(PyObject *fn, const uint8_t *prior, Py_ssize_t plen, const uint8_t *data, Py_ssize_t n,
-                      Py_ssize_t len, Writer *blob, Py_ssize_t *dlen, int *busy) {
+                      Py_ssize_t len, Writer *blob, Py_ssize_t *dlen) {
     blob->len = 0;
     if (fn == Py_None) {
         *dlen = 32;
@@ -1205,13 +1272,9 @@ static int chain_into(PyObject *fn, const uint8_t *prior, Py_ssize_t plen, const
             return -1;
         }
         uint8_t *out = blob->buf;
-        *busy = n >= NOGIL_PAGES;
-        PyThreadState *ts = *busy ? PyEval_SaveThread() : NULL;
-        sha256_two(best_compress, prior, (size_t)plen, data, (size_t)len, out, scratch);
-        for (Py_ssize_t i = 1; i < n; i++)
-            sha256_two(best_compress, out + 32 * (i - 1), 32, data + i * len, (size_t)len, out + 32 * i, scratch);
+        PyThreadState *ts = n >= NOGIL_PAGES ? PyEval_SaveThread() : NULL;
+        sha256_pages(best_compress, prior, (size_t)plen, data, n, (size_t)len, out, scratch);
         if (ts) PyEval_RestoreThread(ts);
-        *busy = 0;
         if (scratch != stack) PyMem_Free(scratch);
         blob->len = (size_t)n * 32;
         return 0;
@@ -1281,7 +1344,10 @@ static PyObject *Batch_stored_chain(BatchObject *b, PyObject *const *args, Py_ss
     Py_ssize_t n = pg.npages, plen = has_prior ? want : 0, dlen = 32;
     PyObject *res = NULL;
     Writer *blob = &b->dig;
-    if (chain_into(fn, prior, plen, pg.data, n, 4 * page_size, blob, &dlen, &b->busy) < 0) goto done;
+    b->busy = 1;  /* the page buffer is read while the GIL may be released or `fn` runs */
+    int hashed = chain_into(fn, prior, plen, pg.data, n, 4 * page_size, blob, &dlen);
+    b->busy = 0;
+    if (hashed < 0) goto done;
     if (n > 0 && dlen != want) {
         PyErr_SetString(PyExc_TypeError, "stored_chain: the digest function returned digests of another length");
         goto done;
