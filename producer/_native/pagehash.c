@@ -115,38 +115,38 @@ static inline void shani_words(__m128i st0, __m128i st1, __m128i *lo, __m128i *h
     *hi = _mm_alignr_epi8(st1, tmp, 8);                          /* EFGH in memory order */
 }
 
+/* One 64-byte block given as its four message registers (words in lane order). */
+__attribute__((target("sha,sse4.1,ssse3"), always_inline))
+static inline void shani_block(__m128i *s0, __m128i *s1, __m128i m0, __m128i m1, __m128i m2, __m128i m3) {
+    __m128i st0 = *s0, st1 = *s1;
+    const __m128i save0 = st0, save1 = st1;
+    SHA_RNDS4(0, m0);
+    SHA_RNDS4(1, m1);
+    SHA_RNDS4(2, m2);
+    SHA_RNDS4(3, m3);
+    SHA_STEP(4, m0, m1, m2, m3);
+    SHA_STEP(5, m1, m2, m3, m0);
+    SHA_STEP(6, m2, m3, m0, m1);
+    SHA_STEP(7, m3, m0, m1, m2);
+    SHA_STEP(8, m0, m1, m2, m3);
+    SHA_STEP(9, m1, m2, m3, m0);
+    SHA_STEP(10, m2, m3, m0, m1);
+    SHA_STEP(11, m3, m0, m1, m2);
+    SHA_STEP(12, m0, m1, m2, m3);
+    SHA_STEP(13, m1, m2, m3, m0);
+    SHA_STEP(14, m2, m3, m0, m1);
+    SHA_STEP(15, m3, m0, m1, m2);
+    *s0 = _mm_add_epi32(st0, save0);
+    *s1 = _mm_add_epi32(st1, save1);
+}
+
+#define BSWAP32X4 _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL)
+#define LOAD_BE(p) _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p)), BSWAP32X4)
+
 __attribute__((target("sha,sse4.1,ssse3"), always_inline))
 static inline void shani_blocks(__m128i *s0, __m128i *s1, const uint8_t *data, size_t blocks) {
-    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
-    __m128i st0 = *s0, st1 = *s1;
-    while (blocks--) {
-        const __m128i save0 = st0, save1 = st1;
-        __m128i m0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 0)), bswap);
-        __m128i m1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 16)), bswap);
-        __m128i m2 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 32)), bswap);
-        __m128i m3 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 48)), bswap);
-        SHA_RNDS4(0, m0);
-        SHA_RNDS4(1, m1);
-        SHA_RNDS4(2, m2);
-        SHA_RNDS4(3, m3);
-        SHA_STEP(4, m0, m1, m2, m3);
-        SHA_STEP(5, m1, m2, m3, m0);
-        SHA_STEP(6, m2, m3, m0, m1);
-        SHA_STEP(7, m3, m0, m1, m2);
-        SHA_STEP(8, m0, m1, m2, m3);
-        SHA_STEP(9, m1, m2, m3, m0);
-        SHA_STEP(10, m2, m3, m0, m1);
-        SHA_STEP(11, m3, m0, m1, m2);
-        SHA_STEP(12, m0, m1, m2, m3);
-        SHA_STEP(13, m1, m2, m3, m0);
-        SHA_STEP(14, m2, m3, m0, m1);
-        SHA_STEP(15, m3, m0, m1, m2);
-        st0 = _mm_add_epi32(st0, save0);
-        st1 = _mm_add_epi32(st1, save1);
-        data += 64;
-    }
-    *s0 = st0;
-    *s1 = st1;
+    for (; blocks--; data += 64)
+        shani_block(s0, s1, LOAD_BE(data), LOAD_BE(data + 16), LOAD_BE(data + 32), LOAD_BE(data + 48));
 }
 
 __attribute__((target("sha,sse4.1,ssse3")))
@@ -198,7 +198,7 @@ static void sha256_two(compress_fn compress, const uint8_t *prior, size_t plen, 
  * one byte shuffle per half instead of a byte loop. */
 __attribute__((target("sha,sse4.1,ssse3")))
 static void chain_rest_shani(const uint8_t *data, Py_ssize_t n, size_t len, uint8_t *out, uint8_t *scratch) {
-    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    const __m128i bswap = BSWAP32X4;
     size_t total = 32 + len, nblocks = (total + 9 + 63) / 64;
     memset(scratch + total, 0, nblocks * 64 - total);
     scratch[total] = 0x80;
@@ -218,6 +218,27 @@ static void chain_rest_shani(const uint8_t *data, Py_ssize_t n, size_t len, uint
 }
 #endif
 
+/* chain_rest_shani for 64-byte pages (page size 16, the common case): digest || page is two
+ * blocks, built in registers: the previous digest's words are the first block's first half, the
+ * second block ends in constant padding (96 bytes = 768 bits). Nothing goes through memory but
+ * the page and the digest written out. */
+__attribute__((target("sha,sse4.1,ssse3")))
+static void chain_rest_shani64(const uint8_t *data, Py_ssize_t n, uint8_t *out) {
+    const __m128i bswap = BSWAP32X4;
+    const __m128i pad0 = _mm_set_epi32(0, 0, 0, (int)0x80000000u), pad1 = _mm_set_epi32(768, 0, 0, 0);
+    __m128i init0, init1, lo = LOAD_BE(out), hi = LOAD_BE(out + 16);
+    shani_load(H0, &init0, &init1);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        const uint8_t *p = data + 64 * (size_t)i;
+        __m128i st0 = init0, st1 = init1;
+        shani_block(&st0, &st1, lo, hi, LOAD_BE(p), LOAD_BE(p + 16));
+        shani_block(&st0, &st1, LOAD_BE(p + 32), LOAD_BE(p + 48), pad0, pad1);
+        shani_words(st0, st1, &lo, &hi);
+        _mm_storeu_si128((__m128i *)(out + 32 * i), _mm_shuffle_epi8(lo, bswap));
+        _mm_storeu_si128((__m128i *)(out + 32 * i + 16), _mm_shuffle_epi8(hi, bswap));
+    }
+}
+
 /* The chain's n digests into `out` (32 bytes each): page i (len bytes at data + i * len) chained
  * on the previous digest, page 0 on `prior` (plen bytes, 0 = none). `scratch` holds
  * max(plen, 32) + len + 72 bytes. */
@@ -227,7 +248,10 @@ static void sha256_pages(compress_fn compress, const uint8_t *prior, size_t plen
     sha256_two(compress, prior, plen, data, len, out, scratch);
 #ifdef HAVE_X86_SHA
     if (compress == compress_shani) {
-        chain_rest_shani(data, n, len, out, scratch);
+        if (len == 64)
+            chain_rest_shani64(data, n, out);
+        else
+            chain_rest_shani(data, n, len, out, scratch);
         return;
     }
 #endif
