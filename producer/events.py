@@ -159,7 +159,7 @@ class EventRecorder:
     """Buffers events between flushes. `enabled=False` makes every call a no-op (and lets the
     cache skip hashing); a recorder without a sink just drops what it would send."""
 
-    __slots__ = ("sink", "enabled", "dp_rank", "names", "heartbeat_interval_s", "_encode", "_batch", "_ask",
+    __slots__ = ("sink", "enabled", "dp_rank", "names", "heartbeat_interval_s", "_encode", "_batch", "batch", "_ask",
                  "_pending", "_last_sent", "events_emitted", "batches_sent", "heartbeats_sent")
 
     def __init__(self, sink: EventSink | None = None, *, enabled: bool = True, dp_rank: int | None = None,
@@ -182,7 +182,10 @@ class EventRecorder:
         # For such a sink the pending events live in the helper's `Batch`, encoded as they are
         # recorded (one C call per event, a memcpy per flush). `_pending` (Python records) takes
         # over until the next flush when the batch declines a value, and serves every other sink.
+        # `batch` is the Batch while it is the one recording (None otherwise): a cache may record
+        # into it directly (producer.hicache), falling back to these methods if it raises.
         self._batch: Any = mod.Batch() if encodes and enabled else None
+        self.batch: Any = self._batch
         # A sink that says it never asks for a snapshot (`asks_snapshots = False`) is not polled.
         self._ask: Callable[[], bool] | None = (getattr(sink, "snapshot_requested", None)
                                                 if enabled and getattr(sink, "asks_snapshots", True) else None)
@@ -201,8 +204,8 @@ class EventRecorder:
         tuple as given (the tree's keys), anything else copied."""
         if not self.enabled or not ids:
             return
-        b = self._batch
-        if b is not None and not self._pending:
+        b = self.batch
+        if b is not None:
             try:
                 b.stored_ids(ids, parent_id, tokens, block_size, self.names[medium], group_idx, kind, window)
                 return
@@ -225,8 +228,8 @@ class EventRecorder:
         are read only when the batch is built (docs/producer-events.md)."""
         if not self.enabled or not digests:
             return
-        b = self._batch
-        if b is not None and not self._pending:
+        b = self.batch
+        if b is not None:
             try:
                 b.stored_digests(digests, dlen, parent_id, tokens, block_size, self.names[medium], group_idx, kind,
                                  window)
@@ -245,27 +248,10 @@ class EventRecorder:
                                     [tokens if type(tokens) is tuple else tuple(tokens)], block_size,
                                     name, group_idx, kind, window))
 
-    def stored_chain(self, digest: Callable[[bytes], bytes] | None, dlen: int, tokens: tuple[int, ...],
-                     page_size: int, parent: bytes | None, medium: Medium, *, group_idx: int | None = None,
-                     kind: str | None = None, window: int | None = None) -> bytes | None:
-        """A new tree node's store, hashed and recorded in one native call (`Batch.stored_chain`):
-        the chain of `tokens`' whole pages (`digest` per page, None = SHA-256; `dlen` bytes each)
-        on the last digest of `parent` (the parent node's digests, None at the root; the parent id
-        is read from it). Returns the node's digests, or None when this recorder cannot (no native
-        batch, or a value it declines): the caller then hashes as usual and calls
-        `stored_digests`, which raises any hashing error as before."""
-        b = self._batch
-        if b is None or self._pending:
-            return None
-        try:
-            return b.stored_chain(digest, dlen, tokens, page_size, parent, page_size, self.names[medium], group_idx,
-                                  kind, window)
-        except (TypeError, OverflowError, ValueError):
-            return None
-
     def _demote(self) -> None:
-        """Move what the native batch holds to Python records (kept until the next flush)."""
+        """Move what the native batch holds to Python records, which record until the next flush."""
         b = self._batch
+        self.batch = None
         if len(b):
             self._pending = _records_of(b.take(0.0, None))
 
@@ -285,8 +271,8 @@ class EventRecorder:
     def removed(self, ids: Sequence[int], medium: Medium, *, group_idx: int | None = None) -> None:
         if not self.enabled or not ids:
             return
-        b = self._batch
-        if b is not None and not self._pending:
+        b = self.batch
+        if b is not None:
             try:
                 b.removed_ids(ids, self.names[medium], group_idx)
                 return
@@ -305,8 +291,8 @@ class EventRecorder:
         """`removed` with the ids given as a tree node's digests (see `stored_digests`)."""
         if not self.enabled or not digests:
             return
-        b = self._batch
-        if b is not None and not self._pending:
+        b = self.batch
+        if b is not None:
             try:
                 b.removed_digests(digests, dlen, self.names[medium], group_idx)
                 return
@@ -326,8 +312,8 @@ class EventRecorder:
             return
         # Everything before a clear is moot for a consumer that applies the batch in order,
         # but it is kept: the batch must describe what happened, not a summary of it.
-        if self._batch is not None and not self._pending:
-            self._batch.cleared()
+        if self.batch is not None:
+            self.batch.cleared()
         else:
             self._pending.append(_Cleared())
 
@@ -344,8 +330,8 @@ class EventRecorder:
     def flush(self, now: float) -> int:
         """Send buffered events as one batch; if none and the sink has been idle for the
         heartbeat interval, send an empty batch. Returns the number of events sent."""
-        b = self._batch
-        if b is not None and not self._pending:
+        b = self.batch
+        if b is not None:
             n = len(b)
             if n:  # (a native batch implies an enabled recorder with a sink)
                 sink = self.sink
@@ -359,6 +345,7 @@ class EventRecorder:
             return 0
         if self._pending:
             pending, self._pending = self._pending, []
+            self.batch = self._batch  # the native batch (emptied by _demote) records again
             self._send(pending)
             self._last_sent = now
             self.events_emitted += len(pending)

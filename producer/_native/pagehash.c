@@ -1328,31 +1328,33 @@ static int chain_into(PyObject *fn, const uint8_t *prior, Py_ssize_t plen, const
     return 0;
 }
 
-/* stored_chain(fn, dlen, tokens, page_size, parent, block_size, medium, group_idx, kind, window) -> bytes
+/* stored_chain(tokens, parent, spec) -> bytes,
+ *   spec = (fn, dlen, page_size, block_size, medium, group_idx, kind, window)
  *
  * A new tree node's store in one call: hashes every whole page of `tokens` (fn None = SHA-256,
  * else digest_i = fn(digest_{i-1} || page_i) as call_chain; `dlen` bytes a digest) chained on
  * the last digest of `parent` (the parent node's digests; None at the root: no parent id),
  * records the store with those ids, the parent id and the token ids packed from the same u32
- * buffer the hash read, and returns the digests concatenated (what the node keeps). Hashing
- * errors are call_chain's / sha256_blob's. */
+ * buffer the hash read, and returns the digests concatenated (what the node keeps). `spec` is
+ * one tuple a cache builds once per tier. Hashing errors are call_chain's / sha256_blob's. */
 static PyObject *Batch_stored_chain(BatchObject *b, PyObject *const *args, Py_ssize_t nargs) {
     BATCH_ENTER(b);
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "stored_chain takes 10 arguments");
+    if (nargs != 3 || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != 8) {
+        PyErr_SetString(PyExc_TypeError, "stored_chain(tokens, parent, spec): spec is a tuple of 8");
         return NULL;
     }
-    PyObject *fn = args[0];
-    Py_ssize_t want = PyLong_AsSsize_t(args[1]), page_size = PyLong_AsSsize_t(args[3]);
+    PyObject *const *sp = &PyTuple_GET_ITEM(args[2], 0);
+    PyObject *fn = sp[0];
+    Py_ssize_t want = PyLong_AsSsize_t(sp[1]), page_size = PyLong_AsSsize_t(sp[2]);
     if ((want == -1 || page_size == -1) && PyErr_Occurred()) return NULL;
     if (want < 8 || (fn == Py_None && want != 32)) {
         PyErr_SetString(PyExc_ValueError, "stored_chain: dlen must be 32 for SHA-256, at least 8 otherwise");
         return NULL;
     }
     Pages pg;
-    if (pages_into(args[2], page_size, &pg, &b->u32) < 0) return NULL;
+    if (pages_into(args[0], page_size, &pg, &b->u32) < 0) return NULL;
     Py_buffer pv;
-    int has_prior = prior_from(args[4], &pv);
+    int has_prior = prior_from(args[1], &pv);
     if (has_prior < 0) {
         pages_release(&pg);
         return NULL;
@@ -1381,7 +1383,7 @@ static PyObject *Batch_stored_chain(BatchObject *b, PyObject *const *args, Py_ss
     BlockId parent, last;
     if (prior != NULL) parent = id_of_digest(prior);
     if (enc_blob_ids(b, blob->buf, n, dlen, &last) < 0 || enc_u32_tokens(b, pg.data, n * page_size) < 0 ||
-        commit_store(b, prior != NULL ? &parent : NULL, last, args[5], args[6], args[7], args[8], args[9]) < 0)
+        commit_store(b, prior != NULL ? &parent : NULL, last, sp[3], sp[4], sp[5], sp[6], sp[7]) < 0)
         Py_CLEAR(res);
 done:
     if (has_prior) PyBuffer_Release(&pv);
@@ -1462,7 +1464,7 @@ static void Batch_dealloc(BatchObject *b) {
 
 static PyMethodDef Batch_methods[] = {
     {"stored_chain", (PyCFunction)(void (*)(void))Batch_stored_chain, METH_FASTCALL,
-     "stored_chain(fn, dlen, tokens, page_size, parent, block_size, medium, group_idx, kind, window) -> digests"},
+     "stored_chain(tokens, parent, (fn, dlen, page_size, block_size, medium, group_idx, kind, window)) -> digests"},
     {"stored_digests", (PyCFunction)(void (*)(void))Batch_stored_digests, METH_FASTCALL,
      "stored_digests(digests, dlen, parent, tokens, block_size, medium, group_idx, kind, window)"},
     {"stored_ids", (PyCFunction)(void (*)(void))Batch_stored_ids, METH_FASTCALL,
