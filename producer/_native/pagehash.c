@@ -1047,10 +1047,28 @@ done:
 /* Token ids already read as u32 little-endian (the hash's page buffer) into t_toks. */
 static int enc_u32_tokens(BatchObject *b, const uint8_t *p, Py_ssize_t n) {
     b->t_toks.len = 0;
-    if (w_reserve(&b->t_toks, 5 * (size_t)n) < 0) return -1;
+    if (w_reserve(&b->t_toks, 5 * (size_t)n + 4) < 0) return -1;  /* + 4: the widened stores below */
     uint8_t *q = b->t_toks.buf;
-    for (Py_ssize_t i = 0; i < n; i++, p += 4)
-        q = mp_write_u64(q, (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16) | ((uint64_t)p[3] << 24));
+    for (Py_ssize_t i = 0; i < n; i++, p += 4) {
+        uint32_t v = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        /* msgspec's widths, each written with one store (most token ids take uint16: 0xcd hi lo) */
+        if (v >= 256 && v < 65536) {
+            uint32_t w = 0xcdu | ((v >> 8) << 8) | ((v & 0xffu) << 16);
+            memcpy(q, &w, 4);
+            q += 3;
+        } else if (v >= 65536) {
+            uint32_t be = ((v >> 24) & 0xffu) | ((v >> 8) & 0xff00u) | ((v << 8) & 0xff0000u) | (v << 24);
+            q[0] = 0xce;
+            memcpy(q + 1, &be, 4);
+            q += 5;
+        } else {
+            q = mp_write_u64(q, v);
+        }
+#else
+        q = mp_write_u64(q, v);
+#endif
+    }
     b->t_toks.len = (size_t)(q - b->t_toks.buf);
     b->t_ntoks = n;
     return 0;
