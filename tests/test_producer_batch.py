@@ -64,17 +64,27 @@ def operations(draw: st.DrawFn) -> list[tuple]:
     they coalesce), removals, clears, flushes; now and then a value the batch declines."""
     ops: list[tuple] = []
     last: list[int] = []
+    prev = (1, Medium.GPU, None, None, None)  # the previous store's page size, medium, group, kind, window
     for _ in range(draw(st.integers(0, 14))):
         k = draw(st.sampled_from(["stored", "stored", "stored_digests", "stored_digests", "removed",
                                   "removed_digests", "cleared", "flush"]))
         if k in ("stored", "stored_digests"):
+            # Mostly the previous store's fields (so a continued chain coalesces), with one of
+            # them changed now and then (so it must not).
+            fields = list(prev)
+            if draw(st.booleans()):
+                fields = [draw(st.sampled_from([1, 2, 4])), draw(medium), draw(group), draw(kind), draw(window)]
+            else:
+                i = draw(st.integers(0, 9))
+                if i < 5:
+                    fields[i] = draw([st.sampled_from([1, 2, 4]), medium, group, kind, window][i])
+            prev = tuple(fields)
+            page, extra = fields[0], tuple(fields[1:])
             n = draw(st.integers(1, 4))
-            page = draw(st.sampled_from([1, 2, 4]))
             toks = draw(st.lists(token, min_size=n * page, max_size=n * page))
             if draw(st.integers(0, 30)) == 0:
                 toks[0] = True  # a bool: the batch declines it, msgspec writes `true`
-            parent = draw(st.one_of(st.none(), block_id, st.sampled_from(last[-1:] or [None])))
-            extra = (draw(medium), draw(group), draw(kind), draw(window))
+            parent = draw(st.one_of(st.sampled_from(last[-1:] or [None]), st.none(), block_id))
             if k == "stored":
                 ids = draw(st.lists(block_id, min_size=n, max_size=n))
                 ops.append((k, ids, parent, tuple(toks), page, *extra))
