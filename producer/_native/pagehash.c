@@ -952,9 +952,20 @@ static uint8_t *id_write(uint8_t *q, BlockId id) {
     return id.hi ? mp_write_i64(q, (int64_t)id.v) : mp_write_u64(q, id.v);
 }
 
-static BlockId id_of_digest(const uint8_t *d) {
+static inline uint64_t load_be64(const uint8_t *d) {
+#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t u;
+    memcpy(&u, d, 8);
+    return __builtin_bswap64(u);
+#else
     uint64_t u = 0;
     for (int j = 0; j < 8; j++) u = (u << 8) | d[j];
+    return u;
+#endif
+}
+
+static BlockId id_of_digest(const uint8_t *d) {
+    uint64_t u = load_be64(d);
     BlockId id = {u, (int64_t)u < 0 ? -1 : 0};
     return id;
 }
@@ -996,7 +1007,14 @@ static int enc_blob_ids(BatchObject *b, const uint8_t *d, Py_ssize_t n, Py_ssize
     uint8_t *q = b->t_ids.buf;
     for (Py_ssize_t k = 0; k < n; k++, d += dlen) {
         *last = id_of_digest(d);
-        q = id_write(q, *last);
+        int64_t x = (int64_t)last->v;
+        if (x >= 4294967296LL || x < -2147483648LL) {  /* nearly every hash id: the 9-byte forms */
+            *q = x < 0 ? 0xd3 : 0xcf;
+            memcpy(q + 1, d, 8);  /* the digest's first 8 bytes are the id, big-endian already */
+            q += 9;
+        } else {
+            q = id_write(q, *last);
+        }
     }
     b->t_ids.len = (size_t)(q - b->t_ids.buf);
     b->t_nids = n;
