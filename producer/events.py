@@ -340,12 +340,12 @@ class EventRecorder:
                 self.events_emitted += n
                 self.batches_sent += 1
                 return n
+        self.batch = self._batch  # after a demotion (_demote): the native batch records again
         if not self.enabled or self.sink is None:
             self._pending.clear()
             return 0
         if self._pending:
             pending, self._pending = self._pending, []
-            self.batch = self._batch  # the native batch (emptied by _demote) records again
             self._send(pending)
             self._last_sent = now
             self.events_emitted += len(pending)

@@ -168,7 +168,7 @@ class TieredCache:
                               chain=page_hash_chain(config.page_hash),
                               chain_blob=page_hash_chain_blob(config.page_hash),
                               digest_len=DIGEST_LEN[config.page_hash])
-        # Whether a new node's hashing and store can be one native call (recorder.stored_chain).
+        # Whether a new node's hashing and store can be one native call (`Batch.stored_chain`).
         fused, digest_fn = fused_digest(config.page_hash)
         self._fused = fused
         # `Batch.stored_chain`'s per-tier arguments (the recorder is fixed at construction).

@@ -6,7 +6,10 @@
  *
  * SHA-256 is implemented here from FIPS 180-4 so the module builds with gcc and Python headers
  * only (no libssl-dev). On x86-64 with the SHA extensions the compression function uses them
- * (chosen once at import via cpuid); everywhere else the portable C version runs.
+ * (chosen once at import via cpuid); everywhere else the portable C version runs. A chain's pages
+ * after the first are hashed with the message padding laid out once, and 64-byte pages (page
+ * size 16) with the whole message in registers: the chain is serial, so per-page overhead is
+ * what there is to save (~110 -> ~74 ns a page on the bench machine).
  *
  *   sha256_chain(tokens, page_size, prior=None) -> (list[bytes], list[int])
  *   sha256_chain_portable(...)                  -> same, never the SHA-extension path (tests)
@@ -14,6 +17,10 @@
  *   ids_of(digests, dlen)                       -> list[int], the event ids of concatenated digests
  *   call_chain(fn, tokens, page_size, prior=None) -> same, digest = fn(prior || page) (xxh3 etc.)
  *   encode_batch(ts, records, dp_rank, store_t, removed_t, cleared_t) -> bytes, a whole batch
+ *   Batch()                                     -> the recorder's pending events, encoded as recorded:
+ *       .stored_chain(tokens, parent, spec) -> bytes: hash a new node's pages and record its store
+ *       .stored_digests / .stored_ids / .removed_digests / .removed_ids / .cleared: one event each
+ *       .take(ts, dp_rank) -> bytes: the msgpack KVEventBatch; len(batch): events pending
  *   SHA_EXTENSIONS: bool                        -> whether sha256_chain uses the CPU's SHA unit
  *
  * `tokens`: a tuple/list of ints (each must fit u32: OverflowError otherwise, TypeError for
