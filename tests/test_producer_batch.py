@@ -139,22 +139,52 @@ def test_native_batch_bytes_equal_python_records(ops: list[tuple]) -> None:
     assert _play(ops, True) == _play(ops, False)
 
 
+# How stored_chain is told the page digest: SHA-256 and XXH3-128 built in, or any function.
+DIGESTS = {"sha256": None, "xxh3": "xxh3", "xxh3-call": xxhash.xxh3_128_digest}
+
+
 def _spec(name: str, page: int, medium: str = "GPU", group_idx=None, kind=None, window=None) -> tuple:  # noqa: ANN001
-    return (None if name == "sha256" else xxhash.xxh3_128_digest, ph.DIGEST_LEN[name], page, page, medium,
-            group_idx, kind, window)
+    return (DIGESTS[name], ph.DIGEST_LEN[name.split("-")[0]], page, page, medium, group_idx, kind, window)
 
 
-@pytest.mark.parametrize("name", ["sha256", "xxh3"])
+_XXH3_LENGTHS = [0, 1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 80, 96, 97, 127, 128, 129, 159, 160, 161,
+                 191, 192, 239, 240, 241, 255, 256, 1023, 1024, 1025, 1088, 2047, 2048, 4096, 10000]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(st.binary(max_size=300), st.binary(min_size=300, max_size=5000),
+                 st.sampled_from(_XXH3_LENGTHS).map(lambda n: bytes(range(256)) * (n // 256) + bytes(range(n % 256)))))
+def test_builtin_xxh3_equals_xxhash(data: bytes) -> None:
+    """The helper's own XXH3-128 (every length class: 0, 1-3, 4-8, 9-16, 17-128, 129-240, long
+    with whole and partial stripes and blocks) against the xxhash package."""
+    assert _mod().xxh3_128(data) == xxhash.xxh3_128_digest(data)
+
+
+def test_builtin_xxh3_chain_equals_reference() -> None:
+    mod = _mod()
+    rng = random.Random(5)
+    for _ in range(200):
+        page = rng.choice([1, 2, 3, 4, 16, 28, 29, 56, 57, 64, 300])
+        toks = [rng.randrange(2**32) for _ in range(page * rng.randrange(0, 12) + rng.randrange(page))]
+        prior = rng.choice([None, b"", rng.randbytes(16), rng.randbytes(5)])
+        want = ph.py_xxh3_ids(toks, page, prior)
+        assert mod.xxh3_blob(toks, page, prior) == b"".join(want[0])
+        assert ph.page_hash_chain_ids("xxh3", native=True)(toks, page, prior) == want
+    with pytest.raises(OverflowError):
+        mod.xxh3_blob([1, 2**32], 1)
+
+
+@pytest.mark.parametrize("name", ["sha256", "xxh3", "xxh3-call"])
 def test_stored_chain_equals_hash_then_store(name: str) -> None:
     """`Batch.stored_chain` returns the reference chain's digests and records the store that
     hashing first and recording the digests gives: every page size (64-byte pages take their own
     SHA path), parents of one or several digests, token ids of every width."""
     mod = _mod()
     ref = ph.py_sha256_ids if name == "sha256" else ph.py_xxh3_ids
-    dlen = ph.DIGEST_LEN[name]
+    dlen = ph.DIGEST_LEN[name.split("-")[0]]
     rng = random.Random(7)
     for _ in range(300):
-        page = rng.choice([1, 2, 3, 7, 15, 16, 17, 32, 64])
+        page = rng.choice([1, 2, 3, 7, 15, 16, 17, 32, 56, 57, 64])
         toks = tuple(rng.choice(_EDGES) if rng.random() < 0.3 else rng.randrange(2**32)
                      for _ in range(page * rng.randrange(1, 30)))
         parent = rng.choice([None, rng.randbytes(dlen), rng.randbytes(3 * dlen)])
@@ -215,6 +245,8 @@ def test_stored_chain_errors_leave_the_batch_as_it_was() -> None:
         b.stored_chain((1, 2, 3, 4), bytes(31), spec)      # not whole digests
     with pytest.raises(ValueError):
         b.stored_chain((1, 2, 3, 4), None, (None, 16, 4, 4, "GPU", None, None, None))  # SHA-256 is 32 bytes
+    with pytest.raises(ValueError):
+        b.stored_chain((1, 2, 3, 4), None, ("xxh3", 32, 4, 4, "GPU", None, None, None))  # XXH3-128 is 16
     with pytest.raises(TypeError):
         b.stored_chain((1, 2, 3, 4), None, (lambda m: b"short", 8, 4, 4, "GPU", None, None, None))
     with pytest.raises(TypeError):

@@ -16,6 +16,8 @@
  *   sha256_blob(tokens, page_size, prior=None)  -> bytes, the digests concatenated (the tree keeps this)
  *   ids_of(digests, dlen)                       -> list[int], the event ids of concatenated digests
  *   call_chain(fn, tokens, page_size, prior=None) -> same, digest = fn(prior || page) (xxh3 etc.)
+ *   xxh3_blob(tokens, page_size, prior=None)    -> bytes, the XXH3-128 chain's digests (built in, no call a page)
+ *   xxh3_128(data)                              -> bytes, XXH3-128 of one buffer (tests)
  *   encode_batch(ts, records, dp_rank, store_t, removed_t, cleared_t) -> bytes, a whole batch
  *   Batch()                                     -> the recorder's pending events, encoded as recorded:
  *       .stored_chain(tokens, parent, spec) -> bytes: hash a new node's pages and record its store
@@ -267,6 +269,226 @@ static void sha256_pages(compress_fn compress, const uint8_t *prior, size_t plen
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * XXH3-128 (seed 0, the default secret): the `xxh3` page hash without a Python call per page.
+ * Written from the xxHash specification (doc/xxhash_spec.md, v0.8); every length class is here,
+ * and tests compare it with the `xxhash` package's xxh3_128_digest over lengths 0..2000+. The
+ * digest is the canonical form xxh3_128_digest returns: high 64 bits big-endian, then the low.
+ */
+
+static const uint8_t XXH3_SECRET[192] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
+    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
+    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+};
+
+#define XP32_1 0x9E3779B1ULL
+#define XP32_2 0x85EBCA77ULL
+#define XP32_3 0xC2B2AE3DULL
+#define XP64_1 0x9E3779B185EBCA87ULL
+#define XP64_2 0xC2B2AE3D27D4EB4FULL
+#define XP64_3 0x165667B19E3779F9ULL
+#define XP64_4 0x85EBCA77C2B2AE63ULL
+#define XP64_5 0x27D4EB2F165667C5ULL
+#define XMX_1 0x165667919E3779F9ULL
+#define XMX_2 0x9FB21C651E98DF25ULL
+
+typedef struct {
+    uint64_t lo, hi;
+} U128;
+
+static inline uint64_t rd64(const uint8_t *p) {  /* little-endian */
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+static inline uint32_t rd32(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+static inline U128 mul128(uint64_t a, uint64_t b) {
+    U128 r;
+#if defined(__SIZEOF_INT128__)
+    unsigned __int128 p = (unsigned __int128)a * b;
+    r.lo = (uint64_t)p;
+    r.hi = (uint64_t)(p >> 64);
+#else
+    uint64_t al = a & 0xFFFFFFFFu, ah = a >> 32, bl = b & 0xFFFFFFFFu, bh = b >> 32;
+    uint64_t ll = al * bl, lh = al * bh, hl = ah * bl, hh = ah * bh;
+    uint64_t cross = (ll >> 32) + (hl & 0xFFFFFFFFu) + lh;
+    r.lo = (cross << 32) | (ll & 0xFFFFFFFFu);
+    r.hi = hh + (hl >> 32) + (cross >> 32);
+#endif
+    return r;
+}
+
+static inline uint64_t fold64(uint64_t a, uint64_t b) {
+    U128 p = mul128(a, b);
+    return p.lo ^ p.hi;
+}
+
+static inline uint64_t bswap64_(uint64_t x) {
+    x = ((x & 0x00000000FFFFFFFFULL) << 32) | (x >> 32);
+    x = ((x & 0x0000FFFF0000FFFFULL) << 16) | ((x >> 16) & 0x0000FFFF0000FFFFULL);
+    return ((x & 0x00FF00FF00FF00FFULL) << 8) | ((x >> 8) & 0x00FF00FF00FF00FFULL);
+}
+
+static inline uint32_t bswap32_(uint32_t x) {
+    return (x >> 24) | ((x >> 8) & 0xFF00u) | ((x << 8) & 0xFF0000u) | (x << 24);
+}
+
+static inline uint64_t avalanche64(uint64_t h) {  /* XXH64's */
+    h ^= h >> 33;
+    h *= XP64_2;
+    h ^= h >> 29;
+    h *= XP64_3;
+    return h ^ (h >> 32);
+}
+
+static inline uint64_t avalanche3(uint64_t h) {
+    h ^= h >> 37;
+    h *= XMX_1;
+    return h ^ (h >> 32);
+}
+
+static inline uint64_t mix16(const uint8_t *in, const uint8_t *sec) {
+    return fold64(rd64(in) ^ rd64(sec), rd64(in + 8) ^ rd64(sec + 8));
+}
+
+static inline U128 mix32(U128 acc, const uint8_t *in1, const uint8_t *in2, const uint8_t *sec) {
+    acc.lo += mix16(in1, sec);
+    acc.lo ^= rd64(in2) + rd64(in2 + 8);
+    acc.hi += mix16(in2, sec + 16);
+    acc.hi ^= rd64(in1) + rd64(in1 + 8);
+    return acc;
+}
+
+static U128 fold_mid(U128 acc, uint64_t n) {
+    U128 h;
+    h.lo = avalanche3(acc.lo + acc.hi);
+    h.hi = 0 - avalanche3(acc.lo * XP64_1 + acc.hi * XP64_4 + n * XP64_2);
+    return h;
+}
+
+static void xxh3_acc512(uint64_t acc[8], const uint8_t *in, const uint8_t *sec) {
+    for (int i = 0; i < 8; i++) {
+        uint64_t v = rd64(in + 8 * i), k = v ^ rd64(sec + 8 * i);
+        acc[i ^ 1] += v;
+        acc[i] += (k & 0xFFFFFFFFu) * (k >> 32);
+    }
+}
+
+static uint64_t xxh3_merge(const uint64_t acc[8], const uint8_t *sec, uint64_t start) {
+    uint64_t r = start;
+    for (int i = 0; i < 4; i++) r += fold64(acc[2 * i] ^ rd64(sec + 16 * i), acc[2 * i + 1] ^ rd64(sec + 16 * i + 8));
+    return avalanche3(r);
+}
+
+static U128 xxh3_128(const uint8_t *p, size_t n) {
+    const uint8_t *s = XXH3_SECRET;
+    U128 h;
+    if (n == 0) {
+        h.lo = avalanche64(rd64(s + 64) ^ rd64(s + 72));
+        h.hi = avalanche64(rd64(s + 80) ^ rd64(s + 88));
+    } else if (n <= 3) {
+        uint32_t cl = ((uint32_t)p[0] << 16) | ((uint32_t)p[n >> 1] << 24) | (uint32_t)p[n - 1] | ((uint32_t)n << 8);
+        uint32_t sw = bswap32_(cl), ch = (sw << 13) | (sw >> 19);
+        h.lo = avalanche64((uint64_t)cl ^ (uint64_t)(rd32(s) ^ rd32(s + 4)));
+        h.hi = avalanche64((uint64_t)ch ^ (uint64_t)(rd32(s + 8) ^ rd32(s + 12)));
+    } else if (n <= 8) {
+        uint64_t in64 = (uint64_t)rd32(p) + ((uint64_t)rd32(p + n - 4) << 32);
+        U128 m = mul128(in64 ^ (rd64(s + 16) ^ rd64(s + 24)), XP64_1 + ((uint64_t)n << 2));
+        m.hi += m.lo << 1;
+        m.lo ^= m.hi >> 3;
+        m.lo ^= m.lo >> 35;
+        m.lo *= XMX_2;
+        m.lo ^= m.lo >> 28;
+        h.lo = m.lo;
+        h.hi = avalanche3(m.hi);
+    } else if (n <= 16) {
+        uint64_t fl = rd64(s + 32) ^ rd64(s + 40), fh = rd64(s + 48) ^ rd64(s + 56);
+        uint64_t lo = rd64(p), hi = rd64(p + n - 8);
+        U128 m = mul128(lo ^ hi ^ fl, XP64_1);
+        m.lo += (uint64_t)(n - 1) << 54;
+        hi ^= fh;
+        m.hi += hi + (hi & 0xFFFFFFFFu) * (XP32_2 - 1);
+        m.lo ^= bswap64_(m.hi);
+        U128 r = mul128(m.lo, XP64_2);
+        r.hi += m.hi * XP64_2;
+        h.lo = avalanche3(r.lo);
+        h.hi = avalanche3(r.hi);
+    } else if (n <= 128) {
+        U128 acc = {(uint64_t)n * XP64_1, 0};
+        if (n > 32) {
+            if (n > 64) {
+                if (n > 96) acc = mix32(acc, p + 48, p + n - 64, s + 96);
+                acc = mix32(acc, p + 32, p + n - 48, s + 64);
+            }
+            acc = mix32(acc, p + 16, p + n - 32, s + 32);
+        }
+        acc = mix32(acc, p, p + n - 16, s);
+        h = fold_mid(acc, n);
+    } else if (n <= 240) {
+        U128 acc = {(uint64_t)n * XP64_1, 0};
+        for (size_t i = 32; i < 160; i += 32) acc = mix32(acc, p + i - 32, p + i - 16, s + i - 32);
+        acc.lo = avalanche3(acc.lo);
+        acc.hi = avalanche3(acc.hi);
+        for (size_t i = 160; i <= n; i += 32) acc = mix32(acc, p + i - 32, p + i - 16, s + 3 + i - 160);
+        acc = mix32(acc, p + n - 16, p + n - 32, s + 136 - 17 - 16);
+        h = fold_mid(acc, n);
+    } else {
+        uint64_t acc[8] = {XP32_3, XP64_1, XP64_2, XP64_3, XP64_4, XP32_2, XP64_5, XP32_1};
+        const size_t stripes = (sizeof XXH3_SECRET - 64) / 8, block = 64 * stripes;
+        const size_t nblocks = (n - 1) / block;
+        for (size_t b = 0; b < nblocks; b++) {
+            for (size_t k = 0; k < stripes; k++) xxh3_acc512(acc, p + b * block + 64 * k, s + 8 * k);
+            for (int i = 0; i < 8; i++) {  /* scramble */
+                uint64_t v = acc[i];
+                v ^= v >> 47;
+                v ^= rd64(s + sizeof XXH3_SECRET - 64 + 8 * i);
+                acc[i] = v * XP32_1;
+            }
+        }
+        size_t last = ((n - 1) - block * nblocks) / 64;
+        for (size_t k = 0; k < last; k++) xxh3_acc512(acc, p + nblocks * block + 64 * k, s + 8 * k);
+        xxh3_acc512(acc, p + n - 64, s + sizeof XXH3_SECRET - 64 - 7);
+        h.lo = xxh3_merge(acc, s + 11, (uint64_t)n * XP64_1);
+        h.hi = xxh3_merge(acc, s + sizeof XXH3_SECRET - 64 - 11, ~((uint64_t)n * XP64_2));
+    }
+    return h;
+}
+
+/* The canonical digest: high 64 bits big-endian, then the low 64. */
+static void xxh3_128_digest(const uint8_t *p, size_t n, uint8_t out[16]) {
+    U128 h = xxh3_128(p, n);
+    for (int i = 0; i < 8; i++) {
+        out[i] = (uint8_t)(h.hi >> (56 - 8 * i));
+        out[8 + i] = (uint8_t)(h.lo >> (56 - 8 * i));
+    }
+}
+
+/* The xxh3 chain's n digests into `out` (16 bytes each): page 0 on `prior` (plen bytes). */
+static void xxh3_pages(const uint8_t *prior, size_t plen, const uint8_t *data, Py_ssize_t n, size_t len,
+                       uint8_t *out, uint8_t *scratch) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *pp = i == 0 ? prior : out + 16 * (i - 1);
+        size_t pl = i == 0 ? plen : 16;
+        if (pl) memcpy(scratch, pp, pl);
+        memcpy(scratch + pl, data + (size_t)i * len, len);
+        xxh3_128_digest(scratch, pl + len, out + 16 * i);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Arguments
  */
 
@@ -495,6 +717,46 @@ static PyObject *py_sha256_chain_portable(PyObject *self, PyObject *args, PyObje
  * holds one object instead of a digest and an int per page (docs/producer-events.md). */
 static PyObject *py_sha256_blob(PyObject *self, PyObject *args, PyObject *kwargs) {
     return sha256_chain_impl(args, kwargs, best_compress, 1);
+}
+
+/* xxh3_128(data) -> bytes: XXH3-128 of a bytes-like object, as xxhash.xxh3_128_digest gives it. */
+static PyObject *py_xxh3_128(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    uint8_t d[16];
+    xxh3_128_digest(b.buf, (size_t)b.len, d);
+    PyBuffer_Release(&b);
+    return PyBytes_FromStringAndSize((const char *)d, 16);
+}
+
+/* xxh3_blob(tokens, page_size, prior=None) -> bytes: the xxh3 chain's digests (16 a page). */
+static PyObject *py_xxh3_blob(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"tokens", "page_size", "prior", NULL};
+    PyObject *tokens, *prior = Py_None;
+    Py_ssize_t page_size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|O", kwlist, &tokens, &page_size, &prior)) return NULL;
+    Pages pg;
+    if (pages_from(tokens, page_size, &pg) < 0) return NULL;
+    Py_buffer pv;
+    int has_prior = prior_from(prior, &pv);
+    if (has_prior < 0) {
+        pages_release(&pg);
+        return NULL;
+    }
+    Py_ssize_t n = pg.npages, plen = has_prior ? pv.len : 0, len = 4 * page_size;
+    PyObject *res = PyBytes_FromStringAndSize(NULL, n * 16);
+    uint8_t *scratch = PyMem_Malloc((size_t)(plen > 16 ? plen : 16) + (size_t)len);
+    if (res == NULL || scratch == NULL) {
+        Py_CLEAR(res);
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+    } else {
+        xxh3_pages(has_prior ? pv.buf : NULL, (size_t)plen, pg.data, n, (size_t)len, (uint8_t *)PyBytes_AS_STRING(res),
+                   scratch);
+    }
+    PyMem_Free(scratch);
+    if (has_prior) PyBuffer_Release(&pv);
+    pages_release(&pg);
+    return res;
 }
 
 /* ids_of(digests, dlen) -> list[int]: the event id of every `dlen`-byte digest in `digests`. */
@@ -1325,9 +1587,28 @@ static PyObject *Batch_cleared(BatchObject *b, PyObject *unused) {
 
 /* The chain's digests (one call of `fn` per page, or SHA-256 here when fn is None) into `blob`:
  * `n` pages of `len` bytes at `data`, chained on `prior` (plen bytes, 0 = none). *dlen is set. */
+static int is_xxh3(PyObject *fn) {
+    return PyUnicode_Check(fn) && PyUnicode_CompareWithASCIIString(fn, "xxh3") == 0;
+}
+
 static int chain_into(PyObject *fn, const uint8_t *prior, Py_ssize_t plen, const uint8_t *data, Py_ssize_t n,
                       Py_ssize_t len, Writer *blob, Py_ssize_t *dlen) {
     blob->len = 0;
+    if (is_xxh3(fn)) {
+        *dlen = 16;
+        size_t scratch_len = (size_t)(plen > 16 ? plen : 16) + (size_t)len;
+        uint8_t stack[1024];
+        uint8_t *scratch = scratch_len <= sizeof stack ? stack : PyMem_Malloc(scratch_len);
+        if (scratch == NULL || w_reserve(blob, (size_t)n * 16 + 1) < 0) {
+            if (scratch != stack) PyMem_Free(scratch);
+            if (!PyErr_Occurred()) PyErr_NoMemory();
+            return -1;
+        }
+        xxh3_pages(prior, (size_t)plen, data, n, (size_t)len, blob->buf, scratch);
+        if (scratch != stack) PyMem_Free(scratch);
+        blob->len = (size_t)n * 16;
+        return 0;
+    }
     if (fn == Py_None) {
         *dlen = 32;
         size_t scratch_len = (size_t)(plen > 32 ? plen : 32) + (size_t)len + 72;
@@ -1390,8 +1671,8 @@ static PyObject *Batch_stored_chain(BatchObject *b, PyObject *const *args, Py_ss
     PyObject *fn = sp[0];
     Py_ssize_t want = PyLong_AsSsize_t(sp[1]), page_size = PyLong_AsSsize_t(sp[2]);
     if ((want == -1 || page_size == -1) && PyErr_Occurred()) return NULL;
-    if (want < 8 || (fn == Py_None && want != 32)) {
-        PyErr_SetString(PyExc_ValueError, "stored_chain: dlen must be 32 for SHA-256, at least 8 otherwise");
+    if (want < 8 || (fn == Py_None && want != 32) || (is_xxh3(fn) && want != 16)) {
+        PyErr_SetString(PyExc_ValueError, "stored_chain: dlen must be 32 for SHA-256, 16 for xxh3, at least 8 otherwise");
         return NULL;
     }
     Pages pg;
@@ -1541,6 +1822,9 @@ static PyMethodDef methods[] = {
     {"sha256_blob", (PyCFunction)(void (*)(void))py_sha256_blob, METH_VARARGS | METH_KEYWORDS,
      "sha256_blob(tokens, page_size, prior=None) -> bytes: the digests of every whole page, concatenated"},
     {"ids_of", py_ids_of, METH_VARARGS, "ids_of(digests, dlen) -> list[int]: event ids of concatenated digests"},
+    {"xxh3_128", py_xxh3_128, METH_O, "xxh3_128(data) -> bytes: XXH3-128 (seed 0), as xxhash.xxh3_128_digest"},
+    {"xxh3_blob", (PyCFunction)(void (*)(void))py_xxh3_blob, METH_VARARGS | METH_KEYWORDS,
+     "xxh3_blob(tokens, page_size, prior=None) -> bytes: the xxh3 chain's digests of every whole page, concatenated"},
     {"sha256_chain_portable", (PyCFunction)(void (*)(void))py_sha256_chain_portable, METH_VARARGS | METH_KEYWORDS,
      "sha256_chain without the CPU's SHA extensions (tests)"},
     {"call_chain", py_call_chain, METH_VARARGS,
