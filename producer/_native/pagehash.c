@@ -306,13 +306,25 @@ typedef struct {
 } U128;
 
 static inline uint64_t rd64(const uint8_t *p) {  /* little-endian */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+#else
     uint64_t v = 0;
     for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
     return v;
+#endif
 }
 
 static inline uint32_t rd32(const uint8_t *p) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+#else
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+#endif
 }
 
 static inline U128 mul128(uint64_t a, uint64_t b) {
@@ -470,10 +482,15 @@ static U128 xxh3_128(const uint8_t *p, size_t n) {
 /* The canonical digest: high 64 bits big-endian, then the low 64. */
 static void xxh3_128_digest(const uint8_t *p, size_t n, uint8_t out[16]) {
     U128 h = xxh3_128(p, n);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t be[2] = {bswap64_(h.hi), bswap64_(h.lo)};
+    memcpy(out, be, 16);
+#else
     for (int i = 0; i < 8; i++) {
         out[i] = (uint8_t)(h.hi >> (56 - 8 * i));
         out[8 + i] = (uint8_t)(h.lo >> (56 - 8 * i));
     }
+#endif
 }
 
 /* The xxh3 chain's n digests into `out` (16 bytes each): page 0 on `prior` (plen bytes). */
