@@ -202,18 +202,22 @@ def test_stored_chain_equals_hash_then_store(name: str) -> None:
         assert b.take(1.0, 2) == encode_batch(KVEventBatch(1.0, [want], 2))
 
 
-def test_stored_chain_matches_hashlib_for_page_16() -> None:
-    """The 64-byte-page SHA path, checked against hashlib itself over a long chain."""
+@pytest.mark.parametrize("page", [1, 5, 16])
+def test_sha256_chain_matches_hashlib(page: int) -> None:
+    """The SHA paths with the message built in registers (pages of 1 and 16 tokens) and the
+    general one, against hashlib itself over a chain long enough to hash without the GIL."""
     mod = _mod()
-    rng = random.Random(3)
-    toks = tuple(rng.randrange(2**32) for _ in range(16 * 300))  # long enough to hash without the GIL
+    rng = random.Random(page)
+    npages = 300
+    toks = tuple(rng.randrange(2**32) for _ in range(page * npages))
     prior = rng.randbytes(32)
     want, d = [], prior
-    for i in range(300):
-        d = hashlib.sha256(d + array.array("I", toks[16 * i:16 * i + 16]).tobytes()).digest()
+    for i in range(npages):
+        d = hashlib.sha256(d + array.array("I", toks[page * i:page * (i + 1)]).tobytes()).digest()
         want.append(d)
-    assert mod.Batch().stored_chain(toks, prior, _spec("sha256", 16)) == b"".join(want)
-    assert mod.sha256_blob(toks, 16, prior) == b"".join(want)
+    assert mod.Batch().stored_chain(toks, prior, _spec("sha256", page)) == b"".join(want)
+    assert mod.sha256_blob(toks, page, prior) == b"".join(want)
+    assert mod.sha256_chain_portable(toks, page, prior)[0] == want
 
 
 def test_stored_chain_coalesces_along_the_chain() -> None:

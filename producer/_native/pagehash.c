@@ -248,6 +248,23 @@ static void chain_rest_shani64(const uint8_t *data, Py_ssize_t n, uint8_t *out) 
     }
 }
 
+/* The same for 4-byte pages (page size 1): digest || token is one block. */
+__attribute__((target("sha,sse4.1,ssse3")))
+static void chain_rest_shani4(const uint8_t *data, Py_ssize_t n, uint8_t *out) {
+    const __m128i bswap = BSWAP32X4, pad = _mm_set_epi32(288, 0, 0, 0);  /* 36 bytes = 288 bits */
+    __m128i init0, init1, lo = LOAD_BE(out), hi = LOAD_BE(out + 16);
+    shani_load(H0, &init0, &init1);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        const uint8_t *p = data + 4 * (size_t)i;
+        uint32_t w = ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+        __m128i st0 = init0, st1 = init1;
+        shani_block(&st0, &st1, lo, hi, _mm_set_epi32(0, 0, (int)0x80000000u, (int)w), pad);
+        shani_words(st0, st1, &lo, &hi);
+        _mm_storeu_si128((__m128i *)(out + 32 * i), _mm_shuffle_epi8(lo, bswap));
+        _mm_storeu_si128((__m128i *)(out + 32 * i + 16), _mm_shuffle_epi8(hi, bswap));
+    }
+}
+
 /* The chain's n digests into `out` (32 bytes each): page i (len bytes at data + i * len) chained
  * on the previous digest, page 0 on `prior` (plen bytes, 0 = none). `scratch` holds
  * max(plen, 32) + len + 72 bytes. */
@@ -259,6 +276,8 @@ static void sha256_pages(compress_fn compress, const uint8_t *prior, size_t plen
     if (compress == compress_shani) {
         if (len == 64)
             chain_rest_shani64(data, n, out);
+        else if (len == 4)
+            chain_rest_shani4(data, n, out);
         else
             chain_rest_shani(data, n, len, out, scratch);
         return;
