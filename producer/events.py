@@ -157,7 +157,9 @@ def _records_of(payload: bytes) -> list[_Record]:
 
 class EventRecorder:
     """Buffers events between flushes. `enabled=False` makes every call a no-op (and lets the
-    cache skip hashing); a recorder without a sink just drops what it would send."""
+    cache skip hashing); a recorder without a sink just drops what it would send. For a sink that
+    only sends bytes the buffer is the C helper's `Batch` (events encoded as they are recorded),
+    else Python records (docs/producer-events.md); the bytes on the wire are the same."""
 
     __slots__ = ("sink", "enabled", "dp_rank", "names", "heartbeat_interval_s", "_encode", "_batch", "batch", "_ask",
                  "_pending", "_last_sent", "events_emitted", "batches_sent", "heartbeats_sent")
@@ -331,9 +333,9 @@ class EventRecorder:
         """Send buffered events as one batch; if none and the sink has been idle for the
         heartbeat interval, send an empty batch. Returns the number of events sent."""
         b = self.batch
-        if b is not None:
+        if b is not None and self.enabled:
             n = len(b)
-            if n:  # (a native batch implies an enabled recorder with a sink)
+            if n:  # (a native batch implies a sink)
                 sink = self.sink
                 sink.send_payload(b.take(sink.batch_ts(), self.dp_rank))  # type: ignore[union-attr]
                 self._last_sent = now
@@ -343,6 +345,8 @@ class EventRecorder:
         self.batch = self._batch  # after a demotion (_demote): the native batch records again
         if not self.enabled or self.sink is None:
             self._pending.clear()
+            if self._batch is not None:
+                self._batch.clear()
             return 0
         if self._pending:
             pending, self._pending = self._pending, []
