@@ -202,8 +202,8 @@ class EventRecorder:
                medium: Medium, *, group_idx: int | None = None, kind: str | None = None,
                window: int | None = None) -> None:
         """`group_idx` / `kind` / `window` are vLLM's KV-cache-group fields (docs/hybrid.md); left
-        None they are omitted on the wire (SGLang's shape). `tokens` is kept until the flush: a
-        tuple as given (the tree's keys), anything else copied."""
+        None they are omitted on the wire (SGLang's shape). The native batch packs `tokens` at
+        once; Python records keep them until the flush (a tuple as given, anything else copied)."""
         if not self.enabled or not ids:
             return
         b = self.batch
@@ -226,8 +226,8 @@ class EventRecorder:
     def stored_digests(self, digests: bytes, dlen: int, parent_id: int | None, tokens: tuple[int, ...],
                        block_size: int, medium: Medium, *, group_idx: int | None = None,
                        kind: str | None = None, window: int | None = None) -> None:
-        """`stored` with the ids given as a tree node's digests (`dlen` bytes per page): they
-        are read only when the batch is built (docs/producer-events.md)."""
+        """`stored` with the ids given as a tree node's digests (`dlen` bytes per page): the ids
+        are written straight from them (docs/producer-events.md)."""
         if not self.enabled or not digests:
             return
         b = self.batch
