@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Protocol, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, Union
+
+import msgspec
 
 from producer import page_hash
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from schemas.media import Medium
 
 log = logging.getLogger(__name__)
@@ -134,12 +136,32 @@ class _Cleared:
 
 _Record = Union[_Store, _Removed, _Cleared]
 
+_BATCH_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def _records_of(payload: bytes) -> list[_Record]:
+    """The pending records a native batch's bytes describe (`Batch.take`), so recording can go on
+    in Python with the same coalescing (the rare path: a value the batch declined)."""
+    out: list[_Record] = []
+    for e in _BATCH_DECODER.decode(payload).events:
+        if type(e) is BlockStored:
+            ids = list(e.block_hashes)
+            out.append(_Store(ids, None, 0, ids[-1], e.parent_block_hash, [tuple(e.token_ids)], e.block_size,
+                              e.medium, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window))
+        elif type(e) is BlockRemoved:
+            out.append(_Removed(list(e.block_hashes), None, 0, e.medium, e.group_idx))
+        else:
+            out.append(_Cleared())
+    return out
+
 
 class EventRecorder:
     """Buffers events between flushes. `enabled=False` makes every call a no-op (and lets the
-    cache skip hashing); a recorder without a sink just drops what it would send."""
+    cache skip hashing); a recorder without a sink just drops what it would send. For a sink that
+    only sends bytes the buffer is the C helper's `Batch` (events encoded as they are recorded),
+    else Python records (docs/producer-events.md); the bytes on the wire are the same."""
 
-    __slots__ = ("sink", "enabled", "dp_rank", "names", "heartbeat_interval_s", "_encode",
+    __slots__ = ("sink", "enabled", "dp_rank", "names", "heartbeat_interval_s", "_encode", "_batch", "batch", "_ask",
                  "_pending", "_last_sent", "events_emitted", "batches_sent", "heartbeats_sent")
 
     def __init__(self, sink: EventSink | None = None, *, enabled: bool = True, dp_rank: int | None = None,
@@ -157,8 +179,18 @@ class EventRecorder:
         # pending records (EventSink); `native` as in producer.page_hash: None = the helper unless
         # KVATLAS_PURE_PYTHON=1, False = always event structs encoded by msgspec.
         mod = page_hash.native_module(native)
-        self._encode = (mod.encode_batch if mod is not None and getattr(sink, "encodes_events", False)
-                        else None)
+        encodes = mod is not None and getattr(sink, "encodes_events", False)
+        self._encode = mod.encode_batch if encodes else None
+        # For such a sink the pending events live in the helper's `Batch`, encoded as they are
+        # recorded (one C call per event, a memcpy per flush). `_pending` (Python records) takes
+        # over until the next flush when the batch declines a value, and serves every other sink.
+        # `batch` is the Batch while it is the one recording (None otherwise): a cache may record
+        # into it directly (producer.hicache), falling back to these methods if it raises.
+        self._batch: Any = mod.Batch() if encodes and enabled else None
+        self.batch: Any = self._batch
+        # A sink that says it never asks for a snapshot (`asks_snapshots = False`) is not polled.
+        self._ask: Callable[[], bool] | None = (getattr(sink, "snapshot_requested", None)
+                                                if enabled and getattr(sink, "asks_snapshots", True) else None)
         self._pending: list[_Record] = []
         self._last_sent: float | None = None
         self.events_emitted = 0
@@ -170,10 +202,17 @@ class EventRecorder:
                medium: Medium, *, group_idx: int | None = None, kind: str | None = None,
                window: int | None = None) -> None:
         """`group_idx` / `kind` / `window` are vLLM's KV-cache-group fields (docs/hybrid.md); left
-        None they are omitted on the wire (SGLang's shape). `tokens` is kept until the flush: a
-        tuple as given (the tree's keys), anything else copied."""
+        None they are omitted on the wire (SGLang's shape). The native batch packs `tokens` at
+        once; Python records keep them until the flush (a tuple as given, anything else copied)."""
         if not self.enabled or not ids:
             return
+        b = self.batch
+        if b is not None:
+            try:
+                b.stored_ids(ids, parent_id, tokens, block_size, self.names[medium], group_idx, kind, window)
+                return
+            except (TypeError, OverflowError):
+                self._demote()
         last = self._continues(parent_id, self.names[medium], block_size, group_idx, kind)
         if last is not None:
             last.add_ids(ids)
@@ -187,10 +226,18 @@ class EventRecorder:
     def stored_digests(self, digests: bytes, dlen: int, parent_id: int | None, tokens: tuple[int, ...],
                        block_size: int, medium: Medium, *, group_idx: int | None = None,
                        kind: str | None = None, window: int | None = None) -> None:
-        """`stored` with the ids given as a tree node's digests (`dlen` bytes per page): they
-        are read only when the batch is built (docs/producer-events.md)."""
+        """`stored` with the ids given as a tree node's digests (`dlen` bytes per page): the ids
+        are written straight from them (docs/producer-events.md)."""
         if not self.enabled or not digests:
             return
+        b = self.batch
+        if b is not None:
+            try:
+                b.stored_digests(digests, dlen, parent_id, tokens, block_size, self.names[medium], group_idx, kind,
+                                 window)
+                return
+            except (TypeError, OverflowError):
+                self._demote()
         last_id = int.from_bytes(digests[len(digests) - dlen:len(digests) - dlen + 8], "big", signed=True)
         name = self.names[medium]
         last = self._continues(parent_id, name, block_size, group_idx, kind)
@@ -202,6 +249,13 @@ class EventRecorder:
         self._pending.append(_Store(None, [digests], dlen, last_id, parent_id,
                                     [tokens if type(tokens) is tuple else tuple(tokens)], block_size,
                                     name, group_idx, kind, window))
+
+    def _demote(self) -> None:
+        """Move what the native batch holds to Python records, which record until the next flush."""
+        b = self._batch
+        self.batch = None
+        if len(b):
+            self._pending = _records_of(b.take(0.0, None))
 
     def _continues(self, parent_id: int | None, name: str, block_size: int, group_idx: int | None,
                    kind: str | None) -> _Store | None:
@@ -219,6 +273,13 @@ class EventRecorder:
     def removed(self, ids: Sequence[int], medium: Medium, *, group_idx: int | None = None) -> None:
         if not self.enabled or not ids:
             return
+        b = self.batch
+        if b is not None:
+            try:
+                b.removed_ids(ids, self.names[medium], group_idx)
+                return
+            except (TypeError, OverflowError):
+                self._demote()
         name = self.names[medium]
         pending = self._pending
         if pending:
@@ -232,6 +293,13 @@ class EventRecorder:
         """`removed` with the ids given as a tree node's digests (see `stored_digests`)."""
         if not self.enabled or not digests:
             return
+        b = self.batch
+        if b is not None:
+            try:
+                b.removed_digests(digests, dlen, self.names[medium], group_idx)
+                return
+            except (TypeError, OverflowError):
+                self._demote()
         name = self.names[medium]
         pending = self._pending
         if pending:
@@ -246,25 +314,39 @@ class EventRecorder:
             return
         # Everything before a clear is moot for a consumer that applies the batch in order,
         # but it is kept: the batch must describe what happened, not a summary of it.
-        self._pending.append(_Cleared())
+        if self.batch is not None:
+            self.batch.cleared()
+        else:
+            self._pending.append(_Cleared())
 
     def snapshot_requested(self) -> bool:
         """Has a consumer asked (through the sink) for the full state to be re-published?"""
-        if not self.enabled or self.sink is None:
-            return False
-        ask = getattr(self.sink, "snapshot_requested", None)
-        return bool(ask is not None and ask())
+        ask = self._ask
+        return ask is not None and self.sink is not None and bool(ask())
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + (len(self._batch) if self._batch is not None else 0)
 
     # -- sending -------------------------------------------------------------------------------
     def flush(self, now: float) -> int:
         """Send buffered events as one batch; if none and the sink has been idle for the
         heartbeat interval, send an empty batch. Returns the number of events sent."""
+        b = self.batch
+        if b is not None and self.enabled:
+            n = len(b)
+            if n:  # (a native batch implies a sink)
+                sink = self.sink
+                sink.send_payload(b.take(sink.batch_ts(), self.dp_rank))  # type: ignore[union-attr]
+                self._last_sent = now
+                self.events_emitted += n
+                self.batches_sent += 1
+                return n
+        self.batch = self._batch  # after a demotion (_demote): the native batch records again
         if not self.enabled or self.sink is None:
             self._pending.clear()
+            if self._batch is not None:
+                self._batch.clear()
             return 0
         if self._pending:
             pending, self._pending = self._pending, []

@@ -29,7 +29,7 @@ from producer.components.base import DEVICE, HOST, STORAGE, Component, CompState
 from producer.components.extra_pool import ExtraPool
 from producer.components.full import FullAttention
 from producer.events import EventRecorder
-from producer.page_hash import DIGEST_LEN, page_hash_chain, page_hash_chain_blob
+from producer.page_hash import DIGEST_LEN, fused_digest, page_hash_chain, page_hash_chain_blob
 from producer.pools import KVPool
 from producer.radix_tree import RadixTree, TreeNode
 from producer.storage.base import backend_medium
@@ -168,6 +168,14 @@ class TieredCache:
                               chain=page_hash_chain(config.page_hash),
                               chain_blob=page_hash_chain_blob(config.page_hash),
                               digest_len=DIGEST_LEN[config.page_hash])
+        # Whether a new node's hashing and store can be one native call (`Batch.stored_chain`).
+        fused, digest_fn = fused_digest(config.page_hash)
+        self._fused = fused
+        # `Batch.stored_chain`'s per-tier arguments (the recorder is fixed at construction).
+        grp, kind = self._grp, self.full.kind
+        self._chain_specs: dict[Medium, tuple] = {
+            m: (digest_fn, DIGEST_LEN[config.page_hash], self.page_size, self.page_size, self.recorder.names[m],
+                0 if grp else None, kind if grp else None, None) for m in Medium}
         self.tick = 0  # logical LRU time
         self._ops: dict[int, Flight] = {}
         self._prefetches: list[Flight] = []
@@ -208,6 +216,19 @@ class TieredCache:
         rec = self.recorder
         if rec.enabled:
             tree = self.tree
+            b = rec.batch
+            if b is not None and node.digests is None and self._fused:
+                # A new node: its pages are hashed and its store recorded in one native call (the
+                # token ids are read once, docs/producer-events.md). What it declines is hashed
+                # and recorded below, which raises what hashing raises.
+                p = node.parent
+                try:
+                    node.digests = b.stored_chain(
+                        node.key, None if p is tree.root or p is None else (p.digests or tree.ensure_digests(p)),
+                        self._chain_specs[medium])
+                    return
+                except (TypeError, OverflowError, ValueError):
+                    pass
             # The node's digests go to the recorder as they are: ids are read from them only when
             # the batch is built (docs/producer-events.md).
             if self._grp:
@@ -218,9 +239,18 @@ class TieredCache:
                                    self.page_size, medium)
 
     def _emit_removed(self, node: TreeNode, medium: Medium) -> None:
-        if self.recorder.enabled:
-            self.recorder.removed_digests(self.tree.ensure_digests(node), self.tree.dlen, medium,
-                                          group_idx=0 if self._grp else None)
+        rec = self.recorder
+        if rec.enabled:
+            tree = self.tree
+            d = node.digests or tree.ensure_digests(node)
+            b = rec.batch
+            if b is not None:  # straight into the native batch (the recorder's own fast path)
+                try:
+                    b.removed_digests(d, tree.dlen, rec.names[medium], 0 if self._grp else None)
+                    return
+                except (TypeError, OverflowError):
+                    pass
+            rec.removed_digests(d, tree.dlen, medium, group_idx=0 if self._grp else None)
 
     def _comp_blocks(self, node: TreeNode, c: Component) -> tuple[list[int], int | None, tuple[int, ...]]:
         """(block ids, parent id, tokens) a component's state at `node` names: every page for

@@ -10,9 +10,10 @@ digest's first 8 bytes read big-endian as a signed int64; the hex digest is the 
   `xxhash` package.
 
 One call hashes every whole page of a node (docs/producer-events.md): the optional C helper
-`producer._native._pagehash` (SHA-256 from FIPS 180-4, using the CPU's SHA unit where present)
-returns digests and event ids together; without it, or with KVATLAS_PURE_PYTHON=1, the Python
-functions below give identical results (a test compares both).
+`producer._native._pagehash` (SHA-256 from FIPS 180-4, using the CPU's SHA unit where present;
+XXH3-128 from the xxHash spec) returns digests and event ids together; without it, or with
+KVATLAS_PURE_PYTHON=1, the Python functions below (hashlib, the xxhash package) give identical
+results (tests compare both).
 
 `tokens` is a sequence of ints, each within u32 (OverflowError otherwise), or a bytes-like
 object of u32 little-endian. A partial trailing page is ignored.
@@ -150,12 +151,16 @@ def sha256_ids(tokens: Tokens, page_size: int, prior: bytes | None = None) -> tu
 
 
 def xxh3_ids(tokens: Tokens, page_size: int, prior: bytes | None = None) -> tuple[list[bytes], list[int]]:
-    """Like `sha256_ids` with XXH3-128; the C helper builds the page buffers, xxhash digests them."""
-    import xxhash
-
+    """Like `sha256_ids` with XXH3-128 (the C helper's own, identical to xxhash's)."""
     if _active is None:
-        return _py_chain(tokens, page_size, prior, xxhash.xxh3_128_digest)
-    return _active.call_chain(xxhash.xxh3_128_digest, tokens, page_size, prior)
+        return py_xxh3_ids(tokens, page_size, prior)
+    return _native_xxh3_ids(_active, tokens, page_size, prior)
+
+
+def _native_xxh3_ids(mod: ModuleType, tokens: Tokens, page_size: int,
+                     prior: bytes | None = None) -> tuple[list[bytes], list[int]]:
+    blob = mod.xxh3_blob(tokens, page_size, prior)
+    return [blob[i:i + 16] for i in range(0, len(blob), 16)], mod.ids_of(blob, 16)
 
 
 def chain_digests(tokens: Tokens, page_size: int, prior: bytes | None = None) -> list[bytes]:
@@ -188,10 +193,6 @@ def ids_of(digests: bytes, dlen: int) -> list[int]:
 
 def _py_sha256_blob(tokens: Tokens, page_size: int, prior: bytes | None = None) -> bytes:
     return b"".join(_py_chain(tokens, page_size, prior, _sha256_digest)[0])
-
-
-def _xxh3_blob(tokens: Tokens, page_size: int, prior: bytes | None = None) -> bytes:
-    return b"".join(xxh3_ids(tokens, page_size, prior)[0])
 
 
 def _py_xxh3_blob(tokens: Tokens, page_size: int, prior: bytes | None = None) -> bytes:
@@ -229,9 +230,17 @@ def page_hash_chain_ids(name: str, native: bool | None = None) -> ChainIds:
         return functools.partial(_py_chain, digest=_sha256_digest) if name == "sha256" else py_xxh3_ids
     if name == "sha256":
         return nat.sha256_chain
-    import xxhash
+    return functools.partial(_native_xxh3_ids, nat)
 
-    return functools.partial(nat.call_chain, xxhash.xxh3_128_digest)
+
+def fused_digest(name: str, native: bool | None = None) -> tuple[bool, str | None]:
+    """For the event recorder's one-call store of a new node (`Batch.stored_chain`): whether the
+    C helper serves `name`, and how it names the page digest (None = its SHA-256, "xxh3" = its
+    XXH3-128; both built in, no Python call per page)."""
+    _check(name)
+    if _select(native) is None:
+        return False, None
+    return True, (None if name == "sha256" else "xxh3")
 
 
 def page_hash_chain_blob(name: str, native: bool | None = None) -> ChainBlob:
@@ -241,4 +250,4 @@ def page_hash_chain_blob(name: str, native: bool | None = None) -> ChainBlob:
     nat = _select(native)
     if name == "sha256":
         return nat.sha256_blob if nat is not None else _py_sha256_blob
-    return _xxh3_blob if nat is not None else _py_xxh3_blob
+    return nat.xxh3_blob if nat is not None else _py_xxh3_blob

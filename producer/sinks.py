@@ -45,13 +45,20 @@ class _PayloadSink:
 
     __slots__ = ()
     encodes_events = True
+    # snapshot_requested() here is always False, so the recorder need not poll it; a subclass
+    # with its own snapshot_requested asks (set below, per subclass).
+    asks_snapshots = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.asks_snapshots = cls.snapshot_requested is not _PayloadSink.snapshot_requested
 
     def send_payload(self, payload: bytes) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def batch_ts(self) -> float:
-        """The batch timestamp (wall clock, as vLLM and SGLang stamp theirs)."""
-        return time.time()
+    # The batch timestamp: wall clock, as vLLM and SGLang stamp theirs (the clock itself, so a
+    # flush pays no Python frame for it).
+    batch_ts = staticmethod(time.time)
 
     def emit(self, events: list[KVEvent], dp_rank: int | None) -> None:
         self.send_payload(encode_batch(KVEventBatch(self.batch_ts(), events, dp_rank)))
