@@ -33,12 +33,14 @@ clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
 # ASan + UBSan build of the C accelerator, in its own directory (the in-tree build is untouched),
-# running the fuzz and differential tests in their short mode, and the HTTP body parsers (docs/index-core.md).
+# running the fuzz and differential tests in their short mode, and the HTTP body parsers (docs/index-core.md);
+# the subscriber's receive loop and the producer's page-hash / event batch module likewise.
 SAN_SO    := build/sanitize/_kvnative.so
 SAN_TESTS := tests/test_fuzz_native.py tests/test_index_fastpath.py tests/test_index_native.py \
              tests/test_index_conformance.py tests/test_native_built.py tests/test_service_bodies.py \
-             tests/test_index_apply_run.py tests/test_zmqdrain.py
+             tests/test_index_apply_run.py tests/test_zmqdrain.py tests/test_producer_batch.py tests/test_page_hash.py
 SAN_ZMQ_SO := build/sanitize/_zmqdrain.so
+SAN_PH_SO  := build/sanitize/_pagehash.so
 
 .PHONY: test-sanitize
 test-sanitize: $(STAMP)
@@ -49,7 +51,11 @@ test-sanitize: $(STAMP)
 	gcc -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
 	    -fno-sanitize-recover=all -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
 	    indexer/_native/zmqdrain.c -o $(SAN_ZMQ_SO) -ldl
+	gcc -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
+	    -fno-sanitize-recover=all -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	    producer/_native/pagehash.c -o $(SAN_PH_SO)
 	PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	    LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" KVATLAS_NATIVE_PATH="$(CURDIR)/$(SAN_SO)" \
 	    KVATLAS_ZMQDRAIN_PATH="$(CURDIR)/$(SAN_ZMQ_SO)" \
+	    KVATLAS_PAGEHASH_PATH="$(CURDIR)/$(SAN_PH_SO)" \
 	    KVATLAS_FUZZ=short $(PY) -m pytest -q -p no:cacheprovider $(SAN_TESTS)
