@@ -63,7 +63,8 @@ _dec_raw: dict[tuple[str, type], Any] = {
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 _JSON_HEADERS = (b"content-type", b"application/json")
 _MSGPACK_HEADERS = (b"content-type", b"application/msgpack")
-Route = tuple[str, type, Callable[..., Any]]  # (endpoint label, request type, service handler)
+# (endpoint label, request type, handler): handler(model, tokens, lora_name, cache_salt, msgpack) -> answer bytes
+Route = tuple[str, type, Callable[..., bytes]]
 Answer = tuple[int, bytes, tuple[bytes, bytes]]  # (status, body, content-type header)
 
 
@@ -243,8 +244,8 @@ class ScoreFront:
         self.default_model = service.config.model
         self.token: bytes | None = None  # set by BearerAuth: the fast path checks it too
         self.routes: dict[str, Route] = {
-            "/score": ("score", ScoreRequest, service.score),
-            "/query": ("query", QueryRequest, service.query_compat)}
+            "/score": ("score", ScoreRequest, service.score_answer),  # answer bytes written in C when it can
+            "/query": ("query", QueryRequest, _encoded(service.query_compat))}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
@@ -295,18 +296,19 @@ class ScoreFront:
                t0: float) -> Answer:
         """(status, body, content-type header) for a whole request body; never raises."""
         endpoint, typ, handler = route
+        mp = accept is not None and b"msgpack" in accept
         try:
             if kind == "octet":
                 qp = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)) if query_string else {}
                 model = qp.get("model") or qp.get("model_name") or self.default_model
-                res = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None)
+                out = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None, mp)
             else:
                 req, tokens = self.bodies.decode(kind, body, typ)
                 if typ is QueryRequest:
                     model = req.model_name or req.model or self.default_model
                 else:
                     model = req.model
-                res = handler(model, tokens, req.lora_name, req.cache_salt)
+                out = handler(model, tokens, req.lora_name, req.cache_salt, mp)
         except ApiError as exc:
             return self.rejected(endpoint, exc)
         except UnknownModel as exc:
@@ -318,15 +320,11 @@ class ScoreFront:
             log.exception("event=internal_error path=%s", path)
             return 500, _json.encode(ErrorResponse(error=f"internal error: {type(exc).__name__}: {exc}")), \
                 _JSON_HEADERS
-        if accept is not None and b"msgpack" in accept:
-            out = 200, _msgpack.encode(res), _MSGPACK_HEADERS
-        else:
-            out = 200, _json.encode(res), _JSON_HEADERS
         dt = time.perf_counter() - t0
         self.metrics.request_latency.observe(dt, endpoint)
         if endpoint == "score":
             self.metrics.recent_score.add(dt)
-        return out
+        return 200, out, _MSGPACK_HEADERS if mp else _JSON_HEADERS
 
     async def _read(self, receive: Callable) -> bytes:
         """The whole body; 413 as soon as it passes the limit (whatever Content-Length said)."""
@@ -351,6 +349,13 @@ class ScoreFront:
         if len(buf) > self.max_body:
             raise ApiError(413, f"body exceeds the {self.max_body}-byte limit", "too_large")
         return bytes(buf)
+
+
+def _encoded(handler: Callable[..., Any]) -> Callable[..., bytes]:
+    """A service handler answering a Struct, as a route handler answering its JSON or msgpack bytes."""
+    def answer(model: str, tokens: Any, lora_name: str | None, cache_salt: str | None, mp: bool) -> bytes:
+        return (_msgpack if mp else _json).encode(handler(model, tokens, lora_name, cache_salt))
+    return answer
 
 
 async def _send(send: Callable, status: int, body: bytes, ctype: tuple[bytes, bytes],

@@ -10,6 +10,8 @@ import time
 from operator import attrgetter
 from typing import Any, Callable, Sequence
 
+import msgspec
+
 from indexer.snapshot import (
     SNAPSHOT_VERSION,
     ModelSnapshot,
@@ -21,8 +23,10 @@ from indexer.snapshot import (
     encode_snapshot,
     make_snapshot_store,
 )
-from indexer.core.types import WorkerScore
+from indexer.core import native as native_core
+from indexer.core.types import ScoreTable, WorkerScore
 from schemas.codec import DEFAULT_MAX_PAYLOAD
+from router_api import answer
 from router_api.ingest import IngestLoop
 from router_api.metrics import ServiceMetrics
 from indexer.protocol import Index
@@ -49,6 +53,8 @@ from schemas.api import (
 )
 
 log = logging.getLogger("kvatlas.service")
+_json = msgspec.json.Encoder()
+_msgpack = msgspec.msgpack.Encoder()
 
 TIER_KEYS = ("gpu", "host", "disk", "shared")
 
@@ -183,9 +189,10 @@ _by_score = attrgetter("score")
 
 class _ScorePlan:
     """What `score` needs of the registry, kept between queries: the model's worker states, their
-    (worker_id, dp_rank) pairs, and the rank counts it was built from (its validity check)."""
+    (worker_id, dp_rank) pairs, and the rank counts it was built from (its validity check); and the
+    C answer writer's per-row pieces for the index order last seen (`answer_rows`)."""
 
-    __slots__ = ("states", "nranks", "pairs", "pairset", "by_id")
+    __slots__ = ("states", "nranks", "pairs", "pairset", "by_id", "rows")
 
     def __init__(self, states: list[WorkerState], nranks: list[int]) -> None:
         self.states = states
@@ -193,6 +200,17 @@ class _ScorePlan:
         self.by_id = {w.worker_id: w for w in states}
         self.pairs = [(w.worker_id, rank) for w in states for rank in sorted(w.dp_ranks)]
         self.pairset = frozenset(self.pairs)
+        self.rows: answer.AnswerRows | None = None
+
+    def answer_rows(self, table: ScoreTable, same: bool) -> answer.AnswerRows:
+        rows = self.rows
+        # The index keeps its (worker_id, dp_rank) order in one list until its membership changes.
+        if rows is not None and rows.worker_ids is table.worker_ids:
+            return rows
+        rows = answer.AnswerRows.build(self.states, self.pairs, table.worker_ids, table.ranks)
+        if same:  # a per-query selection is a new list each time: not worth keeping
+            self.rows = rows
+        return rows
 
 
 class IndexerService:
@@ -236,6 +254,10 @@ class IndexerService:
         self._saved_mark: tuple[int, int] | None = None
         self.plane: Any = None  # router_api.nats_plane.NatsPlane under `kvatlas indexer --nats` (docs/jetstream.md)
         self._plans: dict[str, _ScorePlan] = {}  # per model, see _plan
+        # The C answer writer (`score_answer`), when the native module has it and the schema is the one it writes.
+        mod = native_core.select(None)
+        self._writer = mod if answer.SUPPORTED and hasattr(mod, "write_answer") else None
+        self._formats = answer.Formats()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -425,6 +447,34 @@ class IndexerService:
         stale.sort(key=_by_score, reverse=True)
         best = next((BestWorker(s.worker_id, s.dp_rank) for s in fresh if s.score > 0), None)
         return ScoreResponse(model, block_size, query_blocks, fresh + stale if stale else fresh, best)
+
+    def score_answer(self, model: str, token_ids: Any, lora_name: str | None = None, cache_salt: str | None = None,
+                     msgpack: bool = False) -> bytes:
+        """`score`, encoded: exactly `msgspec.{json,msgpack}.encode(self.score(...))`. With the native
+        core the rows never become objects: the index packs them and C writes the bytes (router_api/answer.py);
+        anything that path does not take (pure core, hybrid models, odd tokens or scores) is `score` + msgspec."""
+        writer = self._writer
+        get_table = getattr(self.index, "score_table", None)
+        if writer is not None and get_table is not None:
+            now = self.clock()
+            policy = self.registry.policy
+            with self.lock:
+                block_size = self.index.models().get(model)
+                if block_size is None:
+                    raise UnknownModel(f"unknown model {model!r}")
+                plan = self._plan(model)
+                held = self.index.workers(model)
+                same = len(held) == len(plan.pairs) and plan.pairset.issuperset(held)
+                table = get_table(model, token_ids, lora_name, cache_salt, None if same else plan.pairs)
+                if table is not None:
+                    states = plan.states
+                    out = answer.write(writer, self._formats, msgpack, model, block_size, table.query_blocks,
+                                       table.rows, plan.answer_rows(table, same),
+                                       [w.status(now, policy) for w in states], [w.last_seq for w in states])
+                    if out is not None:
+                        return out
+        res = self.score(model, token_ids, lora_name, cache_salt)
+        return (_msgpack if msgpack else _json).encode(res)
 
     def query_compat(self, model: str, token_ids: Any, lora_name: str | None,
                      cache_salt: str | None) -> QueryResponse:

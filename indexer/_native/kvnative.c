@@ -933,11 +933,8 @@ static int ranked_cmp(const void *a, const void *b) {
     return x->idx < y->idx ? -1 : x->idx > y->idx; /* cached desc is folded into idx order below */
 }
 
-static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyObject *ranks, const double *wt,
-                            Py_ssize_t bs, PyObject *cls, PyObject *names) {
-    Ranked *rk = PyMem_Malloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
-    if (!rk) return PyErr_NoMemory();
-    /* idx sorts by (-cached, rank): cached <= query blocks, so one integer key holds both */
+/* idx sorts by (-cached, rank): cached <= query blocks, so one integer key holds both */
+static void rank_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssize_t bs, Ranked *rk) {
     Py_ssize_t maxc = 0;
     for (Py_ssize_t s = 0; s < ns; s++) if (rows[s].cach > maxc) maxc = rows[s].cach;
     for (Py_ssize_t s = 0; s < ns; s++) {
@@ -947,6 +944,13 @@ static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyO
         rk[s].idx = (maxc - rows[s].cach) * ns + s;
     }
     qsort(rk, (size_t)ns, sizeof(Ranked), ranked_cmp);
+}
+
+static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyObject *ranks, const double *wt,
+                            Py_ssize_t bs, PyObject *cls, PyObject *names) {
+    Ranked *rk = PyMem_Malloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
+    if (!rk) return PyErr_NoMemory();
+    rank_rows(rows, ns, wt, bs, rk);
     PyObject *out = PyList_New(ns);
     if (!out) { PyMem_Free(rk); return NULL; }
     for (Py_ssize_t r = 0; r < ns; r++) {
@@ -978,8 +982,30 @@ fail:
     return NULL;
 }
 
-/* score_rows(nodes, keys|None, tokens|None, seed, block_size, slots, wids, ranks, weights, WorkerScore, names)
- *   -> (query_blocks, [WorkerScore best first]) | None
+/* The ranked rows as packed PRow records (best first), read by write_answer. */
+typedef struct { int64_t s, dev, cach, sp[4]; double score; } PRow;
+
+static PyObject *pack_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssize_t bs) {
+    Ranked *rk = PyMem_Malloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
+    if (!rk) return PyErr_NoMemory();
+    rank_rows(rows, ns, wt, bs, rk);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, ns * (Py_ssize_t)sizeof(PRow));
+    if (out) {
+        PRow *o = (PRow *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t r = 0; r < ns; r++) {
+            Py_ssize_t s = rk[r].idx % ns;
+            const WRow *w = rows + s;
+            PRow p = {s, w->dev, w->cach, {w->sp[0], w->sp[1], w->sp[2], w->sp[3]}, rk[r].score};
+            memcpy(o + r, &p, sizeof p);
+        }
+    }
+    PyMem_Free(rk);
+    return out;
+}
+
+/* score_rows(nodes, keys|None, tokens|None, seed, block_size, slots, wids, ranks, weights, WorkerScore|None, names)
+ *   -> (query_blocks, [WorkerScore best first]) | (query_blocks, packed rows: bytes) | None
+ * With row type None the ranked rows come back packed (PRow, best first) for write_answer: no object per row.
  * The whole native score: chained keys (from `keys`, or hashed from `tokens` without extra keys), the
  * walk, weights, ranking and result objects. Lists are in (worker_id, dp_rank) order. None: odd input
  * (the Python path judges it). */
@@ -1043,7 +1069,7 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
     rankt = widt ? PyList_AsTuple(ranks) : NULL;
     if (!rankt) goto done;
     if (PyTuple_GET_SIZE(widt) != ns || PyTuple_GET_SIZE(rankt) != ns) { out = Py_None; Py_INCREF(out); goto done; }
-    lst = build_rows(rows, ns, widt, rankt, wt, bs, cls, names);
+    lst = cls == Py_None ? pack_rows(rows, ns, wt, bs) : build_rows(rows, ns, widt, rankt, wt, bs, cls, names);
     if (lst) out = Py_BuildValue("(nN)", nk, lst);
 done:
     Py_XDECREF(widt);
@@ -1051,6 +1077,266 @@ done:
     PyMem_Free(k);
     PyMem_Free(slot);
     PyMem_Free(rows);
+    return out;
+}
+
+/* ---------------------------------------------------------------- /score answer bytes
+ * write_answer(msgpack, layout, prefix, query_blocks, rows, heads, wix, statuses, seqs, status_map) -> bytes | None
+ * The body `POST /score` answers, byte for byte what msgspec encodes for the ScoreResponse the Python
+ * path builds (router_api/answer.py passes the pieces; tests/test_score_answer.py holds the two equal):
+ *  - rows: packed PRow (score_rows with row type None), best first; heads[s] / wix[s] belong to the row
+ *    of slot s; heads past the rows are registered pairs the index does not hold (zero rows, appended);
+ *  - heads: the pre-encoded `worker_id` / `dp_rank` pairs (None or wix < 0: not registered, skipped);
+ *  - wix: int32 per head, the row's worker in statuses / seqs (its liveness status and last_seq);
+ *  - status_map: status str -> (encoded status, is stale); layout: the pre-encoded keys and punctuation.
+ * Rows are ordered like the Python path: fresh before stale, each by score descending, stable.
+ * None (the caller encodes with msgspec): a non-finite score, a status or last_seq it does not know. */
+enum { L_ROW_OPEN, L_DEV, L_CACH, L_TIERS, L_HOST, L_DISK, L_SHARED, L_SCORE, L_STALE, L_SEQ, L_STATUS,
+       L_ROW_CLOSE, L_WORKERS, L_AFTER, L_END, L_BEST_OPEN, L_BEST_CLOSE, L_SEP, L_NULL, L_TRUE, L_FALSE, L_COUNT };
+
+typedef struct { char *p; Py_ssize_t n, cap; } WBuf;
+
+static int wb_reserve(WBuf *b, Py_ssize_t more) {
+    if (b->n + more <= b->cap) return 0;
+    Py_ssize_t cap = b->cap ? b->cap : 1024;
+    while (cap < b->n + more) {
+        if (cap > PY_SSIZE_T_MAX / 2) { PyErr_NoMemory(); return -1; }
+        cap *= 2;
+    }
+    char *p = PyMem_Realloc(b->p, (size_t)cap);
+    if (!p) { PyErr_NoMemory(); return -1; }
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static inline int wb_put(WBuf *b, const char *s, Py_ssize_t n) {
+    if (wb_reserve(b, n) < 0) return -1;
+    if (n) memcpy(b->p + b->n, s, (size_t)n);
+    b->n += n;
+    return 0;
+}
+
+static inline int wb_bytes(WBuf *b, PyObject *o) { return wb_put(b, PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o)); }
+
+static int wb_json_int(WBuf *b, int64_t v) {
+    char tmp[24], *e = tmp + sizeof tmp, *q = e;
+    uint64_t u = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
+    do { *--q = (char)('0' + u % 10); u /= 10; } while (u);
+    if (v < 0) *--q = '-';
+    return wb_put(b, q, e - q);
+}
+
+static int wb_mp_int(WBuf *b, int64_t v) { /* the smallest form, as msgspec writes it */
+    unsigned char t[9];
+    int n;
+    uint64_t u = (uint64_t)v;
+    if (v >= 0) {
+        if (v < 128) { t[0] = (unsigned char)v; n = 1; }
+        else if (v < 256) { t[0] = 0xCC; n = 2; }
+        else if (v < 65536) { t[0] = 0xCD; n = 3; }
+        else if (v <= 0xFFFFFFFFLL) { t[0] = 0xCE; n = 5; }
+        else { t[0] = 0xCF; n = 9; }
+    } else {
+        if (v >= -32) { t[0] = (unsigned char)(u & 0xFF); n = 1; }
+        else if (v >= -128) { t[0] = 0xD0; n = 2; }
+        else if (v >= -32768) { t[0] = 0xD1; n = 3; }
+        else if (v >= -2147483648LL) { t[0] = 0xD2; n = 5; }
+        else { t[0] = 0xD3; n = 9; }
+    }
+    for (int k = 1; k < n; k++) t[k] = (unsigned char)(u >> (8 * (n - 1 - k)));
+    return wb_put(b, (const char *)t, n);
+}
+
+/* msgspec's JSON spelling of a finite double: the shortest round-trip digits (Python's repr finds the
+ * same ones) laid out as msgspec does — plain decimals for 1e-5 <= |x| < 1e16 ("16.0", "0.00001"),
+ * else d[.ddd]e[-]x ("1e16", "1.25e-7"). */
+static int wb_json_double(WBuf *b, double x) {
+    char tmp[48], *o = tmp;
+    if (x == 0.0) return signbit(x) ? wb_put(b, "-0.0", 4) : wb_put(b, "0.0", 3);
+    if (fabs(x) < 1e15 && x == (double)(int64_t)x) { /* integral: the common case, no digit search */
+        if (wb_json_int(b, (int64_t)x) < 0) return -1;
+        return wb_put(b, ".0", 2);
+    }
+    char *r = PyOS_double_to_string(x, 'r', 0, 0, NULL);
+    if (!r) return -1;
+    const char *q = r;
+    char dig[40];
+    int neg = 0, nd = 0, point = -1;
+    if (*q == '-') { neg = 1; q++; }
+    for (; *q && *q != 'e' && *q != 'E'; q++) {
+        if (*q == '.') point = nd;
+        else if (nd < (int)sizeof dig) dig[nd++] = *q;
+    }
+    long ex = (*q == 'e' || *q == 'E') ? strtol(q + 1, NULL, 10) : 0;
+    PyMem_Free(r);
+    if (point < 0) point = nd;
+    int kk = point + (int)ex, st = 0, en = nd; /* value = 0.D x 10^kk */
+    while (st < nd && dig[st] == '0') { st++; kk--; }
+    while (en > st && dig[en - 1] == '0') en--;
+    int L = en - st, k = kk - L;
+    const char *D = dig + st;
+    if (L < 1 || L > 17) { PyErr_SetString(PyExc_ValueError, "unexpected float repr"); return -1; }
+    if (neg) *o++ = '-';
+    if (0 <= k && kk <= 16) {
+        memcpy(o, D, (size_t)L); o += L;
+        memset(o, '0', (size_t)(kk - L)); o += kk - L;
+        *o++ = '.'; *o++ = '0';
+    } else if (0 < kk && kk <= 16) {
+        memcpy(o, D, (size_t)kk); o += kk;
+        *o++ = '.';
+        memcpy(o, D + kk, (size_t)(L - kk)); o += L - kk;
+    } else if (-5 < kk && kk <= 0) {
+        *o++ = '0'; *o++ = '.';
+        memset(o, '0', (size_t)-kk); o += -kk;
+        memcpy(o, D, (size_t)L); o += L;
+    } else {
+        *o++ = D[0];
+        if (L > 1) { *o++ = '.'; memcpy(o, D + 1, (size_t)(L - 1)); o += L - 1; }
+        *o++ = 'e';
+        int e = kk - 1;
+        if (e < 0) { *o++ = '-'; e = -e; }
+        char t[8], *te = t + sizeof t, *tq = te;
+        do { *--tq = (char)('0' + e % 10); e /= 10; } while (e);
+        memcpy(o, tq, (size_t)(te - tq)); o += te - tq;
+    }
+    return wb_put(b, tmp, o - tmp);
+}
+
+static int wb_mp_double(WBuf *b, double x) {
+    uint64_t u;
+    memcpy(&u, &x, 8);
+    unsigned char t[9] = {0xCB};
+    for (int k = 0; k < 8; k++) t[1 + k] = (unsigned char)(u >> (56 - 8 * k));
+    return wb_put(b, (const char *)t, 9);
+}
+
+typedef struct { const PRow *p; Py_ssize_t h, w; double score; int stale; } ARow;
+
+static PyObject *py_write_answer(PyObject *self, PyObject *args) {
+    int mp;
+    PyObject *layout, *prefix, *heads, *statuses, *seqs, *smap;
+    Py_ssize_t qb;
+    Py_buffer rows, wixb;
+    if (!PyArg_ParseTuple(args, "pO!O!ny*O!y*O!O!O!", &mp, &PyTuple_Type, &layout, &PyBytes_Type, &prefix, &qb, &rows,
+                          &PyTuple_Type, &heads, &wixb, &PyList_Type, &statuses, &PyList_Type, &seqs, &PyDict_Type, &smap))
+        return NULL;
+    PyObject *out = NULL;
+    ARow *ar = NULL;
+    int64_t *seq = NULL;
+    PyObject **senc = NULL;
+    char *stl = NULL;
+    WBuf b = {NULL, 0, 0};
+    Py_ssize_t nrows = rows.len / (Py_ssize_t)sizeof(PRow), nh = PyTuple_GET_SIZE(heads);
+    Py_ssize_t nw = PyList_GET_SIZE(statuses), na = 0;
+    const int32_t *wix = wixb.buf;
+    int ok = rows.len % (Py_ssize_t)sizeof(PRow) == 0 && PyTuple_GET_SIZE(layout) == L_COUNT && nh >= nrows &&
+             wixb.len == nh * 4 && PyList_GET_SIZE(seqs) == nw && qb >= 0;
+    for (Py_ssize_t i = 0; ok && i < L_COUNT; i++) ok = PyBytes_CheckExact(PyTuple_GET_ITEM(layout, i));
+    if (!ok) goto none;
+    ar = PyMem_Malloc(sizeof(ARow) * (size_t)(nh ? nh : 1));
+    seq = PyMem_Malloc(sizeof(int64_t) * (size_t)(nw ? nw : 1));
+    senc = PyMem_Malloc(sizeof(PyObject *) * (size_t)(nw ? nw : 1));
+    stl = PyMem_Malloc((size_t)(nw ? nw : 1));
+    if (!ar || !seq || !senc || !stl) { PyErr_NoMemory(); goto done; }
+    /* per worker: its encoded status, stale flag and last_seq (-1 in stl[]: None). Exact str keys only,
+     * so the dict lookup runs no Python code; nothing below does, so the borrowed bytes stay valid. */
+    for (Py_ssize_t i = 0; i < nw; i++) {
+        PyObject *st = PyList_GET_ITEM(statuses, i), *sq = PyList_GET_ITEM(seqs, i);
+        if (!PyUnicode_CheckExact(st)) goto none;
+        PyObject *v = PyDict_GetItemWithError(smap, st);
+        if (!v) { if (PyErr_Occurred()) goto done; goto none; }
+        if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 2 || !PyBytes_CheckExact(PyTuple_GET_ITEM(v, 0))) goto none;
+        senc[i] = PyTuple_GET_ITEM(v, 0);
+        stl[i] = (char)(PyTuple_GET_ITEM(v, 1) == Py_True);
+        if (sq == Py_None) { stl[i] |= 2; seq[i] = 0; continue; }
+        if (!PyLong_CheckExact(sq)) goto none;
+        int ovf = 0;
+        long long x = PyLong_AsLongLongAndOverflow(sq, &ovf);
+        if (ovf) goto none;
+        if (x == -1 && PyErr_Occurred()) goto done;
+        seq[i] = x;
+    }
+    const PRow *pr = rows.buf;
+    for (Py_ssize_t r = 0; r < nh; r++) { /* the index's rows best first, then the pairs it does not hold */
+        Py_ssize_t h = r;
+        const PRow *p = NULL;
+        if (r < nrows) {
+            p = pr + r;
+            if (p->s < 0 || p->s >= nrows) goto none;
+            h = (Py_ssize_t)p->s;
+        }
+        int32_t w = wix[h];
+        if (w < 0) continue;
+        if (w >= nw || !PyBytes_CheckExact(PyTuple_GET_ITEM(heads, h))) goto none;
+        double sc = p ? p->score : 0.0;
+        if (!isfinite(sc)) goto none;
+        ARow a = {p, h, w, sc, stl[w] & 1};
+        /* stable insertion: fresh before stale, score descending (the rows come nearly in order) */
+        Py_ssize_t j = na;
+        while (j > 0 && (ar[j - 1].stale > a.stale || (ar[j - 1].stale == a.stale && ar[j - 1].score < a.score))) {
+            ar[j] = ar[j - 1];
+            j--;
+        }
+        ar[j] = a;
+        na++;
+    }
+#define LY(i) PyTuple_GET_ITEM(layout, i)
+#define PUT(o) do { if (wb_bytes(&b, (o)) < 0) goto done; } while (0)
+#define INT(v) do { if ((mp ? wb_mp_int(&b, (int64_t)(v)) : wb_json_int(&b, (int64_t)(v))) < 0) goto done; } while (0)
+    PUT(prefix);
+    INT(qb);
+    PUT(LY(L_WORKERS));
+    if (mp) { /* the workers array header */
+        unsigned char t[5];
+        int n;
+        if (na < 16) { t[0] = (unsigned char)(0x90 | na); n = 1; }
+        else if (na < 65536) { t[0] = 0xDC; t[1] = (unsigned char)(na >> 8); t[2] = (unsigned char)na; n = 3; }
+        else { t[0] = 0xDD; for (int k = 0; k < 4; k++) t[1 + k] = (unsigned char)((uint64_t)na >> (24 - 8 * k)); n = 5; }
+        if (wb_put(&b, (const char *)t, n) < 0) goto done;
+    }
+    Py_ssize_t best = -1;
+    for (Py_ssize_t i = 0; i < na; i++) {
+        const ARow *a = ar + i;
+        const PRow *p = a->p;
+        if (best < 0 && !a->stale && a->score > 0) best = i;
+        if (i) PUT(LY(L_SEP));
+        PUT(LY(L_ROW_OPEN));
+        PUT(PyTuple_GET_ITEM(heads, a->h));
+        PUT(LY(L_DEV)); INT(p ? p->dev : 0);
+        PUT(LY(L_CACH)); INT(p ? p->cach : 0);
+        PUT(LY(L_TIERS)); INT(p ? p->sp[0] : 0);
+        PUT(LY(L_HOST)); INT(p ? p->sp[1] : 0);
+        PUT(LY(L_DISK)); INT(p ? p->sp[2] : 0);
+        PUT(LY(L_SHARED)); INT(p ? p->sp[3] : 0);
+        PUT(LY(L_SCORE));
+        if ((mp ? wb_mp_double(&b, a->score) : wb_json_double(&b, a->score)) < 0) goto done;
+        PUT(LY(L_STALE)); PUT(LY(a->stale ? L_TRUE : L_FALSE));
+        PUT(LY(L_SEQ));
+        if (stl[a->w] & 2) PUT(LY(L_NULL)); else INT(seq[a->w]);
+        PUT(LY(L_STATUS)); PUT(senc[a->w]);
+        PUT(LY(L_ROW_CLOSE));
+    }
+    PUT(LY(L_AFTER));
+    if (best < 0) PUT(LY(L_NULL));
+    else { PUT(LY(L_BEST_OPEN)); PUT(PyTuple_GET_ITEM(heads, ar[best].h)); PUT(LY(L_BEST_CLOSE)); }
+    PUT(LY(L_END));
+#undef LY
+#undef PUT
+#undef INT
+    out = PyBytes_FromStringAndSize(b.p, b.n);
+    goto done;
+none:
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    PyMem_Free(b.p);
+    PyMem_Free(ar);
+    PyMem_Free(seq);
+    PyMem_Free(senc);
+    PyMem_Free(stl);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&wixb);
     return out;
 }
 
@@ -1794,6 +2080,7 @@ static PyMethodDef module_methods[] = {
      "apply the common case of one worker's raw batch to its maps"},
     {"score_rows", (PyCFunction)(void (*)(void))py_score_rows, METH_VARARGS | METH_KEYWORDS,
      "score, rank and build the result rows"},
+    {"write_answer", py_write_answer, METH_VARARGS, "the /score answer bytes (JSON or msgpack) from packed rows"},
     {"json_u32_array", py_json_u32_array, METH_VARARGS, "u32 tokens from a raw JSON int array"},
     {"json_body_u32", py_json_body_u32, METH_VARARGS, "u32 tokens and their span from a whole JSON request body"},
     {"msgpack_u32_array", py_msgpack_u32_array, METH_VARARGS, "u32 tokens from a raw msgpack int array"},
