@@ -1003,6 +1003,51 @@ static PyObject *pack_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py
     return out;
 }
 
+/* The chained keys of a u32 token buffer (what the /score bodies become), hashed in place: the same
+ * keys as tokens_u64 + block_digest without the u64 copy. 1: done (*k allocated, *zero set when a
+ * key is 0); 0: not a 1-d u32 buffer (the general path reads it); -1: memory error. */
+static int u32_keys(PyObject *toks, uint64_t seed, Py_ssize_t bs, uint64_t **kout, Py_ssize_t *nkout, int *zero) {
+    if (PyList_Check(toks) || PyTuple_Check(toks) || !PyObject_CheckBuffer(toks)) return 0;
+    Py_buffer view;
+    if (PyObject_GetBuffer(toks, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) { PyErr_Clear(); return 0; }
+    const char *f = view.format ? view.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (f[0] != 'I' || f[1] != 0 || view.ndim != 1 || view.itemsize != 4 || view.len % 4) {
+        PyBuffer_Release(&view);
+        return 0;
+    }
+    Py_ssize_t nk = view.len / 4 / bs;
+    uint64_t *k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+    uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
+    if (!k || !cols) { PyMem_Free(k); PyMem_Free(cols); PyBuffer_Release(&view); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
+    const unsigned char *b = view.buf;
+    int z = 0;
+    for (Py_ssize_t j = 0; j < nk; j++) {
+        const unsigned char *blk = b + (size_t)j * (size_t)bs * 4;
+        uint64_t acc = 0; /* block_digest, reading u32 */
+        for (Py_ssize_t i = 0; i < bs; i++) {
+            uint32_t v;
+            memcpy(&v, blk + 4 * i, 4);
+            uint64_t x = (uint64_t)v * K1 + cols[i];
+            x ^= x >> 31;
+            acc += x * K2;
+        }
+        acc ^= acc >> 29;
+        acc *= K3;
+        acc ^= acc >> 32;
+        seed = seed * P_MUL + acc;
+        k[j] = seed;
+        z |= !seed;
+    }
+    PyMem_Free(cols);
+    PyBuffer_Release(&view);
+    *kout = k;
+    *nkout = nk;
+    *zero = z;
+    return 1;
+}
+
 /* score_rows(nodes, keys|None, tokens|None, seed, block_size, slots, wids, ranks, weights, WorkerScore|None, names)
  *   -> (query_blocks, [WorkerScore best first]) | (query_blocks, packed rows: bytes) | None
  * With row type None the ranked rows come back packed (PRow, best first) for write_answer: no object per row.
@@ -1043,19 +1088,22 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
     } else {
         uint64_t seed = PyLong_AsUnsignedLongLongMask(seedo);
         if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-        uint64_t *t = NULL;
-        Py_ssize_t n = tokens_u64(toks, &t);
-        if (n == -2) return NULL;
-        if (n < 0) Py_RETURN_NONE;
-        nk = n / bs;
-        k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
-        uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
-        if (!k || !cols) { PyMem_Free(t); PyMem_Free(cols); PyErr_NoMemory(); goto done; }
-        for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
-        int zero = 0;
-        for (Py_ssize_t j = 0; j < nk; j++) { seed = seed * P_MUL + block_digest(t + j * bs, bs, 0, cols); k[j] = seed; zero |= !seed; }
-        PyMem_Free(t);
-        PyMem_Free(cols);
+        int zero = 0, rc = u32_keys(toks, seed, bs, &k, &nk, &zero);
+        if (rc < 0) return NULL;
+        if (rc == 0) {
+            uint64_t *t = NULL;
+            Py_ssize_t n = tokens_u64(toks, &t);
+            if (n == -2) return NULL;
+            if (n < 0) Py_RETURN_NONE;
+            nk = n / bs;
+            k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+            uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
+            if (!k || !cols) { PyMem_Free(t); PyMem_Free(cols); PyErr_NoMemory(); goto done; }
+            for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
+            for (Py_ssize_t j = 0; j < nk; j++) { seed = seed * P_MUL + block_digest(t + j * bs, bs, 0, cols); k[j] = seed; zero |= !seed; }
+            PyMem_Free(t);
+            PyMem_Free(cols);
+        }
         if (zero) { out = Py_None; Py_INCREF(out); goto done; } /* key 0: the Python walk judges it */
     }
     if (slots_of(slotso, &slot) < 0) goto done;
@@ -1094,81 +1142,63 @@ done:
 enum { L_ROW_OPEN, L_DEV, L_CACH, L_TIERS, L_HOST, L_DISK, L_SHARED, L_SCORE, L_STALE, L_SEQ, L_STATUS,
        L_ROW_CLOSE, L_WORKERS, L_AFTER, L_END, L_BEST_OPEN, L_BEST_CLOSE, L_SEP, L_NULL, L_TRUE, L_FALSE, L_COUNT };
 
-typedef struct { char *p; Py_ssize_t n, cap; } WBuf;
-
-static int wb_reserve(WBuf *b, Py_ssize_t more) {
-    if (b->n + more <= b->cap) return 0;
-    Py_ssize_t cap = b->cap ? b->cap : 1024;
-    while (cap < b->n + more) {
-        if (cap > PY_SSIZE_T_MAX / 2) { PyErr_NoMemory(); return -1; }
-        cap *= 2;
-    }
-    char *p = PyMem_Realloc(b->p, (size_t)cap);
-    if (!p) { PyErr_NoMemory(); return -1; }
-    b->p = p;
-    b->cap = cap;
-    return 0;
+/* Writers into a buffer the caller sized for the worst case (answer_bound): no checks per piece. */
+static inline char *put(char *q, const char *s, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) q[i] = s[i]; /* pieces are a few bytes: cheaper than a memcpy call */
+    return q + n;
 }
 
-static inline int wb_put(WBuf *b, const char *s, Py_ssize_t n) {
-    if (wb_reserve(b, n) < 0) return -1;
-    if (n) memcpy(b->p + b->n, s, (size_t)n);
-    b->n += n;
-    return 0;
-}
+static inline char *put_obj(char *q, PyObject *o) { return put(q, PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o)); }
 
-static inline int wb_bytes(WBuf *b, PyObject *o) { return wb_put(b, PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o)); }
+#define INT_MAX_CHARS 20 /* "-9223372036854775808"; msgpack ints take at most 9 bytes */
+#define DBL_MAX_CHARS 32 /* msgspec's longest spelling is 25 ("-1.2345678901234567e-308"); msgpack 9 */
 
-static int wb_json_int(WBuf *b, int64_t v) {
-    char tmp[24], *e = tmp + sizeof tmp, *q = e;
+static char *json_int(char *q, int64_t v) {
+    char tmp[24], *e = tmp + sizeof tmp, *t = e;
     uint64_t u = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
-    do { *--q = (char)('0' + u % 10); u /= 10; } while (u);
-    if (v < 0) *--q = '-';
-    return wb_put(b, q, e - q);
+    do { *--t = (char)('0' + u % 10); u /= 10; } while (u);
+    if (v < 0) *--t = '-';
+    return put(q, t, e - t);
 }
 
-static int wb_mp_int(WBuf *b, int64_t v) { /* the smallest form, as msgspec writes it */
-    unsigned char t[9];
+static char *mp_int(char *q, int64_t v) { /* the smallest form, as msgspec writes it */
     int n;
     uint64_t u = (uint64_t)v;
     if (v >= 0) {
-        if (v < 128) { t[0] = (unsigned char)v; n = 1; }
-        else if (v < 256) { t[0] = 0xCC; n = 2; }
-        else if (v < 65536) { t[0] = 0xCD; n = 3; }
-        else if (v <= 0xFFFFFFFFLL) { t[0] = 0xCE; n = 5; }
-        else { t[0] = 0xCF; n = 9; }
+        if (v < 128) { *q++ = (char)v; return q; }
+        if (v < 256) { *q++ = (char)0xCC; n = 1; }
+        else if (v < 65536) { *q++ = (char)0xCD; n = 2; }
+        else if (v <= 0xFFFFFFFFLL) { *q++ = (char)0xCE; n = 4; }
+        else { *q++ = (char)0xCF; n = 8; }
     } else {
-        if (v >= -32) { t[0] = (unsigned char)(u & 0xFF); n = 1; }
-        else if (v >= -128) { t[0] = 0xD0; n = 2; }
-        else if (v >= -32768) { t[0] = 0xD1; n = 3; }
-        else if (v >= -2147483648LL) { t[0] = 0xD2; n = 5; }
-        else { t[0] = 0xD3; n = 9; }
+        if (v >= -32) { *q++ = (char)(u & 0xFF); return q; }
+        if (v >= -128) { *q++ = (char)0xD0; n = 1; }
+        else if (v >= -32768) { *q++ = (char)0xD1; n = 2; }
+        else if (v >= -2147483648LL) { *q++ = (char)0xD2; n = 4; }
+        else { *q++ = (char)0xD3; n = 8; }
     }
-    for (int k = 1; k < n; k++) t[k] = (unsigned char)(u >> (8 * (n - 1 - k)));
-    return wb_put(b, (const char *)t, n);
+    for (int k = n - 1; k >= 0; k--) *q++ = (char)(u >> (8 * k));
+    return q;
 }
 
 /* msgspec's JSON spelling of a finite double: the shortest round-trip digits (Python's repr finds the
  * same ones) laid out as msgspec does — plain decimals for 1e-5 <= |x| < 1e16 ("16.0", "0.00001"),
- * else d[.ddd]e[-]x ("1e16", "1.25e-7"). */
-static int wb_json_double(WBuf *b, double x) {
-    char tmp[48], *o = tmp;
-    if (x == 0.0) return signbit(x) ? wb_put(b, "-0.0", 4) : wb_put(b, "0.0", 3);
-    if (fabs(x) < 1e15 && x == (double)(int64_t)x) { /* integral: the common case, no digit search */
-        if (wb_json_int(b, (int64_t)x) < 0) return -1;
-        return wb_put(b, ".0", 2);
-    }
+ * else d[.ddd]e[-]x ("1e16", "1.25e-7"). NULL on a memory error. */
+static char *json_double(char *q, double x) {
+    if (x == 0.0) return signbit(x) ? put(q, "-0.0", 4) : put(q, "0.0", 3);
+    if (fabs(x) < 1e15 && x == (double)(int64_t)x) /* integral: the common case, no digit search */
+        return put(json_int(q, (int64_t)x), ".0", 2);
     char *r = PyOS_double_to_string(x, 'r', 0, 0, NULL);
-    if (!r) return -1;
-    const char *q = r;
+    if (!r) return NULL;
+    const char *c = r;
     char dig[40];
     int neg = 0, nd = 0, point = -1;
-    if (*q == '-') { neg = 1; q++; }
-    for (; *q && *q != 'e' && *q != 'E'; q++) {
-        if (*q == '.') point = nd;
-        else if (nd < (int)sizeof dig) dig[nd++] = *q;
+    if (*c == '-') { neg = 1; c++; }
+    for (; *c && *c != 'e' && *c != 'E'; c++) {
+        if (*c == '.') point = nd;
+        else if (nd < (int)sizeof dig) dig[nd++] = *c;
     }
-    long ex = (*q == 'e' || *q == 'E') ? strtol(q + 1, NULL, 10) : 0;
+    long ex = (*c == 'e' || *c == 'E') ? strtol(c + 1, NULL, 10) : 0;
     PyMem_Free(r);
     if (point < 0) point = nd;
     int kk = point + (int)ex, st = 0, en = nd; /* value = 0.D x 10^kk */
@@ -1176,39 +1206,35 @@ static int wb_json_double(WBuf *b, double x) {
     while (en > st && dig[en - 1] == '0') en--;
     int L = en - st, k = kk - L;
     const char *D = dig + st;
-    if (L < 1 || L > 17) { PyErr_SetString(PyExc_ValueError, "unexpected float repr"); return -1; }
-    if (neg) *o++ = '-';
+    if (L < 1 || L > 17) { PyErr_SetString(PyExc_ValueError, "unexpected float repr"); return NULL; }
+    if (neg) *q++ = '-';
     if (0 <= k && kk <= 16) {
-        memcpy(o, D, (size_t)L); o += L;
-        memset(o, '0', (size_t)(kk - L)); o += kk - L;
-        *o++ = '.'; *o++ = '0';
+        q = put(q, D, L);
+        for (int i = 0; i < kk - L; i++) *q++ = '0';
+        q = put(q, ".0", 2);
     } else if (0 < kk && kk <= 16) {
-        memcpy(o, D, (size_t)kk); o += kk;
-        *o++ = '.';
-        memcpy(o, D + kk, (size_t)(L - kk)); o += L - kk;
+        q = put(q, D, kk);
+        *q++ = '.';
+        q = put(q, D + kk, L - kk);
     } else if (-5 < kk && kk <= 0) {
-        *o++ = '0'; *o++ = '.';
-        memset(o, '0', (size_t)-kk); o += -kk;
-        memcpy(o, D, (size_t)L); o += L;
+        q = put(q, "0.", 2);
+        for (int i = 0; i < -kk; i++) *q++ = '0';
+        q = put(q, D, L);
     } else {
-        *o++ = D[0];
-        if (L > 1) { *o++ = '.'; memcpy(o, D + 1, (size_t)(L - 1)); o += L - 1; }
-        *o++ = 'e';
-        int e = kk - 1;
-        if (e < 0) { *o++ = '-'; e = -e; }
-        char t[8], *te = t + sizeof t, *tq = te;
-        do { *--tq = (char)('0' + e % 10); e /= 10; } while (e);
-        memcpy(o, tq, (size_t)(te - tq)); o += te - tq;
+        *q++ = D[0];
+        if (L > 1) { *q++ = '.'; q = put(q, D + 1, L - 1); }
+        *q++ = 'e';
+        q = json_int(q, kk - 1);
     }
-    return wb_put(b, tmp, o - tmp);
+    return q;
 }
 
-static int wb_mp_double(WBuf *b, double x) {
+static char *mp_double(char *q, double x) {
     uint64_t u;
     memcpy(&u, &x, 8);
-    unsigned char t[9] = {0xCB};
-    for (int k = 0; k < 8; k++) t[1 + k] = (unsigned char)(u >> (56 - 8 * k));
-    return wb_put(b, (const char *)t, 9);
+    *q++ = (char)0xCB;
+    for (int k = 7; k >= 0; k--) *q++ = (char)(u >> (8 * k));
+    return q;
 }
 
 typedef struct { const PRow *p; Py_ssize_t h, w; double score; int stale; } ARow;
@@ -1226,7 +1252,6 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     int64_t *seq = NULL;
     PyObject **senc = NULL;
     char *stl = NULL;
-    WBuf b = {NULL, 0, 0};
     Py_ssize_t nrows = rows.len / (Py_ssize_t)sizeof(PRow), nh = PyTuple_GET_SIZE(heads);
     Py_ssize_t nw = PyList_GET_SIZE(statuses), na = 0;
     const int32_t *wix = wixb.buf;
@@ -1282,55 +1307,73 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
         na++;
     }
 #define LY(i) PyTuple_GET_ITEM(layout, i)
-#define PUT(o) do { if (wb_bytes(&b, (o)) < 0) goto done; } while (0)
-#define INT(v) do { if ((mp ? wb_mp_int(&b, (int64_t)(v)) : wb_json_int(&b, (int64_t)(v))) < 0) goto done; } while (0)
-    PUT(prefix);
+#define LEN(i) PyBytes_GET_SIZE(LY(i))
+    /* the worst case, so the writers below need no checks: every piece at its longest */
+    Py_ssize_t maxhead = 0, row = 0, bound;
+    for (Py_ssize_t i = 0; i < na; i++) {
+        Py_ssize_t hl = PyBytes_GET_SIZE(PyTuple_GET_ITEM(heads, ar[i].h));
+        if (hl > maxhead) maxhead = hl;
+        row += hl + PyBytes_GET_SIZE(senc[ar[i].w]);
+    }
+    Py_ssize_t fixed = LEN(L_SEP) + LEN(L_ROW_OPEN) + LEN(L_DEV) + LEN(L_CACH) + LEN(L_TIERS) + LEN(L_HOST) +
+                       LEN(L_DISK) + LEN(L_SHARED) + LEN(L_SCORE) + LEN(L_STALE) + LEN(L_TRUE) + LEN(L_FALSE) +
+                       LEN(L_SEQ) + LEN(L_NULL) + LEN(L_STATUS) + LEN(L_ROW_CLOSE) + 7 * INT_MAX_CHARS + DBL_MAX_CHARS;
+    bound = PyBytes_GET_SIZE(prefix) + INT_MAX_CHARS + LEN(L_WORKERS) + 5 + row + na * fixed + LEN(L_AFTER) +
+            LEN(L_NULL) + LEN(L_BEST_OPEN) + maxhead + LEN(L_BEST_CLOSE) + LEN(L_END);
+    char *buf = PyMem_Malloc((size_t)bound), *q = buf;
+    if (!buf) { PyErr_NoMemory(); goto done; }
+#define INT(v) (q = mp ? mp_int(q, (int64_t)(v)) : json_int(q, (int64_t)(v)))
+    q = put_obj(q, prefix);
     INT(qb);
-    PUT(LY(L_WORKERS));
+    q = put_obj(q, LY(L_WORKERS));
     if (mp) { /* the workers array header */
-        unsigned char t[5];
-        int n;
-        if (na < 16) { t[0] = (unsigned char)(0x90 | na); n = 1; }
-        else if (na < 65536) { t[0] = 0xDC; t[1] = (unsigned char)(na >> 8); t[2] = (unsigned char)na; n = 3; }
-        else { t[0] = 0xDD; for (int k = 0; k < 4; k++) t[1 + k] = (unsigned char)((uint64_t)na >> (24 - 8 * k)); n = 5; }
-        if (wb_put(&b, (const char *)t, n) < 0) goto done;
+        if (na < 16) *q++ = (char)(0x90 | na);
+        else if (na < 65536) { *q++ = (char)0xDC; *q++ = (char)(na >> 8); *q++ = (char)na; }
+        else { *q++ = (char)0xDD; for (int k = 3; k >= 0; k--) *q++ = (char)((uint64_t)na >> (8 * k)); }
     }
     Py_ssize_t best = -1;
     for (Py_ssize_t i = 0; i < na; i++) {
         const ARow *a = ar + i;
         const PRow *p = a->p;
         if (best < 0 && !a->stale && a->score > 0) best = i;
-        if (i) PUT(LY(L_SEP));
-        PUT(LY(L_ROW_OPEN));
-        PUT(PyTuple_GET_ITEM(heads, a->h));
-        PUT(LY(L_DEV)); INT(p ? p->dev : 0);
-        PUT(LY(L_CACH)); INT(p ? p->cach : 0);
-        PUT(LY(L_TIERS)); INT(p ? p->sp[0] : 0);
-        PUT(LY(L_HOST)); INT(p ? p->sp[1] : 0);
-        PUT(LY(L_DISK)); INT(p ? p->sp[2] : 0);
-        PUT(LY(L_SHARED)); INT(p ? p->sp[3] : 0);
-        PUT(LY(L_SCORE));
-        if ((mp ? wb_mp_double(&b, a->score) : wb_json_double(&b, a->score)) < 0) goto done;
-        PUT(LY(L_STALE)); PUT(LY(a->stale ? L_TRUE : L_FALSE));
-        PUT(LY(L_SEQ));
-        if (stl[a->w] & 2) PUT(LY(L_NULL)); else INT(seq[a->w]);
-        PUT(LY(L_STATUS)); PUT(senc[a->w]);
-        PUT(LY(L_ROW_CLOSE));
+        if (i) q = put_obj(q, LY(L_SEP));
+        q = put_obj(q, LY(L_ROW_OPEN));
+        q = put_obj(q, PyTuple_GET_ITEM(heads, a->h));
+        q = put_obj(q, LY(L_DEV)); INT(p ? p->dev : 0);
+        q = put_obj(q, LY(L_CACH)); INT(p ? p->cach : 0);
+        q = put_obj(q, LY(L_TIERS)); INT(p ? p->sp[0] : 0);
+        q = put_obj(q, LY(L_HOST)); INT(p ? p->sp[1] : 0);
+        q = put_obj(q, LY(L_DISK)); INT(p ? p->sp[2] : 0);
+        q = put_obj(q, LY(L_SHARED)); INT(p ? p->sp[3] : 0);
+        q = put_obj(q, LY(L_SCORE));
+        q = mp ? mp_double(q, a->score) : json_double(q, a->score);
+        if (!q) { PyMem_Free(buf); goto done; }
+        q = put_obj(q, LY(L_STALE));
+        q = put_obj(q, LY(a->stale ? L_TRUE : L_FALSE));
+        q = put_obj(q, LY(L_SEQ));
+        if (stl[a->w] & 2) q = put_obj(q, LY(L_NULL)); else INT(seq[a->w]);
+        q = put_obj(q, LY(L_STATUS));
+        q = put_obj(q, senc[a->w]);
+        q = put_obj(q, LY(L_ROW_CLOSE));
     }
-    PUT(LY(L_AFTER));
-    if (best < 0) PUT(LY(L_NULL));
-    else { PUT(LY(L_BEST_OPEN)); PUT(PyTuple_GET_ITEM(heads, ar[best].h)); PUT(LY(L_BEST_CLOSE)); }
-    PUT(LY(L_END));
+    q = put_obj(q, LY(L_AFTER));
+    if (best < 0) q = put_obj(q, LY(L_NULL));
+    else {
+        q = put_obj(q, LY(L_BEST_OPEN));
+        q = put_obj(q, PyTuple_GET_ITEM(heads, ar[best].h));
+        q = put_obj(q, LY(L_BEST_CLOSE));
+    }
+    q = put_obj(q, LY(L_END));
 #undef LY
-#undef PUT
+#undef LEN
 #undef INT
-    out = PyBytes_FromStringAndSize(b.p, b.n);
+    out = PyBytes_FromStringAndSize(buf, q - buf);
+    PyMem_Free(buf);
     goto done;
 none:
     out = Py_None;
     Py_INCREF(out);
 done:
-    PyMem_Free(b.p);
     PyMem_Free(ar);
     PyMem_Free(seq);
     PyMem_Free(senc);
