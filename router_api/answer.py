@@ -12,7 +12,6 @@ statuses and names. Pure: no state beyond what the caller keeps.
 from __future__ import annotations
 
 from array import array
-from types import ModuleType
 from typing import Any, Sequence
 
 import msgspec
@@ -123,12 +122,3 @@ class AnswerRows:
         order = scored + [p for p in pairs if p not in seen]
         heads = (tuple(head(False, w, r) for w, r in order), tuple(head(True, w, r) for w, r in order))
         return cls(worker_ids, heads, array("i", [pos.get(w, -1) for w, _ in order]).tobytes())
-
-
-def write(mod: ModuleType, fmts: Formats, mp: bool, model: str, block_size: int, query_blocks: int, rows: bytes,
-          ans: AnswerRows, statuses: list[str], seqs: list[int | None]) -> bytes | None:
-    """The answer bytes, or None where the C writer defers to msgspec (a non-finite score, a status or
-    last_seq it does not know)."""
-    i = 1 if mp else 0
-    return mod.write_answer(mp, fmts.layouts[i], fmts.prefix(mp, model, block_size), query_blocks, rows,
-                            ans.heads[i], ans.wix, statuses, seqs, fmts.statuses[i])

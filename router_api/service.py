@@ -254,9 +254,11 @@ class IndexerService:
         self._saved_mark: tuple[int, int] | None = None
         self.plane: Any = None  # router_api.nats_plane.NatsPlane under `kvatlas indexer --nats` (docs/jetstream.md)
         self._plans: dict[str, _ScorePlan] = {}  # per model, see _plan
-        # The C answer writer (`score_answer`), when the native module has it and the schema is the one it writes.
+        # The C answer writer (`score_answer`): with the native module, the schema it writes, and an index
+        # that packs rows for it (KVIndex.score_table).
         mod = native_core.select(None)
-        self._writer = mod if answer.SUPPORTED and hasattr(mod, "write_answer") else None
+        packs = callable(getattr(self.index, "score_table", None))
+        self._writer = mod if answer.SUPPORTED and packs and hasattr(mod, "write_answer") else None
         self._formats = answer.Formats()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -454,23 +456,27 @@ class IndexerService:
         core the rows never become objects: the index packs them and C writes the bytes (router_api/answer.py);
         anything that path does not take (pure core, hybrid models, odd tokens or scores) is `score` + msgspec."""
         writer = self._writer
-        get_table = getattr(self.index, "score_table", None)
-        if writer is not None and get_table is not None:
+        if writer is not None:
             now = self.clock()
-            policy = self.registry.policy
+            index = self.index
             with self.lock:
-                block_size = self.index.models().get(model)
+                block_size = index.models().get(model)
                 if block_size is None:
                     raise UnknownModel(f"unknown model {model!r}")
                 plan = self._plan(model)
-                held = self.index.workers(model)
+                held = index.workers(model)
                 same = len(held) == len(plan.pairs) and plan.pairset.issuperset(held)
-                table = get_table(model, token_ids, lora_name, cache_salt, None if same else plan.pairs)
+                table = index.score_table(model, token_ids, lora_name, cache_salt, None if same else plan.pairs)
                 if table is not None:
                     states = plan.states
-                    out = answer.write(writer, self._formats, msgpack, model, block_size, table.query_blocks,
-                                       table.rows, plan.answer_rows(table, same),
-                                       [w.status(now, policy) for w in states], [w.last_seq for w in states])
+                    rows = plan.answer_rows(table, same)
+                    fmt = self._formats
+                    i = 1 if msgpack else 0
+                    policy = self.registry.policy
+                    out = writer.write_answer(
+                        msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks,
+                        table.rows, rows.heads[i], rows.wix, [w.status(now, policy) for w in states],
+                        [w.last_seq for w in states], fmt.statuses[i])
                     if out is not None:
                         return out
         res = self.score(model, token_ids, lora_name, cache_salt)

@@ -84,7 +84,9 @@ def write(c: dict[str, Any], mp: bool, fmts: answer.Formats) -> bytes | None:
     pairs = [(r["wid"], r["rank"]) for r in rows if r["wid"] in c["workers"]] + c["extra"]
     ans = answer.AnswerRows.build(states, pairs, wids, ranks)
     packed = b"".join(PROW.pack(k, r["dev"], r["cach"], *r["sp"], r["score"]) for k, r in enumerate(rows))
-    return answer.write(N, fmts, mp, c["model"], c["bs"], c["qb"], packed, ans, c["statuses"], c["seqs"])
+    i = 1 if mp else 0  # the call IndexerService.score_answer makes
+    return N.write_answer(mp, fmts.layouts[i], fmts.prefix(mp, c["model"], c["bs"]), c["qb"], packed, ans.heads[i],
+                          ans.wix, c["statuses"], c["seqs"], fmts.statuses[i])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
