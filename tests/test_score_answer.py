@@ -231,3 +231,23 @@ def test_http_front_answers_the_same_bytes() -> None:
         == want_mp
     status, out, _ = front.answer(route, "json", None, b"", b'{"token_ids": [1], "model": "nope"}', 0.0)
     assert status == 404 and b"unknown model" in out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.lists(st.integers(0, 2**32 - 1), max_size=300), st.integers(0, 2**64 - 1))
+def test_u32_token_buffers_hash_like_the_reference(bs: int, toks: list[int], seed: int) -> None:
+    """score_rows hashes a u32 buffer in place (4 tokens at a time where the CPU has AVX2, any tail
+    scalar): the same chained keys as the pure-Python hashing, for every block size."""
+    from indexer import hashing as H
+
+    keys = H.chain_keys_py(toks, bs, seed)
+    nodes = N.U64Map()
+    for k in keys:
+        nodes[k] = 1  # slot 0 on GPU: every matching block counts
+    res = N.score_rows(nodes, None, np.asarray(toks, dtype="<u4"), seed, bs, [0], ["w"], [0],
+                       (1.0, 1.0, 1.0, 1.0), None, ("gpu", "host", "disk", "shared"))
+    depth = struct.unpack_from("<7qd", res[1])[2] if res is not None else None
+    if 0 in keys:
+        assert res is None  # key 0 lives in the side dict: the Python walk judges it
+    else:
+        assert res[0] == len(keys) and depth == len(keys)

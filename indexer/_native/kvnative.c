@@ -1006,6 +1006,70 @@ static PyObject *pack_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py
     return out;
 }
 
+/* Block digests of u32 tokens (block_digest of the tokens widened to u64: the same values), the
+ * scalar way and, where the CPU has it, 4 tokens at a time with AVX2 (x86-64 has no 64-bit vector
+ * multiply below AVX-512: each 64x64 product is built from 32x32->64 ones; sums mod 2^64 do not
+ * depend on order, so the digests are bit for bit the scalar ones). */
+static inline uint64_t digest_fin(uint64_t acc) {
+    acc ^= acc >> 29;
+    acc *= K3;
+    acc ^= acc >> 32;
+    return acc;
+}
+
+static inline uint64_t digest_term(uint32_t v, uint64_t col) {
+    uint64_t x = (uint64_t)v * K1 + col;
+    x ^= x >> 31;
+    return x * K2;
+}
+
+static void digests_u32(const unsigned char *b, Py_ssize_t nk, Py_ssize_t bs, const uint64_t *cols, uint64_t *dg) {
+    for (Py_ssize_t j = 0; j < nk; j++) {
+        const unsigned char *blk = b + (size_t)j * (size_t)bs * 4;
+        uint64_t acc = 0;
+        for (Py_ssize_t i = 0; i < bs; i++) {
+            uint32_t v;
+            memcpy(&v, blk + 4 * i, 4);
+            acc += digest_term(v, cols[i]);
+        }
+        dg[j] = digest_fin(acc);
+    }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_AVX2_DIGESTS 1
+__attribute__((target("avx2")))
+static void digests_u32_avx2(const unsigned char *b, Py_ssize_t nk, Py_ssize_t bs, const uint64_t *cols, uint64_t *dg) {
+    const __m256i k1lo = _mm256_set1_epi64x((long long)(K1 & 0xFFFFFFFFULL)), k1hi = _mm256_set1_epi64x((long long)(K1 >> 32));
+    const __m256i k2lo = _mm256_set1_epi64x((long long)(K2 & 0xFFFFFFFFULL)), k2hi = _mm256_set1_epi64x((long long)(K2 >> 32));
+    for (Py_ssize_t j = 0; j < nk; j++) {
+        const unsigned char *blk = b + (size_t)j * (size_t)bs * 4;
+        __m256i acc = _mm256_setzero_si256();
+        Py_ssize_t i = 0;
+        for (; i + 4 <= bs; i += 4) {
+            __m256i t = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(const void *)(blk + 4 * i)));
+            /* t < 2^32: t * K1 = t * K1lo + (t * K1hi << 32) */
+            __m256i x = _mm256_add_epi64(_mm256_mul_epu32(t, k1lo), _mm256_slli_epi64(_mm256_mul_epu32(t, k1hi), 32));
+            x = _mm256_add_epi64(x, _mm256_loadu_si256((const __m256i *)(const void *)(cols + i)));
+            x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));
+            /* x * K2 mod 2^64 = xlo * K2lo + ((xhi * K2lo + xlo * K2hi) << 32) */
+            __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k2lo), _mm256_mul_epu32(x, k2hi));
+            acc = _mm256_add_epi64(acc, _mm256_add_epi64(_mm256_mul_epu32(x, k2lo), _mm256_slli_epi64(cross, 32)));
+        }
+        uint64_t lanes[4];
+        _mm256_storeu_si256((__m256i *)(void *)lanes, acc);
+        uint64_t a = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+        for (; i < bs; i++) {
+            uint32_t v;
+            memcpy(&v, blk + 4 * i, 4);
+            a += digest_term(v, cols[i]);
+        }
+        dg[j] = digest_fin(a);
+    }
+}
+#endif
+
 /* The chained keys of a u32 token buffer (what the /score bodies become), hashed in place: the same
  * keys as tokens_u64 + block_digest without the u64 copy. 1: done (*k allocated, *zero set when a
  * key is 0); 0: not a 1-d u32 buffer (the general path reads it); -1: memory error. */
@@ -1024,22 +1088,15 @@ static int u32_keys(PyObject *toks, uint64_t seed, Py_ssize_t bs, uint64_t **kou
     uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
     if (!k || !cols) { PyMem_Free(k); PyMem_Free(cols); PyBuffer_Release(&view); PyErr_NoMemory(); return -1; }
     for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
-    const unsigned char *b = view.buf;
+#ifdef HAVE_AVX2_DIGESTS
+    if (bs >= 4 && __builtin_cpu_supports("avx2")) digests_u32_avx2(view.buf, nk, bs, cols, k);
+    else digests_u32(view.buf, nk, bs, cols, k);
+#else
+    digests_u32(view.buf, nk, bs, cols, k);
+#endif
     int z = 0;
-    for (Py_ssize_t j = 0; j < nk; j++) {
-        const unsigned char *blk = b + (size_t)j * (size_t)bs * 4;
-        uint64_t acc = 0; /* block_digest, reading u32 */
-        for (Py_ssize_t i = 0; i < bs; i++) {
-            uint32_t v;
-            memcpy(&v, blk + 4 * i, 4);
-            uint64_t x = (uint64_t)v * K1 + cols[i];
-            x ^= x >> 31;
-            acc += x * K2;
-        }
-        acc ^= acc >> 29;
-        acc *= K3;
-        acc ^= acc >> 32;
-        seed = seed * P_MUL + acc;
+    for (Py_ssize_t j = 0; j < nk; j++) { /* chain the digests in place */
+        seed = seed * P_MUL + k[j];
         k[j] = seed;
         z |= !seed;
     }
@@ -2146,6 +2203,9 @@ static int int_helpers(void) {
 }
 
 PyMODINIT_FUNC PyInit__kvnative(void) {
+#ifdef HAVE_AVX2_DIGESTS
+    __builtin_cpu_init(); /* before __builtin_cpu_supports, which may run before libgcc's constructor */
+#endif
     if (PyType_Ready(&U64MapType) < 0 || build_key_objs() < 0 || int_helpers() < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
