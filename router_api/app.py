@@ -230,7 +230,7 @@ class ScoreFront:
     FastAPI routes that document them in OpenAPI all call them (docs/service.md, "HTTP stack")."""
 
     __slots__ = ("app", "service", "metrics", "max_body", "default_model", "routes", "fastapi", "bodies",
-                 "limiter", "token")
+                 "limiter", "token", "_kinds")
 
     def __init__(self, app: ASGIApp, service: IndexerService, native: bool | None = None,
                  limiter: RateLimitedLog | None = None) -> None:
@@ -243,6 +243,7 @@ class ScoreFront:
         self.max_body = service.config.max_body_bytes
         self.default_model = service.config.model
         self.token: bytes | None = None  # set by BearerAuth: the fast path checks it too
+        self._kinds: dict[bytes | None, str] = {}  # Content-Type value -> body kind (content_kind), accepted ones
         self.routes: dict[str, Route] = {
             "/score": ("score", ScoreRequest, service.score_answer),  # answer bytes written in C when it can
             "/query": ("query", QueryRequest, _encoded(service.query_compat))}
@@ -277,7 +278,11 @@ class ScoreFront:
 
     def prepare(self, ctype: bytes | None, clen: bytes | None) -> str:
         """Before any body byte: the body kind from Content-Type; 413 for a declared length over the limit."""
-        kind = content_kind("application/json" if ctype is None else ctype.decode("latin-1"))
+        kind = self._kinds.get(ctype)
+        if kind is None:
+            kind = content_kind("application/json" if ctype is None else ctype.decode("latin-1"))
+            if len(self._kinds) < 32:  # a client's few spellings; bounded against a spray of them
+                self._kinds[ctype] = kind
         check_length(clen, self.max_body)
         return kind
 

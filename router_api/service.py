@@ -185,6 +185,7 @@ def _tiers(d: dict[str, int] | None) -> TierBlocks:
 
 
 _by_score = attrgetter("score")
+_dp_ranks = attrgetter("dp_ranks")
 
 
 class _ScorePlan:
@@ -192,10 +193,11 @@ class _ScorePlan:
     (worker_id, dp_rank) pairs, and the rank counts it was built from (its validity check); and the
     C answer writer's per-row pieces for the index order last seen (`answer_rows`)."""
 
-    __slots__ = ("states", "nranks", "pairs", "pairset", "by_id", "rows")
+    __slots__ = ("states", "nranks", "key", "pairs", "pairset", "by_id", "rows")
 
-    def __init__(self, states: list[WorkerState], nranks: list[int]) -> None:
+    def __init__(self, states: list[WorkerState], nranks: list[int], key: tuple[int, int]) -> None:
         self.states = states
+        self.key = key
         self.nranks = nranks
         self.by_id = {w.worker_id: w for w in states}
         self.pairs = [(w.worker_id, rank) for w in states for rank in sorted(w.dp_ranks)]
@@ -254,6 +256,7 @@ class IndexerService:
         self._saved_mark: tuple[int, int] | None = None
         self.plane: Any = None  # router_api.nats_plane.NatsPlane under `kvatlas indexer --nats` (docs/jetstream.md)
         self._plans: dict[str, _ScorePlan] = {}  # per model, see _plan
+        self._plan_epoch = 0  # bumped under the lock with each registry membership change (_plan's check)
         # The C answer writer (`score_answer`): with the native module, the schema it writes, and an index
         # that packs rows for it (KVIndex.score_table).
         mod = native_core.select(None)
@@ -302,6 +305,7 @@ class IndexerService:
         with self.lock:
             known = self.index.models()
             self.registry.add(reg, self.clock(), model_block_sizes=known, last_seq=last_seq)
+            self._plan_epoch += 1
             try:
                 self.index.ensure_model(reg.model, reg.block_size)
             except Exception as exc:  # BlockSizeConflict: keep registry and index consistent
@@ -327,6 +331,7 @@ class IndexerService:
     def unregister(self, worker_id: str, reason: str = "request") -> None:
         with self.lock:
             state = self.registry.remove(worker_id)
+            self._plan_epoch += 1
             self.index.remove_worker(state.reg.model, worker_id)
         self._membership += 1
         self.ingest.unsubscribe(worker_id)
@@ -341,6 +346,7 @@ class IndexerService:
             if state is None or (reg is not None and state.reg is not reg):
                 return
             self.registry.remove(worker_id)
+            self._plan_epoch += 1
             self.index.remove_worker(state.reg.model, worker_id)
         self._membership += 1
         log.error("event=registration_undone worker=%s reason=subscribe_failed error=%s", worker_id, error)
@@ -399,12 +405,14 @@ class IndexerService:
 
     def _plan(self, model: str) -> "_ScorePlan":
         """The model's registered (worker, rank) pairs, rebuilt only when membership or a worker's
-        ranks changed (ranks only grow while a worker is registered). Call under the lock."""
-        states = self.registry.of_model(model)
-        nranks = [len(w.dp_ranks) for w in states]
+        ranks changed (ranks only grow while a worker is registered). Call under the lock.
+        Membership is checked by an epoch every registry change under the lock bumps (and the
+        registry's size, for a registry changed from outside the service): no pass over the registry."""
+        key = (self._plan_epoch, len(self.registry))
         plan = self._plans.get(model)
-        if plan is None or plan.states != states or plan.nranks != nranks:
-            plan = self._plans[model] = _ScorePlan(states, nranks)
+        if plan is None or plan.key != key or plan.nranks != list(map(len, map(_dp_ranks, plan.states))):
+            states = self.registry.of_model(model)
+            plan = self._plans[model] = _ScorePlan(states, [len(w.dp_ranks) for w in states], key)
         return plan
 
     def score(self, model: str, token_ids: Any, lora_name: str | None = None,
