@@ -159,23 +159,25 @@ class TokenBodies:
     messages are the pure-Python path's, word for word. Without it (or KVATLAS_PURE_PYTHON=1),
     that typed decoder is the only path and token_ids is a list of ints."""
 
-    __slots__ = ("native",)
+    __slots__ = ("native", "msgpack_bodies")
 
     def __init__(self, native: bool | None = None) -> None:
         self.native: ModuleType | None = native_core.select(native)
         if self.native is not None and not hasattr(self.native, "json_body_u32"):
             self.native = None  # a stale build without the body parsers: the Python path serves
+        self.msgpack_bodies = self.native is not None and hasattr(self.native, "msgpack_body_u32")
 
     def decode(self, kind: str, body: bytes, typ: type) -> tuple[Any, Any]:
         mod = self.native
-        if mod is not None and body and kind == "json":
+        if mod is not None and body and (kind == "json" or self.msgpack_bodies):
             # One C pass finds and parses the token array; the typed decoder then judges the rest
-            # of the body with that array replaced by [] (a few bytes, not a second full scan).
-            found = mod.json_body_u32(body, MAX_QUERY_TOKENS)
+            # of the body with that array replaced by an empty one (a few bytes, not a second full scan).
+            js = kind == "json"
+            found = mod.json_body_u32(body, MAX_QUERY_TOKENS) if js else mod.msgpack_body_u32(body, MAX_QUERY_TOKENS)
             if found is not None:
                 buf, a, b = found
                 try:
-                    req = _dec_json[typ].decode(body[:a] + b"[]" + body[b:])
+                    req = (_dec_json if js else _dec_msgpack)[typ].decode(body[:a] + (b"[]" if js else b"\x90") + body[b:])
                 except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
                     req = None  # judged below on the whole body, so the wording is the usual one
                 if req is not None:

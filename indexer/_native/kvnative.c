@@ -345,6 +345,161 @@ static PyObject *py_msgpack_u32_array(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* msgpack_body_u32(body, max_tokens) -> (u32 bytes, start, end) | None
+ * The msgpack twin of json_body_u32: one pass over a whole msgpack /score or /query body (a map with
+ * str keys), its "token_ids" array parsed into u32 and [start, end) its span, so the caller decodes
+ * the body with that span replaced by an empty array (0x90) with its typed decoder, which judges every
+ * other field. None when undecided: not a map of str keys, the key absent or repeated, an element
+ * that is not an int in [0, 2^32), more than max_tokens, trailing bytes, or anything malformed or
+ * nested too deeply (the typed decoder words it). Saves msgspec's Raw pass, which walks every token. */
+static inline uint64_t be_uint(const unsigned char *p, int nb) {
+    uint64_t v = 0;
+    for (int k = 0; k < nb; k++) v = (v << 8) | p[k];
+    return v;
+}
+
+/* The end of the msgpack value at p, or NULL (malformed, truncated, or nested deeper than depth). */
+static const unsigned char *mp_skip(const unsigned char *p, const unsigned char *end, int depth) {
+    if (p >= end || depth <= 0) return NULL;
+    unsigned char c = *p++;
+    uint64_t n;
+    if (c <= 0x7F || c >= 0xE0 || c == 0xC0 || c == 0xC2 || c == 0xC3) return p;
+    if ((c & 0xE0) == 0xA0) { n = c & 0x1F; goto bytes; }
+    if ((c & 0xF0) == 0x90) { n = c & 0x0F; goto values; }
+    if ((c & 0xF0) == 0x80) { n = 2 * (uint64_t)(c & 0x0F); goto values; }
+    int nb; /* width of a length / count field */
+    switch (c) {
+        case 0xCC: case 0xD0: n = 1; goto bytes;
+        case 0xCD: case 0xD1: n = 2; goto bytes;
+        case 0xCE: case 0xD2: case 0xCA: n = 4; goto bytes;
+        case 0xCF: case 0xD3: case 0xCB: n = 8; goto bytes;
+        case 0xD4: n = 2; goto bytes; /* fixext: type byte + data */
+        case 0xD5: n = 3; goto bytes;
+        case 0xD6: n = 5; goto bytes;
+        case 0xD7: n = 9; goto bytes;
+        case 0xD8: n = 17; goto bytes;
+        case 0xD9: case 0xC4: nb = 1; break;
+        case 0xDA: case 0xC5: nb = 2; break;
+        case 0xDB: case 0xC6: nb = 4; break;
+        case 0xC7: case 0xC8: case 0xC9: { /* ext: length, type byte, data */
+            nb = c == 0xC7 ? 1 : c == 0xC8 ? 2 : 4;
+            if (end - p < nb) return NULL;
+            n = be_uint(p, nb) + 1;
+            p += nb;
+            goto bytes;
+        }
+        case 0xDC: case 0xDD: case 0xDE: case 0xDF: {
+            nb = (c == 0xDC || c == 0xDE) ? 2 : 4;
+            if (end - p < nb) return NULL;
+            n = be_uint(p, nb) * (c >= 0xDE ? 2 : 1);
+            p += nb;
+            goto values;
+        }
+        default: return NULL; /* 0xC1: never used */
+    }
+    if (end - p < nb) return NULL; /* str / bin with a length field */
+    n = be_uint(p, nb);
+    p += nb;
+bytes:
+    if ((uint64_t)(end - p) < n) return NULL;
+    return p + n;
+values:
+    if ((uint64_t)(end - p) < n) return NULL; /* every value takes a byte at least */
+    for (uint64_t i = 0; i < n; i++) if (!(p = mp_skip(p, end, depth - 1))) return NULL;
+    return p;
+}
+
+/* A msgpack str at p: its bytes in [*s, *s + *n), the end returned; NULL if p is not a str. */
+static const unsigned char *mp_str(const unsigned char *p, const unsigned char *end, const unsigned char **s,
+                                   Py_ssize_t *n) {
+    if (p >= end) return NULL;
+    unsigned char c = *p++;
+    uint64_t len;
+    int nb = 0;
+    if ((c & 0xE0) == 0xA0) len = c & 0x1F;
+    else if (c == 0xD9 || c == 0xDA || c == 0xDB) {
+        nb = c == 0xD9 ? 1 : c == 0xDA ? 2 : 4;
+        if (end - p < nb) return NULL;
+        len = be_uint(p, nb);
+        p += nb;
+    } else return NULL;
+    if ((uint64_t)(end - p) < len) return NULL;
+    *s = p;
+    *n = (Py_ssize_t)len;
+    return p + len;
+}
+
+static PyObject *py_msgpack_body_u32(PyObject *self, PyObject *args) {
+    PyObject *body, *out = NULL;
+    Py_ssize_t maxn;
+    if (!PyArg_ParseTuple(args, "On", &body, &maxn)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    const unsigned char *base = view.buf, *p = base, *end = p + view.len, *a0 = NULL, *a1 = NULL;
+    uint64_t npairs;
+    if (p >= end) goto undecided;
+    if ((*p & 0xF0) == 0x80) npairs = *p++ & 0x0F;
+    else if (*p == 0xDE || *p == 0xDF) {
+        int nb = *p == 0xDE ? 2 : 4;
+        if (end - p < 1 + nb) goto undecided;
+        npairs = be_uint(p + 1, nb);
+        p += 1 + nb;
+    } else goto undecided;
+    if (npairs > (uint64_t)(end - p)) goto undecided;
+    for (uint64_t k = 0; k < npairs; k++) {
+        const unsigned char *ks;
+        Py_ssize_t kn;
+        if (!(p = mp_str(p, end, &ks, &kn))) goto undecided;
+        if (!(kn == 9 && memcmp(ks, "token_ids", 9) == 0)) {
+            if (!(p = mp_skip(p, end, 64))) goto undecided;
+            continue;
+        }
+        if (a0 || p >= end) goto undecided; /* repeated: the typed decoder says what that means */
+        a0 = p;
+        uint64_t n;
+        unsigned char c = *p++;
+        if ((c & 0xF0) == 0x90) n = c & 0x0F;
+        else if (c == 0xDC || c == 0xDD) {
+            int nb = c == 0xDC ? 2 : 4;
+            if (end - p < nb) goto undecided;
+            n = be_uint(p, nb);
+            p += nb;
+        } else goto undecided;
+        if (n > (uint64_t)(end - p) || n > (uint64_t)(maxn < 0 ? 0 : maxn)) goto undecided;
+        out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 4);
+        if (!out) { PyBuffer_Release(&view); return NULL; }
+        uint32_t *o = (uint32_t *)PyBytes_AS_STRING(out);
+        for (uint64_t i = 0; i < n; i++) {
+            if (p >= end) goto undecided;
+            unsigned char t = *p++;
+            uint64_t v;
+            int nb;
+            if (t <= 0x7F) { o[i] = t; continue; }
+            switch (t) {
+                case 0xCC: case 0xD0: nb = 1; break;
+                case 0xCD: case 0xD1: nb = 2; break;
+                case 0xCE: case 0xD2: nb = 4; break;
+                case 0xCF: case 0xD3: nb = 8; break;
+                default: goto undecided; /* negative fixint, not an int: the typed decoder judges it */
+            }
+            if (end - p < nb) goto undecided;
+            v = be_uint(p, nb);
+            p += nb;
+            if (t >= 0xD0 && (v >> (8 * nb - 1)) & 1) goto undecided; /* a negative signed int */
+            if (v > 0xFFFFFFFFULL) goto undecided;
+            o[i] = (uint32_t)v;
+        }
+        a1 = p;
+    }
+    if (p != end || !a0) goto undecided;
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(Nnn)", out, (Py_ssize_t)(a0 - base), (Py_ssize_t)(a1 - base));
+undecided:
+    PyBuffer_Release(&view);
+    Py_XDECREF(out);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- U64Map */
 
 typedef struct {
@@ -2186,6 +2341,7 @@ static PyMethodDef module_methods[] = {
     {"write_answer", py_write_answer, METH_VARARGS, "the /score answer bytes (JSON or msgpack) from packed rows"},
     {"json_u32_array", py_json_u32_array, METH_VARARGS, "u32 tokens from a raw JSON int array"},
     {"json_body_u32", py_json_body_u32, METH_VARARGS, "u32 tokens and their span from a whole JSON request body"},
+    {"msgpack_body_u32", py_msgpack_body_u32, METH_VARARGS, "u32 tokens and their span from a whole msgpack request body"},
     {"msgpack_u32_array", py_msgpack_u32_array, METH_VARARGS, "u32 tokens from a raw msgpack int array"},
     {"wire_tables", py_wire_tables, METH_NOARGS, "the generated wire tables this module was built with"},
     {NULL, NULL, 0, NULL},
