@@ -152,6 +152,11 @@ def decode_body(kind: str, body: bytes, typ: type) -> Any:
         raise ApiError(400, f"malformed {kind} body: {exc}", reason) from None
 
 
+# A body holding token_ids and nothing else, up to the array (msgspec's and most clients' spelling).
+_BARE_JSON = b'{"token_ids":'
+_BARE_MSGPACK = b"\x81" + msgspec.msgpack.encode("token_ids")
+
+
 class TokenBodies:
     """Decodes a /score or /query body to (request, token_ids). With the native module the tokens
     come back as a u32 numpy buffer parsed in C from the raw array; whenever the fast path cannot
@@ -176,10 +181,13 @@ class TokenBodies:
             found = mod.json_body_u32(body, MAX_QUERY_TOKENS) if js else mod.msgpack_body_u32(body, MAX_QUERY_TOKENS)
             if found is not None:
                 buf, a, b = found
-                try:
-                    req = (_dec_json if js else _dec_msgpack)[typ].decode(body[:a] + (b"[]" if js else b"\x90") + body[b:])
-                except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-                    req = None  # judged below on the whole body, so the wording is the usual one
+                if b == len(body) - js and body[:a] == (_BARE_JSON if js else _BARE_MSGPACK):
+                    req = typ([])  # the body is token_ids alone: what the typed decoder would make of the rest
+                else:
+                    try:
+                        req = (_dec_json if js else _dec_msgpack)[typ].decode(body[:a] + (b"[]" if js else b"\x90") + body[b:])
+                    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                        req = None  # judged below on the whole body, so the wording is the usual one
                 if req is not None:
                     return req, np.frombuffer(buf, dtype="<u4")
         if mod is not None and body:
