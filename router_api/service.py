@@ -472,9 +472,18 @@ class IndexerService:
                 if block_size is None:
                     raise UnknownModel(f"unknown model {model!r}")
                 plan = self._plan(model)
-                held = index.workers(model)
-                same = len(held) == len(plan.pairs) and plan.pairset.issuperset(held)
-                table = index.score_table(model, token_ids, lora_name, cache_salt, None if same else plan.pairs)
+                table = None
+                if plan.rows is not None:
+                    # The last query found the index holding exactly the plan's pairs; while the index
+                    # keeps the same order list (its membership unchanged), it still does.
+                    table = index.score_table(model, token_ids, lora_name, cache_salt, None)
+                    if table is not None and table.worker_ids is not plan.rows.worker_ids:
+                        table = None
+                    same = True
+                if table is None:
+                    held = index.workers(model)
+                    same = len(held) == len(plan.pairs) and plan.pairset.issuperset(held)
+                    table = index.score_table(model, token_ids, lora_name, cache_salt, None if same else plan.pairs)
                 if table is not None:
                     states = plan.states
                     rows = plan.answer_rows(table, same)

@@ -251,3 +251,34 @@ def test_u32_token_buffers_hash_like_the_reference(bs: int, toks: list[int], see
         assert res is None  # key 0 lives in the side dict: the Python walk judges it
     else:
         assert res[0] == len(keys) and depth == len(keys)
+
+
+def test_membership_changes_between_queries() -> None:
+    """The cached per-plan pieces (registry plan, the index order it was last seen with) follow every
+    change: index-only workers, registry-only ranks, registration and removal between two queries."""
+    fast, pure = services({"gpu": 1.0, "host": 0.8, "disk": 0.5, "shared": 0.4}, ["a", "b"])
+    toks = list(range(1, BS * 4 + 1))
+    ev = BlockStored(block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=toks, block_size=BS, medium="GPU")
+
+    def check() -> None:
+        for mp, enc in ((False, msgspec.json.encode), (True, msgspec.msgpack.encode)):
+            want = enc(pure.score("default", toks))
+            assert fast.score_answer("default", np.asarray(toks, dtype="<u4"), None, None, mp) == want
+            assert fast.score_answer("default", np.asarray(toks, dtype="<u4"), None, None, mp) == want
+
+    for svc in (fast, pure):
+        svc.index.apply_payload("default", "b", 0, encode_batch(KVEventBatch(0.0, [ev])))
+    check()
+    changes = [
+        lambda svc: svc.index.register_worker("default", "ghost", 0),  # held by the index only
+        lambda svc: svc.index.remove_worker("default", "ghost"),
+        lambda svc: svc.registry.get("a").dp_ranks.add(3),  # a rank the index has not seen
+        lambda svc: svc.index.register_worker("default", "a", 3),
+        lambda svc: svc.register(RegisterWorker(worker_id="c", endpoint="tcp://127.0.0.1:3999", block_size=BS)),
+        lambda svc: svc.index.apply_payload("default", "c", 0, encode_batch(KVEventBatch(0.0, [ev]))),
+        lambda svc: svc.unregister("b"),
+    ]
+    for change in changes:
+        for svc in (fast, pure):
+            change(svc)
+        check()
