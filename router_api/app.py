@@ -2,10 +2,11 @@
 
 The hot endpoints (`POST /score`, `POST /query`) are served by a pure ASGI front (`ScoreFront`)
 ahead of FastAPI: it reads the raw body and decodes it with cached msgspec decoders (JSON, msgpack,
-or raw little-endian u32 tokens viewed with `np.frombuffer`, no list), and answers with cached
-encoders — no routing, dependency solving or Request/Response objects per query. With the native
-module, JSON / msgpack `token_ids` are left raw (`msgspec.Raw`) and parsed into a u32 buffer in C
-(`TokenBodies`), so no Python int is made per token. Everything else goes through FastAPI.
+or raw little-endian u32 tokens viewed with `np.frombuffer`, no list), and answers with bytes the
+service writes (`/score`: in C, router_api/answer.py) or cached encoders — no routing, dependency
+solving or Request/Response objects per query. With the native module, JSON / msgpack `token_ids`
+are parsed into a u32 buffer in C in one pass over the body (`TokenBodies`), so no Python int is
+made per token. Everything else goes through FastAPI.
 Every error is JSON `{"error": msg}`; bodies above the limit get 413 before any parsing; bad
 input is counted per endpoint and reason. The bearer check wraps both.
 """
@@ -174,14 +175,14 @@ class TokenBodies:
 
     def decode(self, kind: str, body: bytes, typ: type) -> tuple[Any, Any]:
         mod = self.native
-        if mod is not None and body and (kind == "json" or self.msgpack_bodies):
+        if mod is not None and body and (kind == "json" or (kind == "msgpack" and self.msgpack_bodies)):
             # One C pass finds and parses the token array; the typed decoder then judges the rest
             # of the body with that array replaced by an empty one (a few bytes, not a second full scan).
             js = kind == "json"
             found = mod.json_body_u32(body, MAX_QUERY_TOKENS) if js else mod.msgpack_body_u32(body, MAX_QUERY_TOKENS)
             if found is not None:
                 buf, a, b = found
-                if b == len(body) - js and body[:a] == (_BARE_JSON if js else _BARE_MSGPACK):
+                if b == len(body) - (1 if js else 0) and body[:a] == (_BARE_JSON if js else _BARE_MSGPACK):
                     req = typ([])  # the body is token_ids alone: what the typed decoder would make of the rest
                 else:
                     try:
