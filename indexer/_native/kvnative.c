@@ -1326,13 +1326,18 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
     if (!rows) { PyErr_NoMemory(); goto done; }
     if (nk && ns) { if (walk_core(m, k, nk, slot, ns, rows) < 0) goto done; }
     else memset(rows, 0, sizeof(WRow) * (size_t)(ns ? ns : 1));
+    if (cls == Py_None) { /* packed: no Python code runs, ids and ranks are not read */
+        lst = pack_rows(rows, ns, wt, bs);
+        if (lst) out = Py_BuildValue("(nN)", nk, lst);
+        goto done;
+    }
     /* the row type's constructor is Python code: the rows read ids and ranks from tuples of our own,
      * never from the caller's lists (which that code could change), and ns is checked against them */
     widt = PyList_AsTuple(wids);
     rankt = widt ? PyList_AsTuple(ranks) : NULL;
     if (!rankt) goto done;
     if (PyTuple_GET_SIZE(widt) != ns || PyTuple_GET_SIZE(rankt) != ns) { out = Py_None; Py_INCREF(out); goto done; }
-    lst = cls == Py_None ? pack_rows(rows, ns, wt, bs) : build_rows(rows, ns, widt, rankt, wt, bs, cls, names);
+    lst = build_rows(rows, ns, widt, rankt, wt, bs, cls, names);
     if (lst) out = Py_BuildValue("(nN)", nk, lst);
 done:
     Py_XDECREF(widt);
