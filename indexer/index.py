@@ -51,7 +51,7 @@ from indexer.core.groups import dump_groups, load_groups
 from indexer.core.scoring import score_keys
 from indexer.core.state import ModelState
 from indexer.core.types import (
-    TIER_NAMES, ApplyStats, BlockSizeConflict, RankLimits, ScoreResult, TierWeights, WorkerScore,
+    TIER_NAMES, ApplyStats, BlockSizeConflict, RankLimits, ScoreResult, ScoreTable, TierWeights, WorkerScore,
 )
 from indexer.hashing import extra_digest, query_keys
 from schemas.batchhead import read_head
@@ -248,6 +248,20 @@ class KVIndex:
                 return res
         keys = self._keys(m, token_ids, lora_name, cache_salt, extras)
         return score_keys(m, keys, self.weights, wl)
+
+    def score_table(
+        self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
+        cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None,
+    ) -> ScoreTable | None:
+        """`score` with the rows packed for a C answer writer (no object per row), or None where only
+        `score` serves: no accelerator, a hybrid model, tokens the C call does not take."""
+        if self._accel is None or type(token_ids) not in _SEQ_TYPES:
+            return None
+        m = self._model(model)
+        if m.groups is not None and m.groups.hybrid:
+            return None
+        wl = list(workers) if workers is not None else None
+        return self._accel.score_table(m, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
 
     def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
         """Score pre-hashed blocks (keys from `indexer.hashing.query_keys`)."""

@@ -2,10 +2,11 @@
 
 The hot endpoints (`POST /score`, `POST /query`) are served by a pure ASGI front (`ScoreFront`)
 ahead of FastAPI: it reads the raw body and decodes it with cached msgspec decoders (JSON, msgpack,
-or raw little-endian u32 tokens viewed with `np.frombuffer`, no list), and answers with cached
-encoders — no routing, dependency solving or Request/Response objects per query. With the native
-module, JSON / msgpack `token_ids` are left raw (`msgspec.Raw`) and parsed into a u32 buffer in C
-(`TokenBodies`), so no Python int is made per token. Everything else goes through FastAPI.
+or raw little-endian u32 tokens viewed with `np.frombuffer`, no list), and answers with bytes the
+service writes (`/score`: in C, router_api/answer.py) or cached encoders — no routing, dependency
+solving or Request/Response objects per query. With the native module, JSON / msgpack `token_ids`
+are parsed into a u32 buffer in C in one pass over the body (`TokenBodies`), so no Python int is
+made per token. Everything else goes through FastAPI.
 Every error is JSON `{"error": msg}`; bodies above the limit get 413 before any parsing; bad
 input is counted per endpoint and reason. The bearer check wraps both.
 """
@@ -63,7 +64,8 @@ _dec_raw: dict[tuple[str, type], Any] = {
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 _JSON_HEADERS = (b"content-type", b"application/json")
 _MSGPACK_HEADERS = (b"content-type", b"application/msgpack")
-Route = tuple[str, type, Callable[..., Any]]  # (endpoint label, request type, service handler)
+# (endpoint label, request type, handler): handler(model, tokens, lora_name, cache_salt, msgpack) -> answer bytes
+Route = tuple[str, type, Callable[..., bytes]]
 Answer = tuple[int, bytes, tuple[bytes, bytes]]  # (status, body, content-type header)
 
 
@@ -151,6 +153,11 @@ def decode_body(kind: str, body: bytes, typ: type) -> Any:
         raise ApiError(400, f"malformed {kind} body: {exc}", reason) from None
 
 
+# A body holding token_ids and nothing else, up to the array (msgspec's and most clients' spelling).
+_BARE_JSON = b'{"token_ids":'
+_BARE_MSGPACK = b"\x81" + msgspec.msgpack.encode("token_ids")
+
+
 class TokenBodies:
     """Decodes a /score or /query body to (request, token_ids). With the native module the tokens
     come back as a u32 numpy buffer parsed in C from the raw array; whenever the fast path cannot
@@ -158,25 +165,30 @@ class TokenBodies:
     messages are the pure-Python path's, word for word. Without it (or KVATLAS_PURE_PYTHON=1),
     that typed decoder is the only path and token_ids is a list of ints."""
 
-    __slots__ = ("native",)
+    __slots__ = ("native", "msgpack_bodies")
 
     def __init__(self, native: bool | None = None) -> None:
         self.native: ModuleType | None = native_core.select(native)
         if self.native is not None and not hasattr(self.native, "json_body_u32"):
             self.native = None  # a stale build without the body parsers: the Python path serves
+        self.msgpack_bodies = self.native is not None and hasattr(self.native, "msgpack_body_u32")
 
     def decode(self, kind: str, body: bytes, typ: type) -> tuple[Any, Any]:
         mod = self.native
-        if mod is not None and body and kind == "json":
+        if mod is not None and body and (kind == "json" or (kind == "msgpack" and self.msgpack_bodies)):
             # One C pass finds and parses the token array; the typed decoder then judges the rest
-            # of the body with that array replaced by [] (a few bytes, not a second full scan).
-            found = mod.json_body_u32(body, MAX_QUERY_TOKENS)
+            # of the body with that array replaced by an empty one (a few bytes, not a second full scan).
+            js = kind == "json"
+            found = mod.json_body_u32(body, MAX_QUERY_TOKENS) if js else mod.msgpack_body_u32(body, MAX_QUERY_TOKENS)
             if found is not None:
                 buf, a, b = found
-                try:
-                    req = _dec_json[typ].decode(body[:a] + b"[]" + body[b:])
-                except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-                    req = None  # judged below on the whole body, so the wording is the usual one
+                if b == len(body) - (1 if js else 0) and body[:a] == (_BARE_JSON if js else _BARE_MSGPACK):
+                    req = typ([])  # the body is token_ids alone: what the typed decoder would make of the rest
+                else:
+                    try:
+                        req = (_dec_json if js else _dec_msgpack)[typ].decode(body[:a] + (b"[]" if js else b"\x90") + body[b:])
+                    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                        req = None  # judged below on the whole body, so the wording is the usual one
                 if req is not None:
                     return req, np.frombuffer(buf, dtype="<u4")
         if mod is not None and body:
@@ -229,7 +241,7 @@ class ScoreFront:
     FastAPI routes that document them in OpenAPI all call them (docs/service.md, "HTTP stack")."""
 
     __slots__ = ("app", "service", "metrics", "max_body", "default_model", "routes", "fastapi", "bodies",
-                 "limiter", "token")
+                 "limiter", "token", "_kinds")
 
     def __init__(self, app: ASGIApp, service: IndexerService, native: bool | None = None,
                  limiter: RateLimitedLog | None = None) -> None:
@@ -242,9 +254,10 @@ class ScoreFront:
         self.max_body = service.config.max_body_bytes
         self.default_model = service.config.model
         self.token: bytes | None = None  # set by BearerAuth: the fast path checks it too
+        self._kinds: dict[bytes | None, str] = {}  # Content-Type value -> body kind (content_kind), accepted ones
         self.routes: dict[str, Route] = {
-            "/score": ("score", ScoreRequest, service.score),
-            "/query": ("query", QueryRequest, service.query_compat)}
+            "/score": ("score", ScoreRequest, service.score_answer),  # answer bytes written in C when it can
+            "/query": ("query", QueryRequest, _encoded(service.query_compat))}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
@@ -276,7 +289,11 @@ class ScoreFront:
 
     def prepare(self, ctype: bytes | None, clen: bytes | None) -> str:
         """Before any body byte: the body kind from Content-Type; 413 for a declared length over the limit."""
-        kind = content_kind("application/json" if ctype is None else ctype.decode("latin-1"))
+        kind = self._kinds.get(ctype)
+        if kind is None:
+            kind = content_kind("application/json" if ctype is None else ctype.decode("latin-1"))
+            if len(self._kinds) < 32:  # a client's few spellings; bounded against a spray of them
+                self._kinds[ctype] = kind
         check_length(clen, self.max_body)
         return kind
 
@@ -295,18 +312,19 @@ class ScoreFront:
                t0: float) -> Answer:
         """(status, body, content-type header) for a whole request body; never raises."""
         endpoint, typ, handler = route
+        mp = accept is not None and b"msgpack" in accept
         try:
             if kind == "octet":
                 qp = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)) if query_string else {}
                 model = qp.get("model") or qp.get("model_name") or self.default_model
-                res = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None)
+                out = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None, mp)
             else:
                 req, tokens = self.bodies.decode(kind, body, typ)
                 if typ is QueryRequest:
                     model = req.model_name or req.model or self.default_model
                 else:
                     model = req.model
-                res = handler(model, tokens, req.lora_name, req.cache_salt)
+                out = handler(model, tokens, req.lora_name, req.cache_salt, mp)
         except ApiError as exc:
             return self.rejected(endpoint, exc)
         except UnknownModel as exc:
@@ -318,15 +336,11 @@ class ScoreFront:
             log.exception("event=internal_error path=%s", path)
             return 500, _json.encode(ErrorResponse(error=f"internal error: {type(exc).__name__}: {exc}")), \
                 _JSON_HEADERS
-        if accept is not None and b"msgpack" in accept:
-            out = 200, _msgpack.encode(res), _MSGPACK_HEADERS
-        else:
-            out = 200, _json.encode(res), _JSON_HEADERS
         dt = time.perf_counter() - t0
         self.metrics.request_latency.observe(dt, endpoint)
         if endpoint == "score":
             self.metrics.recent_score.add(dt)
-        return out
+        return 200, out, _MSGPACK_HEADERS if mp else _JSON_HEADERS
 
     async def _read(self, receive: Callable) -> bytes:
         """The whole body; 413 as soon as it passes the limit (whatever Content-Length said)."""
@@ -351,6 +365,13 @@ class ScoreFront:
         if len(buf) > self.max_body:
             raise ApiError(413, f"body exceeds the {self.max_body}-byte limit", "too_large")
         return bytes(buf)
+
+
+def _encoded(handler: Callable[..., Any]) -> Callable[..., bytes]:
+    """A service handler answering a Struct, as a route handler answering its JSON or msgpack bytes."""
+    def answer(model: str, tokens: Any, lora_name: str | None, cache_salt: str | None, mp: bool) -> bytes:
+        return (_msgpack if mp else _json).encode(handler(model, tokens, lora_name, cache_salt))
+    return answer
 
 
 async def _send(send: Callable, status: int, body: bytes, ctype: tuple[bytes, bytes],

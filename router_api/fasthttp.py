@@ -73,6 +73,25 @@ class ScoreHttpProtocol(HttpToolsProtocol):
         self._head = b""
 
     # -- parser callbacks --------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        # uvicorn builds the ASGI scope dict here; the fast path never reads it, so it is built only
+        # when uvicorn takes the request (`_to_uvicorn`)
+        if self._front is None:
+            super().on_message_begin()
+            return
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
+    def _to_uvicorn(self) -> None:
+        """uvicorn's own on_headers_complete, with the scope on_message_begin would have built."""
+        if self._front is not None:
+            url, headers, expect = self.url, self.headers, self.expect_100_continue
+            super().on_message_begin()  # the scope, around a fresh headers list: refilled in place
+            self.url, self.expect_100_continue = url, expect
+            self.headers.extend(headers)
+        super().on_headers_complete()
+
     def on_headers_complete(self) -> None:
         front = self._front
         if front is not None and not self.expect_100_continue and not self.pipeline \
@@ -87,7 +106,7 @@ class ScoreHttpProtocol(HttpToolsProtocol):
             elif method == b"GET" and self.url == b"/health":  # the load balancers' probe; no auth (as BearerAuth)
                 self._pending = _Pending(HEALTH, "", None, b"", 0.0, self._keep_alive())
                 return
-        super().on_headers_complete()
+        self._to_uvicorn()
 
     def _keep_alive(self) -> bool:
         return self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()

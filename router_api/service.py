@@ -10,6 +10,8 @@ import time
 from operator import attrgetter
 from typing import Any, Callable, Sequence
 
+import msgspec
+
 from indexer.snapshot import (
     SNAPSHOT_VERSION,
     ModelSnapshot,
@@ -21,8 +23,10 @@ from indexer.snapshot import (
     encode_snapshot,
     make_snapshot_store,
 )
-from indexer.core.types import WorkerScore
+from indexer.core import native as native_core
+from indexer.core.types import ScoreTable, WorkerScore
 from schemas.codec import DEFAULT_MAX_PAYLOAD
+from router_api import answer
 from router_api.ingest import IngestLoop
 from router_api.metrics import ServiceMetrics
 from indexer.protocol import Index
@@ -49,6 +53,8 @@ from schemas.api import (
 )
 
 log = logging.getLogger("kvatlas.service")
+_json = msgspec.json.Encoder()
+_msgpack = msgspec.msgpack.Encoder()
 
 TIER_KEYS = ("gpu", "host", "disk", "shared")
 
@@ -179,20 +185,34 @@ def _tiers(d: dict[str, int] | None) -> TierBlocks:
 
 
 _by_score = attrgetter("score")
+_dp_ranks = attrgetter("dp_ranks")
 
 
 class _ScorePlan:
     """What `score` needs of the registry, kept between queries: the model's worker states, their
-    (worker_id, dp_rank) pairs, and the rank counts it was built from (its validity check)."""
+    (worker_id, dp_rank) pairs, and the rank counts it was built from (its validity check); and the
+    C answer writer's per-row pieces for the index order last seen (`answer_rows`)."""
 
-    __slots__ = ("states", "nranks", "pairs", "pairset", "by_id")
+    __slots__ = ("states", "nranks", "key", "pairs", "pairset", "by_id", "rows")
 
-    def __init__(self, states: list[WorkerState], nranks: list[int]) -> None:
+    def __init__(self, states: list[WorkerState], nranks: list[int], key: tuple[int, int]) -> None:
         self.states = states
+        self.key = key
         self.nranks = nranks
         self.by_id = {w.worker_id: w for w in states}
         self.pairs = [(w.worker_id, rank) for w in states for rank in sorted(w.dp_ranks)]
         self.pairset = frozenset(self.pairs)
+        self.rows: answer.AnswerRows | None = None
+
+    def answer_rows(self, table: ScoreTable, same: bool) -> answer.AnswerRows:
+        rows = self.rows
+        # The index keeps its (worker_id, dp_rank) order in one list until its membership changes.
+        if rows is not None and rows.worker_ids is table.worker_ids:
+            return rows
+        rows = answer.AnswerRows.build(self.states, self.pairs, table.worker_ids, table.ranks)
+        if same:  # a per-query selection is a new list each time: not worth keeping
+            self.rows = rows
+        return rows
 
 
 class IndexerService:
@@ -236,6 +256,13 @@ class IndexerService:
         self._saved_mark: tuple[int, int] | None = None
         self.plane: Any = None  # router_api.nats_plane.NatsPlane under `kvatlas indexer --nats` (docs/jetstream.md)
         self._plans: dict[str, _ScorePlan] = {}  # per model, see _plan
+        self._plan_epoch = 0  # bumped under the lock with each registry membership change (_plan's check)
+        # The C answer writer (`score_answer`): with the native module, the schema it writes, and an index
+        # that packs rows for it (KVIndex.score_table).
+        mod = native_core.select(None)
+        packs = callable(getattr(self.index, "score_table", None))
+        self._writer = mod if answer.SUPPORTED and packs and hasattr(mod, "write_answer") else None
+        self._formats = answer.Formats()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -278,6 +305,7 @@ class IndexerService:
         with self.lock:
             known = self.index.models()
             self.registry.add(reg, self.clock(), model_block_sizes=known, last_seq=last_seq)
+            self._plan_epoch += 1
             try:
                 self.index.ensure_model(reg.model, reg.block_size)
             except Exception as exc:  # BlockSizeConflict: keep registry and index consistent
@@ -303,6 +331,7 @@ class IndexerService:
     def unregister(self, worker_id: str, reason: str = "request") -> None:
         with self.lock:
             state = self.registry.remove(worker_id)
+            self._plan_epoch += 1
             self.index.remove_worker(state.reg.model, worker_id)
         self._membership += 1
         self.ingest.unsubscribe(worker_id)
@@ -317,6 +346,7 @@ class IndexerService:
             if state is None or (reg is not None and state.reg is not reg):
                 return
             self.registry.remove(worker_id)
+            self._plan_epoch += 1
             self.index.remove_worker(state.reg.model, worker_id)
         self._membership += 1
         log.error("event=registration_undone worker=%s reason=subscribe_failed error=%s", worker_id, error)
@@ -375,12 +405,14 @@ class IndexerService:
 
     def _plan(self, model: str) -> "_ScorePlan":
         """The model's registered (worker, rank) pairs, rebuilt only when membership or a worker's
-        ranks changed (ranks only grow while a worker is registered). Call under the lock."""
-        states = self.registry.of_model(model)
-        nranks = [len(w.dp_ranks) for w in states]
+        ranks changed (ranks only grow while a worker is registered). Call under the lock.
+        Membership is checked by an epoch every registry change under the lock bumps (and the
+        registry's size, for a registry changed from outside the service): no pass over the registry."""
+        key = (self._plan_epoch, len(self.registry))
         plan = self._plans.get(model)
-        if plan is None or plan.states != states or plan.nranks != nranks:
-            plan = self._plans[model] = _ScorePlan(states, nranks)
+        if plan is None or plan.key != key or plan.nranks != list(map(len, map(_dp_ranks, plan.states))):
+            states = self.registry.of_model(model)
+            plan = self._plans[model] = _ScorePlan(states, [len(w.dp_ranks) for w in states], key)
         return plan
 
     def score(self, model: str, token_ids: Any, lora_name: str | None = None,
@@ -425,6 +457,47 @@ class IndexerService:
         stale.sort(key=_by_score, reverse=True)
         best = next((BestWorker(s.worker_id, s.dp_rank) for s in fresh if s.score > 0), None)
         return ScoreResponse(model, block_size, query_blocks, fresh + stale if stale else fresh, best)
+
+    def score_answer(self, model: str, token_ids: Any, lora_name: str | None = None, cache_salt: str | None = None,
+                     msgpack: bool = False) -> bytes:
+        """`score`, encoded: exactly `msgspec.{json,msgpack}.encode(self.score(...))`. With the native
+        core the rows never become objects: the index packs them and C writes the bytes (router_api/answer.py);
+        anything that path does not take (pure core, hybrid models, odd tokens or scores) is `score` + msgspec."""
+        writer = self._writer
+        if writer is not None:
+            now = self.clock()
+            index = self.index
+            with self.lock:
+                block_size = index.models().get(model)
+                if block_size is None:
+                    raise UnknownModel(f"unknown model {model!r}")
+                plan = self._plan(model)
+                table = None
+                if plan.rows is not None:
+                    # The last query found the index holding exactly the plan's pairs; while the index
+                    # keeps the same order list (its membership unchanged), it still does.
+                    table = index.score_table(model, token_ids, lora_name, cache_salt, None)
+                    if table is not None and table.worker_ids is not plan.rows.worker_ids:
+                        table = None
+                    same = True
+                if table is None:
+                    held = index.workers(model)
+                    same = len(held) == len(plan.pairs) and plan.pairset.issuperset(held)
+                    table = index.score_table(model, token_ids, lora_name, cache_salt, None if same else plan.pairs)
+                if table is not None:
+                    states = plan.states
+                    rows = plan.answer_rows(table, same)
+                    fmt = self._formats
+                    i = 1 if msgpack else 0
+                    policy = self.registry.policy
+                    out = writer.write_answer(
+                        msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks,
+                        table.rows, rows.heads[i], rows.wix, [w.status(now, policy) for w in states],
+                        [w.last_seq for w in states], fmt.statuses[i])
+                    if out is not None:
+                        return out
+        res = self.score(model, token_ids, lora_name, cache_salt)
+        return (_msgpack if msgpack else _json).encode(res)
 
     def query_compat(self, model: str, token_ids: Any, lora_name: str | None,
                      cache_salt: str | None) -> QueryResponse:

@@ -345,6 +345,161 @@ static PyObject *py_msgpack_u32_array(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* msgpack_body_u32(body, max_tokens) -> (u32 bytes, start, end) | None
+ * The msgpack twin of json_body_u32: one pass over a whole msgpack /score or /query body (a map with
+ * str keys), its "token_ids" array parsed into u32 and [start, end) its span, so the caller decodes
+ * the body with that span replaced by an empty array (0x90) with its typed decoder, which judges every
+ * other field. None when undecided: not a map of str keys, the key absent or repeated, an element
+ * that is not an int in [0, 2^32), more than max_tokens, trailing bytes, or anything malformed or
+ * nested too deeply (the typed decoder words it). Saves msgspec's Raw pass, which walks every token. */
+static inline uint64_t be_uint(const unsigned char *p, int nb) {
+    uint64_t v = 0;
+    for (int k = 0; k < nb; k++) v = (v << 8) | p[k];
+    return v;
+}
+
+/* The end of the msgpack value at p, or NULL (malformed, truncated, or nested deeper than depth). */
+static const unsigned char *mp_skip(const unsigned char *p, const unsigned char *end, int depth) {
+    if (p >= end || depth <= 0) return NULL;
+    unsigned char c = *p++;
+    uint64_t n;
+    if (c <= 0x7F || c >= 0xE0 || c == 0xC0 || c == 0xC2 || c == 0xC3) return p;
+    if ((c & 0xE0) == 0xA0) { n = c & 0x1F; goto bytes; }
+    if ((c & 0xF0) == 0x90) { n = c & 0x0F; goto values; }
+    if ((c & 0xF0) == 0x80) { n = 2 * (uint64_t)(c & 0x0F); goto values; }
+    int nb; /* width of a length / count field */
+    switch (c) {
+        case 0xCC: case 0xD0: n = 1; goto bytes;
+        case 0xCD: case 0xD1: n = 2; goto bytes;
+        case 0xCE: case 0xD2: case 0xCA: n = 4; goto bytes;
+        case 0xCF: case 0xD3: case 0xCB: n = 8; goto bytes;
+        case 0xD4: n = 2; goto bytes; /* fixext: type byte + data */
+        case 0xD5: n = 3; goto bytes;
+        case 0xD6: n = 5; goto bytes;
+        case 0xD7: n = 9; goto bytes;
+        case 0xD8: n = 17; goto bytes;
+        case 0xD9: case 0xC4: nb = 1; break;
+        case 0xDA: case 0xC5: nb = 2; break;
+        case 0xDB: case 0xC6: nb = 4; break;
+        case 0xC7: case 0xC8: case 0xC9: { /* ext: length, type byte, data */
+            nb = c == 0xC7 ? 1 : c == 0xC8 ? 2 : 4;
+            if (end - p < nb) return NULL;
+            n = be_uint(p, nb) + 1;
+            p += nb;
+            goto bytes;
+        }
+        case 0xDC: case 0xDD: case 0xDE: case 0xDF: {
+            nb = (c == 0xDC || c == 0xDE) ? 2 : 4;
+            if (end - p < nb) return NULL;
+            n = be_uint(p, nb) * (c >= 0xDE ? 2 : 1);
+            p += nb;
+            goto values;
+        }
+        default: return NULL; /* 0xC1: never used */
+    }
+    if (end - p < nb) return NULL; /* str / bin with a length field */
+    n = be_uint(p, nb);
+    p += nb;
+bytes:
+    if ((uint64_t)(end - p) < n) return NULL;
+    return p + n;
+values:
+    if ((uint64_t)(end - p) < n) return NULL; /* every value takes a byte at least */
+    for (uint64_t i = 0; i < n; i++) if (!(p = mp_skip(p, end, depth - 1))) return NULL;
+    return p;
+}
+
+/* A msgpack str at p: its bytes in [*s, *s + *n), the end returned; NULL if p is not a str. */
+static const unsigned char *mp_str(const unsigned char *p, const unsigned char *end, const unsigned char **s,
+                                   Py_ssize_t *n) {
+    if (p >= end) return NULL;
+    unsigned char c = *p++;
+    uint64_t len;
+    int nb = 0;
+    if ((c & 0xE0) == 0xA0) len = c & 0x1F;
+    else if (c == 0xD9 || c == 0xDA || c == 0xDB) {
+        nb = c == 0xD9 ? 1 : c == 0xDA ? 2 : 4;
+        if (end - p < nb) return NULL;
+        len = be_uint(p, nb);
+        p += nb;
+    } else return NULL;
+    if ((uint64_t)(end - p) < len) return NULL;
+    *s = p;
+    *n = (Py_ssize_t)len;
+    return p + len;
+}
+
+static PyObject *py_msgpack_body_u32(PyObject *self, PyObject *args) {
+    PyObject *body, *out = NULL;
+    Py_ssize_t maxn;
+    if (!PyArg_ParseTuple(args, "On", &body, &maxn)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    const unsigned char *base = view.buf, *p = base, *end = p + view.len, *a0 = NULL, *a1 = NULL;
+    uint64_t npairs;
+    if (p >= end) goto undecided;
+    if ((*p & 0xF0) == 0x80) npairs = *p++ & 0x0F;
+    else if (*p == 0xDE || *p == 0xDF) {
+        int nb = *p == 0xDE ? 2 : 4;
+        if (end - p < 1 + nb) goto undecided;
+        npairs = be_uint(p + 1, nb);
+        p += 1 + nb;
+    } else goto undecided;
+    if (npairs > (uint64_t)(end - p)) goto undecided;
+    for (uint64_t k = 0; k < npairs; k++) {
+        const unsigned char *ks;
+        Py_ssize_t kn;
+        if (!(p = mp_str(p, end, &ks, &kn))) goto undecided;
+        if (!(kn == 9 && memcmp(ks, "token_ids", 9) == 0)) {
+            if (!(p = mp_skip(p, end, 64))) goto undecided;
+            continue;
+        }
+        if (a0 || p >= end) goto undecided; /* repeated: the typed decoder says what that means */
+        a0 = p;
+        uint64_t n;
+        unsigned char c = *p++;
+        if ((c & 0xF0) == 0x90) n = c & 0x0F;
+        else if (c == 0xDC || c == 0xDD) {
+            int nb = c == 0xDC ? 2 : 4;
+            if (end - p < nb) goto undecided;
+            n = be_uint(p, nb);
+            p += nb;
+        } else goto undecided;
+        if (n > (uint64_t)(end - p) || n > (uint64_t)(maxn < 0 ? 0 : maxn)) goto undecided;
+        out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 4);
+        if (!out) { PyBuffer_Release(&view); return NULL; }
+        uint32_t *o = (uint32_t *)PyBytes_AS_STRING(out);
+        for (uint64_t i = 0; i < n; i++) {
+            if (p >= end) goto undecided;
+            unsigned char t = *p++;
+            uint64_t v;
+            int nb;
+            if (t <= 0x7F) { o[i] = t; continue; }
+            switch (t) {
+                case 0xCC: case 0xD0: nb = 1; break;
+                case 0xCD: case 0xD1: nb = 2; break;
+                case 0xCE: case 0xD2: nb = 4; break;
+                case 0xCF: case 0xD3: nb = 8; break;
+                default: goto undecided; /* negative fixint, not an int: the typed decoder judges it */
+            }
+            if (end - p < nb) goto undecided;
+            v = be_uint(p, nb);
+            p += nb;
+            if (t >= 0xD0 && (v >> (8 * nb - 1)) & 1) goto undecided; /* a negative signed int */
+            if (v > 0xFFFFFFFFULL) goto undecided;
+            o[i] = (uint32_t)v;
+        }
+        a1 = p;
+    }
+    if (p != end || !a0) goto undecided;
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(Nnn)", out, (Py_ssize_t)(a0 - base), (Py_ssize_t)(a1 - base));
+undecided:
+    PyBuffer_Release(&view);
+    Py_XDECREF(out);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- U64Map */
 
 typedef struct {
@@ -862,14 +1017,17 @@ static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ss
     for (Py_ssize_t s = 0; s < ns; s++) ac[s] = ad[s] = 1;
     Py_ssize_t nalive = ns, depth = 0, run = 0;
     int W = m->width, have_prev = 0;
+    enum { PF_AHEAD = 4 }; /* 8, 16, 24 measured no better (docs/index-core.md) */
     for (Py_ssize_t j = 0; j < nk && nalive; j++) {
-        if (j + 4 < nk) pf_slot(m, keys[j + 4]);
+        if (j + PF_AHEAD < nk) pf_slot(m, keys[j + PF_AHEAD]);
         uint64_t k = keys[j];
         int f = 0;
         Py_ssize_t i = k ? find(m, k, &f) : 0;
         if (!f) break; /* callers never pass key 0 (it lives in the side dict): Python walks those */
         const uint64_t *v = VALS(m, i);
-        if (have_prev && memcmp(v, prev, sizeof(uint64_t) * W) == 0) { run++; continue; }
+        int same = have_prev;
+        for (int w = 0; w < W && same; w++) same = v[w] == prev[w]; /* a word or two: no memcmp call */
+        if (same) { run++; continue; }
         for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
         depth += run;
         run = 0;
@@ -940,11 +1098,8 @@ static int ranked_cmp(const void *a, const void *b) {
     return x->idx < y->idx ? -1 : x->idx > y->idx; /* cached desc is folded into idx order below */
 }
 
-static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyObject *ranks, const double *wt,
-                            Py_ssize_t bs, PyObject *cls, PyObject *names) {
-    Ranked *rk = PyMem_Malloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
-    if (!rk) return PyErr_NoMemory();
-    /* idx sorts by (-cached, rank): cached <= query blocks, so one integer key holds both */
+/* idx sorts by (-cached, rank): cached <= query blocks, so one integer key holds both */
+static void rank_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssize_t bs, Ranked *rk) {
     Py_ssize_t maxc = 0;
     for (Py_ssize_t s = 0; s < ns; s++) if (rows[s].cach > maxc) maxc = rows[s].cach;
     for (Py_ssize_t s = 0; s < ns; s++) {
@@ -954,6 +1109,13 @@ static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyO
         rk[s].idx = (maxc - rows[s].cach) * ns + s;
     }
     qsort(rk, (size_t)ns, sizeof(Ranked), ranked_cmp);
+}
+
+static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyObject *ranks, const double *wt,
+                            Py_ssize_t bs, PyObject *cls, PyObject *names) {
+    Ranked *rk = PyMem_Malloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
+    if (!rk) return PyErr_NoMemory();
+    rank_rows(rows, ns, wt, bs, rk);
     PyObject *out = PyList_New(ns);
     if (!out) { PyMem_Free(rk); return NULL; }
     for (Py_ssize_t r = 0; r < ns; r++) {
@@ -985,8 +1147,132 @@ fail:
     return NULL;
 }
 
-/* score_rows(nodes, keys|None, tokens|None, seed, block_size, slots, wids, ranks, weights, WorkerScore, names)
- *   -> (query_blocks, [WorkerScore best first]) | None
+/* The ranked rows as packed PRow records (best first), read by write_answer. */
+typedef struct { int64_t s, dev, cach, sp[4]; double score; } PRow;
+
+static PyObject *pack_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssize_t bs) {
+    Ranked *rk = PyMem_Malloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
+    if (!rk) return PyErr_NoMemory();
+    rank_rows(rows, ns, wt, bs, rk);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, ns * (Py_ssize_t)sizeof(PRow));
+    if (out) {
+        PRow *o = (PRow *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t r = 0; r < ns; r++) {
+            Py_ssize_t s = rk[r].idx % ns;
+            const WRow *w = rows + s;
+            PRow p = {s, w->dev, w->cach, {w->sp[0], w->sp[1], w->sp[2], w->sp[3]}, rk[r].score};
+            memcpy(o + r, &p, sizeof p);
+        }
+    }
+    PyMem_Free(rk);
+    return out;
+}
+
+/* Block digests of u32 tokens (block_digest of the tokens widened to u64: the same values), the
+ * scalar way and, where the CPU has it, 4 tokens at a time with AVX2 (x86-64 has no 64-bit vector
+ * multiply below AVX-512: each 64x64 product is built from 32x32->64 ones; sums mod 2^64 do not
+ * depend on order, so the digests are bit for bit the scalar ones). */
+static inline uint64_t digest_fin(uint64_t acc) {
+    acc ^= acc >> 29;
+    acc *= K3;
+    acc ^= acc >> 32;
+    return acc;
+}
+
+static inline uint64_t digest_term(uint32_t v, uint64_t col) {
+    uint64_t x = (uint64_t)v * K1 + col;
+    x ^= x >> 31;
+    return x * K2;
+}
+
+static void digests_u32(const unsigned char *b, Py_ssize_t nk, Py_ssize_t bs, const uint64_t *cols, uint64_t *dg) {
+    for (Py_ssize_t j = 0; j < nk; j++) {
+        const unsigned char *blk = b + (size_t)j * (size_t)bs * 4;
+        uint64_t acc = 0;
+        for (Py_ssize_t i = 0; i < bs; i++) {
+            uint32_t v;
+            memcpy(&v, blk + 4 * i, 4);
+            acc += digest_term(v, cols[i]);
+        }
+        dg[j] = digest_fin(acc);
+    }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_AVX2_DIGESTS 1
+__attribute__((target("avx2")))
+static void digests_u32_avx2(const unsigned char *b, Py_ssize_t nk, Py_ssize_t bs, const uint64_t *cols, uint64_t *dg) {
+    const __m256i k1lo = _mm256_set1_epi64x((long long)(K1 & 0xFFFFFFFFULL)), k1hi = _mm256_set1_epi64x((long long)(K1 >> 32));
+    const __m256i k2lo = _mm256_set1_epi64x((long long)(K2 & 0xFFFFFFFFULL)), k2hi = _mm256_set1_epi64x((long long)(K2 >> 32));
+    for (Py_ssize_t j = 0; j < nk; j++) {
+        const unsigned char *blk = b + (size_t)j * (size_t)bs * 4;
+        __m256i acc = _mm256_setzero_si256();
+        Py_ssize_t i = 0;
+        for (; i + 4 <= bs; i += 4) {
+            __m256i t = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(const void *)(blk + 4 * i)));
+            /* t < 2^32: t * K1 = t * K1lo + (t * K1hi << 32) */
+            __m256i x = _mm256_add_epi64(_mm256_mul_epu32(t, k1lo), _mm256_slli_epi64(_mm256_mul_epu32(t, k1hi), 32));
+            x = _mm256_add_epi64(x, _mm256_loadu_si256((const __m256i *)(const void *)(cols + i)));
+            x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));
+            /* x * K2 mod 2^64 = xlo * K2lo + ((xhi * K2lo + xlo * K2hi) << 32) */
+            __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k2lo), _mm256_mul_epu32(x, k2hi));
+            acc = _mm256_add_epi64(acc, _mm256_add_epi64(_mm256_mul_epu32(x, k2lo), _mm256_slli_epi64(cross, 32)));
+        }
+        uint64_t lanes[4];
+        _mm256_storeu_si256((__m256i *)(void *)lanes, acc);
+        uint64_t a = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+        for (; i < bs; i++) {
+            uint32_t v;
+            memcpy(&v, blk + 4 * i, 4);
+            a += digest_term(v, cols[i]);
+        }
+        dg[j] = digest_fin(a);
+    }
+}
+#endif
+
+/* The chained keys of a u32 token buffer (what the /score bodies become), hashed in place: the same
+ * keys as tokens_u64 + block_digest without the u64 copy. 1: done (*k allocated, *zero set when a
+ * key is 0); 0: not a 1-d u32 buffer (the general path reads it); -1: memory error. */
+static int u32_keys(PyObject *toks, uint64_t seed, Py_ssize_t bs, uint64_t **kout, Py_ssize_t *nkout, int *zero) {
+    if (PyList_Check(toks) || PyTuple_Check(toks) || !PyObject_CheckBuffer(toks)) return 0;
+    Py_buffer view;
+    if (PyObject_GetBuffer(toks, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) { PyErr_Clear(); return 0; }
+    const char *f = view.format ? view.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (f[0] != 'I' || f[1] != 0 || view.ndim != 1 || view.itemsize != 4 || view.len % 4) {
+        PyBuffer_Release(&view);
+        return 0;
+    }
+    Py_ssize_t nk = view.len / 4 / bs;
+    uint64_t *k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+    uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
+    if (!k || !cols) { PyMem_Free(k); PyMem_Free(cols); PyBuffer_Release(&view); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
+#ifdef HAVE_AVX2_DIGESTS
+    if (bs >= 4 && __builtin_cpu_supports("avx2")) digests_u32_avx2(view.buf, nk, bs, cols, k);
+    else digests_u32(view.buf, nk, bs, cols, k);
+#else
+    digests_u32(view.buf, nk, bs, cols, k);
+#endif
+    int z = 0;
+    for (Py_ssize_t j = 0; j < nk; j++) { /* chain the digests in place */
+        seed = seed * P_MUL + k[j];
+        k[j] = seed;
+        z |= !seed;
+    }
+    PyMem_Free(cols);
+    PyBuffer_Release(&view);
+    *kout = k;
+    *nkout = nk;
+    *zero = z;
+    return 1;
+}
+
+/* score_rows(nodes, keys|None, tokens|None, seed, block_size, slots, wids, ranks, weights, WorkerScore|None, names)
+ *   -> (query_blocks, [WorkerScore best first]) | (query_blocks, packed rows: bytes) | None
+ * With row type None the ranked rows come back packed (PRow, best first) for write_answer: no object per row.
  * The whole native score: chained keys (from `keys`, or hashed from `tokens` without extra keys), the
  * walk, weights, ranking and result objects. Lists are in (worker_id, dp_rank) order. None: odd input
  * (the Python path judges it). */
@@ -1024,19 +1310,22 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
     } else {
         uint64_t seed = PyLong_AsUnsignedLongLongMask(seedo);
         if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-        uint64_t *t = NULL;
-        Py_ssize_t n = tokens_u64(toks, &t);
-        if (n == -2) return NULL;
-        if (n < 0) Py_RETURN_NONE;
-        nk = n / bs;
-        k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
-        uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
-        if (!k || !cols) { PyMem_Free(t); PyMem_Free(cols); PyErr_NoMemory(); goto done; }
-        for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
-        int zero = 0;
-        for (Py_ssize_t j = 0; j < nk; j++) { seed = seed * P_MUL + block_digest(t + j * bs, bs, 0, cols); k[j] = seed; zero |= !seed; }
-        PyMem_Free(t);
-        PyMem_Free(cols);
+        int zero = 0, rc = u32_keys(toks, seed, bs, &k, &nk, &zero);
+        if (rc < 0) return NULL;
+        if (rc == 0) {
+            uint64_t *t = NULL;
+            Py_ssize_t n = tokens_u64(toks, &t);
+            if (n == -2) return NULL;
+            if (n < 0) Py_RETURN_NONE;
+            nk = n / bs;
+            k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+            uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
+            if (!k || !cols) { PyMem_Free(t); PyMem_Free(cols); PyErr_NoMemory(); goto done; }
+            for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
+            for (Py_ssize_t j = 0; j < nk; j++) { seed = seed * P_MUL + block_digest(t + j * bs, bs, 0, cols); k[j] = seed; zero |= !seed; }
+            PyMem_Free(t);
+            PyMem_Free(cols);
+        }
         if (zero) { out = Py_None; Py_INCREF(out); goto done; } /* key 0: the Python walk judges it */
     }
     if (slots_of(slotso, &slot) < 0) goto done;
@@ -1044,6 +1333,11 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
     if (!rows) { PyErr_NoMemory(); goto done; }
     if (nk && ns) { if (walk_core(m, k, nk, slot, ns, rows) < 0) goto done; }
     else memset(rows, 0, sizeof(WRow) * (size_t)(ns ? ns : 1));
+    if (cls == Py_None) { /* packed: no Python code runs, ids and ranks are not read */
+        lst = pack_rows(rows, ns, wt, bs);
+        if (lst) out = Py_BuildValue("(nN)", nk, lst);
+        goto done;
+    }
     /* the row type's constructor is Python code: the rows read ids and ranks from tuples of our own,
      * never from the caller's lists (which that code could change), and ns is checked against them */
     widt = PyList_AsTuple(wids);
@@ -1058,6 +1352,261 @@ done:
     PyMem_Free(k);
     PyMem_Free(slot);
     PyMem_Free(rows);
+    return out;
+}
+
+/* ---------------------------------------------------------------- /score answer bytes
+ * write_answer(msgpack, layout, prefix, query_blocks, rows, heads, wix, statuses, seqs, status_map) -> bytes | None
+ * The body `POST /score` answers, byte for byte what msgspec encodes for the ScoreResponse the Python
+ * path builds (router_api/answer.py passes the pieces; tests/test_score_answer.py holds the two equal):
+ *  - rows: packed PRow (score_rows with row type None), best first; heads[s] / wix[s] belong to the row
+ *    of slot s; heads past the rows are registered pairs the index does not hold (zero rows, appended);
+ *  - heads: the pre-encoded `worker_id` / `dp_rank` pairs (None or wix < 0: not registered, skipped);
+ *  - wix: int32 per head, the row's worker in statuses / seqs (its liveness status and last_seq);
+ *  - status_map: status str -> (encoded status, is stale); layout: the pre-encoded keys and punctuation.
+ * Rows are ordered like the Python path: fresh before stale, each by score descending, stable.
+ * None (the caller encodes with msgspec): a non-finite score, a status or last_seq it does not know. */
+enum { L_ROW_OPEN, L_DEV, L_CACH, L_TIERS, L_HOST, L_DISK, L_SHARED, L_SCORE, L_STALE, L_SEQ, L_STATUS,
+       L_ROW_CLOSE, L_WORKERS, L_AFTER, L_END, L_BEST_OPEN, L_BEST_CLOSE, L_SEP, L_NULL, L_TRUE, L_FALSE, L_COUNT };
+
+/* Writers into a buffer the caller sized for the worst case (answer_bound): no checks per piece. */
+static inline char *put(char *q, const char *s, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) q[i] = s[i]; /* pieces are a few bytes: cheaper than a memcpy call */
+    return q + n;
+}
+
+static inline char *put_obj(char *q, PyObject *o) { return put(q, PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o)); }
+
+#define INT_MAX_CHARS 20 /* "-9223372036854775808"; msgpack ints take at most 9 bytes */
+#define DBL_MAX_CHARS 32 /* msgspec's longest spelling is 25 ("-1.2345678901234567e-308"); msgpack 9 */
+
+static char *json_int(char *q, int64_t v) {
+    char tmp[24], *e = tmp + sizeof tmp, *t = e;
+    uint64_t u = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
+    do { *--t = (char)('0' + u % 10); u /= 10; } while (u);
+    if (v < 0) *--t = '-';
+    return put(q, t, e - t);
+}
+
+static char *mp_int(char *q, int64_t v) { /* the smallest form, as msgspec writes it */
+    int n;
+    uint64_t u = (uint64_t)v;
+    if (v >= 0) {
+        if (v < 128) { *q++ = (char)v; return q; }
+        if (v < 256) { *q++ = (char)0xCC; n = 1; }
+        else if (v < 65536) { *q++ = (char)0xCD; n = 2; }
+        else if (v <= 0xFFFFFFFFLL) { *q++ = (char)0xCE; n = 4; }
+        else { *q++ = (char)0xCF; n = 8; }
+    } else {
+        if (v >= -32) { *q++ = (char)(u & 0xFF); return q; }
+        if (v >= -128) { *q++ = (char)0xD0; n = 1; }
+        else if (v >= -32768) { *q++ = (char)0xD1; n = 2; }
+        else if (v >= -2147483648LL) { *q++ = (char)0xD2; n = 4; }
+        else { *q++ = (char)0xD3; n = 8; }
+    }
+    for (int k = n - 1; k >= 0; k--) *q++ = (char)(u >> (8 * k));
+    return q;
+}
+
+/* msgspec's JSON spelling of a finite double: the shortest round-trip digits (Python's repr finds the
+ * same ones) laid out as msgspec does — plain decimals for 1e-5 <= |x| < 1e16 ("16.0", "0.00001"),
+ * else d[.ddd]e[-]x ("1e16", "1.25e-7"). NULL on a memory error. */
+static char *json_double(char *q, double x) {
+    if (x == 0.0) return signbit(x) ? put(q, "-0.0", 4) : put(q, "0.0", 3);
+    if (fabs(x) < 1e15 && x == (double)(int64_t)x) /* integral: the common case, no digit search */
+        return put(json_int(q, (int64_t)x), ".0", 2);
+    char *r = PyOS_double_to_string(x, 'r', 0, 0, NULL);
+    if (!r) return NULL;
+    const char *c = r;
+    char dig[40];
+    int neg = 0, nd = 0, point = -1;
+    if (*c == '-') { neg = 1; c++; }
+    for (; *c && *c != 'e' && *c != 'E'; c++) {
+        if (*c == '.') point = nd;
+        else if (nd < (int)sizeof dig) dig[nd++] = *c;
+    }
+    long ex = (*c == 'e' || *c == 'E') ? strtol(c + 1, NULL, 10) : 0;
+    PyMem_Free(r);
+    if (point < 0) point = nd;
+    int kk = point + (int)ex, st = 0, en = nd; /* value = 0.D x 10^kk */
+    while (st < nd && dig[st] == '0') { st++; kk--; }
+    while (en > st && dig[en - 1] == '0') en--;
+    int L = en - st, k = kk - L;
+    const char *D = dig + st;
+    if (L < 1 || L > 17) { PyErr_SetString(PyExc_ValueError, "unexpected float repr"); return NULL; }
+    if (neg) *q++ = '-';
+    if (0 <= k && kk <= 16) {
+        q = put(q, D, L);
+        for (int i = 0; i < kk - L; i++) *q++ = '0';
+        q = put(q, ".0", 2);
+    } else if (0 < kk && kk <= 16) {
+        q = put(q, D, kk);
+        *q++ = '.';
+        q = put(q, D + kk, L - kk);
+    } else if (-5 < kk && kk <= 0) {
+        q = put(q, "0.", 2);
+        for (int i = 0; i < -kk; i++) *q++ = '0';
+        q = put(q, D, L);
+    } else {
+        *q++ = D[0];
+        if (L > 1) { *q++ = '.'; q = put(q, D + 1, L - 1); }
+        *q++ = 'e';
+        q = json_int(q, kk - 1);
+    }
+    return q;
+}
+
+static char *mp_double(char *q, double x) {
+    uint64_t u;
+    memcpy(&u, &x, 8);
+    *q++ = (char)0xCB;
+    for (int k = 7; k >= 0; k--) *q++ = (char)(u >> (8 * k));
+    return q;
+}
+
+typedef struct { const PRow *p; Py_ssize_t h, w; double score; int stale; } ARow;
+
+static PyObject *py_write_answer(PyObject *self, PyObject *args) {
+    int mp;
+    PyObject *layout, *prefix, *heads, *statuses, *seqs, *smap;
+    Py_ssize_t qb;
+    Py_buffer rows, wixb;
+    if (!PyArg_ParseTuple(args, "pO!O!ny*O!y*O!O!O!", &mp, &PyTuple_Type, &layout, &PyBytes_Type, &prefix, &qb, &rows,
+                          &PyTuple_Type, &heads, &wixb, &PyList_Type, &statuses, &PyList_Type, &seqs, &PyDict_Type, &smap))
+        return NULL;
+    PyObject *out = NULL;
+    ARow *ar = NULL;
+    int64_t *seq = NULL;
+    PyObject **senc = NULL;
+    char *stl = NULL;
+    Py_ssize_t nrows = rows.len / (Py_ssize_t)sizeof(PRow), nh = PyTuple_GET_SIZE(heads);
+    Py_ssize_t nw = PyList_GET_SIZE(statuses), na = 0;
+    const int32_t *wix = wixb.buf;
+    int ok = rows.len % (Py_ssize_t)sizeof(PRow) == 0 && PyTuple_GET_SIZE(layout) == L_COUNT && nh >= nrows &&
+             wixb.len == nh * 4 && PyList_GET_SIZE(seqs) == nw && qb >= 0;
+    for (Py_ssize_t i = 0; ok && i < L_COUNT; i++) ok = PyBytes_CheckExact(PyTuple_GET_ITEM(layout, i));
+    if (!ok) goto none;
+    ar = PyMem_Malloc(sizeof(ARow) * (size_t)(nh ? nh : 1));
+    seq = PyMem_Malloc(sizeof(int64_t) * (size_t)(nw ? nw : 1));
+    senc = PyMem_Malloc(sizeof(PyObject *) * (size_t)(nw ? nw : 1));
+    stl = PyMem_Malloc((size_t)(nw ? nw : 1));
+    if (!ar || !seq || !senc || !stl) { PyErr_NoMemory(); goto done; }
+    /* per worker: its encoded status, stale flag and last_seq (-1 in stl[]: None). Exact str keys only,
+     * so the dict lookup runs no Python code; nothing below does, so the borrowed bytes stay valid. */
+    for (Py_ssize_t i = 0; i < nw; i++) {
+        PyObject *st = PyList_GET_ITEM(statuses, i), *sq = PyList_GET_ITEM(seqs, i);
+        if (!PyUnicode_CheckExact(st)) goto none;
+        PyObject *v = PyDict_GetItemWithError(smap, st);
+        if (!v) { if (PyErr_Occurred()) goto done; goto none; }
+        if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 2 || !PyBytes_CheckExact(PyTuple_GET_ITEM(v, 0))) goto none;
+        senc[i] = PyTuple_GET_ITEM(v, 0);
+        stl[i] = (char)(PyTuple_GET_ITEM(v, 1) == Py_True);
+        if (sq == Py_None) { stl[i] |= 2; seq[i] = 0; continue; }
+        if (!PyLong_CheckExact(sq)) goto none;
+        int ovf = 0;
+        long long x = PyLong_AsLongLongAndOverflow(sq, &ovf);
+        if (ovf) goto none;
+        if (x == -1 && PyErr_Occurred()) goto done;
+        seq[i] = x;
+    }
+    const PRow *pr = rows.buf;
+    for (Py_ssize_t r = 0; r < nh; r++) { /* the index's rows best first, then the pairs it does not hold */
+        Py_ssize_t h = r;
+        const PRow *p = NULL;
+        if (r < nrows) {
+            p = pr + r;
+            if (p->s < 0 || p->s >= nrows) goto none;
+            h = (Py_ssize_t)p->s;
+        }
+        int32_t w = wix[h];
+        if (w < 0) continue;
+        if (w >= nw || !PyBytes_CheckExact(PyTuple_GET_ITEM(heads, h))) goto none;
+        double sc = p ? p->score : 0.0;
+        if (!isfinite(sc)) goto none;
+        ARow a = {p, h, w, sc, stl[w] & 1};
+        /* stable insertion: fresh before stale, score descending (the rows come nearly in order) */
+        Py_ssize_t j = na;
+        while (j > 0 && (ar[j - 1].stale > a.stale || (ar[j - 1].stale == a.stale && ar[j - 1].score < a.score))) {
+            ar[j] = ar[j - 1];
+            j--;
+        }
+        ar[j] = a;
+        na++;
+    }
+#define LY(i) PyTuple_GET_ITEM(layout, i)
+#define LEN(i) PyBytes_GET_SIZE(LY(i))
+    /* the worst case, so the writers below need no checks: every piece at its longest */
+    Py_ssize_t maxhead = 0, row = 0, bound;
+    for (Py_ssize_t i = 0; i < na; i++) {
+        Py_ssize_t hl = PyBytes_GET_SIZE(PyTuple_GET_ITEM(heads, ar[i].h));
+        if (hl > maxhead) maxhead = hl;
+        row += hl + PyBytes_GET_SIZE(senc[ar[i].w]);
+    }
+    Py_ssize_t fixed = LEN(L_SEP) + LEN(L_ROW_OPEN) + LEN(L_DEV) + LEN(L_CACH) + LEN(L_TIERS) + LEN(L_HOST) +
+                       LEN(L_DISK) + LEN(L_SHARED) + LEN(L_SCORE) + LEN(L_STALE) + LEN(L_TRUE) + LEN(L_FALSE) +
+                       LEN(L_SEQ) + LEN(L_NULL) + LEN(L_STATUS) + LEN(L_ROW_CLOSE) + 7 * INT_MAX_CHARS + DBL_MAX_CHARS;
+    bound = PyBytes_GET_SIZE(prefix) + INT_MAX_CHARS + LEN(L_WORKERS) + 5 + row + na * fixed + LEN(L_AFTER) +
+            LEN(L_NULL) + LEN(L_BEST_OPEN) + maxhead + LEN(L_BEST_CLOSE) + LEN(L_END);
+    char *buf = PyMem_Malloc((size_t)bound), *q = buf;
+    if (!buf) { PyErr_NoMemory(); goto done; }
+#define INT(v) (q = mp ? mp_int(q, (int64_t)(v)) : json_int(q, (int64_t)(v)))
+    q = put_obj(q, prefix);
+    INT(qb);
+    q = put_obj(q, LY(L_WORKERS));
+    if (mp) { /* the workers array header */
+        if (na < 16) *q++ = (char)(0x90 | na);
+        else if (na < 65536) { *q++ = (char)0xDC; *q++ = (char)(na >> 8); *q++ = (char)na; }
+        else { *q++ = (char)0xDD; for (int k = 3; k >= 0; k--) *q++ = (char)((uint64_t)na >> (8 * k)); }
+    }
+    Py_ssize_t best = -1;
+    for (Py_ssize_t i = 0; i < na; i++) {
+        const ARow *a = ar + i;
+        const PRow *p = a->p;
+        if (best < 0 && !a->stale && a->score > 0) best = i;
+        if (i) q = put_obj(q, LY(L_SEP));
+        q = put_obj(q, LY(L_ROW_OPEN));
+        q = put_obj(q, PyTuple_GET_ITEM(heads, a->h));
+        q = put_obj(q, LY(L_DEV)); INT(p ? p->dev : 0);
+        q = put_obj(q, LY(L_CACH)); INT(p ? p->cach : 0);
+        q = put_obj(q, LY(L_TIERS)); INT(p ? p->sp[0] : 0);
+        q = put_obj(q, LY(L_HOST)); INT(p ? p->sp[1] : 0);
+        q = put_obj(q, LY(L_DISK)); INT(p ? p->sp[2] : 0);
+        q = put_obj(q, LY(L_SHARED)); INT(p ? p->sp[3] : 0);
+        q = put_obj(q, LY(L_SCORE));
+        q = mp ? mp_double(q, a->score) : json_double(q, a->score);
+        if (!q) { PyMem_Free(buf); goto done; }
+        q = put_obj(q, LY(L_STALE));
+        q = put_obj(q, LY(a->stale ? L_TRUE : L_FALSE));
+        q = put_obj(q, LY(L_SEQ));
+        if (stl[a->w] & 2) q = put_obj(q, LY(L_NULL)); else INT(seq[a->w]);
+        q = put_obj(q, LY(L_STATUS));
+        q = put_obj(q, senc[a->w]);
+        q = put_obj(q, LY(L_ROW_CLOSE));
+    }
+    q = put_obj(q, LY(L_AFTER));
+    if (best < 0) q = put_obj(q, LY(L_NULL));
+    else {
+        q = put_obj(q, LY(L_BEST_OPEN));
+        q = put_obj(q, PyTuple_GET_ITEM(heads, ar[best].h));
+        q = put_obj(q, LY(L_BEST_CLOSE));
+    }
+    q = put_obj(q, LY(L_END));
+#undef LY
+#undef LEN
+#undef INT
+    out = PyBytes_FromStringAndSize(buf, q - buf);
+    PyMem_Free(buf);
+    goto done;
+none:
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    PyMem_Free(ar);
+    PyMem_Free(seq);
+    PyMem_Free(senc);
+    PyMem_Free(stl);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&wixb);
     return out;
 }
 
@@ -1915,8 +2464,10 @@ static PyMethodDef module_methods[] = {
      "apply a run of one worker's raw batches, stopping before the first the common case does not cover"},
     {"score_rows", (PyCFunction)(void (*)(void))py_score_rows, METH_VARARGS | METH_KEYWORDS,
      "score, rank and build the result rows"},
+    {"write_answer", py_write_answer, METH_VARARGS, "the /score answer bytes (JSON or msgpack) from packed rows"},
     {"json_u32_array", py_json_u32_array, METH_VARARGS, "u32 tokens from a raw JSON int array"},
     {"json_body_u32", py_json_body_u32, METH_VARARGS, "u32 tokens and their span from a whole JSON request body"},
+    {"msgpack_body_u32", py_msgpack_body_u32, METH_VARARGS, "u32 tokens and their span from a whole msgpack request body"},
     {"msgpack_u32_array", py_msgpack_u32_array, METH_VARARGS, "u32 tokens from a raw msgpack int array"},
     {"wire_tables", py_wire_tables, METH_NOARGS, "the generated wire tables this module was built with"},
     {NULL, NULL, 0, NULL},
@@ -1934,6 +2485,9 @@ static int int_helpers(void) {
 }
 
 PyMODINIT_FUNC PyInit__kvnative(void) {
+#ifdef HAVE_AVX2_DIGESTS
+    __builtin_cpu_init(); /* before __builtin_cpu_supports, which may run before libgcc's constructor */
+#endif
     if (PyType_Ready(&U64MapType) < 0 || build_key_objs() < 0 || int_helpers() < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;

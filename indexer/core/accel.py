@@ -4,7 +4,8 @@
   when it is the common case; it stops before an orphan and the pure core (`apply_events`) applies
   the rest. None means "nothing was touched: take the pure path" (odd payloads, workers with pending
   orphans, LoRA / salt / extra-key stores), which judges the payload exactly.
-- `score`: the walk, weights, ranking and result rows in one call (`score_rows`).
+- `score`: the walk, weights, ranking and result rows in one call (`score_rows`); `score_table`, the
+  same with the rows packed for the service's C answer writer (`write_answer`, router_api/answer.py).
 Plus `new_map`: the compact U64Map the core's maps are made of. Nothing else of the core is in C;
 the rules live once in `indexer.core.apply` / `indexer.core.scoring` and the C walk follows them
 (wire tables generated from `schemas/`; the conformance suite holds the two to each other;
@@ -18,7 +19,9 @@ from typing import Any
 
 from indexer.core.apply import KNOWN_EXT_LIMIT, apply_events, decode_or_drop, finite_ts
 from indexer.core.state import ModelState, WorkerState
-from indexer.core.types import TIER_NAMES, ApplyStats, RankLimits, ScoreResult, TierWeights, WorkerScore
+from indexer.core.types import (
+    TIER_NAMES, ApplyStats, RankLimits, ScoreResult, ScoreTable, TierWeights, WorkerScore,
+)
 
 
 class Accelerator:
@@ -143,3 +146,23 @@ class Accelerator:
         if res is None:
             return None
         return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
+
+    def score_table(
+        self, m: ModelState, tokens: object, seed: int, weights: TierWeights, workers: list[tuple[str, int]] | None,
+    ) -> ScoreTable | None:
+        """`score` without a row object: the ranked rows packed for `write_answer` (the service writes
+        the answer bytes from them in C), or None when the C call cannot judge the input."""
+        if workers is None:
+            _, slots, wids, ranks = m.ranked()
+        else:
+            ws = sorted(
+                (w for w in (m.by_id.get((wid, int(r))) for wid, r in workers) if w is not None),
+                key=lambda w: (w.worker_id, w.dp_rank),
+            )
+            slots, wids, ranks = [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
+        res = self.mod.score_rows(
+            m.nodes, None, tokens, seed, m.block_size, slots, wids, ranks, weights.as_tuple(), None, TIER_NAMES,
+        )
+        if res is None:
+            return None
+        return ScoreTable(res[0], m.block_size, wids, ranks, res[1])

@@ -114,6 +114,23 @@ class ScoreResult(msgspec.Struct):
     workers: list[WorkerScore]
 
 
+class ScoreTable:
+    """A score with its rows packed in C (`score_rows` without a row type): `rows` holds one record
+    per scored (worker_id, dp_rank), best first, each naming its position in `worker_ids` / `ranks`
+    (the (worker_id, dp_rank)-sorted order the index scored them in). Read only by the C answer writer
+    (router_api/answer.py); `KVIndex.score` gives the same score as objects."""
+
+    __slots__ = ("query_blocks", "block_size", "worker_ids", "ranks", "rows")
+
+    def __init__(self, query_blocks: int, block_size: int, worker_ids: list[str], ranks: list[int],
+                 rows: bytes) -> None:
+        self.query_blocks = query_blocks
+        self.block_size = block_size
+        self.worker_ids = worker_ids
+        self.ranks = ranks
+        self.rows = rows
+
+
 def full_block_hashes(ev: Any, ntok: int, bs: int, stats: ApplyStats) -> list[Any]:
     """The hashes of a self-describing store's full blocks: none when its block size is not the
     model's, and without a trailing block its tokens do not fill (both counted). Shared by the main

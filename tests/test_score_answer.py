@@ -1,0 +1,284 @@
+"""The /score answer bytes written in C (`write_answer`, router_api/answer.py) against msgspec encoding
+the ScoreResponse the Python path builds: byte for byte, JSON and msgpack, over hypothesis-drawn
+scores (odd floats: subnormals, -0.0, 1e16, 1e-5, ...), tiers, statuses, last_seqs, worker ids and
+model names (unicode, quotes, control characters), unregistered index rows and registered pairs the
+index does not hold. Then whole services: the native service's answer against a pure-Python
+service's fed the same events with odd tier weights, and through the HTTP front."""
+from __future__ import annotations
+
+import random
+import struct
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from indexer.core import native as native_core
+from indexer.index import KVIndex, TierWeights
+from router_api import answer
+from router_api.app import create_app
+from router_api.service import IndexerService, ServiceConfig
+from schemas.api import WORKER_STATUSES, BestWorker, RegisterWorker, ScoreResponse, TierBlocks, WorkerScoreOut
+from schemas.codec import encode_batch
+from schemas.events import BlockStored, KVEventBatch
+
+pytestmark = pytest.mark.skipif(not native_core.available(), reason="native module not built")
+
+N = native_core.select(True)
+PROW = struct.Struct("<7qd")  # kvnative.c PRow: slot, dev, cached, gpu, host, disk, shared, score
+I64 = st.integers(-(2**63), 2**63 - 1)
+COUNT = st.integers(0, 2**40)
+ODD_FLOATS = st.sampled_from([0.0, -0.0, 1e16, 1e15, 9999999999999998.0, 1e-5, 1e-4, 9.99e-5, 1.25e-7, 5e-324,
+                              1.7976931348623157e308, -2.5e-300, 38.400000000000006, 0.1, 1 / 3, 123456789.125])
+SCORES = st.one_of(ODD_FLOATS, st.floats(allow_nan=False, allow_infinity=False),
+                   st.integers(-(2**53), 2**53).map(float))
+NAMES = st.text(min_size=1, max_size=12)
+
+
+def reference(model: str, block_size: int, query_blocks: int, rows: list[dict[str, Any]],
+              pos: dict[str, int], statuses: list[str], seqs: list[int | None]) -> ScoreResponse:
+    """IndexerService.score's assembly of the answer, over rows in the index's order."""
+    fresh: list[WorkerScoreOut] = []
+    stale: list[WorkerScoreOut] = []
+    for r in rows:
+        i = pos.get(r["wid"], -1)
+        if i < 0:
+            continue
+        is_stale = statuses[i] == "stale"
+        (stale if is_stale else fresh).append(WorkerScoreOut(
+            r["wid"], r["rank"], r["dev"], r["cach"], TierBlocks(*r["sp"]), float(r["score"]), is_stale,
+            seqs[i], statuses[i]))
+    fresh.sort(key=lambda s: s.score, reverse=True)
+    stale.sort(key=lambda s: s.score, reverse=True)
+    best = next((BestWorker(s.worker_id, s.dp_rank) for s in fresh if s.score > 0), None)
+    return ScoreResponse(model, block_size, query_blocks, fresh + stale, best)
+
+
+@st.composite
+def cases(draw: Any) -> dict[str, Any]:
+    workers = draw(st.lists(NAMES, min_size=0, max_size=6, unique=True))
+    strangers = draw(st.lists(NAMES.filter(lambda n: n not in workers), max_size=2, unique=True))
+    ids = workers + strangers  # strangers: rows of the index no registered worker has
+    n = draw(st.integers(0, 20)) if ids else 0
+    pairs = draw(st.lists(st.tuples(st.sampled_from(ids), st.integers(0, 2**16)), min_size=n, max_size=n,
+                          unique=True)) if ids else []
+    rows = [{"wid": w, "rank": r, "dev": draw(COUNT), "cach": draw(COUNT),
+             "sp": [draw(COUNT) for _ in range(4)], "score": draw(SCORES)} for w, r in pairs]
+    extra = draw(st.lists(st.tuples(st.sampled_from(workers), st.integers(0, 2**16)), max_size=3, unique=True)
+                 ) if workers else []
+    extra = [p for p in extra if p not in set(pairs)]
+    statuses = [draw(st.sampled_from(WORKER_STATUSES)) for _ in workers]
+    seqs = [draw(st.one_of(st.none(), I64)) for _ in workers]
+    return {"model": draw(st.text(max_size=10)), "bs": draw(st.integers(1, 2**20)),
+            "qb": draw(st.integers(0, 2**40)), "workers": workers, "rows": rows, "extra": extra,
+            "statuses": statuses, "seqs": seqs}
+
+
+def write(c: dict[str, Any], mp: bool, fmts: answer.Formats) -> bytes | None:
+    rows = c["rows"]
+    wids, ranks = [r["wid"] for r in rows], [r["rank"] for r in rows]
+    states = [type("S", (), {"worker_id": w})() for w in c["workers"]]
+    pairs = [(r["wid"], r["rank"]) for r in rows if r["wid"] in c["workers"]] + c["extra"]
+    ans = answer.AnswerRows.build(states, pairs, wids, ranks)
+    packed = b"".join(PROW.pack(k, r["dev"], r["cach"], *r["sp"], r["score"]) for k, r in enumerate(rows))
+    i = 1 if mp else 0  # the call IndexerService.score_answer makes
+    return N.write_answer(mp, fmts.layouts[i], fmts.prefix(mp, c["model"], c["bs"]), c["qb"], packed, ans.heads[i],
+                          ans.wix, c["statuses"], c["seqs"], fmts.statuses[i])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_written_answer_is_msgspecs(c: dict[str, Any]) -> None:
+    fmts = answer.Formats()
+    pos = {w: i for i, w in enumerate(c["workers"])}
+    rows = c["rows"] + [{"wid": w, "rank": r, "dev": 0, "cach": 0, "sp": [0, 0, 0, 0], "score": 0.0}
+                        for w, r in c["extra"]]
+    ref = reference(c["model"], c["bs"], c["qb"], rows, pos, c["statuses"], c["seqs"])
+    for mp, enc in ((False, msgspec.json.encode), (True, msgspec.msgpack.encode)):
+        assert write(c, mp, fmts) == enc(ref)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.one_of(SCORES, st.integers(0, 2**64 - 1).map(lambda b: struct.unpack("<d", struct.pack("<Q", b))[0])))
+def test_any_finite_score_is_spelled_like_msgspec(score: float) -> None:
+    """msgspec's JSON float spelling (shortest round-trip digits; decimals for 1e-5 <= |x| < 1e16,
+    exponents outside) for any bit pattern; a non-finite score defers to msgspec (None)."""
+    c = {"model": "m", "bs": 1, "qb": 1, "workers": ["w"], "rows": [
+        {"wid": "w", "rank": 0, "dev": 1, "cach": 1, "sp": [1, 0, 0, 0], "score": score}], "extra": [],
+        "statuses": ["live"], "seqs": [7]}
+    fmts = answer.Formats()
+    for mp, enc in ((False, msgspec.json.encode), (True, msgspec.msgpack.encode)):
+        got = write(c, mp, fmts)
+        if not np.isfinite(score):
+            assert got is None
+            continue
+        ref = reference("m", 1, 1, [dict(c["rows"][0])], {"w": 0}, ["live"], [7])
+        assert got == enc(ref)
+
+
+def test_writer_defers_what_it_does_not_know() -> None:
+    fmts = answer.Formats()
+    base = {"model": "m", "bs": 1, "qb": 1, "workers": ["w"], "rows": [
+        {"wid": "w", "rank": 0, "dev": 1, "cach": 1, "sp": [1, 0, 0, 0], "score": 1.0}], "extra": [],
+        "statuses": ["live"], "seqs": [7]}
+    assert write(base, False, fmts) is not None
+    assert write({**base, "statuses": ["sleeping"]}, False, fmts) is None  # a status outside the vocabulary
+    assert write({**base, "seqs": [2**64]}, True, fmts) is None  # a last_seq beyond int64
+    assert write({**base, "seqs": ["7"]}, True, fmts) is None  # not an int
+    # malformed inputs never read out of bounds: rows naming a slot past the heads, short wix
+    lay, pre = fmts.layouts[0], fmts.prefix(False, "m", 1)
+    bad_row = PROW.pack(5, 1, 1, 1, 0, 0, 0, 1.0)
+    assert N.write_answer(False, lay, pre, 1, bad_row, (b'"worker_id":"w","dp_rank":0',), struct.pack("<i", 0),
+                          ["live"], [1], fmts.statuses[0]) is None
+    assert N.write_answer(False, lay, pre, 1, b"", (b"x",), b"", ["live"], [1], fmts.statuses[0]) is None
+    assert N.write_answer(False, lay, pre, 1, b"", (b"x",), struct.pack("<i", 3), ["live"], [1],
+                          fmts.statuses[0]) is None
+    assert N.write_answer(False, lay[:-1], pre, 1, b"", (), b"", [], [], fmts.statuses[0]) is None
+
+
+# --- whole services -------------------------------------------------------------------------------
+
+BS = 4
+MEDIA = ("GPU", "CPU", "DISK", "EXTERNAL")
+
+
+def services(weights: dict[str, float], names: list[str]) -> tuple[IndexerService, IndexerService]:
+    """A native service and a pure-Python one, the same workers registered in both."""
+    out = []
+    for native in (True, False):
+        cfg = ServiceConfig(block_size=BS, stale_after_s=5.0)
+        svc = IndexerService(cfg, index=KVIndex(weights=TierWeights(**weights), native=native), clock=lambda: 100.0)
+        svc.index.ensure_model("default", BS)
+        for i, name in enumerate(names):
+            w = svc.registry.add(RegisterWorker(worker_id=name, endpoint=f"tcp://127.0.0.1:{3000 + i}",
+                                                block_size=BS), 100.0)
+            svc.index.register_worker("default", name, 0)
+            if i % 3 == 1:  # stale: silent for longer than its deadline
+                w.registered_at = 0.0
+            elif i % 3 == 2:
+                w.last_msg_at, w.last_seq = 99.0, i * 1000
+        out.append(svc)
+    return out[0], out[1]
+
+
+WEIGHTS = st.fixed_dictionaries({t: st.one_of(ODD_FLOATS, st.floats(-1e6, 1e6, allow_nan=False))
+                                 for t in ("gpu", "host", "disk", "shared")})
+WORKER_IDS = st.lists(st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cs", "Zs", "Zl", "Zp", "Cn"),
+                                                     blacklist_characters='/\\?#%"\''), min_size=1, max_size=8),
+                      min_size=1, max_size=5, unique=True).filter(lambda ns: all(n.isprintable() for n in ns))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(WEIGHTS, WORKER_IDS, st.integers(0, 2**31))
+def test_native_service_answers_the_pure_services_bytes(weights: dict[str, float], names: list[str],
+                                                        seed: int) -> None:
+    fast, pure = services(weights, names)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 1000) for _ in range(BS * 12)]
+    for svc in (fast, pure):
+        r2 = random.Random(seed)
+        for name in names:
+            for _ in range(r2.randint(0, 3)):
+                n = r2.randint(1, 12)
+                toks = prompt[: n * BS]
+                ev = BlockStored(block_hashes=list(range(1, n + 1)), parent_block_hash=None, token_ids=toks,
+                                 block_size=BS, medium=r2.choice(MEDIA))
+                svc.index.apply_payload("default", name, 0, encode_batch(KVEventBatch(0.0, [ev])))
+    assert fast._writer is not None and fast.index.native and not pure.index.native
+    for q in (prompt, prompt[: BS * 3], prompt[:5], [], [9] * BS * 2):
+        arr = np.asarray(q, dtype="<u4")
+        for mp, enc in ((False, msgspec.json.encode), (True, msgspec.msgpack.encode)):
+            want = enc(pure.score("default", q))
+            assert pure.score_answer("default", q, None, None, mp) == want  # the msgspec fallback
+            assert fast.score_answer("default", arr, None, None, mp) == want
+            assert fast.score_answer("default", q, None, None, mp) == want
+            assert enc(fast.score("default", arr)) == want
+
+
+def test_registered_pairs_the_index_lacks_and_strangers() -> None:
+    """Rows for registered ranks the index has not seen (zero rows) and index rows of no registered
+    worker (left out), through the C path and the reference path alike."""
+    fast, pure = services({"gpu": 1.0, "host": 0.8, "disk": 0.5, "shared": 0.4}, ["a", "b", "c"])
+    for svc in (fast, pure):
+        svc.registry.get("a").dp_ranks.update({1, 2})  # ranks registered, never seen by the index
+        svc.index.register_worker("default", "ghost", 0)  # held by the index, not registered
+        toks = list(range(1, BS * 4 + 1))
+        ev = BlockStored(block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=toks, block_size=BS, medium="CPU")
+        svc.index.apply_payload("default", "b", 0, encode_batch(KVEventBatch(0.0, [ev])))
+    for mp, enc in ((False, msgspec.json.encode), (True, msgspec.msgpack.encode)):
+        want = enc(pure.score("default", list(range(1, BS * 4 + 1))))
+        assert fast.score_answer("default", np.arange(1, BS * 4 + 1, dtype="<u4"), None, None, mp) == want
+        assert b"ghost" not in want
+
+
+def test_http_front_answers_the_same_bytes() -> None:
+    fast, _ = services({"gpu": 1.0, "host": 0.8, "disk": 0.5, "shared": 0.4}, ["w0", "wé", "w\u4e2d"])
+    toks = list(range(1, BS * 6 + 1))
+    ev = BlockStored(block_hashes=list(range(1, 7)), parent_block_hash=None, token_ids=toks, block_size=BS, medium="GPU")
+    fast.index.apply_payload("default", "wé", 0, encode_batch(KVEventBatch(0.0, [ev])))
+    front = create_app(fast)
+    route = front.routes["/score"]
+    want_json = msgspec.json.encode(fast.score("default", toks))
+    want_mp = msgspec.msgpack.encode(fast.score("default", toks))
+    body = msgspec.json.encode({"token_ids": toks})
+    assert front.answer(route, "json", None, b"", body, 0.0)[1] == want_json
+    assert front.answer(route, "msgpack", b"application/msgpack", b"", msgspec.msgpack.encode({"token_ids": toks}),
+                        0.0)[1] == want_mp
+    assert front.answer(route, "octet", b"application/msgpack", b"", np.asarray(toks, "<u4").tobytes(), 0.0)[1] \
+        == want_mp
+    status, out, _ = front.answer(route, "json", None, b"", b'{"token_ids": [1], "model": "nope"}', 0.0)
+    assert status == 404 and b"unknown model" in out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.lists(st.integers(0, 2**32 - 1), max_size=300), st.integers(0, 2**64 - 1))
+def test_u32_token_buffers_hash_like_the_reference(bs: int, toks: list[int], seed: int) -> None:
+    """score_rows hashes a u32 buffer in place (4 tokens at a time where the CPU has AVX2, any tail
+    scalar): the same chained keys as the pure-Python hashing, for every block size."""
+    from indexer import hashing as H
+
+    keys = H.chain_keys_py(toks, bs, seed)
+    nodes = N.U64Map()
+    for k in keys:
+        nodes[k] = 1  # slot 0 on GPU: every matching block counts
+    res = N.score_rows(nodes, None, np.asarray(toks, dtype="<u4"), seed, bs, [0], ["w"], [0],
+                       (1.0, 1.0, 1.0, 1.0), None, ("gpu", "host", "disk", "shared"))
+    depth = struct.unpack_from("<7qd", res[1])[2] if res is not None else None
+    if 0 in keys:
+        assert res is None  # key 0 lives in the side dict: the Python walk judges it
+    else:
+        assert res[0] == len(keys) and depth == len(keys)
+
+
+def test_membership_changes_between_queries() -> None:
+    """The cached per-plan pieces (registry plan, the index order it was last seen with) follow every
+    change: index-only workers, registry-only ranks, registration and removal between two queries."""
+    fast, pure = services({"gpu": 1.0, "host": 0.8, "disk": 0.5, "shared": 0.4}, ["a", "b"])
+    toks = list(range(1, BS * 4 + 1))
+    ev = BlockStored(block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=toks, block_size=BS, medium="GPU")
+
+    def check() -> None:
+        for mp, enc in ((False, msgspec.json.encode), (True, msgspec.msgpack.encode)):
+            want = enc(pure.score("default", toks))
+            assert fast.score_answer("default", np.asarray(toks, dtype="<u4"), None, None, mp) == want
+            assert fast.score_answer("default", np.asarray(toks, dtype="<u4"), None, None, mp) == want
+
+    for svc in (fast, pure):
+        svc.index.apply_payload("default", "b", 0, encode_batch(KVEventBatch(0.0, [ev])))
+    check()
+    changes = [
+        lambda svc: svc.index.register_worker("default", "ghost", 0),  # held by the index only
+        lambda svc: svc.index.remove_worker("default", "ghost"),
+        lambda svc: svc.registry.get("a").dp_ranks.add(3),  # a rank the index has not seen
+        lambda svc: svc.index.register_worker("default", "a", 3),
+        lambda svc: svc.register(RegisterWorker(worker_id="c", endpoint="tcp://127.0.0.1:3999", block_size=BS)),
+        lambda svc: svc.index.apply_payload("default", "c", 0, encode_batch(KVEventBatch(0.0, [ev]))),
+        lambda svc: svc.unregister("b"),
+    ]
+    for change in changes:
+        for svc in (fast, pure):
+            change(svc)
+        check()
