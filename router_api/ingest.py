@@ -247,6 +247,10 @@ class IngestLoop:
         """One turn of the loop: commands, one poll, its deliveries, the tick when due. Returns the
         next tick time. The thread calls it in a loop; bench/bench_ingest.py drives it directly."""
         self._drain_commands(sub)
+        workers = getattr(sub, "workers", None)
+        if workers is not None and not workers():
+            # Nothing to poll (an empty poll returns at once): wait for a command instead of spinning.
+            self._wait_command(sub, poll_ms / 1000.0)
         applied0 = self.applied_batches
         try:
             deliveries = sub.poll(poll_ms)
@@ -276,38 +280,50 @@ class IngestLoop:
             self._tick(now)
         return next_tick
 
+    def _wait_command(self, sub: Any, timeout: float) -> None:
+        try:
+            cmd = self._cmds.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._run_command(sub, cmd)
+        self._drain_commands(sub)
+
     def _drain_commands(self, sub: Any) -> None:
         while True:
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            try:
-                if cmd.kind == "add" and cmd.reg is not None:
-                    r = cmd.reg
-                    sub.add(r.worker_id, r.endpoint, replay_endpoint=r.replay_endpoint, topic=r.topic,
-                            last_seq=cmd.last_seq)
-                    log.info("event=subscribed worker=%s endpoint=%s replay=%s from_seq=%s",
-                             r.worker_id, r.endpoint, r.replay_endpoint,
-                             0 if cmd.last_seq is None else cmd.last_seq + 1)
-                elif cmd.kind == "remove":
-                    sub.remove(cmd.worker_id)
-                    self._rank.pop(cmd.worker_id, None)
-                    log.info("event=unsubscribed worker=%s", cmd.worker_id)
-            except Exception as exc:
-                self.metrics.drops.inc("subscribe_error")
-                wid = cmd.reg.worker_id if cmd.reg else cmd.worker_id
-                log.error("event=subscribe_error kind=%s worker=%s error=%r", cmd.kind, wid, exc)
-                if cmd.kind == "add":
-                    cmd.error = str(exc)
-                    if self._on_subscribe_failed is not None:
-                        try:
-                            self._on_subscribe_failed(wid, str(exc), cmd.reg)
-                        except Exception:
-                            log.exception("event=subscribe_rollback_failed worker=%s", wid)
-            finally:
-                if cmd.done is not None:
-                    cmd.done.set()
+            self._run_command(sub, cmd)
+
+    def _run_command(self, sub: Any, cmd: _Cmd) -> None:
+        """One subscription change (only this thread touches the subscriber)."""
+        try:
+            if cmd.kind == "add" and cmd.reg is not None:
+                r = cmd.reg
+                sub.add(r.worker_id, r.endpoint, replay_endpoint=r.replay_endpoint, topic=r.topic,
+                        last_seq=cmd.last_seq)
+                log.info("event=subscribed worker=%s endpoint=%s replay=%s from_seq=%s",
+                         r.worker_id, r.endpoint, r.replay_endpoint,
+                         0 if cmd.last_seq is None else cmd.last_seq + 1)
+            elif cmd.kind == "remove":
+                sub.remove(cmd.worker_id)
+                self._rank.pop(cmd.worker_id, None)
+                log.info("event=unsubscribed worker=%s", cmd.worker_id)
+        except Exception as exc:
+            self.metrics.drops.inc("subscribe_error")
+            wid = cmd.reg.worker_id if cmd.reg else cmd.worker_id
+            log.error("event=subscribe_error kind=%s worker=%s error=%r", cmd.kind, wid, exc)
+            if cmd.kind == "add":
+                cmd.error = str(exc)
+                if self._on_subscribe_failed is not None:
+                    try:
+                        self._on_subscribe_failed(wid, str(exc), cmd.reg)
+                    except Exception:
+                        log.exception("event=subscribe_rollback_failed worker=%s", wid)
+        finally:
+            if cmd.done is not None:
+                cmd.done.set()
 
     def _export_frame_drops(self, sub: Any) -> None:
         """Frame-level drops seen by the subscriber (wrong frame count, bad seq frame, malformed

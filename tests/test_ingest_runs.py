@@ -6,6 +6,7 @@ must equal those of the same batches delivered one by one."""
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from hypothesis import given, settings
@@ -196,4 +197,27 @@ def test_a_burst_received_as_runs_is_trimmed_once_drained() -> None:
         wait_until(lambda: svc.ingest.trimmer.trims > trims0, timeout=10)
     finally:
         pub.close()
+        svc.stop(final_snapshot=False)
+
+
+def test_the_ingest_thread_idles_without_workers() -> None:
+    """No worker: nothing to poll (an empty ZeroMQ poll returns at once); the thread must wait for a
+    command, not spin (it used to burn a core and slow /health 8x)."""
+    from conftest import wait_until
+
+    svc = IndexerService(ServiceConfig(port=0, block_size=BS))
+    svc.start()
+    try:
+        tid = svc.ingest.thread.native_id
+
+        def cpu() -> float:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                return int(f.read().split()[0]) / 1e9
+        c0, t0 = cpu(), time.monotonic()
+        wait_until(lambda: time.monotonic() - t0 >= 1.0, timeout=5)
+        assert cpu() - c0 < 0.1
+        # ... and still subscribes at once when a worker registers.
+        svc.register(RegisterWorker(worker_id="w0", endpoint="tcp://127.0.0.1:20999", block_size=BS))
+        wait_until(lambda: svc.ingest._sub is not None and svc.ingest._sub.workers() == ["w0"], timeout=2)
+    finally:
         svc.stop(final_snapshot=False)
