@@ -224,7 +224,8 @@ class KVIndex:
 
     def worker_stats(self, model: str) -> dict[tuple[str, int], dict[str, int]]:
         m = self._model(model)
-        return {k: dict(zip(TIER_NAMES, m.tier_counts(w))) for k, w in m.by_id.items()}
+        count = m.tier_counts if self._accel is None else (lambda w: self._accel.tier_counts(m, w))
+        return {k: dict(zip(TIER_NAMES, count(w))) for k, w in m.by_id.items()}
 
     # --- scoring ----------------------------------------------------------------------------
     def score(

@@ -74,3 +74,24 @@ def test_apply_run_equals_batch_by_batch(seed: int, n: int, odd: float, rate: fl
             i += 1
     assert state(run) == state(one)
     assert summed(got) == summed(ref)
+    m = run._models["m"]
+    for w in m.by_id.values():  # worker_stats' C count against the pure core's
+        assert run._accel.tier_counts(m, w) == m.tier_counts(w)
+
+
+def test_tier_counts_count_a_block_named_by_two_engine_hashes_once() -> None:
+    from producer.page_hash import page_ids
+    from schemas.codec import encode_batch
+    from schemas.events import BlockStored, KVEventBatch
+
+    idx = fresh()
+    toks = list(range(1, 1 + 3 * BS))
+    ids = page_ids(toks, BS)
+    other = [i + 1 for i in ids]  # another engine's hashes for the same blocks
+    for hs, medium in ((ids, "GPU"), (other, "GPU"), (other, "DISK")):
+        idx.apply_payload("m", "w", 0, encode_batch(KVEventBatch(1.0, [BlockStored(hs, None, toks, BS, None, medium)])))
+    m = idx._models["m"]
+    w = m.by_id[("w", 0)]
+    assert len(w.ext) == 6
+    assert idx._accel.tier_counts(m, w) == m.tier_counts(w) == [3, 0, 3, 0]
+    assert idx.worker_stats("m")[("w", 0)] == {"gpu": 3, "host": 0, "disk": 3, "shared": 0}

@@ -987,6 +987,63 @@ static int node_nibble(U64Map *m, uint64_t key, int shift, int *any) {
     return word < m->width ? (int)((v[word] >> (shift & 63)) & 0xF) : 0;
 }
 
+/* tier_counts(ext, nodes, shift) -> (gpu, host, disk, shared) | None
+ * Twin of ModelState.tier_counts: over the distinct content keys one worker maps (ext's values),
+ * how many hold each of the 4 tier bits at `shift` in nodes. None when the maps hold what only the
+ * Python core reads (multi-word ext values, a non-int value, content key 0 in nodes' side dict).
+ * Why: /workers, /stats and /metrics count every worker's blocks under the index lock — ~100 ms
+ * for 180k blocks in Python, a stall of ingestion and /score (docs/service.md). */
+static PyObject *py_tier_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyObject_TypeCheck(args[0], &U64MapType) || !PyObject_TypeCheck(args[1], &U64MapType)) {
+        PyErr_SetString(PyExc_TypeError, "tier_counts(ext: U64Map, nodes: U64Map, shift: int)");
+        return NULL;
+    }
+    U64Map *ext = (U64Map *)args[0], *nodes = (U64Map *)args[1];
+    long shift = PyLong_AsLong(args[2]);
+    if (shift == -1 && PyErr_Occurred()) return NULL;
+    if (shift < 0 || shift % 4 || ext->width != 1 || PyDict_GET_SIZE(nodes->other)) Py_RETURN_NONE;
+    Py_ssize_t n = ext->used + PyDict_GET_SIZE(ext->other), k = 0;
+    uint64_t *keys = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    if (!keys) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < ext->cap; i++)
+        if (KEY(ext, i)) keys[k++] = VALS(ext, i)[0];
+    Py_ssize_t pos = 0;
+    PyObject *dk, *dv;
+    while (PyDict_Next(ext->other, &pos, &dk, &dv)) {
+        uint64_t v;
+        int r = int_u64(dv, &v);
+        if (r < 0) { PyMem_Free(keys); return NULL; }
+        if (!r || k >= n) { PyMem_Free(keys); Py_RETURN_NONE; } /* 0 or not a u64: the Python core counts it */
+        keys[k++] = v;
+    }
+    /* distinct keys (two engine hashes may name one block): a set at load <= 1/2, then compacted */
+    size_t scap = 16;
+    while (scap < 2 * (size_t)k) scap <<= 1;
+    uint64_t *seen = PyMem_Calloc(scap, sizeof(uint64_t));
+    if (!seen) { PyMem_Free(keys); return PyErr_NoMemory(); }
+    Py_ssize_t u = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        uint64_t key = keys[j];
+        if (!key) continue; /* content key 0 would live in nodes' side dict, which is empty here */
+        size_t s = (size_t)((key * P_MUL) >> 32) & (scap - 1);
+        while (seen[s] && seen[s] != key) s = (s + 1) & (scap - 1);
+        if (!seen[s]) { seen[s] = key; keys[u++] = key; }
+    }
+    PyMem_Free(seen);
+    Py_ssize_t counts[4] = {0, 0, 0, 0};
+    int word = (int)(shift >> 6), bit = (int)(shift & 63);
+    for (Py_ssize_t j = 0; j < u && word < nodes->width; j++) {
+        if (j + 8 < u) pf_slot(nodes, keys[j + 8]); /* random probes: overlap their misses */
+        int f;
+        Py_ssize_t i = find(nodes, keys[j], &f);
+        if (!f) continue;
+        uint64_t nib = (VALS(nodes, i)[word] >> bit) & 0xF;
+        for (int t = 0; t < 4; t++) counts[t] += (nib >> t) & 1;
+    }
+    PyMem_Free(keys);
+    return Py_BuildValue("(nnnn)", counts[0], counts[1], counts[2], counts[3]);
+}
+
 static int node_drop(U64Map *m, uint64_t key) {
     if (key == 0) {
         PyObject *ko = PyLong_FromUnsignedLongLong(0);
@@ -2460,6 +2517,8 @@ static PyTypeObject U64MapType = {
 static PyMethodDef module_methods[] = {
     {"apply_msgpack", (PyCFunction)(void (*)(void))py_apply_msgpack, METH_VARARGS | METH_KEYWORDS,
      "apply the common case of one worker's raw batch to its maps"},
+    {"tier_counts", (PyCFunction)(void (*)(void))py_tier_counts, METH_FASTCALL,
+     "blocks per tier one worker holds (ModelState.tier_counts)"},
     {"apply_msgpack_run", (PyCFunction)(void (*)(void))py_apply_msgpack_run, METH_FASTCALL,
      "apply a run of one worker's raw batches, stopping before the first the common case does not cover"},
     {"score_rows", (PyCFunction)(void (*)(void))py_score_rows, METH_VARARGS | METH_KEYWORDS,

@@ -112,6 +112,11 @@ class Accelerator:
             self._apply_rest(m, w, payloads[k], stop, grace, extra)
         return k, ApplyStats(counts, drops, dp_rank=rank, ts=ts, n_events=n_events), extra
 
+    def tier_counts(self, m: ModelState, w: WorkerState) -> list[int]:
+        """`ModelState.tier_counts` in one C pass (the pure core when the maps hold odd values)."""
+        res = self.mod.tier_counts(w.ext, m.nodes, w.shift)
+        return list(res) if res is not None else m.tier_counts(w)
+
     @staticmethod
     def narrow(m: ModelState) -> None:
         """Give back the residency words no slot uses any more (after `ModelState` compacted them)."""
