@@ -35,9 +35,8 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 class MemoryTrimmer:
     """Trims only after `min_batches` applied since the last trim, and at most once per
     `min_interval_s` unless `burst_batches` were applied since (a trim costs ~1 ms per 100 MB of
-    heap; one per 5,000 batches, ~25 ms of apply, is ~1-2% of it at this service's heap sizes — what a
-    burst leaves behind is bounded by 5,000 batches' garbage, not 20,000: bench_service.py's RSS per
-    block at visibility 85-116 B before, 74 after)."""
+    heap; one per 5,000 batches, ~25 ms of apply, is ~1-2% of it at this service's heap sizes, and
+    bounds what a burst leaves behind to 5,000 batches' garbage)."""
 
     __slots__ = ("_trim", "min_batches", "min_interval_s", "burst_batches", "_since", "_last", "trims")
 
