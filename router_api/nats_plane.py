@@ -81,7 +81,7 @@ class NatsPlane:
 
             js = JetStreamSubscriber(self.nats, stream=self.settings, shared=self.shared, max_per_poll=1024)
             self.js = js
-            return RoutedSubscriber(Subscriber(replay_timeout=replay_timeout_s, max_per_poll=1024), js)
+            return RoutedSubscriber(Subscriber(replay_timeout=replay_timeout_s, max_per_poll=1024, runs=True), js)
 
         return make
 
