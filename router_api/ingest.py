@@ -14,8 +14,8 @@ bytes and applies them; odd payloads (array-form events, bad bytes) take the ind
 which read the head in Python or use the full decoder (and give the exact error label).
 
 Runs: the subscriber hands in-order live batches received together over as one `Run`; they are
-applied by `Index.apply_run` in one C call under one hold of the lock (bounded by the subscriber's
-per-socket chunk, 1024 batches) and reported to the policy by `reconcile.on_run`. A batch the run
+applied by `Index.apply_run` in one C call under one hold of the lock (at most `RUN_HOLD` = 64
+batches a hold, ~0.3 ms) and reported to the policy by `reconcile.on_run`. A batch the run
 does not cover (a heartbeat, another rank, an orphan, odd bytes) goes the one-by-one way above,
 and the run resumes after it; the outcome is the same as applying every batch alone
 (tests/test_ingest_runs.py).
@@ -43,6 +43,9 @@ log = logging.getLogger("kvatlas.ingest")
 
 # How many of each kind of bad input are logged in full before we only count them.
 _LOG_FIRST = 20
+
+# The most batches of a run applied under one hold of the lock (~0.3 ms): /score waits at most that.
+RUN_HOLD = 64
 
 
 class ApplyAdapter:
@@ -379,8 +382,8 @@ class IngestLoop:
                     return
                 rank = self._rank.get(wid, state.reg.dp_rank)
                 try:
-                    k, stats, extra = self.index.apply_run(state.reg.model, wid, rank, state.reg.dp_rank,
-                                                           payloads if i == 0 else payloads[i:])
+                    chunk = payloads if i == 0 and n <= RUN_HOLD else payloads[i:i + RUN_HOLD]
+                    k, stats, extra = self.index.apply_run(state.reg.model, wid, rank, state.reg.dp_rank, chunk)
                 except Exception as exc:  # the index promises not to raise; the batch goes one by one
                     self._count_bad("apply_error", f"worker={wid} seq={d.first_seq + i}: {exc!r}")
                     k, extra = 0, None
