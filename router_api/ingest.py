@@ -374,6 +374,7 @@ class IngestLoop:
         while i < n:
             k = 0
             extra = None
+            whole = False  # the index took the whole chunk: nothing to apply one by one yet
             now = self._clock()
             with self.lock:  # one stretch per hold: /score waits for at most one run
                 state = self.registry.get(wid)
@@ -384,6 +385,7 @@ class IngestLoop:
                 try:
                     chunk = payloads if i == 0 and n <= RUN_HOLD else payloads[i:i + RUN_HOLD]
                     k, stats, extra = self.index.apply_run(state.reg.model, wid, rank, state.reg.dp_rank, chunk)
+                    whole = k == len(chunk) and extra is None
                 except Exception as exc:  # the index promises not to raise; the batch goes one by one
                     self._count_bad("apply_error", f"worker={wid} seq={d.first_seq + i}: {exc!r}")
                     k, extra = 0, None
@@ -400,7 +402,7 @@ class IngestLoop:
                 key = (wid, "live")
                 tally.batches[key] = tally.batches.get(key, 0) + k
                 i += k
-            if i < n:  # the batch the run stopped before (or partly applied: `extra`)
+            if i < n and not whole:  # the batch the run stopped before (or partly applied: `extra`)
                 self._on_batch(wid, d.first_seq + i, payloads[i], False, extra)
                 i += 1
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from indexer.subscriber import Batch, Run
 from producer.page_hash import page_ids
+from router_api import ingest as ingest_mod
 from router_api.service import IndexerService, ServiceConfig
 from schemas.api import RegisterWorker
 from schemas.codec import encode_batch
@@ -125,10 +126,20 @@ def outcome(svc: IndexerService) -> dict[str, Any]:
 
 
 @settings(max_examples=60, deadline=None)
-@example(seed=1, n=60, odd=0.0, cuts=[12])  # long runs, always (the coverage check below counts on them)
-@example(seed=2, n=60, odd=0.02, cuts=[5, 12])
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 60), odd=st.sampled_from([0.0, 0.02, 0.1, 0.3, 1.0]), cuts=st.lists(st.integers(1, 12), min_size=1, max_size=20))
-def test_runs_equal_one_by_one(seed: int, n: int, odd: float, cuts: list[int]) -> None:
+@example(seed=1, n=60, odd=0.0, cuts=[12], hold=64)  # long runs, always (the coverage check below counts on them)
+@example(seed=2, n=60, odd=0.02, cuts=[5, 12], hold=3)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 60), odd=st.sampled_from([0.0, 0.02, 0.1, 0.3, 1.0]),
+       cuts=st.lists(st.integers(1, 12), min_size=1, max_size=20), hold=st.sampled_from([1, 3, 64]))
+def test_runs_equal_one_by_one(seed: int, n: int, odd: float, cuts: list[int], hold: int) -> None:
+    old_hold = ingest_mod.RUN_HOLD
+    ingest_mod.RUN_HOLD = hold  # runs longer than a lock hold are applied in chunks
+    try:
+        check_runs_equal_one_by_one(seed, n, odd, cuts)
+    finally:
+        ingest_mod.RUN_HOLD = old_hold
+
+
+def check_runs_equal_one_by_one(seed: int, n: int, odd: float, cuts: list[int]) -> None:
     streams = {wid: make_payloads(seed + k, n, odd) for k, wid in enumerate(WORKERS)}
     one, runs = service(), service()
     counting = runs.ingest.index = CountingIndex(runs.ingest.index)
