@@ -456,10 +456,7 @@ class Subscriber:
         if tracker.take_next(seq):
             payload = f2.bytes
             tracker.remember(seq, payload)
-            if self._runs:
-                out.append(Run(wid, seq, [payload], time.time()))
-            else:
-                out.append(Batch(wid, seq, payload, time.time(), False))
+            self._deliver_run(src, seq, [payload], out)
             return 1
         return 2 if self._on_live(src, seq, f2.bytes, out) else 1
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import zmq
 
-log = logging.getLogger(__name__)
+from indexer.core.native import ENV_PURE  # the one switch to the pure-Python paths
 
-ENV_PURE = "KVATLAS_PURE_PYTHON"
+log = logging.getLogger(__name__)
 
 
 def loaded_libzmq() -> str | None:

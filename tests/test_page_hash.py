@@ -25,13 +25,14 @@ native = ph._native  # None when not built; every comparison below then says so
 class BytesSink(_PayloadSink):
     """The payloads a publisher would send, with a fixed timestamp so two runs compare bytewise."""
 
-    __slots__ = ("payloads",)
+    __slots__ = ("payloads", "ts")
 
-    def __init__(self) -> None:
+    def __init__(self, ts: float = 0.0) -> None:
         self.payloads: list[bytes] = []
+        self.ts = ts
 
     def batch_ts(self) -> float:
-        return 0.0
+        return self.ts
 
     def send_payload(self, payload: bytes) -> None:
         self.payloads.append(payload)

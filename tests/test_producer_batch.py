@@ -17,6 +17,7 @@ from producer.driver import StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.sinks import _PayloadSink
 from schemas.codec import encode_batch
+from test_page_hash import BytesSink
 from schemas.events import BlockStored, KVEventBatch
 from schemas.media import Medium
 
@@ -29,22 +30,7 @@ def _mod():
     return native
 
 
-class BytesSink(_PayloadSink):
-    """Keeps every payload; a fixed timestamp so two recorders compare bytewise."""
-
-    __slots__ = ("payloads",)
-
-    def __init__(self) -> None:
-        self.payloads: list[bytes] = []
-
-    def batch_ts(self) -> float:
-        return 12.5
-
-    def send_payload(self, payload: bytes) -> None:
-        self.payloads.append(payload)
-
-    def close(self) -> None:
-        pass
+TS = 12.5  # the batches' fixed timestamp (BytesSink is test_page_hash's)
 
 
 # Ints across msgpack's width classes (and u32's edge), for ids and token ids.
@@ -106,7 +92,7 @@ def operations(draw: st.DrawFn) -> list[tuple]:
 
 
 def _play(ops: list[tuple], nat: bool) -> list[bytes]:
-    sink = BytesSink()
+    sink = BytesSink(TS)
     rec = EventRecorder(sink, heartbeat_interval_s=3600.0, native=nat)
     assert (rec.batch is not None) == nat
     for op in ops:
@@ -293,7 +279,7 @@ def test_cache_streams_native_batch_equal_pure(page_hash: str, vocab: int) -> No
         encodes_events = False
 
     out = []
-    for nat, sink in ((True, BytesSink()), (False, BytesSink()), (True, ObjectSink())):
+    for nat, sink in ((True, BytesSink(TS)), (False, BytesSink(TS)), (True, ObjectSink(TS))):
         rec = EventRecorder(sink, heartbeat_interval_s=3600.0, native=nat)
         cache = build_cache(page_size=16, device_pages=40, recorder=rec, page_shape=(1,), page_hash=page_hash)
         cache.tree.chain_blob = ph.page_hash_chain_blob(page_hash, native=nat)

@@ -44,6 +44,14 @@
 
 static inline uint64_t col_const(uint64_t i) { return (((i + 1) * K3) ^ (i * P_MUL)) | 1ULL; }
 
+/* The block's column constants, one per token position (PyMem; NULL with MemoryError set). */
+static uint64_t *col_table(Py_ssize_t bs) {
+    uint64_t *cols = PyMem_Malloc((size_t)(bs > 0 ? bs : 1) * sizeof(uint64_t));
+    if (!cols) { PyErr_NoMemory(); return NULL; }
+    for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
+    return cols;
+}
+
 static inline uint64_t block_digest(const uint64_t *t, Py_ssize_t bs, uint64_t extra, const uint64_t *cols) {
     uint64_t acc = 0;
     for (Py_ssize_t i = 0; i < bs; i++) {
@@ -1304,9 +1312,8 @@ static int u32_keys(PyObject *toks, uint64_t seed, Py_ssize_t bs, uint64_t **kou
     }
     Py_ssize_t nk = view.len / 4 / bs;
     uint64_t *k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
-    uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
+    uint64_t *cols = col_table(bs);
     if (!k || !cols) { PyMem_Free(k); PyMem_Free(cols); PyBuffer_Release(&view); PyErr_NoMemory(); return -1; }
-    for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
 #ifdef HAVE_AVX2_DIGESTS
     if (bs >= 4 && __builtin_cpu_supports("avx2")) digests_u32_avx2(view.buf, nk, bs, cols, k);
     else digests_u32(view.buf, nk, bs, cols, k);
@@ -1376,9 +1383,8 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
             if (n < 0) Py_RETURN_NONE;
             nk = n / bs;
             k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
-            uint64_t *cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
+            uint64_t *cols = col_table(bs);
             if (!k || !cols) { PyMem_Free(t); PyMem_Free(cols); PyErr_NoMemory(); goto done; }
-            for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
             for (Py_ssize_t j = 0; j < nk; j++) { seed = seed * P_MUL + block_digest(t + j * bs, bs, 0, cols); k[j] = seed; zero |= !seed; }
             PyMem_Free(t);
             PyMem_Free(cols);
@@ -2319,9 +2325,7 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
     if (ranked && hd.rank_kind == 3) { out = Py_None; Py_INCREF(out); goto done; } /* Python keeps big ints exact */
     long long rank = hd.rank_kind == 1 ? (long long)hd.rank : (long long)defrank;
     if (ranked && (rank != want || b.nev == 0)) goto result; /* nothing to apply to these maps */
-    cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
-    if (!cols) { PyErr_NoMemory(); goto done; }
-    for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
+    if (!(cols = col_table(bs))) goto done;
     c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
     if (walk_events(&c, &b, &stop) < 0 || tally_dicts(&c, counts, drops) < 0) goto done;
 result:
@@ -2381,9 +2385,7 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
     /* a slot position outside [0, MAX_SLOT) would shift past any word, or widen a map without bound */
     if (bs <= 0 || shiftl < 0 || shiftl % 4 || shiftl / 4 >= MAX_SLOT || (int)shiftl != shiftl) n = 0;
     if (n) {
-        cols = PyMem_Malloc((size_t)bs * sizeof(uint64_t));
-        if (!cols) { PyErr_NoMemory(); goto done; }
-        for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
+        if (!(cols = col_table(bs))) goto done;
     }
     for (; k < n; k++) {
         PyObject *p = PyList_GET_ITEM(payloads, k);

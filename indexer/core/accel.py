@@ -130,20 +130,26 @@ class Accelerator:
             apply_events(m, w, batch.events, grace, stats, start)
 
     # --- score ------------------------------------------------------------------------------
+    @staticmethod
+    def _selection(m: ModelState, workers: list[tuple[str, int]] | None) -> tuple[list[int], list[str], list[int]]:
+        """Slots, worker ids and ranks of the workers a score covers (all, in the core's order, or
+        the named ones that exist, sorted)."""
+        if workers is None:
+            _, slots, wids, ranks = m.ranked()
+            return slots, wids, ranks
+        ws = sorted(
+            (w for w in (m.by_id.get((wid, int(r))) for wid, r in workers) if w is not None),
+            key=lambda w: (w.worker_id, w.dp_rank),
+        )
+        return [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
+
     def score(
         self, m: ModelState, keys: list[int] | None, tokens: object, seed: int, weights: TierWeights,
         workers: list[tuple[str, int]] | None,
     ) -> ScoreResult | None:
         """The whole score (keys hashed from `tokens` when `keys` is None), or None when the C call
         cannot judge the input (the pure core does)."""
-        if workers is None:
-            _, slots, wids, ranks = m.ranked()
-        else:
-            ws = sorted(
-                (w for w in (m.by_id.get((wid, int(r))) for wid, r in workers) if w is not None),
-                key=lambda w: (w.worker_id, w.dp_rank),
-            )
-            slots, wids, ranks = [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
+        slots, wids, ranks = self._selection(m, workers)
         # positional, like apply_msgpack: keyword parsing is a large share of a short query's cost
         res = self.mod.score_rows(
             m.nodes, keys, tokens, seed, m.block_size, slots, wids, ranks, weights.as_tuple(), WorkerScore, TIER_NAMES,
@@ -157,14 +163,7 @@ class Accelerator:
     ) -> ScoreTable | None:
         """`score` without a row object: the ranked rows packed for `write_answer` (the service writes
         the answer bytes from them in C), or None when the C call cannot judge the input."""
-        if workers is None:
-            _, slots, wids, ranks = m.ranked()
-        else:
-            ws = sorted(
-                (w for w in (m.by_id.get((wid, int(r))) for wid, r in workers) if w is not None),
-                key=lambda w: (w.worker_id, w.dp_rank),
-            )
-            slots, wids, ranks = [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
+        slots, wids, ranks = self._selection(m, workers)
         res = self.mod.score_rows(
             m.nodes, None, tokens, seed, m.block_size, slots, wids, ranks, weights.as_tuple(), None, TIER_NAMES,
         )

@@ -710,22 +710,28 @@ fail:
 
 static compress_fn best_compress = compress_portable;
 
+/* The (tokens, page_size, prior=None) arguments of the chain entry points: the pages, and the prior
+ * digest's buffer. Returns whether there is a prior (1: release *pv), or -1 with an exception set
+ * (nothing to release). On success the caller releases *pg. */
+static int chain_args(PyObject *args, PyObject *kwargs, Py_ssize_t *page_size, Pages *pg, Py_buffer *pv) {
+    static char *kwlist[] = {"tokens", "page_size", "prior", NULL};
+    PyObject *tokens, *prior = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|O", kwlist, &tokens, page_size, &prior)) return -1;
+    if (pages_from(tokens, *page_size, pg) < 0) return -1;
+    int has_prior = prior_from(prior, pv);
+    if (has_prior < 0) pages_release(pg);
+    return has_prior;
+}
+
 /* Pages at or above this count are hashed with the GIL released (another thread can run). */
 #define NOGIL_PAGES 128
 
 static PyObject *sha256_chain_impl(PyObject *args, PyObject *kwargs, compress_fn compress, int blob) {
-    static char *kwlist[] = {"tokens", "page_size", "prior", NULL};
-    PyObject *tokens, *prior = Py_None;
     Py_ssize_t page_size;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|O", kwlist, &tokens, &page_size, &prior)) return NULL;
     Pages pg;
-    if (pages_from(tokens, page_size, &pg) < 0) return NULL;
     Py_buffer pv;
-    int has_prior = prior_from(prior, &pv);
-    if (has_prior < 0) {
-        pages_release(&pg);
-        return NULL;
-    }
+    int has_prior = chain_args(args, kwargs, &page_size, &pg, &pv);
+    if (has_prior < 0) return NULL;
     Py_ssize_t n = pg.npages, plen = has_prior ? pv.len : 0, len = 4 * page_size;
     size_t scratch_len = (size_t)(plen > 32 ? plen : 32) + (size_t)len + 72;
     uint8_t *out = PyMem_Malloc(n > 0 ? (size_t)n * 32 : 1);
@@ -776,18 +782,11 @@ static PyObject *py_xxh3_128(PyObject *self, PyObject *arg) {
 
 /* xxh3_blob(tokens, page_size, prior=None) -> bytes: the xxh3 chain's digests (16 a page). */
 static PyObject *py_xxh3_blob(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"tokens", "page_size", "prior", NULL};
-    PyObject *tokens, *prior = Py_None;
     Py_ssize_t page_size;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|O", kwlist, &tokens, &page_size, &prior)) return NULL;
     Pages pg;
-    if (pages_from(tokens, page_size, &pg) < 0) return NULL;
     Py_buffer pv;
-    int has_prior = prior_from(prior, &pv);
-    if (has_prior < 0) {
-        pages_release(&pg);
-        return NULL;
-    }
+    int has_prior = chain_args(args, kwargs, &page_size, &pg, &pv);
+    if (has_prior < 0) return NULL;
     Py_ssize_t n = pg.npages, plen = has_prior ? pv.len : 0, len = 4 * page_size;
     PyObject *res = PyBytes_FromStringAndSize(NULL, n * 16);
     uint8_t *scratch = PyMem_Malloc((size_t)(plen > 16 ? plen : 16) + (size_t)len);
