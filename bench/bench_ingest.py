@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_service import BS, RawPublisher, Stream  # noqa: E402
+from bench_service import BS, RawPublisher, Stream, send_interleaved  # noqa: E402
+from zmtp_pub import encode  # noqa: E402
 from router_api.service import IndexerService, ServiceConfig  # noqa: E402
 from schemas.api import RegisterWorker  # noqa: E402
 
@@ -49,18 +50,13 @@ def run_once(stream: Stream, ctx: zmq.Context) -> dict[str, float]:
                 raise TimeoutError("subscriptions")
             for p in pubs:
                 if not p.sent:
-                    p.pub.send_multipart([b"", (0).to_bytes(8, "big"), stream.payloads[0][0]])
+                    p.pub.send(encode(b"", 0, stream.payloads[0][0]))
             next_tick = loop.step(sub, 10, next_tick)
         for p in pubs:
             p.sent.append(b"")  # seq 0 was the probe
         base = loop.applied_batches
-        msgs = [p.frames(pl) for p, pl in zip(pubs, stream.payloads)]
-        total = sum(len(m) for m in msgs)
-        longest = max(len(m) for m in msgs)
-        for k in range(longest):
-            for p, m in zip(pubs, msgs):
-                if k < len(m):
-                    p.send(m[k])
+        total = sum(map(len, stream.payloads))
+        send_interleaved(pubs, stream.payloads)
         time.sleep(1.5)  # let ZeroMQ's I/O thread queue everything (a bench, not a synchronisation)
         gc.collect()
         t0 = time.perf_counter()

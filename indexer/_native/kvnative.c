@@ -521,14 +521,16 @@ typedef struct {
 
 static PyTypeObject U64MapType;
 #define MIN_CAP 8
-/* Max load LOAD_NUM/LOAD_DEN (linear probing stays short), growth 1 + 1/GROW_DIV: multiply-high slots
- * allow any capacity, and a small growth step keeps the average load (bytes per entry) high. */
+/* Max load LOAD_NUM/LOAD_DEN (linear probing stays short), growth 1 + 1/GROW_DIV = 1.5x: multiply-high
+ * slots allow any capacity, so the step is a trade — each entry is moved ~1/(g-1) times over a table's
+ * life (rehash was 36% of the apply at 1.33x), while the load right after a step is max/g (bytes per
+ * entry, a target too; 2x measured ~40% faster and up to 1.6x the table bytes: docs/service.md). */
 #ifndef LOAD_NUM
 #define LOAD_NUM 17
 #define LOAD_DEN 20
 #endif
 #ifndef GROW_DIV
-#define GROW_DIV 3
+#define GROW_DIV 2
 #endif
 
 /* Home slot: multiply-high maps the mixed key onto [0, cap) for any cap, so the table can grow by
@@ -599,11 +601,17 @@ static int rehash(U64Map *m, Py_ssize_t ncap, int width) {
     /* keys are distinct: each goes to the first empty slot from its home, no comparisons; the new
      * table is zeroed, so only the words both widths have are copied */
     int cw = ow < width ? ow : width;
+    /* Homes come in (almost) ascending order (multiply-high is monotonic in the mixed key and the old
+     * table is read in slot order), so a key whose home lies in [home, j] of the previous placement
+     * starts probing at j + 1: every slot in between is taken (linear probing's invariant). */
+    Py_ssize_t ph = ncap, pj = -1;
     for (Py_ssize_t i = 0; i < ocap; i++) {
         const uint64_t *e = ot + (size_t)i * (1 + ow);
         if (!e[0]) continue;
-        Py_ssize_t j = slot_of(m, e[0]);
+        Py_ssize_t h = slot_of(m, e[0]), j = h >= ph && h <= pj ? pj + 1 : h;
+        if (j == ncap) j = 0;
         while (KEY(m, j)) if (++j == ncap) j = 0;
+        if (j >= h) { ph = h; pj = j; } else ph = ncap; /* wrapped: no run to reuse */
         KEY(m, j) = e[0];
         uint64_t *v = VALS(m, j);
         if (cw == 1) v[0] = e[1]; /* the common widths, without a loop */
@@ -615,17 +623,23 @@ static int rehash(U64Map *m, Py_ssize_t ncap, int width) {
     return 0;
 }
 
-/* Slot for k, inserting it (value zero) when absent. -1 on memory error. */
-static Py_ssize_t find_or_insert(U64Map *m, uint64_t k, int *found) {
-    Py_ssize_t i = find(m, k, found);
-    if (*found) return i;
+/* Insert absent key k whose empty slot `find` gave as i (value zero); the slot it ends at (the table
+ * may grow first). -1 on memory error. Lets a caller probe once for "get, else compute and insert". */
+static Py_ssize_t insert_at(U64Map *m, Py_ssize_t i, uint64_t k) {
     if ((m->used + 1) * LOAD_DEN > m->cap * LOAD_NUM) {
+        int f;
         if (rehash(m, m->cap + m->cap / GROW_DIV, m->width) < 0) return -1;
-        i = find(m, k, found);
+        i = find(m, k, &f);
     }
     place_at(m, i, k);
     m->used++;
     return i;
+}
+
+/* Slot for k, inserting it (value zero) when absent. -1 on memory error. */
+static Py_ssize_t find_or_insert(U64Map *m, uint64_t k, int *found) {
+    Py_ssize_t i = find(m, k, found);
+    return *found ? i : insert_at(m, i, k);
 }
 
 /* Backward-shift delete (linear probing without tombstones). */
@@ -2102,8 +2116,12 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
     for (Py_ssize_t j = 0; j < n; j++) {
         const HRef *h = hs + j;
         uint64_t key;
-        int r = href_get(c->ext, h, &key);
-        if (r < 0) goto out;
+        int r;
+        Py_ssize_t ei = -1; /* an int hash's empty ext slot (one probe for get-else-insert) */
+        if (!h->b && h->k) {
+            ei = find(c->ext, h->k, &r);
+            if (r) key = VALS(c->ext, ei)[0];
+        } else if ((r = href_get(c->ext, h, &key)) < 0) goto out;
         int is_new = !r;
         if (is_new) {
             r = c->known ? href_get(c->known, h, &key) : 0;
@@ -2122,7 +2140,12 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
             }
         }
         state = key;
-        if (is_new && href_set(c->ext, h, key) < 0) goto out;
+        if (is_new) {
+            if (ei >= 0) { /* nothing touched ext since its probe: its empty slot is still the one */
+                if ((ei = insert_at(c->ext, ei, h->k)) < 0) goto out;
+                VALS(c->ext, ei)[0] = key;
+            } else if (href_set(c->ext, h, key) < 0) goto out;
+        }
         int was = node_bit(c->nodes, key, pos, 1);
         if (was < 0) goto out;
         c->stored[tier][was ? 1 : is_new ? 0 : 2]++;

@@ -71,8 +71,15 @@ static int recv_frame(void *sock, zmsg *m) {
  * indexer.sequencing.fingerprint (tests/test_zmqfast.py holds the two equal). */
 static int fingerprint(const char *p, Py_ssize_t n, int64_t *out) {
     Py_ssize_t hn = n < FP_HEAD ? n : FP_HEAD, tn = n < FP_TAIL ? n : FP_TAIL;
-    PyObject *t = Py_BuildValue("(ny#y#)", n, p, hn, p + n - tn, tn);
+    /* built by hand: Py_BuildValue's format parsing was most of this per-message cost */
+    PyObject *t = PyTuple_New(3);
     if (!t) return -1;
+    PyObject *a = PyLong_FromSsize_t(n), *b = PyBytes_FromStringAndSize(p, hn),
+             *c = PyBytes_FromStringAndSize(p + n - tn, tn);
+    if (a) PyTuple_SET_ITEM(t, 0, a);
+    if (b) PyTuple_SET_ITEM(t, 1, b);
+    if (c) PyTuple_SET_ITEM(t, 2, c);
+    if (!a || !b || !c) { Py_DECREF(t); return -1; } /* the tuple owns what was set (NULL slots skipped) */
     Py_hash_t h = PyObject_Hash(t);
     Py_DECREF(t);
     if (h == -1 && PyErr_Occurred()) return -1;
