@@ -1,0 +1,74 @@
+"""The C apply alone, in process: the `bench_service.py` stream and its backlog applied through
+`KVIndex.apply_run` (runs of 16 batches, workers interleaved, as the ingest thread does) — no ZeroMQ,
+no threads. The tool to A/B a change to the index tables (docs/service.md, "Where the apply's time
+goes now"): build each variant of `indexer/_native/kvnative.c` to its own .so (e.g. with
+`-DGROW_DIV=1`) and point `KVATLAS_NATIVE_PATH` at it, alternating runs. Absolute figures only; the
+peer comparison for the index core is `bench_index.py` (Dynamo's RadixTree in the same run).
+
+  .venv/bin/python bench/bench_apply.py [--workers 32] [--batches 500] [--reps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_service import BS, Stream  # noqa: E402
+from indexer.index import KVIndex  # noqa: E402
+
+RUN = 16  # batches per apply_run call
+
+
+def apply_stream(idx: KVIndex, st: Stream) -> float:
+    """Seconds to apply `st`, RUN batches of a worker at a time, round the fleet."""
+    pos = [0] * len(st.payloads)
+    t0 = time.perf_counter()
+    left = True
+    while left:
+        left = False
+        for w, pl in enumerate(st.payloads):
+            if pos[w] < len(pl):
+                k, _, _ = idx.apply_run("m", f"w{w}", 0, 0, pl[pos[w]:pos[w] + RUN])
+                if k == 0:  # not the common case (or the worker's first batch): one by one
+                    idx.apply_payload("m", f"w{w}", 0, pl[pos[w]], rank_from_batch=True)
+                    k = 1
+                pos[w] += k
+                left = True
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=32)
+    ap.add_argument("--batches", type=int, default=500)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    streams = [Stream(args.workers, args.batches, seed=0), Stream(args.workers, args.batches, seed=2)]
+    rates: list[list[float]] = [[], []]
+    per_block = []
+    for _ in range(args.reps):
+        idx = KVIndex()
+        if not idx.native:
+            print("the C accelerator is not built: nothing to measure", file=sys.stderr)
+            return 1
+        idx.ensure_model("m", BS)
+        for i, st in enumerate(streams):
+            rates[i].append(st.blocks / apply_stream(idx, st))
+            if i == 0:
+                m = idx._models["m"]
+                per_block.append((m.nodes.nbytes + sum(w.ext.nbytes for w in m.by_id.values())) / st.blocks)
+    for i, name in enumerate(("stream (from empty)", "backlog (on top)")):
+        print(f"{name:>20}: {streams[i].blocks} blocks, median {statistics.median(rates[i]) / 1e6:.2f}M blocks/s"
+              f"   runs {', '.join(f'{r / 1e6:.2f}' for r in rates[i])}")
+    print(f"{'table bytes/block':>20}: {per_block[0]:.1f} after the stream")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
