@@ -15,7 +15,6 @@ after READY (its subscription) is not needed â€” a PUB may send every message â€
 from __future__ import annotations
 
 import socket
-import time
 
 GREETING = (b"\xff" + b"\x00" * 7 + b"\x01" + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00")
             + b"\x00" + b"\x00" * 31)
@@ -107,14 +106,6 @@ class ZmtpPub:
             except OSError:
                 c.close()
                 self.conns.remove(c)
-
-    def wait_subscribers(self, n: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.conns) < n:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.endpoint}: {len(self.conns)} of {n} subscribers")
-            self.accept()
-            time.sleep(0.001)
 
     def close(self) -> None:
         for c in self.conns:

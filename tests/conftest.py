@@ -11,6 +11,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,27 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0, interval: 
             raise AssertionError(f"condition not met within {timeout}s: {predicate!r}")
         # A short pause between probes of an external condition (a poll, not a synchronisation).
         time.sleep(interval)
+
+
+@contextmanager
+def service_with_publisher(block_size: int) -> Iterator[tuple[object, object]]:
+    """A started `IndexerService` (no HTTP) and a real ZmqEventPublisher registered to it as "w0",
+    once the subscription delivers; both closed afterwards. Yields (service, publisher)."""
+    from producer.publisher import ZmqEventPublisher
+    from router_api.service import IndexerService, ServiceConfig
+    from schemas.api import RegisterWorker
+
+    svc = IndexerService(ServiceConfig(port=0, block_size=block_size, stale_after_s=600, remove_after_s=3600))
+    svc.start()
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    try:
+        svc.register(RegisterWorker(worker_id="w0", endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                                    block_size=block_size))
+        wait_until(lambda: (pub.heartbeat(), svc.registry.get("w0").last_seq is not None)[1], timeout=10)
+        yield svc, pub
+    finally:
+        pub.close()
+        svc.stop(final_snapshot=False)
 
 
 @pytest.fixture(name="free_port")

@@ -187,16 +187,9 @@ def test_a_long_common_case_run_is_one_index_call() -> None:
 
 def test_a_burst_received_as_runs_is_trimmed_once_drained() -> None:
     """The memory trimmer counts batches, not deliveries: a burst of runs still returns its buffers."""
-    from conftest import wait_until
-    from producer.publisher import ZmqEventPublisher
+    from conftest import service_with_publisher, wait_until
 
-    svc = IndexerService(ServiceConfig(port=0, block_size=BS, stale_after_s=600, remove_after_s=3600))
-    svc.start()
-    pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
-    try:
-        svc.register(RegisterWorker(worker_id="w0", endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
-                                    block_size=BS))
-        wait_until(lambda: (pub.heartbeat(), svc.registry.get("w0").last_seq is not None)[1], timeout=10)
+    with service_with_publisher(BS) as (svc, pub):
         trims0 = svc.ingest.trimmer.trims
         n = svc.ingest.trimmer.min_batches + 500
         toks = [(7 * i) % 32000 + 1 for i in range(n * BS)]
@@ -208,9 +201,6 @@ def test_a_burst_received_as_runs_is_trimmed_once_drained() -> None:
         last = pub.next_seq - 1
         wait_until(lambda: svc.registry.get("w0").last_seq == last, timeout=30)
         wait_until(lambda: svc.ingest.trimmer.trims > trims0, timeout=10)
-    finally:
-        pub.close()
-        svc.stop(final_snapshot=False)
 
 
 def test_the_ingest_thread_idles_without_workers() -> None:

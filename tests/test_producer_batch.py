@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from producer import page_hash as ph
-from producer.driver import StreamSpec, build_cache, synthetic_stream
+from producer.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.sinks import _PayloadSink
 from schemas.codec import encode_batch
@@ -283,13 +283,7 @@ def test_cache_streams_native_batch_equal_pure(page_hash: str, vocab: int) -> No
         rec = EventRecorder(sink, heartbeat_interval_s=3600.0, native=nat)
         cache = build_cache(page_size=16, device_pages=40, recorder=rec, page_shape=(1,), page_hash=page_hash)
         cache.tree.chain_blob = ph.page_hash_chain_blob(page_hash, native=nat)
-        for tokens in synthetic_stream(spec):
-            m = cache.match_prefix(tokens)
-            cache.lock(m.device_node)
-            pages = cache.alloc_device(len(tokens) // 16 - len(m.device_pages))
-            cache.unlock(m.device_node)
-            cache.insert(tokens, m.device_pages + pages)
-            cache.step(0.0)
+        Driver(cache, fill=False, lookahead=0).run(synthetic_stream(spec))
         cache.emit_snapshot()
         cache.step(0.0)
         out.append(sink.payloads)

@@ -10,15 +10,12 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import wait_until
+from conftest import service_with_publisher, wait_until
 from indexer.sequencing import DeliverStep, SeqTracker, on_live
 from indexer.subscriber import Batch, Gap, Subscriber
 from producer.page_hash import page_ids
-from producer.publisher import ZmqEventPublisher
 from router_api.ingest import Tally, record_apply_stats
 from router_api.metrics import Counter, ServiceMetrics
-from router_api.service import IndexerService, ServiceConfig
-from schemas.api import RegisterWorker
 from schemas.events import BlockStored
 
 BS = 4
@@ -127,13 +124,7 @@ def test_tally_matches_record_apply_stats_and_spots_clears() -> None:
 
 
 def test_service_counts_every_batch_and_block_through_the_fast_path() -> None:
-    svc = IndexerService(ServiceConfig(port=0, block_size=BS, stale_after_s=600, remove_after_s=3600))
-    svc.start()
-    pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
-    try:
-        svc.register(RegisterWorker(worker_id="w0", endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
-                                    block_size=BS))
-        wait_until(lambda: (pub.heartbeat(), svc.registry.get("w0").last_seq is not None)[1], timeout=10)
+    with service_with_publisher(BS) as (svc, pub):
         base_live = svc.metrics.batches.get("w0", "live")
         base_gaps, base_drops = svc.metrics.gaps.total(), svc.metrics.drops.total()  # slow-joiner losses
         n, per = 300, 3
@@ -152,9 +143,6 @@ def test_service_counts_every_batch_and_block_through_the_fast_path() -> None:
         assert svc.score("default", toks).workers[0].device_blocks == n * per
         assert svc.registry.get("w0").batches >= n
         assert svc.metrics.worker_lag.get("w0") >= 0.0
-    finally:
-        pub.close()
-        svc.stop(final_snapshot=False)
 
 
 def test_a_stray_copy_is_not_a_restart_and_a_restart_still_is() -> None:

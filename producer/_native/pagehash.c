@@ -991,15 +991,28 @@ static int w_lit(Writer *w, const char *s) {
     return 0;
 }
 
-/* One exact int (msgspec's widths); reserve 9 bytes first. */
-static int w_int_unchecked(uint8_t **qp, PyObject *o) {
-    unsigned long v;
-    if (small_nonneg(o, &v)) {
-        *qp = mp_write_u64(*qp, v);
+/* A block id as msgpack sees it: hi 0 for 0 <= v < 2^64, hi -1 for negatives (v = the int64's
+ * bits). Two ids are equal iff both fields are. */
+typedef struct {
+    uint64_t v;
+    int hi;
+} BlockId;
+
+static uint8_t *id_write(uint8_t *q, BlockId id) {
+    return id.hi ? mp_write_i64(q, (int64_t)id.v) : mp_write_u64(q, id.v);
+}
+
+/* An exact int within [-2^63, 2^64) as a BlockId (msgspec's range); TypeError / OverflowError naming
+ * `who`. */
+static int int_id(PyObject *o, BlockId *out, const char *who) {
+    unsigned long s;
+    if (small_nonneg(o, &s)) {
+        out->v = s;
+        out->hi = 0;
         return 0;
     }
     if (!PyLong_CheckExact(o)) {
-        PyErr_SetString(PyExc_TypeError, "encode_batch: expected an int");
+        PyErr_Format(PyExc_TypeError, "%s: expected an int", who);
         return -1;
     }
     int overflow = 0;
@@ -1008,13 +1021,23 @@ static int w_int_unchecked(uint8_t **qp, PyObject *o) {
     if (overflow > 0) {
         unsigned long long u = PyLong_AsUnsignedLongLong(o);
         if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-        *qp = mp_write_u64(*qp, u);
+        out->v = u;
+        out->hi = 0;
     } else if (overflow < 0) {
-        PyErr_SetString(PyExc_OverflowError, "encode_batch: int below -2^63");
+        PyErr_Format(PyExc_OverflowError, "%s: int below -2^63", who);
         return -1;
     } else {
-        *qp = mp_write_i64(*qp, x);
+        out->v = (uint64_t)x;
+        out->hi = x < 0 ? -1 : 0;
     }
+    return 0;
+}
+
+/* One exact int (msgspec's widths); reserve 9 bytes first. */
+static int w_int_unchecked(uint8_t **qp, PyObject *o) {
+    BlockId id;
+    if (int_id(o, &id, "encode_batch") < 0) return -1;
+    *qp = id_write(*qp, id);
     return 0;
 }
 
@@ -1230,12 +1253,6 @@ fail:
 
 enum { OPEN_NONE = 0, OPEN_STORE = 1, OPEN_REMOVED = 2 };
 
-/* A block id as msgpack sees it: hi 0 for 0 <= v < 2^64, hi -1 for negatives (v = the int64's
- * bits). Two ids are equal iff both fields are. */
-typedef struct {
-    uint64_t v;
-    int hi;
-} BlockId;
 
 typedef struct {
     PyObject_HEAD
@@ -1261,9 +1278,6 @@ typedef struct {
 #define BATCH_ENTER(b) do { if ((b)->busy) { \
         PyErr_SetString(PyExc_RuntimeError, "Batch used from two threads at once"); return NULL; } } while (0)
 
-static uint8_t *id_write(uint8_t *q, BlockId id) {
-    return id.hi ? mp_write_i64(q, (int64_t)id.v) : mp_write_u64(q, id.v);
-}
 
 static inline uint64_t load_be64(const uint8_t *d) {
 #if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
@@ -1284,34 +1298,7 @@ static BlockId id_of_digest(const uint8_t *d) {
 }
 
 /* An exact int within [-2^63, 2^64) as a BlockId (msgspec's range); TypeError / OverflowError. */
-static int id_of_obj(PyObject *o, BlockId *out) {
-    unsigned long s;
-    if (small_nonneg(o, &s)) {
-        out->v = s;
-        out->hi = 0;
-        return 0;
-    }
-    if (!PyLong_CheckExact(o)) {
-        PyErr_SetString(PyExc_TypeError, "Batch: expected an int");
-        return -1;
-    }
-    int overflow = 0;
-    long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (x == -1 && PyErr_Occurred()) return -1;
-    if (overflow > 0) {
-        unsigned long long u = PyLong_AsUnsignedLongLong(o);
-        if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-        out->v = u;
-        out->hi = 0;
-    } else if (overflow < 0) {
-        PyErr_SetString(PyExc_OverflowError, "Batch: int below -2^63");
-        return -1;
-    } else {
-        out->v = (uint64_t)x;
-        out->hi = x < 0 ? -1 : 0;
-    }
-    return 0;
-}
+static int id_of_obj(PyObject *o, BlockId *out) { return int_id(o, out, "Batch"); }
 
 /* Ids of `n` digests of `dlen` bytes into t_ids; *last is the last one's. */
 static int enc_blob_ids(BatchObject *b, const uint8_t *d, Py_ssize_t n, Py_ssize_t dlen, BlockId *last) {
