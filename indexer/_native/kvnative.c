@@ -542,18 +542,34 @@ static inline Py_ssize_t slot_of(const U64Map *m, uint64_t k) {
 #define KEY(m, i) ((m)->tab[(size_t)(i) * (1 + (m)->width)])
 #define VALS(m, i) ((m)->tab + (size_t)(i) * (1 + (m)->width) + 1)
 
-/* Big tables get their own mapping: zero pages come from the kernel (no memset), freed tables go back
- * to the OS at once (no heap fragments inflating RSS), and huge pages cut TLB misses on random probes. */
+/* Big tables get their own mapping: freed tables go back to the OS at once (no heap fragments
+ * inflating RSS), and huge pages cut TLB misses on random probes. */
 #define BIG_TABLE ((size_t)1 << 21)
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older kernels refuse it (EINVAL) and we touch pages */
+#endif
 
+/* Tables are written before first use. Fresh zeroed memory (calloc's new pages, a new mapping) is
+ * read first by the probes, which maps the shared zero page; the first store then takes a second,
+ * copy-on-write fault whose TLB flush interrupts every core running one of our threads (an IPI:
+ * 20-40% of the ingest thread's time in rehash under perf, docs/service.md). One write per page
+ * up front takes a single ordinary fault. */
 static uint64_t *tab_alloc(Py_ssize_t cap, int width) {
     size_t bytes = (size_t)cap * (1 + width) * sizeof(uint64_t);
-    if (bytes < BIG_TABLE) return PyMem_Calloc(bytes, 1);
+    if (bytes < BIG_TABLE) {
+        uint64_t *t = PyMem_Malloc(bytes);
+        if (t) memset(t, 0, bytes);
+        return t;
+    }
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
 #ifdef MADV_HUGEPAGE
     madvise(p, bytes, MADV_HUGEPAGE); /* advice only: fine if refused */
 #endif
+    if (madvise(p, bytes, MADV_POPULATE_WRITE) != 0) {
+        volatile char *c = p; /* zero already: a store of 0 per page only faults it in */
+        for (size_t o = 0; o < bytes; o += 4096) c[o] = 0;
+    }
     return p;
 }
 
