@@ -35,6 +35,23 @@
  * keys: generated from schemas/ and indexer/ (indexer/_native/wire.py), never written here. */
 #include "wire_tables.h"
 
+/* The run apply (`apply_msgpack_run`) walks payload bytes into the C tables without the GIL, so the
+ * service's receiving thread runs Python meanwhile (docs/service.md, "Ingest pipeline"). Callers
+ * serialise all access to an index's maps with their own lock (the service's index lock); the GIL
+ * only guards Python objects. NOGIL holds the saved thread state while this thread runs without it;
+ * `gil_need()` takes the GIL back (for the rest of the call) before anything touches a Python object:
+ * side-dict keys (bytes hashes, content key 0), errors, the rare clear paths. Memory comes from the
+ * PyMem_Raw* family, which needs no GIL. */
+static _Thread_local PyThreadState *NOGIL;
+
+static inline void gil_need(void) {
+    if (NOGIL) {
+        PyThreadState *ts = NOGIL;
+        NOGIL = NULL;
+        PyEval_RestoreThread(ts);
+    }
+}
+
 /* Bounds on caller-supplied positions: a residency word never grows past MAX_WIDTH 64-bit words
  * (MAX_WIDTH * 16 worker slots), so `4 * slot + tier` always fits an int. */
 #define MAX_WIDTH 4096
@@ -46,7 +63,7 @@ static inline uint64_t col_const(uint64_t i) { return (((i + 1) * K3) ^ (i * P_M
 
 /* The block's column constants, one per token position (PyMem; NULL with MemoryError set). */
 static uint64_t *col_table(Py_ssize_t bs) {
-    uint64_t *cols = PyMem_Malloc((size_t)(bs > 0 ? bs : 1) * sizeof(uint64_t));
+    uint64_t *cols = PyMem_RawMalloc((size_t)(bs > 0 ? bs : 1) * sizeof(uint64_t));
     if (!cols) { PyErr_NoMemory(); return NULL; }
     for (Py_ssize_t i = 0; i < bs; i++) cols[i] = col_const((uint64_t)i);
     return cols;
@@ -79,7 +96,7 @@ static Py_ssize_t msgpack_int_array(const unsigned char *p, Py_ssize_t len, uint
         pos = 5;
     } else return -1;
     if (n > len) return -1; /* every element takes at least one byte */
-    uint64_t *t = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    uint64_t *t = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(uint64_t));
     if (!t) { PyErr_NoMemory(); return -2; }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (pos >= len) goto bad;
@@ -109,7 +126,7 @@ static Py_ssize_t msgpack_int_array(const unsigned char *p, Py_ssize_t len, uint
     *out = t;
     return n;
 bad:
-    PyMem_Free(t);
+    PyMem_RawFree(t);
     return -1;
 }
 
@@ -119,14 +136,14 @@ static Py_ssize_t tokens_u64(PyObject *obj, uint64_t **out) {
     if (PyList_Check(obj) || PyTuple_Check(obj)) {
         Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
         PyObject **items = PySequence_Fast_ITEMS(obj);
-        uint64_t *t = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+        uint64_t *t = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(uint64_t));
         if (!t) { PyErr_NoMemory(); return -2; }
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *o = items[i];
-            if (!PyLong_Check(o)) { PyMem_Free(t); return -1; }
+            if (!PyLong_Check(o)) { PyMem_RawFree(t); return -1; }
             int ovf = 0;
             long long v = PyLong_AsLongLongAndOverflow(o, &ovf);
-            if (ovf || (v == -1 && PyErr_Occurred())) { PyErr_Clear(); PyMem_Free(t); return -1; }
+            if (ovf || (v == -1 && PyErr_Occurred())) { PyErr_Clear(); PyMem_RawFree(t); return -1; }
             t[i] = (uint64_t)v;
         }
         *out = t;
@@ -140,7 +157,7 @@ static Py_ssize_t tokens_u64(PyObject *obj, uint64_t **out) {
     char code = f[0];
     if (f[0] == 0 || f[1] != 0 || view.ndim != 1) { PyBuffer_Release(&view); return -1; }
     Py_ssize_t n = view.itemsize ? view.len / view.itemsize : 0;
-    uint64_t *t = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    uint64_t *t = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(uint64_t));
     if (!t) { PyBuffer_Release(&view); PyErr_NoMemory(); return -2; }
     const char *b = view.buf;
     /* the item size the code promises must be the buffer's, or items would be read past its end */
@@ -162,7 +179,7 @@ static Py_ssize_t tokens_u64(PyObject *obj, uint64_t **out) {
         }
     }
     PyBuffer_Release(&view);
-    if (!ok) { PyMem_Free(t); return -1; }
+    if (!ok) { PyMem_RawFree(t); return -1; }
     *out = t;
     return n;
 }
@@ -349,7 +366,7 @@ static PyObject *py_msgpack_u32_array(PyObject *self, PyObject *args) {
     /* negatives come back sign-extended (>= 2^63), so one bound rejects both */
     for (Py_ssize_t i = 0; i < n && ok; i++) ok = t[i] <= 0xFFFFFFFFULL;
     PyObject *out = ok ? u32_bytes(t, n) : (Py_INCREF(Py_None), Py_None);
-    PyMem_Free(t);
+    PyMem_RawFree(t);
     return out;
 }
 
@@ -557,7 +574,7 @@ static inline Py_ssize_t slot_of(const U64Map *m, uint64_t k) {
 static uint64_t *tab_alloc(Py_ssize_t cap, int width) {
     size_t bytes = (size_t)cap * (1 + width) * sizeof(uint64_t);
     if (bytes < BIG_TABLE) {
-        uint64_t *t = PyMem_Malloc(bytes);
+        uint64_t *t = PyMem_RawMalloc(bytes);
         if (t) memset(t, 0, bytes);
         return t;
     }
@@ -575,13 +592,13 @@ static uint64_t *tab_alloc(Py_ssize_t cap, int width) {
 
 static void tab_free(uint64_t *t, Py_ssize_t cap, int width) {
     size_t bytes = (size_t)cap * (1 + width) * sizeof(uint64_t);
-    if (bytes < BIG_TABLE) PyMem_Free(t);
+    if (bytes < BIG_TABLE) PyMem_RawFree(t);
     else munmap(t, bytes);
 }
 
 static int map_alloc(U64Map *m, Py_ssize_t cap, int width) {
     uint64_t *t = tab_alloc(cap, width);
-    if (!t) { PyErr_NoMemory(); return -1; }
+    if (!t) { gil_need(); PyErr_NoMemory(); return -1; }
     m->tab = t; m->cap = cap; m->width = width; m->used = 0;
     return 0;
 }
@@ -960,6 +977,7 @@ static int node_bit(U64Map *m, uint64_t key, int pos, int op) {
     int word = pos >> 6;
     uint64_t b = 1ULL << (pos & 63);
     if (key == 0) { /* rare: content key 0 lives in the side dict */
+        gil_need();
         PyObject *ko = PyLong_FromUnsignedLongLong(0), *bit = NULL, *cur = NULL, *nv = NULL;
         int was = -1;
         if (!ko) return -1;
@@ -1001,6 +1019,7 @@ static int node_bit(U64Map *m, uint64_t key, int pos, int op) {
 /* Worker nibble (4 bits at `shift`) of a node, and whether the node has any bit left. */
 static int node_nibble(U64Map *m, uint64_t key, int shift, int *any) {
     if (key == 0) {
+        gil_need();
         PyObject *ko = PyLong_FromUnsignedLongLong(0);
         if (!ko) return -1;
         PyObject *cur = PyDict_GetItemWithError(m->other, ko);
@@ -1041,7 +1060,7 @@ static PyObject *py_tier_counts(PyObject *self, PyObject *const *args, Py_ssize_
     if (shift == -1 && PyErr_Occurred()) return NULL;
     if (shift < 0 || shift % 4 || ext->width != 1 || PyDict_GET_SIZE(nodes->other)) Py_RETURN_NONE;
     Py_ssize_t n = ext->used + PyDict_GET_SIZE(ext->other), k = 0;
-    uint64_t *keys = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    uint64_t *keys = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(uint64_t));
     if (!keys) return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < ext->cap; i++)
         if (KEY(ext, i)) keys[k++] = VALS(ext, i)[0];
@@ -1050,15 +1069,15 @@ static PyObject *py_tier_counts(PyObject *self, PyObject *const *args, Py_ssize_
     while (PyDict_Next(ext->other, &pos, &dk, &dv)) {
         uint64_t v;
         int r = int_u64(dv, &v);
-        if (r < 0) { PyMem_Free(keys); return NULL; }
-        if (!r || k >= n) { PyMem_Free(keys); Py_RETURN_NONE; } /* 0 or not a u64: the Python core counts it */
+        if (r < 0) { PyMem_RawFree(keys); return NULL; }
+        if (!r || k >= n) { PyMem_RawFree(keys); Py_RETURN_NONE; } /* 0 or not a u64: the Python core counts it */
         keys[k++] = v;
     }
     /* distinct keys (two engine hashes may name one block): a set at load <= 1/2, then compacted */
     size_t scap = 16;
     while (scap < 2 * (size_t)k) scap <<= 1;
-    uint64_t *seen = PyMem_Calloc(scap, sizeof(uint64_t));
-    if (!seen) { PyMem_Free(keys); return PyErr_NoMemory(); }
+    uint64_t *seen = PyMem_RawCalloc(scap, sizeof(uint64_t));
+    if (!seen) { PyMem_RawFree(keys); return PyErr_NoMemory(); }
     Py_ssize_t u = 0;
     for (Py_ssize_t j = 0; j < k; j++) {
         uint64_t key = keys[j];
@@ -1067,7 +1086,7 @@ static PyObject *py_tier_counts(PyObject *self, PyObject *const *args, Py_ssize_
         while (seen[s] && seen[s] != key) s = (s + 1) & (scap - 1);
         if (!seen[s]) { seen[s] = key; keys[u++] = key; }
     }
-    PyMem_Free(seen);
+    PyMem_RawFree(seen);
     Py_ssize_t counts[4] = {0, 0, 0, 0};
     int word = (int)(shift >> 6), bit = (int)(shift & 63);
     for (Py_ssize_t j = 0; j < u && word < nodes->width; j++) {
@@ -1078,12 +1097,13 @@ static PyObject *py_tier_counts(PyObject *self, PyObject *const *args, Py_ssize_
         uint64_t nib = (VALS(nodes, i)[word] >> bit) & 0xF;
         for (int t = 0; t < 4; t++) counts[t] += (nib >> t) & 1;
     }
-    PyMem_Free(keys);
+    PyMem_RawFree(keys);
     return Py_BuildValue("(nnnn)", counts[0], counts[1], counts[2], counts[3]);
 }
 
 static int node_drop(U64Map *m, uint64_t key) {
     if (key == 0) {
+        gil_need();
         PyObject *ko = PyLong_FromUnsignedLongLong(0);
         if (!ko) return -1;
         int r = PyDict_Contains(m->other, ko);
@@ -1104,9 +1124,9 @@ typedef struct { Py_ssize_t dev, cach, sp[4]; } WRow;
 
 static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ssize_t *slot, Py_ssize_t ns, WRow *rows) {
     /* per slot: alive_c, alive_d, current tier */
-    unsigned char *st = PyMem_Calloc((size_t)(ns ? ns : 1), 3);
-    uint64_t *prev = PyMem_Calloc((size_t)m->width, sizeof(uint64_t));
-    if (!st || !prev) { PyMem_Free(st); PyMem_Free(prev); PyErr_NoMemory(); return -1; }
+    unsigned char *st = PyMem_RawCalloc((size_t)(ns ? ns : 1), 3);
+    uint64_t *prev = PyMem_RawCalloc((size_t)m->width, sizeof(uint64_t));
+    if (!st || !prev) { PyMem_RawFree(st); PyMem_RawFree(prev); PyErr_NoMemory(); return -1; }
     unsigned char *ac = st, *ad = st + ns, *ct = st + 2 * ns;
     memset(rows, 0, sizeof(WRow) * (size_t)ns);
     for (Py_ssize_t s = 0; s < ns; s++) ac[s] = ad[s] = 1;
@@ -1146,20 +1166,20 @@ static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ss
         if (ad[s]) rows[s].dev = depth;
         if (ac[s]) rows[s].cach = depth;
     }
-    PyMem_Free(st);
-    PyMem_Free(prev);
+    PyMem_RawFree(st);
+    PyMem_RawFree(prev);
     return 0;
 }
 
 /* A list of ints as u64 keys; 1 when a key is not an int in [1, 2^64) (the Python walk judges it). */
 static int keys_u64(PyObject *keys, uint64_t **out) {
     Py_ssize_t nk = PyList_GET_SIZE(keys);
-    uint64_t *k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+    uint64_t *k = PyMem_RawMalloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
     if (!k) { PyErr_NoMemory(); return -1; }
     for (Py_ssize_t j = 0; j < nk; j++) {
         PyObject *o = PyList_GET_ITEM(keys, j);
         /* not an int in [1, 2^64) (0 lives in the side dict): the Python walk judges it */
-        if (!PyLong_Check(o) || !int_u64(o, &k[j])) { PyMem_Free(k); return 1; }
+        if (!PyLong_Check(o) || !int_u64(o, &k[j])) { PyMem_RawFree(k); return 1; }
     }
     *out = k;
     return 0;
@@ -1167,7 +1187,7 @@ static int keys_u64(PyObject *keys, uint64_t **out) {
 
 static int slots_of(PyObject *slotso, Py_ssize_t **out) {
     Py_ssize_t ns = PyList_GET_SIZE(slotso);
-    Py_ssize_t *slot = PyMem_Malloc((size_t)(ns ? ns : 1) * sizeof(Py_ssize_t));
+    Py_ssize_t *slot = PyMem_RawMalloc((size_t)(ns ? ns : 1) * sizeof(Py_ssize_t));
     if (!slot) { PyErr_NoMemory(); return -1; }
     for (Py_ssize_t s = 0; s < ns; s++) {
         PyObject *o = PyList_GET_ITEM(slotso, s);
@@ -1175,7 +1195,7 @@ static int slots_of(PyObject *slotso, Py_ssize_t **out) {
         slot[s] = PyLong_Check(o) ? PyLong_AsSsize_t(o) : -1;
         if (slot[s] < 0 || slot[s] >= MAX_SLOT) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad slot");
-            PyMem_Free(slot);
+            PyMem_RawFree(slot);
             return -1;
         }
     }
@@ -1208,11 +1228,11 @@ static void rank_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssiz
 
 static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyObject *ranks, const double *wt,
                             Py_ssize_t bs, PyObject *cls, PyObject *names) {
-    Ranked *rk = PyMem_Malloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
+    Ranked *rk = PyMem_RawMalloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
     if (!rk) return PyErr_NoMemory();
     rank_rows(rows, ns, wt, bs, rk);
     PyObject *out = PyList_New(ns);
-    if (!out) { PyMem_Free(rk); return NULL; }
+    if (!out) { PyMem_RawFree(rk); return NULL; }
     for (Py_ssize_t r = 0; r < ns; r++) {
         Py_ssize_t s = rk[r].idx % ns;
         const WRow *w = rows + s;
@@ -1234,10 +1254,10 @@ static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyO
         if (!o) goto fail;
         PyList_SET_ITEM(out, r, o);
     }
-    PyMem_Free(rk);
+    PyMem_RawFree(rk);
     return out;
 fail:
-    PyMem_Free(rk);
+    PyMem_RawFree(rk);
     Py_DECREF(out);
     return NULL;
 }
@@ -1246,7 +1266,7 @@ fail:
 typedef struct { int64_t s, dev, cach, sp[4]; double score; } PRow;
 
 static PyObject *pack_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssize_t bs) {
-    Ranked *rk = PyMem_Malloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
+    Ranked *rk = PyMem_RawMalloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
     if (!rk) return PyErr_NoMemory();
     rank_rows(rows, ns, wt, bs, rk);
     PyObject *out = PyBytes_FromStringAndSize(NULL, ns * (Py_ssize_t)sizeof(PRow));
@@ -1259,7 +1279,7 @@ static PyObject *pack_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py
             memcpy(o + r, &p, sizeof p);
         }
     }
-    PyMem_Free(rk);
+    PyMem_RawFree(rk);
     return out;
 }
 
@@ -1341,9 +1361,9 @@ static int u32_keys(PyObject *toks, uint64_t seed, Py_ssize_t bs, uint64_t **kou
         return 0;
     }
     Py_ssize_t nk = view.len / 4 / bs;
-    uint64_t *k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+    uint64_t *k = PyMem_RawMalloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
     uint64_t *cols = col_table(bs);
-    if (!k || !cols) { PyMem_Free(k); PyMem_Free(cols); PyBuffer_Release(&view); PyErr_NoMemory(); return -1; }
+    if (!k || !cols) { PyMem_RawFree(k); PyMem_RawFree(cols); PyBuffer_Release(&view); PyErr_NoMemory(); return -1; }
 #ifdef HAVE_AVX2_DIGESTS
     if (bs >= 4 && __builtin_cpu_supports("avx2")) digests_u32_avx2(view.buf, nk, bs, cols, k);
     else digests_u32(view.buf, nk, bs, cols, k);
@@ -1356,7 +1376,7 @@ static int u32_keys(PyObject *toks, uint64_t seed, Py_ssize_t bs, uint64_t **kou
         k[j] = seed;
         z |= !seed;
     }
-    PyMem_Free(cols);
+    PyMem_RawFree(cols);
     PyBuffer_Release(&view);
     *kout = k;
     *nkout = nk;
@@ -1412,17 +1432,17 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
             if (n == -2) return NULL;
             if (n < 0) Py_RETURN_NONE;
             nk = n / bs;
-            k = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+            k = PyMem_RawMalloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
             uint64_t *cols = col_table(bs);
-            if (!k || !cols) { PyMem_Free(t); PyMem_Free(cols); PyErr_NoMemory(); goto done; }
+            if (!k || !cols) { PyMem_RawFree(t); PyMem_RawFree(cols); PyErr_NoMemory(); goto done; }
             for (Py_ssize_t j = 0; j < nk; j++) { seed = seed * P_MUL + block_digest(t + j * bs, bs, 0, cols); k[j] = seed; zero |= !seed; }
-            PyMem_Free(t);
-            PyMem_Free(cols);
+            PyMem_RawFree(t);
+            PyMem_RawFree(cols);
         }
         if (zero) { out = Py_None; Py_INCREF(out); goto done; } /* key 0: the Python walk judges it */
     }
     if (slots_of(slotso, &slot) < 0) goto done;
-    rows = PyMem_Malloc(sizeof(WRow) * (size_t)(ns ? ns : 1));
+    rows = PyMem_RawMalloc(sizeof(WRow) * (size_t)(ns ? ns : 1));
     if (!rows) { PyErr_NoMemory(); goto done; }
     if (nk && ns) { if (walk_core(m, k, nk, slot, ns, rows) < 0) goto done; }
     else memset(rows, 0, sizeof(WRow) * (size_t)(ns ? ns : 1));
@@ -1442,9 +1462,9 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
 done:
     Py_XDECREF(widt);
     Py_XDECREF(rankt);
-    PyMem_Free(k);
-    PyMem_Free(slot);
-    PyMem_Free(rows);
+    PyMem_RawFree(k);
+    PyMem_RawFree(slot);
+    PyMem_RawFree(rows);
     return out;
 }
 
@@ -1519,7 +1539,7 @@ static char *json_double(char *q, double x) {
         else if (nd < (int)sizeof dig) dig[nd++] = *c;
     }
     long ex = (*c == 'e' || *c == 'E') ? strtol(c + 1, NULL, 10) : 0;
-    PyMem_Free(r);
+    PyMem_Free(r); /* PyOS_double_to_string allocates with PyMem_Malloc */
     if (point < 0) point = nd;
     int kk = point + (int)ex, st = 0, en = nd; /* value = 0.D x 10^kk */
     while (st < nd && dig[st] == '0') { st++; kk--; }
@@ -1579,10 +1599,10 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
              wixb.len == nh * 4 && PyList_GET_SIZE(seqs) == nw && qb >= 0;
     for (Py_ssize_t i = 0; ok && i < L_COUNT; i++) ok = PyBytes_CheckExact(PyTuple_GET_ITEM(layout, i));
     if (!ok) goto none;
-    ar = PyMem_Malloc(sizeof(ARow) * (size_t)(nh ? nh : 1));
-    seq = PyMem_Malloc(sizeof(int64_t) * (size_t)(nw ? nw : 1));
-    senc = PyMem_Malloc(sizeof(PyObject *) * (size_t)(nw ? nw : 1));
-    stl = PyMem_Malloc((size_t)(nw ? nw : 1));
+    ar = PyMem_RawMalloc(sizeof(ARow) * (size_t)(nh ? nh : 1));
+    seq = PyMem_RawMalloc(sizeof(int64_t) * (size_t)(nw ? nw : 1));
+    senc = PyMem_RawMalloc(sizeof(PyObject *) * (size_t)(nw ? nw : 1));
+    stl = PyMem_RawMalloc((size_t)(nw ? nw : 1));
     if (!ar || !seq || !senc || !stl) { PyErr_NoMemory(); goto done; }
     /* per worker: its encoded status, stale flag and last_seq (-1 in stl[]: None). Exact str keys only,
      * so the dict lookup runs no Python code; nothing below does, so the borrowed bytes stay valid. */
@@ -1640,7 +1660,7 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
                        LEN(L_SEQ) + LEN(L_NULL) + LEN(L_STATUS) + LEN(L_ROW_CLOSE) + 7 * INT_MAX_CHARS + DBL_MAX_CHARS;
     bound = PyBytes_GET_SIZE(prefix) + INT_MAX_CHARS + LEN(L_WORKERS) + 5 + row + na * fixed + LEN(L_AFTER) +
             LEN(L_NULL) + LEN(L_BEST_OPEN) + maxhead + LEN(L_BEST_CLOSE) + LEN(L_END);
-    char *buf = PyMem_Malloc((size_t)bound), *q = buf;
+    char *buf = PyMem_RawMalloc((size_t)bound), *q = buf;
     if (!buf) { PyErr_NoMemory(); goto done; }
 #define INT(v) (q = mp ? mp_int(q, (int64_t)(v)) : json_int(q, (int64_t)(v)))
     q = put_obj(q, prefix);
@@ -1667,7 +1687,7 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
         q = put_obj(q, LY(L_SHARED)); INT(p ? p->sp[3] : 0);
         q = put_obj(q, LY(L_SCORE));
         q = mp ? mp_double(q, a->score) : json_double(q, a->score);
-        if (!q) { PyMem_Free(buf); goto done; }
+        if (!q) { PyMem_RawFree(buf); goto done; }
         q = put_obj(q, LY(L_STALE));
         q = put_obj(q, LY(a->stale ? L_TRUE : L_FALSE));
         q = put_obj(q, LY(L_SEQ));
@@ -1688,16 +1708,16 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
 #undef LEN
 #undef INT
     out = PyBytes_FromStringAndSize(buf, q - buf);
-    PyMem_Free(buf);
+    PyMem_RawFree(buf);
     goto done;
 none:
     out = Py_None;
     Py_INCREF(out);
 done:
-    PyMem_Free(ar);
-    PyMem_Free(seq);
-    PyMem_Free(senc);
-    PyMem_Free(stl);
+    PyMem_RawFree(ar);
+    PyMem_RawFree(seq);
+    PyMem_RawFree(senc);
+    PyMem_RawFree(stl);
     PyBuffer_Release(&rows);
     PyBuffer_Release(&wixb);
     return out;
@@ -1871,13 +1891,13 @@ static int has_marker(const char *s, Py_ssize_t n, const char *m) {
 /* schemas.events.is_full_attention for an ASCII kind (None: full), on the generated marker tables. */
 static int full_attention(const unsigned char *s, Py_ssize_t n) {
     if (!s) return 1;
-    char *low = PyMem_Malloc((size_t)(n ? n : 1));
+    char *low = PyMem_RawMalloc((size_t)(n ? n : 1));
     if (!low) return 0; /* treated as not full: counted, never misapplied */
     for (Py_ssize_t i = 0; i < n; i++) low[i] = (char)((s[i] >= 'A' && s[i] <= 'Z') ? s[i] + 32 : s[i]);
     int full = 0;
     for (int i = 0; i < N_FULL && !full; i++) full = has_marker(low, n, FULL_MARKERS[i]);
     for (int i = 0; i < N_NOT_FULL && full; i++) full = !has_marker(low, n, NOT_FULL_MARKERS[i]);
-    PyMem_Free(low);
+    PyMem_RawFree(low);
     return full;
 }
 
@@ -1900,8 +1920,8 @@ static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
     if (need <= *cap) return 0;
     Py_ssize_t nc = *cap ? *cap : 64;
     while (nc < need) nc *= 2;
-    void *p = PyMem_Realloc(*arr, (size_t)nc * item);
-    if (!p) { PyErr_NoMemory(); return -1; }
+    void *p = PyMem_RawRealloc(*arr, (size_t)nc * item);
+    if (!p) { gil_need(); PyErr_NoMemory(); return -1; }
     *arr = p; *cap = nc;
     return 0;
 }
@@ -2068,6 +2088,7 @@ static int href_get(U64Map *m, const HRef *h, uint64_t *out) {
         return f;
     }
     if (!PyDict_GET_SIZE(m->other)) return 0;
+    gil_need();
     PyObject *o = href_obj(h);
     if (!o) return -1;
     int r = get_u64(m, o, out);
@@ -2076,6 +2097,7 @@ static int href_get(U64Map *m, const HRef *h, uint64_t *out) {
 }
 
 static int href_set(U64Map *m, const HRef *h, uint64_t val) {
+    if (h->b || !h->k) gil_need();
     PyObject *o = (!h->b && h->k) ? NULL : href_obj(h);
     if (!o && (h->b || !h->k)) return -1;
     int r;
@@ -2096,6 +2118,7 @@ static int href_del(U64Map *m, const HRef *h) {
         if (f) erase(m, i);
         return 0;
     }
+    gil_need();
     PyObject *o = href_obj(h);
     if (!o) return -1;
     int r = PyDict_DelItem(m->other, o);
@@ -2118,8 +2141,8 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
     uint64_t stackbuf[128], *dg = NULL;
     if (toks) {
         /* digests up front; the chain they give is every node key when the blocks are new */
-        dg = n <= 128 ? stackbuf : PyMem_Malloc((size_t)n * sizeof(uint64_t));
-        if (!dg) { PyErr_NoMemory(); return -1; }
+        dg = n <= 128 ? stackbuf : PyMem_RawMalloc((size_t)n * sizeof(uint64_t));
+        if (!dg) { gil_need(); PyErr_NoMemory(); return -1; }
         uint64_t s = state;
         for (Py_ssize_t j = 0; j < n; j++) {
             if (!hs[j].b) pf_slot(c->ext, hs[j].k);
@@ -2143,10 +2166,11 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
             r = c->known ? href_get(c->known, h, &key) : 0;
             if (r < 0) goto out;
             if (!r) {
-                if (!dg) { PyErr_SetString(PyExc_RuntimeError, "apply_msgpack: placeholder block without a mapping"); goto out; }
+                if (!dg) { gil_need(); PyErr_SetString(PyExc_RuntimeError, "apply_msgpack: placeholder block without a mapping"); goto out; }
                 key = state * P_MUL + dg[j];
                 if (c->known) {
                     if (U64Map_len(c->known) >= c->limit) { /* bounded trust cache: start afresh */
+                        gil_need();
                         PyObject *cr = U64Map_clear(c->known, NULL);
                         if (!cr) goto out;
                         Py_DECREF(cr);
@@ -2168,7 +2192,7 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
     }
     rc = 0;
 out:
-    if (dg && dg != stackbuf) PyMem_Free(dg);
+    if (dg && dg != stackbuf) PyMem_RawFree(dg);
     return rc;
 }
 
@@ -2243,6 +2267,7 @@ static int clear_nibble(U64Map *nodes, uint64_t key, int shift) {
 
 /* Twin of ModelState.clear for the maps (the caller's pending list is already empty). */
 static int fp_clear(FCtx *c) {
+    gil_need(); /* rare (AllBlocksCleared): the side dicts may be walked */
     U64Map *ext = c->ext;
     for (Py_ssize_t i = 0; i < ext->cap; i++)
         if (KEY(ext, i) && clear_nibble(c->nodes, VALS(ext, i)[0], c->shift) < 0) return -1;
@@ -2372,10 +2397,10 @@ result:
 done:
     Py_XDECREF(counts);
     Py_XDECREF(drops);
-    PyMem_Free(cols);
-    PyMem_Free(b.ev);
-    PyMem_Free(b.h);
-    PyMem_Free(b.t);
+    PyMem_RawFree(cols);
+    PyMem_RawFree(b.ev);
+    PyMem_RawFree(b.h);
+    PyMem_RawFree(b.t);
     PyBuffer_Release(&view);
     return out;
 }
@@ -2391,6 +2416,15 @@ done:
  * n_events) for payloads[k] (the caller finishes it), else None. `ts` is the last finite ts > 0 of
  * the k whole batches (0.0 if none): the lag the batch-by-batch path would end with. Why: one call
  * per run instead of a call, two dicts and a tuple per batch (docs/index-core.md). */
+/* Parse run item k into b (its arrays kept from batch to batch): parse_batch's 0 / 1 / -1, and 1 for an
+ * item the one-by-one path judges (not bytes, or over the size limit). Reads only the bytes object. */
+static int run_parse(PyObject *items, Py_ssize_t k, Py_ssize_t bs, Py_ssize_t max_payload, FBatch *b, FHead *hd) {
+    PyObject *p = PyTuple_GET_ITEM(items, k);
+    if (!PyBytes_Check(p) || PyBytes_GET_SIZE(p) > max_payload) return 1;
+    b->nev = b->nh = b->nt = 0;
+    return parse_batch((const unsigned char *)PyBytes_AS_STRING(p), PyBytes_GET_SIZE(p), bs, b, hd);
+}
+
 static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 11) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 positional arguments"); return NULL; }
     PyObject *payloads = args[0], *knowno = args[3];
@@ -2412,26 +2446,26 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
     long long want = PyLong_AsLongLong(args[8]), defrank = PyLong_AsLongLong(args[9]);
     Py_ssize_t max_payload = PyLong_AsSsize_t(args[10]);
     if (PyErr_Occurred()) return NULL;
-    PyObject *counts = PyDict_New(), *drops = PyDict_New(), *partial = NULL, *out = NULL;
+    PyObject *counts = PyDict_New(), *drops = PyDict_New(), *partial = NULL, *out = NULL, *items = NULL;
     uint64_t *cols = NULL;
     FBatch b;
     memset(&b, 0, sizeof(b));
     FCtx run, c;
     memset(&run, 0, sizeof(run));
     double last_ts = 0.0;
-    Py_ssize_t k = 0, n = PyList_GET_SIZE(payloads), nev = 0;
-    if (!counts || !drops) goto done;
+    Py_ssize_t k = 0, n = 0, nev = 0;
+    /* a tuple: nobody can change what the walk reads while it runs without the GIL */
+    if (!counts || !drops || !(items = PyList_AsTuple(payloads))) goto done;
+    n = PyTuple_GET_SIZE(items);
     /* a slot position outside [0, MAX_SLOT) would shift past any word, or widen a map without bound */
     if (bs <= 0 || shiftl < 0 || shiftl % 4 || shiftl / 4 >= MAX_SLOT || (int)shiftl != shiftl) n = 0;
     if (n) {
         if (!(cols = col_table(bs))) goto done;
     }
+    if (n) NOGIL = PyEval_SaveThread(); /* until the end, or until a path needs Python (gil_need) */
     for (; k < n; k++) {
-        PyObject *p = PyList_GET_ITEM(payloads, k);
-        if (!PyBytes_Check(p) || PyBytes_GET_SIZE(p) > max_payload) break; /* the one-by-one path judges it */
-        b.nev = b.nh = b.nt = 0; /* the arrays are kept from batch to batch */
         FHead hd;
-        int rc = parse_batch((const unsigned char *)PyBytes_AS_STRING(p), PyBytes_GET_SIZE(p), bs, &b, &hd);
+        int rc = run_parse(items, k, bs, max_payload, &b, &hd);
         if (rc < 0) goto done;
         if (rc > 0 || hd.rank_kind == 3) break;
         long long rank = hd.rank_kind == 1 ? (long long)hd.rank : defrank;
@@ -2442,6 +2476,7 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
         Py_ssize_t stop;
         if (walk_events(&c, &b, &stop) < 0) goto done;
         if (stop >= 0) { /* an orphan: this batch is the caller's to finish */
+            gil_need();
             PyObject *pc = PyDict_New(), *pd = PyDict_New();
             if (pc && pd && tally_dicts(&c, pc, pd) == 0)
                 partial = Py_BuildValue("(nOOdLn)", stop, pc, pd, hd.ts, rank, b.nev);
@@ -2454,16 +2489,19 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
         nev += b.nev;
         if (isfinite(hd.ts) && hd.ts > 0) last_ts = hd.ts;
     }
+    gil_need();
     if (tally_dicts(&run, counts, drops) < 0) goto done;
     out = Py_BuildValue("(nOOdnO)", k, counts, drops, last_ts, nev, partial ? partial : Py_None);
 done:
+    gil_need();
+    Py_XDECREF(items);
     Py_XDECREF(counts);
     Py_XDECREF(drops);
     Py_XDECREF(partial);
-    PyMem_Free(cols);
-    PyMem_Free(b.ev);
-    PyMem_Free(b.h);
-    PyMem_Free(b.t);
+    PyMem_RawFree(cols);
+    PyMem_RawFree(b.ev);
+    PyMem_RawFree(b.h);
+    PyMem_RawFree(b.t);
     return out;
 }
 
