@@ -34,7 +34,6 @@ DEFAULTS: dict[str, Any] = {
     "resync_hold": 30.0,
     "max_body_mb": 8.0,
     "replay_timeout": 2.0,
-    "ingest_threads": 2,
     "log_format": "text",
 }
 
@@ -70,9 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resync-hold", type=float, help="seconds a resynced worker is reported 'resyncing' (default 30)")
     p.add_argument("--max-body-mb", type=float, help="request body limit in MiB; larger bodies get 413 (default 8)")
     p.add_argument("--replay-timeout", type=float, help="seconds to wait for a publisher's replay (default 2)")
-    p.add_argument("--ingest-threads", type=int, choices=(1, 2),
-                   help="2 (default): one thread receives while another applies (the apply runs without the "
-                        "GIL, so the two overlap on two cores); 1: one thread does both")
     p.add_argument("--http-fast-path", choices=("on", "off"),
                    help="answer /score and /query in uvicorn's protocol callbacks (default on; off: through "
                         "the ASGI front, for comparison)")
@@ -194,7 +190,6 @@ def build_config(args: argparse.Namespace) -> Any:
         max_msg_bytes=int(float(get("max_msg_mb")) * 1024 * 1024),
         replay_deadline_s=None if deadline is None else float(deadline),
         snapshot_load_timeout_s=float(get("snapshot_load_timeout")),
-        ingest_threads=int(get("ingest_threads")),
     )
 
 

@@ -3,14 +3,10 @@ the Index in order per worker, and carries out the reconciliation policy's decis
 (indexer.reconcile, docs/service.md) as index clears, snapshot requests, metrics and logs. The
 policy itself — what a gap, a restart, expired orphans or silence mean — is not written here.
 
-Threading: two threads by default (`pipelined`, docs/service.md "Ingest pipeline"). The receiving
-thread owns the Subscriber — only it touches the sockets; subscription changes and snapshot requests
-reach it through a command queue — and hands each poll's deliveries over a short bounded queue to the
-applying thread, which does everything else below. The C run apply drops the GIL while it walks
-bytes into the index's C tables, so receiving overlaps applying on a second core. With
-`pipelined=False` one thread does both (`step`). The shared `lock` guards the index and the registry
-together and is held for one batch (or one run of at most RUN_HOLD batches) at a time, so /score
-never waits for more than that and ingestion never waits for more than one query.
+Threading: the Subscriber's sockets are touched only by this thread; the HTTP side asks for
+subscription changes through a command queue. The shared `lock` guards the index and the registry
+together and is held for one batch at a time, so /score never waits for more than one batch and
+ingestion never waits for more than one query.
 
 Fast path: the raw payload goes straight to `Index.apply_payload(..., rank_from_batch=True)`,
 which reads the batch's dp_rank and ts in the same C walk that hashes token ids from the msgpack
@@ -50,10 +46,6 @@ _LOG_FIRST = 20
 
 # The most batches of a run applied under one hold of the lock (~0.3 ms): /score waits at most that.
 RUN_HOLD = 64
-
-# The most polls' deliveries the receiving thread keeps ahead of the applying one: enough to keep
-# both busy, few enough that a slow index backs the stream up into ZeroMQ's own queues.
-INBOX_POLLS = 4
 
 
 class ApplyAdapter:
@@ -130,11 +122,6 @@ def record_apply_stats(metrics: ServiceMetrics, stats: Any) -> tuple[bool, bool]
     return out
 
 
-def _received(deliveries: list[Any]) -> int:
-    """Messages in one poll's deliveries (a Run holds many)."""
-    return sum(len(d.payloads) if type(d).__name__ == "Run" else 1 for d in deliveries)
-
-
 class _Cmd:
     __slots__ = ("kind", "reg", "last_seq", "worker_id", "done", "error")
 
@@ -184,7 +171,6 @@ class IngestLoop:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         trimmer: MemoryTrimmer | None = None,
-        pipelined: bool = True,
     ) -> None:
         self.index = index
         self.registry = registry
@@ -203,7 +189,7 @@ class IngestLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._logged: dict[str, int] = {}
-        self._sub: Any = None  # set by the ingest thread; only the thread that polls it touches it
+        self._sub: Any = None  # set by the thread; only the thread uses it
         # Returns burst buffers to the OS once ingestion goes idle (see router_api.memtrim).
         self.trimmer = trimmer if trimmer is not None else MemoryTrimmer()
         self._tally = Tally()  # this poll's metric increments, flushed once per poll
@@ -211,9 +197,6 @@ class IngestLoop:
         self.applied_batches = 0  # read by /health and the dashboard
         self.deliveries = 0  # every Batch/Gap/Restart handled (snapshots skip when unchanged)
         self.last_error: str | None = None
-        # Two threads (docs/service.md, "Ingest pipeline"): one receives (owns the subscriber), one
-        # applies; the C run apply drops the GIL, so receiving overlaps it on a second core.
-        self._pipelined = pipelined
 
     # -- control (any thread) ----------------------------------------------------------------
     def start(self) -> None:
@@ -251,67 +234,27 @@ class IngestLoop:
     def _run(self) -> None:
         sub = self._sub = self._subscriber_factory()
         next_tick = self._clock()
-        log.info("event=ingest_started poll_ms=%d pipelined=%s", self._poll_ms, self._pipelined)
-        if not self._pipelined:
+        log.info("event=ingest_started poll_ms=%d", self._poll_ms)
+        try:
+            while not self._stop.is_set():
+                next_tick = self.step(sub, self._poll_ms, next_tick)
+        finally:
+            self._drain_commands(sub)
             try:
-                while not self._stop.is_set():
-                    next_tick = self.step(sub, self._poll_ms, next_tick)
-            finally:
-                self._close(sub)
-            return
-        inbox: queue.Queue[tuple[list[Any], bool]] = queue.Queue(maxsize=INBOX_POLLS)
-        receiver = threading.Thread(target=self._receive, args=(sub, inbox), name="kvatlas-receive", daemon=True)
-        receiver.start()
-        try:
-            while not self._stop.is_set():
-                try:
-                    deliveries, full = inbox.get(timeout=self._poll_ms / 1000.0)
-                except queue.Empty:
-                    deliveries, full = [], False
-                next_tick = self._apply(deliveries, full or not inbox.empty(), next_tick)
-        finally:
-            self._stop.set()
-            receiver.join()  # it closes the subscriber
-
-    def _receive(self, sub: Any, inbox: queue.Queue[tuple[list[Any], bool]]) -> None:
-        """The receiving thread: subscription commands, polls, and their deliveries onto `inbox`
-        (in order; blocks while the applying thread is INBOX_POLLS polls behind)."""
-        try:
-            while not self._stop.is_set():
-                deliveries = self._poll(sub, self._poll_ms)
-                if not deliveries:
-                    continue
-                item = (deliveries, _received(deliveries) >= getattr(sub, "max_per_poll", 1))
-                while not self._stop.is_set():
-                    try:
-                        inbox.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-        finally:
-            self._close(sub)
-
-    def _close(self, sub: Any) -> None:
-        self._drain_commands(sub)
-        try:
-            sub.close()
-        except Exception:
-            log.exception("event=subscriber_close_failed")
-        log.info("event=ingest_stopped batches=%d", self.applied_batches)
+                sub.close()
+            except Exception:
+                log.exception("event=subscriber_close_failed")
+            log.info("event=ingest_stopped batches=%d", self.applied_batches)
 
     def step(self, sub: Any, poll_ms: int, next_tick: float) -> float:
-        """One turn of the single-threaded loop (`pipelined=False`): commands, one poll, its
-        deliveries, the tick when due. Returns the next tick time. bench/bench_ingest.py drives it."""
-        deliveries = self._poll(sub, poll_ms)
-        return self._apply(deliveries, _received(deliveries) >= getattr(sub, "max_per_poll", 1), next_tick)
-
-    def _poll(self, sub: Any, poll_ms: int) -> list[Any]:
-        """Commands, then one poll of the subscriber (only the thread that owns it calls this)."""
+        """One turn of the loop: commands, one poll, its deliveries, the tick when due. Returns the
+        next tick time. The thread calls it in a loop; bench/bench_ingest.py drives it directly."""
         self._drain_commands(sub)
         workers = getattr(sub, "workers", None)
         if workers is not None and not workers():
             # Nothing to poll (an empty poll returns at once): wait for a command instead of spinning.
             self._wait_command(sub, poll_ms / 1000.0)
+        applied0 = self.applied_batches
         try:
             deliveries = sub.poll(poll_ms)
         except Exception as exc:  # a subscriber bug must not kill ingestion silently
@@ -319,14 +262,8 @@ class IngestLoop:
             self.metrics.drops.inc("subscriber_error")
             log.exception("event=subscriber_error")
             self._stop.wait(0.05)  # back off briefly instead of spinning on a broken poll
-            return []
+            return next_tick
         self._export_frame_drops(sub)
-        return deliveries
-
-    def _apply(self, deliveries: list[Any], busy: bool, next_tick: float) -> float:
-        """Apply one poll's deliveries; trim memory once ingestion idles (`busy`: the poll hit its
-        budget or more polls wait, so more is queued); the tick when due. Returns the next tick."""
-        applied0 = self.applied_batches
         if deliveries:
             handle = self._handle
             try:
@@ -339,7 +276,7 @@ class IngestLoop:
         if batches:
             self.trimmer.note(batches)
         # A poll that took less than it may has drained the queues: a burst's buffers are free now.
-        if not busy and self.trimmer.maybe_trim(now):
+        if batches < getattr(sub, "max_per_poll", 1) and self.trimmer.maybe_trim(now):
             log.debug("event=memory_trimmed trims=%d", self.trimmer.trims)
         if now >= next_tick:
             next_tick = now + self._tick_s
@@ -372,8 +309,6 @@ class IngestLoop:
                 log.info("event=subscribed worker=%s endpoint=%s replay=%s from_seq=%s",
                          r.worker_id, r.endpoint, r.replay_endpoint,
                          0 if cmd.last_seq is None else cmd.last_seq + 1)
-            elif cmd.kind == "snapshot":
-                self._send_snapshot_request(sub, cmd.worker_id)
             elif cmd.kind == "remove":
                 sub.remove(cmd.worker_id)
                 self._rank.pop(cmd.worker_id, None)
@@ -541,12 +476,8 @@ class IngestLoop:
 
     def _request_snapshot(self, wid: str) -> None:
         """Ask the worker's publisher to re-publish its state in-stream (kvatlas producers do;
-        engines ignore it). Its AllBlocksCleared, when it arrives, ends the resync. Sent by the
-        thread that owns the subscriber (a command), at its next turn."""
-        self._cmds.put(_Cmd("snapshot", worker_id=wid))
-
-    def _send_snapshot_request(self, sub: Any, wid: str) -> None:
-        ask = getattr(sub, "request_snapshot", None)
+        engines ignore it). Its AllBlocksCleared, when it arrives, ends the resync."""
+        ask = getattr(self._sub, "request_snapshot", None)
         if ask is None:
             return
         try:

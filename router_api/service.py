@@ -78,7 +78,7 @@ class ServiceConfig:
     __slots__ = (
         "host", "port", "model", "block_size", "static_workers", "snapshot_target", "snapshot_key",
         "snapshot_interval_s", "auth_token", "tier_weights", "stale_after_s", "remove_after_s",
-        "silent_engine_factor", "resync_hold_s", "max_body_bytes", "replay_timeout_s", "poll_ms", "ingest_threads",
+        "silent_engine_factor", "resync_hold_s", "max_body_bytes", "replay_timeout_s", "poll_ms",
         "trust_engine_hashes", "stats_ttl_s", "max_workers", "max_msg_bytes", "replay_deadline_s",
         "replay_max_bytes", "snapshot_load_timeout_s", "subscribe_timeout_s",
     )
@@ -103,7 +103,6 @@ class ServiceConfig:
         max_body_bytes: int = 8 * 1024 * 1024,
         replay_timeout_s: float = 2.0,
         poll_ms: int = 20,
-        ingest_threads: int = 2,
         trust_engine_hashes: bool = False,
         stats_ttl_s: float = 1.0,
         max_workers: int = 1024,
@@ -143,9 +142,6 @@ class ServiceConfig:
         self.max_body_bytes = max_body_bytes
         self.replay_timeout_s = replay_timeout_s
         self.poll_ms = poll_ms
-        if ingest_threads not in (1, 2):
-            raise ValueError(f"ingest_threads must be 1 or 2, not {ingest_threads!r}")
-        self.ingest_threads = ingest_threads
         self.trust_engine_hashes = trust_engine_hashes
         self.stats_ttl_s = stats_ttl_s  # how stale /workers block counts may be (they cost O(blocks))
         self.max_workers = max_workers
@@ -246,7 +242,6 @@ class IndexerService:
             index=self.index, registry=self.registry, lock=self.lock, metrics=self.metrics,
             subscriber_factory=subscriber_factory or _default_subscriber(config),
             on_expired=self._expire, on_subscribe_failed=self._subscribe_failed, poll_ms=config.poll_ms, clock=clock,
-            pipelined=config.ingest_threads == 2,
         )
         self.generation = 0
         self.started_at = clock()

@@ -108,19 +108,13 @@ def _metric(client: httpx.Client, prefix: str) -> float:
     return total
 
 
-@pytest.fixture(params=[2, 1], ids=["pipelined", "one_thread"])
-def live(request: pytest.FixtureRequest) -> Iterator[LiveIndexer]:
-    """The service with its default two ingest threads (receive / apply) and with one."""
-    li = LiveIndexer(_cfg(ingest_threads=request.param)).start()
+@pytest.fixture
+def live() -> Iterator[LiveIndexer]:
+    li = LiveIndexer(_cfg()).start()
     try:
         yield li
     finally:
         li.stop()
-
-
-def test_ingest_threads_must_be_one_or_two() -> None:
-    with pytest.raises(ValueError, match="ingest_threads"):
-        _cfg(ingest_threads=3)
 
 
 def test_eight_publishers_match_the_reference(live: LiveIndexer) -> None:

@@ -36,7 +36,8 @@
 #include "wire_tables.h"
 
 /* The run apply (`apply_msgpack_run`) walks payload bytes into the C tables without the GIL, so the
- * service's receiving thread runs Python meanwhile (docs/service.md, "Ingest pipeline"). Callers
+ * service's HTTP thread runs Python meanwhile (parsing and answering requests up to the index lock;
+ * docs/service.md, "Ingest"). Callers
  * serialise all access to an index's maps with their own lock (the service's index lock); the GIL
  * only guards Python objects. NOGIL holds the saved thread state while this thread runs without it;
  * `gil_need()` takes the GIL back (for the rest of the call) before anything touches a Python object:
