@@ -5,12 +5,19 @@ and drops agree. Runs in the sanitizer build too (Makefile `SAN_TESTS`)."""
 from __future__ import annotations
 
 import random
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer.core.types import ApplyStats
 from indexer.index import KVIndex
+from schemas.codec import decode_batch, encode_batch
+from schemas.events import BlockRemoved, BlockStored, KVEventBatch
 from test_ingest_runs import BS, make_payloads
 
 
@@ -51,11 +58,105 @@ def state(idx: KVIndex) -> tuple:
             idx.workers("m"))
 
 
+def bytes_hashes(payloads: list[bytes], every: int) -> list[bytes]:
+    """The same stream with every `every`-th engine hash (by value, so chains still link) sent as 8
+    bytes, as engines with byte hashes do: those live in the maps' side dicts, the paths where the
+    GIL-free run apply must take the GIL back."""
+    def conv(h: object) -> object:
+        return h.to_bytes(8, "big") if isinstance(h, int) and 0 < h < 1 << 64 and h % every == 0 else h
+
+    out = []
+    for p in payloads:
+        b = decode_batch(p)
+        if not isinstance(b, KVEventBatch):
+            out.append(p)
+            continue
+        for e in b.events:
+            if isinstance(e, (BlockStored, BlockRemoved)):
+                e.block_hashes = [conv(h) for h in e.block_hashes]
+            if isinstance(e, BlockStored) and e.parent_block_hash is not None:
+                e.parent_block_hash = conv(e.parent_block_hash)
+        out.append(encode_batch(b))
+    return out
+
+
+@contextmanager
+def busy_thread(yielding: bool = False) -> Iterator[list[float]]:
+    """Another Python thread allocating objects and stamping the time, for as long as the block runs:
+    with the run apply outside the GIL, any Python object it touched without taking the GIL back
+    would race this thread's allocations. `yielding`: it gives the GIL up after every stamp (so a
+    caller with a long switch interval gets it back)."""
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            junk = [bytes(64) for _ in range(8)] + [{"k": i} for i in range(4)]
+            del junk
+            stamps.append(time.perf_counter())
+            if yielding:
+                time.sleep(0)  # releases the GIL: not a synchronisation, a turn for the caller
+    t = threading.Thread(target=churn, daemon=True)
+    t.start()
+    try:
+        yield stamps
+    finally:
+        stop.set()
+        t.join()
+
+
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 50), odd=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
        rate=st.sampled_from([0.0, 0.0, 0.1, 0.5]), guesses=st.lists(st.integers(0, 1), min_size=1, max_size=8))
 def test_apply_run_equals_batch_by_batch(seed: int, n: int, odd: float, rate: float, guesses: list[int]) -> None:
-    payloads = mutate(make_payloads(seed, n, odd), random.Random(seed), rate)
+    check_run(mutate(make_payloads(seed, n, odd), random.Random(seed), rate), guesses)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 50), odd=st.sampled_from([0.0, 0.05, 0.3]),
+       every=st.sampled_from([1, 2, 3]), guesses=st.lists(st.integers(0, 1), min_size=1, max_size=4))
+def test_apply_run_with_byte_hashes_beside_a_busy_thread(seed: int, n: int, odd: float, every: int,
+                                                         guesses: list[int]) -> None:
+    payloads = bytes_hashes(make_payloads(seed, n, odd), every)
+    with busy_thread():
+        check_run(payloads, guesses)
+
+
+def store_chain(n: int) -> list[bytes]:
+    """n batches, each storing 4 blocks that continue the previous batch's (the common case; no
+    clears, which take the GIL back for the rest of a call)."""
+    rng = random.Random(3)
+    out, parent = [], None
+    for b in range(n):
+        ids = [b * 4 + j + 1 for j in range(4)]
+        toks = [rng.randrange(1, 50_000) for _ in range(BS * 4)]
+        out.append(encode_batch(KVEventBatch(1000.0 + b, [BlockStored(ids, parent, toks, BS, None, "GPU")])))
+        parent = ids[-1]
+    return out
+
+
+def test_apply_run_lets_other_threads_run_while_it_applies() -> None:
+    payloads = store_chain(20_000)
+    idx = fresh()
+    windows = []
+    interval = sys.getswitchinterval()
+    # No forced GIL hand-over: the other thread runs only when this one gives the GIL up itself.
+    sys.setswitchinterval(100.0)
+    try:
+        with busy_thread(yielding=True) as stamps:
+            for chunk in (payloads[i:i + 2000] for i in range(0, len(payloads), 2000)):
+                t0 = time.perf_counter()
+                k, _, _ = idx.apply_run("m", "w", 0, 0, chunk)
+                windows.append((t0, time.perf_counter()))
+                assert k == len(chunk)
+    finally:
+        sys.setswitchinterval(interval)
+    # the other thread ran inside an apply_run call (it cannot while the caller holds the GIL)
+    assert any(a < s < b for a, b in windows for s in stamps)
+
+
+def check_run(payloads: list[bytes], guesses: list[int]) -> None:
+    n = len(payloads)
     one = fresh()
     ref = [one.apply_payload("m", "w", 0, p, rank_from_batch=True) for p in payloads]
     run = fresh()
