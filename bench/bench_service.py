@@ -266,7 +266,6 @@ class LeanHttp:
     the old client; the same one serves both services either way)."""
 
     def __init__(self, port: int) -> None:
-        self.port = port
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.host = f"Host: 127.0.0.1:{port}\r\n".encode()

@@ -37,9 +37,8 @@
 
 /* The run apply (`apply_msgpack_run`) walks payload bytes into the C tables without the GIL, so the
  * service's HTTP thread runs Python meanwhile (parsing and answering requests up to the index lock;
- * docs/service.md, "Ingest"). Callers
- * serialise all access to an index's maps with their own lock (the service's index lock); the GIL
- * only guards Python objects. NOGIL holds the saved thread state while this thread runs without it;
+ * docs/service.md, "Session 5"). Callers serialise all access to an index's maps with their own
+ * lock (the service's index lock); the GIL only guards Python objects. NOGIL holds the saved thread state while this thread runs without it;
  * `gil_need()` takes the GIL back (for the rest of the call) before anything touches a Python object:
  * side-dict keys (bytes hashes, content key 0), errors, the rare clear paths. Memory comes from the
  * PyMem_Raw* family, which needs no GIL. */
@@ -570,7 +569,7 @@ static inline Py_ssize_t slot_of(const U64Map *m, uint64_t k) {
 /* Tables are written before first use. Fresh zeroed memory (calloc's new pages, a new mapping) is
  * read first by the probes, which maps the shared zero page; the first store then takes a second,
  * copy-on-write fault whose TLB flush interrupts every core running one of our threads (an IPI:
- * 20-40% of the ingest thread's time in rehash under perf, docs/service.md). One write per page
+ * ~20% of the ingest thread's time, under rehash, in perf; docs/service.md). One write per page
  * up front takes a single ordinary fault. */
 static uint64_t *tab_alloc(Py_ssize_t cap, int width) {
     size_t bytes = (size_t)cap * (1 + width) * sizeof(uint64_t);
