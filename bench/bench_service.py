@@ -158,6 +158,10 @@ class Stream:
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+# Replay replies a publisher sends per `serve_replay` call (see there).
+REPLAY_CHUNK = 128
+
+
 class RawPublisher:
     """One worker's wire: a PUB endpoint sending `[topic, seq, payload]` (design §2) from the caller's
     thread, and a replay ROUTER the bench serves between sends (`serve_replay`) so the probe phase's
@@ -175,6 +179,7 @@ class RawPublisher:
         self.router.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops replies past its HWM: a replay must not lose any
         self.replay_endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
         self.sent: list[bytes] = []  # payload by seq (the replay buffer)
+        self.replays: list[list[Any]] = []  # open replays: [requester identity, next seq to send]
 
     def frames(self, payloads: list[bytes]) -> list[bytes]:
         """Pre-encoded messages for `payloads`, numbered after what was sent so far."""
@@ -186,16 +191,28 @@ class RawPublisher:
         self.pub.send(msg)
         self.sent.extend(payloads if payloads is not None else [_payload_of(msg)])
 
-    def serve_replay(self) -> None:
+    def serve_replay(self, max_replies: int = REPLAY_CHUNK) -> None:
+        """Take new replay requests, then send at most `max_replies` replies of the open ones. Bounded,
+        because the bench serves every publisher from one thread: answering a whole history at once
+        kept the later publishers silent past the subscriber's replay timeout (2 s) while the earlier
+        ones were served, and those replays were given up."""
         self.pub.accept()
         while self.router.poll(0):
             req = self.router.recv_multipart()
-            ident = req[0]
-            if len(req) == 3 and len(req[2]) == 8:
-                start = int.from_bytes(req[2], "big")
-                for seq in range(start, len(self.sent)):
-                    self.router.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"), self.sent[seq]])
-            self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+            start = int.from_bytes(req[2], "big") if len(req) == 3 and len(req[2]) == 8 else len(self.sent)
+            self.replays.append([req[0], start])
+        budget = max_replies
+        while self.replays and budget > 0:
+            ident, seq = self.replays[0]
+            end = min(len(self.sent), seq + budget)
+            for s in range(seq, end):
+                self.router.send_multipart([ident, b"", b"", s.to_bytes(8, "big"), self.sent[s]])
+            budget -= end - seq
+            if end < len(self.sent):
+                self.replays[0][1] = end
+            else:
+                self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+                self.replays.pop(0)
 
     def close(self) -> None:
         self.pub.close()
