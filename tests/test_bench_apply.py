@@ -1,0 +1,61 @@
+"""`bench/bench_apply.py --shards`: its short mode runs, and what it measures is exact — worker-sharded
+indexes applied by concurrent threads (the C run apply drops the GIL) hold, worker by worker, what one
+index applied by one thread holds (docs/service.md, "Session 6": the design this bench measures)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_apply import apply_sharded, apply_stream  # noqa: E402
+from bench_service import BS, Stream  # noqa: E402
+
+from indexer.index import KVIndex  # noqa: E402
+
+
+def fresh(n: int) -> list[KVIndex]:
+    out = [KVIndex() for _ in range(n)]
+    for idx in out:
+        idx.ensure_model("m", BS)
+    return out
+
+
+def test_short_mode_prints_the_ratio() -> None:
+    r = subprocess.run([sys.executable, "bench/bench_apply.py", "--workers", "4", "--batches", "20", "--reps", "1",
+                        "--shards", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if "2 shards on 2 threads" in ln]
+    assert len(lines) == 2 and all("ratio" in ln for ln in lines), r.stdout
+
+
+def test_bad_shard_count_is_refused() -> None:
+    r = subprocess.run([sys.executable, "bench/bench_apply.py", "--shards", "1"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--shards must be 2 or more" in r.stderr
+
+
+def test_sharded_concurrent_apply_equals_one_index() -> None:
+    streams = [Stream(8, 40, seed=0), Stream(8, 40, seed=2)]
+    [one] = fresh(1)
+    shards = fresh(3)
+    for st in streams:
+        apply_stream(one, st)
+        apply_sharded(shards, st)
+    assert one.native and all(s.native for s in shards)  # the GIL-free C path is what runs concurrently
+    # Every worker on exactly one shard, with the same blocks on the same tiers.
+    merged: dict = {}
+    for s in shards:
+        stats = s.worker_stats("m")
+        assert not merged.keys() & stats.keys()
+        merged.update(stats)
+    assert merged == one.worker_stats("m")
+    assert sum(v.get("gpu", 0) for v in merged.values()) > 1000
+    # Scores: one index's rows are the shards' rows put together, for deep and shallow queries.
+    for doc in streams[0].docs + [m for st in streams for m in st.markers]:
+        for size in (BS * 4, len(doc)):
+            want = {(w.worker_id, w.dp_rank): w for w in one.score("m", doc[:size]).workers}
+            got = {(w.worker_id, w.dp_rank): w for s in shards for w in s.score("m", doc[:size]).workers}
+            assert got == want
