@@ -1,6 +1,7 @@
 """`bench/bench_apply.py --shards`: its short mode runs, and what it measures is exact — worker-sharded
 indexes applied by concurrent threads (the C run apply drops the GIL) hold, worker by worker, what one
-index applied by one thread holds (docs/service.md, "Session 6": the design this bench measures)."""
+index applied by one thread holds (docs/service.md, "Session 6": the design this bench measures).
+Also the bench publishers' replay serving that `bench_service.py` and this bench's streams share."""
 from __future__ import annotations
 
 import subprocess
@@ -59,3 +60,49 @@ def test_sharded_concurrent_apply_equals_one_index() -> None:
             want = {(w.worker_id, w.dp_rank): w for w in one.score("m", doc[:size]).workers}
             got = {(w.worker_id, w.dp_rank): w for s in shards for w in s.score("m", doc[:size]).workers}
             assert got == want
+
+
+def test_bench_publishers_answer_replays_in_round_robin_chunks(zmq_ctx) -> None:
+    """bench_service's publishers serve every open replay a bounded chunk per call, so one long replay
+    does not keep another publisher silent past a subscriber's replay timeout (the first bench run of
+    2026-11-25 hung that way); every reply still arrives, in order, then the end marker."""
+    import zmq
+
+    from bench_service import END_SEQ, REPLAY_CHUNK, RawPublisher
+
+    pubs = [RawPublisher(zmq_ctx) for _ in range(2)]
+    dealers = []
+    try:
+        for p in pubs:
+            p.sent.extend(bytes([i % 251]) * 3 for i in range(REPLAY_CHUNK * 2 + 5))
+            d = zmq_ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.connect(p.replay_endpoint)
+            d.send_multipart([b"", (3).to_bytes(8, "big")])
+            dealers.append(d)
+        got: list[list[int]] = [[], []]
+        ended = [False, False]
+        rounds = 0
+        while not all(ended):
+            rounds += 1
+            assert rounds < 50
+            for p in pubs:
+                p.serve_replay()
+            for i, d in enumerate(dealers):
+                n_round = 0
+                while d.poll(200 if not got[i] else 20):
+                    _, _, seq, payload = d.recv_multipart()
+                    if seq == END_SEQ:
+                        ended[i] = True
+                        break
+                    got[i].append(int.from_bytes(seq, "big"))
+                    assert payload == pubs[i].sent[got[i][-1]]
+                    n_round += 1
+                assert n_round <= REPLAY_CHUNK  # bounded per call
+        want = list(range(3, REPLAY_CHUNK * 2 + 5))
+        assert got == [want, want] and rounds >= 3 and not any(p.replays for p in pubs)
+    finally:
+        for d in dealers:
+            d.close(0)
+        for p in pubs:
+            p.close()
