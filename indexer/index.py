@@ -68,7 +68,8 @@ _SEQ_TYPES = (list, tuple, np.ndarray)
 
 
 class KVIndex:
-    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "rank_limits", "_models", "_accel")
+    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "rank_limits", "_models", "_accel",
+                 "slot_series")
 
     def __init__(
         self,
@@ -77,8 +78,15 @@ class KVIndex:
         orphan_grace_batches: int = 4,
         native: bool | None = None,
         rank_limits: RankLimits | None = None,
+        slot_series: tuple[int, int] = (1, 0),
     ) -> None:
+        """`slot_series` = (stride, offset): the worker slots this index hands out (ModelState); a
+        shard of `indexer.sharded.ShardedIndex` gets its own series."""
         self.weights = weights or TierWeights()
+        stride, offset = slot_series
+        if stride < 1 or not 0 <= offset < stride:
+            raise ValueError(f"slot_series must be (stride >= 1, 0 <= offset < stride), got {slot_series!r}")
+        self.slot_series = (stride, offset)
         self.rank_limits = rank_limits or RankLimits()
         self.trust_engine_hashes = trust_engine_hashes
         self.orphan_grace_batches = orphan_grace_batches
@@ -92,7 +100,8 @@ class KVIndex:
         return self._accel is not None
 
     def _new_model(self, model: str, block_size: int, trust: bool) -> ModelState:
-        return ModelState(model, block_size, trust, self._accel.new_map if self._accel is not None else dict)
+        return ModelState(model, block_size, trust, self._accel.new_map if self._accel is not None else dict,
+                          *self.slot_series)
 
     # --- namespaces -------------------------------------------------------------------------
     def ensure_model(self, model: str, block_size: int, trust_engine_hashes: bool | None = None) -> None:
@@ -239,7 +248,14 @@ class KVIndex:
     ) -> ScoreResult:
         """Score a token sequence. `extra_keys`: per full block, that block's vLLM extra keys or None.
         A model with more groups than its main tree (hybrid) scores usable prefixes on the pure core."""
-        m = self._model(model)
+        return self.score_model(self._model(model), token_ids, lora_name, cache_salt, workers, extra_keys)
+
+    def score_model(
+        self, m: Any, token_ids: Sequence[int] | np.ndarray, lora_name: str | None, cache_salt: str | None,
+        workers: Iterable[tuple[str, int]] | None, extra_keys: Sequence[Any] | None,
+    ) -> ScoreResult:
+        """`score` over a model object: this index's own, or a worker-sharded index's merged view of
+        its shards' models (indexer/sharded.py)."""
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
         wl = list(workers) if workers is not None else None
         native = self._accel is not None and (m.groups is None or not m.groups.hybrid)
@@ -258,7 +274,15 @@ class KVIndex:
         `score` serves: no accelerator, a hybrid model, tokens the C call does not take."""
         if self._accel is None or type(token_ids) not in _SEQ_TYPES:
             return None
-        m = self._model(model)
+        return self.score_table_model(self._model(model), token_ids, lora_name, cache_salt, workers)
+
+    def score_table_model(
+        self, m: Any, token_ids: Sequence[int] | np.ndarray, lora_name: str | None, cache_salt: str | None,
+        workers: Iterable[tuple[str, int]] | None,
+    ) -> ScoreTable | None:
+        """`score_table` over a model object (see `score_model`)."""
+        if self._accel is None or type(token_ids) not in _SEQ_TYPES:
+            return None
         if m.groups is not None and m.groups.hybrid:
             return None
         wl = list(workers) if workers is not None else None
@@ -266,7 +290,10 @@ class KVIndex:
 
     def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
         """Score pre-hashed blocks (keys from `indexer.hashing.query_keys`)."""
-        m = self._model(model)
+        return self.score_keys_model(self._model(model), keys, workers)
+
+    def score_keys_model(self, m: Any, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
+        """`score_keys` over a model object (see `score_model`)."""
         wl = list(workers) if workers is not None else None
         if self._accel is not None and type(keys) is list and (m.groups is None or not m.groups.hybrid):
             res = self._accel.score(m, keys, None, 0, self.weights, wl)

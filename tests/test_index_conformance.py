@@ -14,6 +14,7 @@ import pytest
 from indexer.core import native as native_core
 from indexer.index import KVIndex
 from indexer.protocol import Index
+from indexer.sharded import ShardedIndex
 from schemas.codec import encode_batch
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from support.reference import ReferenceIndex
@@ -22,10 +23,13 @@ BS = 2
 M = "m"
 
 
-@pytest.fixture(params=["native", "pure", "reference"])
+@pytest.fixture(params=["native", "pure", "reference", "sharded", "sharded-pure"])
 def ix(request) -> Any:
     if request.param == "reference":
         r = ReferenceIndex()
+    elif request.param.startswith("sharded"):  # 3 shards: "a", "b", "c" in shards 1, 2, 0
+        r = ShardedIndex(3, placement=lambda w: ord(w[0]) % 3, native=request.param == "sharded")
+        assert isinstance(r, Index)
     else:
         r = KVIndex(native=request.param == "native")
         assert isinstance(r, Index)

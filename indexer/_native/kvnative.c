@@ -1172,6 +1172,69 @@ static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ss
 }
 
 /* A list of ints as u64 keys; 1 when a key is not an int in [1, 2^64) (the Python walk judges it). */
+/* walk_core over the node tables of a worker-sharded index (indexer/sharded.py): the shards' workers
+ * hold disjoint slots, so a key's residency value is the OR of what each table holds for it, and the
+ * walk over those values is the one-index walk (the shared pool included: any shard's claim counts).
+ * Kept apart from walk_core so the one-table walk stays as it is. */
+static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py_ssize_t nk, const Py_ssize_t *slot,
+                      Py_ssize_t ns, WRow *rows) {
+    int W = 1;
+    for (Py_ssize_t t = 0; t < nm; t++) if (ms[t]->width > W) W = ms[t]->width;
+    unsigned char *st = PyMem_RawCalloc((size_t)(ns ? ns : 1), 3);
+    uint64_t *prev = PyMem_RawCalloc((size_t)W, sizeof(uint64_t)), *v = PyMem_RawCalloc((size_t)W, sizeof(uint64_t));
+    if (!st || !prev || !v) { PyMem_RawFree(st); PyMem_RawFree(prev); PyMem_RawFree(v); PyErr_NoMemory(); return -1; }
+    unsigned char *ac = st, *ad = st + ns, *ct = st + 2 * ns;
+    memset(rows, 0, sizeof(WRow) * (size_t)ns);
+    for (Py_ssize_t s = 0; s < ns; s++) ac[s] = ad[s] = 1;
+    Py_ssize_t nalive = ns, depth = 0, run = 0;
+    int have_prev = 0;
+    enum { PF_AHEAD = 4 };
+    for (Py_ssize_t j = 0; j < nk && nalive; j++) {
+        if (j + PF_AHEAD < nk) for (Py_ssize_t t = 0; t < nm; t++) pf_slot(ms[t], keys[j + PF_AHEAD]);
+        uint64_t k = keys[j];
+        int any = 0;
+        memset(v, 0, sizeof(uint64_t) * (size_t)W);
+        for (Py_ssize_t t = 0; t < nm && k; t++) {
+            int f = 0;
+            Py_ssize_t i = find(ms[t], k, &f);
+            if (!f) continue;
+            any = 1;
+            const uint64_t *tv = VALS(ms[t], i);
+            for (int w = 0; w < ms[t]->width; w++) v[w] |= tv[w];
+        }
+        if (!any) break; /* no shard holds it (callers never pass key 0: Python walks those) */
+        int same = have_prev;
+        for (int w = 0; w < W && same; w++) same = v[w] == prev[w];
+        if (same) { run++; continue; }
+        for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
+        depth += run;
+        run = 0;
+        int pool = 0;
+        for (int w = 0; w < W; w++) if (v[w] & 0x8888888888888888ULL) { pool = 1; break; }
+        for (Py_ssize_t s = 0; s < ns; s++) {
+            if (!ac[s]) continue;
+            Py_ssize_t word = slot[s] >> 4;
+            int nib = word < W ? (int)((v[word] >> (4 * (slot[s] & 15))) & 0xF) : 0;
+            if (ad[s] && !(nib & 1)) { rows[s].dev = depth; ad[s] = 0; }
+            if (!(nib & 7) && !pool) { rows[s].cach = depth; ac[s] = 0; nalive--; continue; }
+            ct[s] = (nib & 1) ? 0 : (nib & 2) ? 1 : (nib & 4) ? 2 : 3;
+        }
+        memcpy(prev, v, sizeof(uint64_t) * (size_t)W);
+        have_prev = 1;
+        run = 1;
+    }
+    for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
+    depth += run;
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        if (ad[s]) rows[s].dev = depth;
+        if (ac[s]) rows[s].cach = depth;
+    }
+    PyMem_RawFree(st);
+    PyMem_RawFree(prev);
+    PyMem_RawFree(v);
+    return 0;
+}
+
 static int keys_u64(PyObject *keys, uint64_t **out) {
     Py_ssize_t nk = PyList_GET_SIZE(keys);
     uint64_t *k = PyMem_RawMalloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
@@ -1393,13 +1456,30 @@ static int u32_keys(PyObject *toks, uint64_t seed, Py_ssize_t bs, uint64_t **kou
 static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"nodes", "keys", "tokens", "seed", "block_size", "slots", "worker_ids", "ranks",
                              "weights", "row_type", "tier_names", NULL};
-    U64Map *m;
-    PyObject *keys, *toks, *seedo, *slotso, *wids, *ranks, *wto, *cls, *names;
+    U64Map *m = NULL;
+    PyObject *nodeso, *keys, *toks, *seedo, *slotso, *wids, *ranks, *wto, *cls, *names;
     Py_ssize_t bs;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!OOOnO!O!O!O!OO!", kwlist, &U64MapType, &m, &keys, &toks, &seedo, &bs,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOnO!O!O!O!OO!", kwlist, &nodeso, &keys, &toks, &seedo, &bs,
                                      &PyList_Type, &slotso, &PyList_Type, &wids, &PyList_Type, &ranks, &PyTuple_Type,
                                      &wto, &cls, &PyTuple_Type, &names))
         return NULL;
+    /* nodes: one U64Map, or a tuple of them (the shards of a worker-sharded index: walk_multi) */
+    U64Map *const *ms = NULL;
+    Py_ssize_t nm = 1;
+    if (PyObject_TypeCheck(nodeso, &U64MapType)) m = (U64Map *)nodeso;
+    else if (PyTuple_Check(nodeso) && PyTuple_GET_SIZE(nodeso) > 0) {
+        nm = PyTuple_GET_SIZE(nodeso);
+        for (Py_ssize_t t = 0; t < nm; t++)
+            if (!PyObject_TypeCheck(PyTuple_GET_ITEM(nodeso, t), &U64MapType)) {
+                PyErr_SetString(PyExc_TypeError, "score_rows: nodes must be a U64Map or a tuple of them");
+                return NULL;
+            }
+        ms = (U64Map *const *)&PyTuple_GET_ITEM(nodeso, 0); /* the tuple's items, kept alive by the caller */
+        if (nm == 1) m = ms[0];
+    } else {
+        PyErr_SetString(PyExc_TypeError, "score_rows: nodes must be a U64Map or a tuple of them");
+        return NULL;
+    }
     Py_ssize_t ns = PyList_GET_SIZE(slotso);
     if (bs <= 0 || PyList_GET_SIZE(wids) != ns || PyList_GET_SIZE(ranks) != ns || PyTuple_GET_SIZE(wto) != 4 ||
         PyTuple_GET_SIZE(names) != 4)
@@ -1444,7 +1524,7 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
     if (slots_of(slotso, &slot) < 0) goto done;
     rows = PyMem_RawMalloc(sizeof(WRow) * (size_t)(ns ? ns : 1));
     if (!rows) { PyErr_NoMemory(); goto done; }
-    if (nk && ns) { if (walk_core(m, k, nk, slot, ns, rows) < 0) goto done; }
+    if (nk && ns) { if ((m ? walk_core(m, k, nk, slot, ns, rows) : walk_multi(ms, nm, k, nk, slot, ns, rows)) < 0) goto done; }
     else memset(rows, 0, sizeof(WRow) * (size_t)(ns ? ns : 1));
     if (cls == Py_None) { /* packed: no Python code runs, ids and ranks are not read */
         lst = pack_rows(rows, ns, wt, bs);

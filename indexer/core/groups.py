@@ -388,17 +388,28 @@ DUMP_GROUP = "kvatlas_dump/"
 _LETTERS = "FSM"  # FULL, SWA, MAMBA
 
 
-def dump_groups(m: ModelState, out: list[tuple[str, int, list[Any]]]) -> None:
-    t = m.groups
-    if t is None:
-        return
-    by_id = {(wid, r): evs for wid, r, evs in out}
+def group_heads(t: GroupTable) -> list[BlockStored]:
+    """The dump's head events of a model's groups: which groups exist, their kinds and windows."""
     heads = []
     if t.primary is not None:
         heads.append(BlockStored([], None, [], 0, medium="GPU", group_idx=t.primary, kv_cache_spec_kind=DUMP_GROUP + "F"))
     for gi, g in t.groups.items():
         heads.append(BlockStored([], None, [], 0, medium="GPU", group_idx=gi, kv_cache_spec_kind=DUMP_GROUP + _LETTERS[g.kind],
                                  kv_cache_spec_sliding_window=g.window))
+    return heads
+
+
+def is_group_head(e: Any) -> bool:
+    """A `group_heads` event."""
+    return isinstance(e, BlockStored) and not e.block_hashes and (e.kv_cache_spec_kind or "").startswith(DUMP_GROUP)
+
+
+def dump_groups(m: ModelState, out: list[tuple[str, int, list[Any]]]) -> None:
+    t = m.groups
+    if t is None:
+        return
+    by_id = {(wid, r): evs for wid, r, evs in out}
+    heads = group_heads(t)
     for w in m.workers:
         if w is None:
             continue

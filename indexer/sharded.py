@@ -1,0 +1,263 @@
+"""A worker-sharded index: n `KVIndex` shards behind the one `indexer.protocol.Index` interface.
+
+Why: the C apply is bound by memory latency, and one thread applies one event at a time. A worker's
+residency is its own, so the workers can be split over shards that share no table, and n threads
+(the service's ingest pipelines, `--ingest-shards`) can apply into n shards at once on n cores
+(docs/service.md, "Ingest shards"; `bench/bench_apply.py --shards`).
+
+Exactness: every call about one worker goes to its shard (`shard_of`, a stable hash of the worker id),
+so each shard holds exactly what one index would hold for its workers. Shard i hands out the worker
+slots i, i + n, i + 2n, ... (`KVIndex(slot_series=...)`), so the shards' residency values use
+disjoint bits, and a key's value in one index is the OR of its values in the shards. A query is
+scored over a merged view of the shards' models (`_Merged`): the C walk ORs the shards' tables
+(`score_rows` with a tuple of tables), the pure core reads the same OR through `_MergedNodes.get`,
+and the hybrid groups likewise — so the shared pool (any worker's claim counts for every worker) and
+the usable-prefix rules see what one index would. Trust mode is refused with more than one shard: its
+first-seen engine-hash map is shared by all the workers of a model.
+
+Concurrency: calls for workers of different shards touch different shards only and may run at the
+same time (the C run apply drops the GIL); calls spanning workers (scores, dumps, model changes)
+need every shard quiet — the caller's locks arrange that (router_api/locks.py).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from indexer.core.groups import group_heads, is_group_head
+from indexer.core.state import ModelState, WorkerState
+from indexer.core.types import ApplyStats, ScoreResult, ScoreTable
+from indexer.index import KVIndex
+from schemas.events import KVEvent, KVEventBatch
+
+WorkerDump = tuple[str, int, list[KVEvent]]
+
+
+class _MergedNodes(tuple):  # type: ignore[type-arg]
+    """The shards' node tables of one model: a tuple for the C walk, `.get` (OR of what the shards
+    hold, None when none does) for the pure core."""
+
+    __slots__ = ()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        v = None
+        for t in self:
+            x = t.get(key)
+            if x is not None:
+                v = x if v is None else v | x
+        return default if v is None else v
+
+
+class _MergedGroup:
+    __slots__ = ("kind", "span", "window", "nodes")
+
+    def __init__(self, first: Any, tables: list[Any]) -> None:
+        self.kind, self.span, self.window = first.kind, first.span, first.window
+        self.nodes = _MergedNodes(tables)
+
+
+class _MergedGroups:
+    """The shards' group tables (hybrid models) as the scoring reads them."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, tables: list[Any]) -> None:
+        self.groups: dict[int, _MergedGroup] = {}
+        for idx in sorted({i for t in tables for i in t.groups}):
+            gs = [t.groups[idx] for t in tables if idx in t.groups]
+            self.groups[idx] = _MergedGroup(gs[0], [g.nodes for g in gs])
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.groups)
+
+
+class _Merged:
+    """A read-only view of one model over all shards, with what the scoring reads of a ModelState."""
+
+    __slots__ = ("name", "block_size", "nodes", "workers", "by_id", "slot_mask", "groups", "_ranked", "_first")
+
+    def __init__(self, models: list[ModelState]) -> None:
+        first = models[0]
+        self._first = first
+        self.name = first.name
+        self.block_size = first.block_size
+        self.nodes = _MergedNodes(m.nodes for m in models)
+        self.by_id: dict[tuple[str, int], WorkerState] = {}
+        self.slot_mask = 0
+        for m in models:
+            self.by_id.update(m.by_id)
+            self.slot_mask |= m.slot_mask
+        self.workers = sorted(self.by_id.values(), key=lambda w: w.slot)
+        tables = [m.groups for m in models if m.groups is not None]
+        self.groups = _MergedGroups(tables) if tables else None
+        ws = sorted(self.by_id.values(), key=lambda w: (w.worker_id, w.dp_rank))
+        self._ranked = (ws, [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws])
+
+    def ranked(self) -> tuple[list[WorkerState], list[int], list[str], list[int]]:
+        return self._ranked
+
+    def seed(self, lora_name: str | None, cache_salt: str | None) -> int:
+        return self._first.seed(lora_name, cache_salt)
+
+
+class ShardedIndex:
+    """`n` KVIndex shards, workers split by id (module docstring)."""
+
+    __slots__ = ("shards", "_views", "_placement", "_placed")
+
+    def __init__(self, n: int = 2, placement: Callable[[str], int] | None = None, **kvindex_kwargs: Any) -> None:
+        """`placement(worker_id) -> shard` (default: a stable hash of the id); it must not change its
+        answer for a worker while the index lives."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"a sharded index needs at least one shard, got {n!r}")
+        if n > 1 and kvindex_kwargs.get("trust_engine_hashes"):
+            raise ValueError("trust_engine_hashes cannot be sharded: its first-seen hash map is shared by all "
+                             "the workers of a model (use one shard)")
+        if "slot_series" in kvindex_kwargs:
+            raise ValueError("the shards' slot series are the sharded index's own")
+        self.shards = [KVIndex(slot_series=(n, i), **kvindex_kwargs) for i in range(n)]
+        # model -> (the shard models and their `ranked` caches it was built from, groups seen, view)
+        self._views: dict[str, tuple[list[Any], _Merged]] = {}
+        self._placement = placement
+        self._placed: dict[str, int] = {}  # worker id -> shard, computed once
+
+    def shard_of(self, worker_id: str) -> int:
+        """The shard of a worker (the same for the life of the index; snapshots are routed again on load)."""
+        s = self._placed.get(worker_id)
+        if s is None:
+            if self._placement is not None:
+                s = self._placement(worker_id)
+                if not isinstance(s, int) or not 0 <= s < len(self.shards):
+                    raise ValueError(f"placement({worker_id!r}) = {s!r}: not a shard of {len(self.shards)}")
+            else:
+                digest = hashlib.blake2b(worker_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+                s = int.from_bytes(digest, "little") % len(self.shards)
+            self._placed[worker_id] = s
+        return s
+
+    def _of(self, worker_id: str) -> KVIndex:
+        return self.shards[self.shard_of(worker_id)]
+
+    @property
+    def native(self) -> bool:
+        return all(s.native for s in self.shards)
+
+    # --- namespaces -------------------------------------------------------------------------
+    def ensure_model(self, model: str, block_size: int, trust_engine_hashes: bool | None = None) -> None:
+        if trust_engine_hashes and len(self.shards) > 1:
+            raise ValueError("trust_engine_hashes cannot be sharded (see ShardedIndex)")
+        for s in self.shards:
+            s.ensure_model(model, block_size, trust_engine_hashes)
+
+    def models(self) -> dict[str, int]:
+        return self.shards[0].models()
+
+    # --- one worker: its shard ----------------------------------------------------------------
+    def apply(self, model: str, worker_id: str, dp_rank: int, batch: KVEventBatch) -> ApplyStats:
+        return self._of(worker_id).apply(model, worker_id, dp_rank, batch)
+
+    def apply_payload(
+        self, model: str, worker_id: str, dp_rank: int, payload: bytes, *, rank_from_batch: bool = False,
+    ) -> ApplyStats:
+        return self._of(worker_id).apply_payload(model, worker_id, dp_rank, payload, rank_from_batch=rank_from_batch)
+
+    def apply_run(
+        self, model: str, worker_id: str, rank: int, default_rank: int, payloads: list[bytes],
+    ) -> tuple[int, ApplyStats, ApplyStats | None]:
+        return self._of(worker_id).apply_run(model, worker_id, rank, default_rank, payloads)
+
+    def register_worker(self, model: str, worker_id: str, dp_rank: int = 0) -> None:
+        self._of(worker_id).register_worker(model, worker_id, dp_rank)
+
+    def clear_worker(self, model: str, worker_id: str, dp_rank: int | None = None) -> int:
+        return self._of(worker_id).clear_worker(model, worker_id, dp_rank)
+
+    def remove_worker(self, model: str, worker_id: str, dp_rank: int | None = None) -> int:
+        return self._of(worker_id).remove_worker(model, worker_id, dp_rank)
+
+    # --- every worker -------------------------------------------------------------------------
+    def workers(self, model: str) -> list[tuple[str, int]]:
+        return [k for s in self.shards for k in s.workers(model)]
+
+    def worker_stats(self, model: str) -> dict[tuple[str, int], dict[str, int]]:
+        out: dict[tuple[str, int], dict[str, int]] = {}
+        for s in self.shards:
+            out.update(s.worker_stats(model))
+        return out
+
+    def _view(self, model: str) -> _Merged:
+        """The merged view of `model`, rebuilt when a shard's model, membership or groups changed."""
+        ms = [s._model(model) for s in self.shards]
+        # identities: the model objects (load_dump replaces them), their `ranked` caches (reset on every
+        # membership change) and groups (a table appears with a model's first group; a group with its
+        # first store)
+        sig = [(m, m.ranked(), m.groups, len(m.groups.groups) if m.groups is not None else 0) for m in ms]
+        hit = self._views.get(model)
+        if hit is not None and all(a[0] is b[0] and a[1] is b[1] and a[2] is b[2] and a[3] == b[3]
+                                   for a, b in zip(hit[0], sig)):
+            return hit[1]
+        view = _Merged(ms)
+        self._views[model] = (sig, view)
+        return view
+
+    def score(
+        self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
+        cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> ScoreResult:
+        return self.shards[0].score_model(self._view(model), token_ids, lora_name, cache_salt, workers, extra_keys)
+
+    def score_table(
+        self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
+        cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None,
+    ) -> ScoreTable | None:
+        return self.shards[0].score_table_model(self._view(model), token_ids, lora_name, cache_salt, workers)
+
+    def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
+        return self.shards[0].score_keys_model(self._view(model), keys, workers)
+
+    def query_keys(
+        self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int]:
+        return self.shards[0].query_keys(model, token_ids, lora_name, cache_salt)
+
+    # --- snapshots ----------------------------------------------------------------------------
+    def dump(self, model: str) -> list[WorkerDump]:
+        """The shards' dumps together. One index writes its model's group heads (which groups exist,
+        their kinds) into every worker's entry; a shard knows only the groups its own workers brought,
+        so every entry gets the heads of all shards (a group whose only workers left would be lost)."""
+        out = [d for s in self.shards for d in s.dump(model)]
+        heads: dict[int | None, Any] = {}
+        for _, _, evs in out:
+            for e in evs:
+                if is_group_head(e):
+                    heads.setdefault(e.group_idx, e)
+        for s in self.shards:  # also of shards whose workers all left
+            t = s._model(model).groups
+            for e in group_heads(t) if t is not None else ():
+                heads.setdefault(e.group_idx, e)
+        if not heads:
+            return out
+        for i, (wid, rank, evs) in enumerate(out):
+            have = {e.group_idx for e in evs if is_group_head(e)}
+            missing = [e for gi, e in heads.items() if gi not in have]
+            if missing:  # before the entry's group events (after its main-tree events), where one index puts them
+                at = next((j for j, e in enumerate(evs) if is_group_head(e)), len(evs))
+                out[i] = (wid, rank, evs[:at] + missing + evs[at:])
+        return out
+
+    def load_dump(self, model: str, block_size: int, dump: list[WorkerDump]) -> int:
+        """Each worker's entry into its shard (every shard's model is replaced, as with one index)."""
+        parts: list[list[WorkerDump]] = [[] for _ in self.shards]
+        for d in dump:
+            parts[self.shard_of(d[0])].append(d)
+        return sum(s.load_dump(model, block_size, p) for s, p in zip(self.shards, parts))
+
+    def num_nodes(self, model: str) -> int:
+        """Node entries over the shards (a block held in two shards counts twice)."""
+        return sum(s.num_nodes(model) for s in self.shards)
