@@ -432,11 +432,11 @@ class Embedded:
 class Dynamo(Service):
     name = "dynamo"
 
-    def __init__(self, python: str) -> None:
+    def __init__(self, python: str, threads: int = 1) -> None:
         self.port = free_port()
         self.log = tempfile.TemporaryFile()  # its stderr, shown if it fails to start
         self.proc = subprocess.Popen(
-            [python, "-m", "dynamo.indexer", "--port", str(self.port), "--block-size", str(BS), "--threads", "1"],
+            [python, "-m", "dynamo.indexer", "--port", str(self.port), "--block-size", str(BS), "--threads", str(threads)],
             stdout=subprocess.DEVNULL, stderr=self.log)
         try:
             self.wait_up()
@@ -614,6 +614,11 @@ def main() -> int:
     ap.add_argument("--queries", type=int, default=200, help="timed queries per size and body format")
     ap.add_argument("--reps", type=int, default=3, help="fresh service pairs for the ingestion figures (median)")
     ap.add_argument("--bench-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
+    ap.add_argument("--ingest-shards", type=int, default=1,
+                    help="kvatlas's --ingest-shards (ingest pipelines on as many cores; default 1)")
+    ap.add_argument("--dynamo-threads", type=int, default=1,
+                    help="Dynamo's --threads (1: its single-threaded KvIndexer, as in issue 12's figures; "
+                         ">1: its ThreadPoolIndexer)")
     ap.add_argument("--asgi-peer", action="store_true",
                     help="also time a kvatlas started with --http-fast-path off (the ASGI front) in the same run")
     ap.add_argument("--client", choices=sorted(CLIENTS), default="lean",
@@ -633,7 +638,9 @@ def main() -> int:
         dyn_reason = f"{args.bench_python} missing: run bash bench/setup_bench_env.sh"
     elif (ROOT / ".venv-bench" / ".dynamo-install-failed").exists():
         dyn_reason = (ROOT / ".venv-bench" / ".dynamo-install-failed").read_text().strip()
-    makers: list[tuple[str, Callable[[], Service]]] = [("kvatlas", Kvatlas), ("dynamo", lambda: Dynamo(args.bench_python))]
+    shards = ("--ingest-shards", str(args.ingest_shards)) if args.ingest_shards != 1 else ()
+    makers: list[tuple[str, Callable[[], Service]]] = [
+        ("kvatlas", lambda: Kvatlas(*shards)), ("dynamo", lambda: Dynamo(args.bench_python, args.dynamo_threads))]
     ctx = zmq.Context()
     running: list[Service] = []
     pubs: list[RawPublisher] = []
@@ -739,8 +746,9 @@ def main() -> int:
               " raw PUB for both); backlog: SIGCONT -> last block visible, with everything queued while the"
               " service was stopped; CPU us/block is the service's own cost over the live run (all its threads,"
               " incl. the visibility queries)")
-        print("dynamo: --threads 1; its /query takes and answers JSON only, so the 'msgpack' (msgpack body and"
-              " answer) and 'binary' (raw u32 body, msgpack answer) rows compare against its JSON /query")
+        print(f"kvatlas: --ingest-shards {args.ingest_shards}; dynamo: --threads {args.dynamo_threads}; its /query "
+              "takes and answers JSON only, so the 'msgpack' (msgpack body and answer) and 'binary' (raw u32 body, "
+              "msgpack answer) rows compare against its JSON /query")
     return 0
 
 

@@ -34,6 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "resync_hold": 30.0,
     "max_body_mb": 8.0,
     "replay_timeout": 2.0,
+    "ingest_shards": 1,
     "log_format": "text",
 }
 
@@ -69,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resync-hold", type=float, help="seconds a resynced worker is reported 'resyncing' (default 30)")
     p.add_argument("--max-body-mb", type=float, help="request body limit in MiB; larger bodies get 413 (default 8)")
     p.add_argument("--replay-timeout", type=float, help="seconds to wait for a publisher's replay (default 2)")
+    p.add_argument("--ingest-shards", type=int, metavar="N",
+                   help="ingest pipelines, each with its own thread, sockets and index shard (workers split by "
+                        "id); >1 uses that many cores for ingestion; not with trust_engine_hashes (default 1)")
     p.add_argument("--http-fast-path", choices=("on", "off"),
                    help="answer /score and /query in uvicorn's protocol callbacks (default on; off: through "
                         "the ASGI front, for comparison)")
@@ -190,6 +194,7 @@ def build_config(args: argparse.Namespace) -> Any:
         max_msg_bytes=int(float(get("max_msg_mb")) * 1024 * 1024),
         replay_deadline_s=None if deadline is None else float(deadline),
         snapshot_load_timeout_s=float(get("snapshot_load_timeout")),
+        ingest_shards=get("ingest_shards"),  # checked by ServiceConfig (an integer, 1..64)
     )
 
 
@@ -268,6 +273,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except Exception as exc:  # msgspec.ValidationError for a bad static worker
         print(f"kvatlas indexer: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    if getattr(args, "nats", None) and config.ingest_shards > 1:
+        # The plane makes one JetStream consumer per replica (router_api/nats_plane.py), not one per pipeline.
+        print("kvatlas indexer: bad configuration: --ingest-shards > 1 cannot be combined with --nats",
+              file=sys.stderr)
         return 2
     fmt = getattr(args, "log_format", None) or DEFAULTS["log_format"]
     for h in logging.getLogger().handlers:

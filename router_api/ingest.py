@@ -23,6 +23,14 @@ and the run resumes after it; the outcome is the same as applying every batch al
 Resync: when the policy resyncs a worker its publisher is asked for a snapshot if the subscriber
 can (`request_snapshot`): a kvatlas producer answers in-stream with AllBlocksCleared + its full
 state, and that AllBlocksCleared makes the stream clean again.
+
+Ingest shards (`--ingest-shards N`, N >= 2): `IngestSet` runs N loops over an
+`indexer.sharded.ShardedIndex`, each with its own thread, subscriber (the sockets of its workers:
+`shard_of(worker_id) == i`) and lock (`ShardedLock.shard(i)`, router_api/locks.py). A loop's
+per-batch holds touch only its own workers — their index shard, their registry entries — so the
+loops apply in parallel. What spans workers (the policy tick, run by loop 0 only) takes
+`global_lock`, the whole ShardedLock, and only with nothing else held; callbacks into the service
+(which take the whole lock themselves) are called with no lock held.
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ from typing import Any, Callable
 
 from indexer import reconcile
 from indexer.protocol import Index
+from router_api.locks import ShardedLock
 from router_api.memtrim import MemoryTrimmer
 from router_api.metrics import ServiceMetrics
 from router_api.registry import Registry
@@ -154,7 +163,11 @@ class Subscription:
 
 
 class IngestLoop:
-    """Runs `Subscriber.poll` in its own thread and applies everything it delivers."""
+    """Runs `Subscriber.poll` in its own thread and applies everything it delivers.
+
+    Locks: `lock` is held for one batch / one run chunk / one gap or restart of one worker (its index
+    entries and its registry state); `global_lock` (default: `lock`) for what reads or changes every
+    worker (the tick), taken only with `lock` not held. One loop: both are the service's lock."""
 
     def __init__(
         self,
@@ -171,10 +184,18 @@ class IngestLoop:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         trimmer: MemoryTrimmer | None = None,
+        global_lock: threading.Lock | ShardedLock | None = None,
+        ticks: bool = True,
+        name: str = "kvatlas-ingest",
     ) -> None:
+        """`ticks`: run the liveness policy's tick (exactly one loop of a service does);
+        `name`: the thread's."""
         self.index = index
         self.registry = registry
         self.lock = lock
+        self.global_lock = lock if global_lock is None else global_lock
+        self._ticks = ticks
+        self._name = name
         self.metrics = metrics
         self.adapter = ApplyAdapter(index, metrics)
         self._subscriber_factory = subscriber_factory
@@ -202,8 +223,12 @@ class IngestLoop:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("ingest loop already started")
-        self._thread = threading.Thread(target=self._run, name="kvatlas-ingest", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
+
+    def request_stop(self) -> None:
+        """Ask the thread to finish its turn and stop (`stop` also waits for it)."""
+        self._stop.set()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -217,6 +242,10 @@ class IngestLoop:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def owns(self, thread: threading.Thread) -> bool:
+        """Whether `thread` is this loop's (a call from it must not wait for the loop)."""
+        return self._thread is not None and thread is self._thread
 
     def subscribe(self, reg: RegisterWorker, last_seq: int | None = None) -> Subscription:
         """Queue a subscription; a failure is also reported to `on_subscribe_failed` (which
@@ -280,7 +309,8 @@ class IngestLoop:
             log.debug("event=memory_trimmed trims=%d", self.trimmer.trims)
         if now >= next_tick:
             next_tick = now + self._tick_s
-            self._tick(now)
+            if self._ticks:
+                self._tick(now)
         return next_tick
 
     def _wait_command(self, sub: Any, timeout: float) -> None:
@@ -319,7 +349,7 @@ class IngestLoop:
             log.error("event=subscribe_error kind=%s worker=%s error=%r", cmd.kind, wid, exc)
             if cmd.kind == "add":
                 cmd.error = str(exc)
-                if self._on_subscribe_failed is not None:
+                if self._on_subscribe_failed is not None:  # takes the service's lock: none is held here
                     try:
                         self._on_subscribe_failed(wid, str(exc), cmd.reg)
                     except Exception:
@@ -511,11 +541,73 @@ class IngestLoop:
             self._carry_out(decision, wid, f"old_seq={d.old_seq} new_seq={d.new_seq}")
 
     def _tick(self, now: float) -> None:
-        with self.lock:
+        # Every worker's state, other loops' workers too: the global lock (nothing else is held here).
+        with self.global_lock:
             changes, expired = reconcile.on_tick(self.registry, now, self.registry.policy)
         for wid, old, new in changes:
             log.info("event=status worker=%s from=%s to=%s", wid, old, new)
         for wid in expired:
             log.warning("event=expired worker=%s reason=silent_past_remove_deadline", wid)
-            if self._on_expired is not None:
+            if self._on_expired is not None:  # takes the service's lock: called with none held
                 self._on_expired(wid)
+
+
+class IngestSet:
+    """N ingest loops, one per index shard, behind what the service uses of one `IngestLoop`:
+    start/stop, (un)subscribe routed to the worker's loop (`shard_of`), liveness and counters summed
+    over the loops. Loop i receives and applies only the workers with `shard_of(worker_id) == i`."""
+
+    __slots__ = ("loops", "_shard_of")
+
+    def __init__(self, loops: list[IngestLoop], shard_of: Callable[[str], int]) -> None:
+        if len(loops) < 2:
+            raise ValueError("an ingest set needs at least two loops (one loop is an IngestLoop)")
+        self.loops = list(loops)
+        self._shard_of = shard_of
+
+    def loop_of(self, worker_id: str) -> IngestLoop:
+        return self.loops[self._shard_of(worker_id)]
+
+    # -- control (any thread) ----------------------------------------------------------------
+    def start(self) -> None:
+        for loop in self.loops:
+            loop.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for loop in self.loops:  # all asked first: they wind down in parallel
+            loop.request_stop()
+        deadline = time.monotonic() + timeout
+        for loop in self.loops:
+            loop.stop(max(0.0, deadline - time.monotonic()))
+
+    def subscribe(self, reg: RegisterWorker, last_seq: int | None = None) -> Subscription:
+        return self.loop_of(reg.worker_id).subscribe(reg, last_seq)
+
+    def unsubscribe(self, worker_id: str) -> threading.Event:
+        return self.loop_of(worker_id).unsubscribe(worker_id)
+
+    # -- state (read by /health, snapshots, the dashboard) --------------------------------------
+    @property
+    def alive(self) -> bool:
+        """Every loop runs (one dead loop leaves its workers unread: the service is degraded)."""
+        return all(loop.alive for loop in self.loops)
+
+    @property
+    def threads(self) -> list[threading.Thread | None]:
+        return [loop.thread for loop in self.loops]
+
+    def owns(self, thread: threading.Thread) -> bool:
+        return any(loop.owns(thread) for loop in self.loops)
+
+    @property
+    def applied_batches(self) -> int:
+        return sum(loop.applied_batches for loop in self.loops)
+
+    @property
+    def deliveries(self) -> int:
+        return sum(loop.deliveries for loop in self.loops)
+
+    @property
+    def last_error(self) -> str | None:
+        """The first loop's last subscriber error, in loop order (None when none had one)."""
+        return next((loop.last_error for loop in self.loops if loop.last_error is not None), None)

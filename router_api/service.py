@@ -1,6 +1,10 @@
 """The indexer service: wires the KVIndex, the ingestion thread, the worker registry, metrics and
 snapshots together, and offers the operations the HTTP app exposes. start()/stop() own every
 thread; nothing here is global, so tests can run several services in one process.
+
+`ingest_shards` N > 1: a worker-sharded index and N ingest pipelines (`router_api.ingest.IngestSet`),
+each with its own thread, subscriber and shard lock; `self.lock` is then a `ShardedLock`, and every
+`with self.lock` below still excludes all ingestion (router_api/locks.py).
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ from indexer.core import native as native_core
 from indexer.core.types import ScoreTable, WorkerScore
 from schemas.codec import DEFAULT_MAX_PAYLOAD
 from router_api import answer
-from router_api.ingest import IngestLoop
+from router_api.ingest import IngestLoop, IngestSet
+from router_api.locks import MAX_SHARDS, ShardedLock
 from router_api.metrics import ServiceMetrics
 from indexer.protocol import Index
 from indexer.reconcile import LivenessPolicy
@@ -80,7 +85,7 @@ class ServiceConfig:
         "snapshot_interval_s", "auth_token", "tier_weights", "stale_after_s", "remove_after_s",
         "silent_engine_factor", "resync_hold_s", "max_body_bytes", "replay_timeout_s", "poll_ms",
         "trust_engine_hashes", "stats_ttl_s", "max_workers", "max_msg_bytes", "replay_deadline_s",
-        "replay_max_bytes", "snapshot_load_timeout_s", "subscribe_timeout_s",
+        "replay_max_bytes", "snapshot_load_timeout_s", "subscribe_timeout_s", "ingest_shards",
     )
 
     def __init__(
@@ -111,7 +116,9 @@ class ServiceConfig:
         replay_max_bytes: int = 256 * 1024 * 1024,
         snapshot_load_timeout_s: float = 10.0,
         subscribe_timeout_s: float = 5.0,
+        ingest_shards: int = 1,
     ) -> None:
+        check_ingest_shards(ingest_shards, trust_engine_hashes)
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if snapshot_interval_s <= 0:
@@ -150,6 +157,18 @@ class ServiceConfig:
         self.replay_max_bytes = replay_max_bytes
         self.snapshot_load_timeout_s = snapshot_load_timeout_s  # retry an unreachable store this long
         self.subscribe_timeout_s = subscribe_timeout_s
+        # Ingest pipelines (thread + sockets + index shard each); 1: one IngestLoop over one KVIndex.
+        self.ingest_shards = ingest_shards
+
+
+def check_ingest_shards(n: object, trust_engine_hashes: bool) -> None:
+    """ValueError unless `n` is a valid `ingest_shards` for this trust mode."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SHARDS:
+        raise ValueError(f"ingest_shards must be an integer from 1 to {MAX_SHARDS}, got {n!r}")
+    if n > 1 and trust_engine_hashes:
+        raise ValueError(f"ingest_shards={n} cannot be combined with trust_engine_hashes: trust mode keeps one "
+                         "first-seen engine-hash map for all the workers of a model, which shards would split "
+                         "(use ingest_shards=1)")
 
 
 def _default_index(config: ServiceConfig) -> Index:
@@ -160,6 +179,10 @@ def _default_index(config: ServiceConfig) -> Index:
         from indexer.index import TierWeights
 
         weights = TierWeights(**config.tier_weights)
+    if config.ingest_shards > 1:
+        from indexer.sharded import ShardedIndex
+
+        return ShardedIndex(config.ingest_shards, weights=weights, trust_engine_hashes=config.trust_engine_hashes)
     return KVIndex(weights=weights, trust_engine_hashes=config.trust_engine_hashes)
 
 
@@ -227,7 +250,13 @@ class IndexerService:
     ) -> None:
         self.config = config
         self.clock = clock
+        shards = config.ingest_shards
+        check_ingest_shards(shards, config.trust_engine_hashes)  # the config's fields may be set after it was made
         self.index: Index = index if index is not None else _default_index(config)
+        if shards > 1 and (not callable(getattr(self.index, "shard_of", None))
+                           or len(getattr(self.index, "shards", ())) != shards):
+            raise ValueError(f"ingest_shards={shards} needs an index of {shards} worker shards "
+                             f"(indexer.sharded.ShardedIndex), got {type(self.index).__name__}")
         self.registry = Registry(LivenessPolicy(
             stale_after_s=config.stale_after_s, remove_after_s=config.remove_after_s,
             silent_engine_factor=config.silent_engine_factor, resync_hold_s=config.resync_hold_s,
@@ -235,14 +264,33 @@ class IndexerService:
         self.metrics = ServiceMetrics()
         self.core = core_name(self.index)
         self.metrics.index_core.set(self.core, value=1.0)
-        self.lock = threading.Lock()
         self.store = snapshot_store if snapshot_store is not None else make_snapshot_store(
             config.snapshot_target, key=config.snapshot_key)
-        self.ingest = IngestLoop(
-            index=self.index, registry=self.registry, lock=self.lock, metrics=self.metrics,
-            subscriber_factory=subscriber_factory or _default_subscriber(config),
-            on_expired=self._expire, on_subscribe_failed=self._subscribe_failed, poll_ms=config.poll_ms, clock=clock,
-        )
+        factory = subscriber_factory or _default_subscriber(config)
+        # Guards the index and the registry together; every `with self.lock` here is exclusive (with
+        # ingest shards: all the shards' locks, router_api/locks.py).
+        self.lock: threading.Lock | ShardedLock
+        self.ingest: IngestLoop | IngestSet
+        if shards == 1:
+            self.lock = threading.Lock()
+            self.ingest = IngestLoop(
+                index=self.index, registry=self.registry, lock=self.lock, metrics=self.metrics,
+                subscriber_factory=factory,
+                on_expired=self._expire, on_subscribe_failed=self._subscribe_failed, poll_ms=config.poll_ms,
+                clock=clock,
+            )
+        else:
+            # One pipeline per index shard: its own thread, subscriber (`factory` is called once per
+            # loop, on its thread) and lock; loop 0 alone runs the policy tick.
+            self.lock = ShardedLock(shards)
+            self.ingest = IngestSet([
+                IngestLoop(
+                    index=self.index, registry=self.registry, lock=self.lock.shard(i), global_lock=self.lock,
+                    metrics=self.metrics, subscriber_factory=factory, on_expired=self._expire,
+                    on_subscribe_failed=self._subscribe_failed, poll_ms=config.poll_ms, clock=clock,
+                    ticks=i == 0, name=f"kvatlas-ingest-{i}",
+                ) for i in range(shards)
+            ], self.index.shard_of)  # type: ignore[attr-defined]
         self.generation = 0
         self.started_at = clock()
         self.restored_from: int | None = None  # generation of the snapshot we started from
@@ -284,10 +332,11 @@ class IndexerService:
             self._snap_thread = threading.Thread(target=self._snapshot_loop, name="kvatlas-snapshot",
                                                  daemon=True)
             self._snap_thread.start()
-        log.info("event=service_started model=%s block_size=%d workers=%d snapshot=%s auth=%s",
+        log.info("event=service_started model=%s block_size=%d workers=%d snapshot=%s auth=%s%s",
                  self.config.model, self.config.block_size, len(self.registry),
                  self.store.description if self.store else "none",
-                 "on" if self.config.auth_token else "off")
+                 "on" if self.config.auth_token else "off",
+                 f" ingest_shards={self.config.ingest_shards}" if self.config.ingest_shards > 1 else "")
 
     def stop(self, final_snapshot: bool = True) -> None:
         self._snap_stop.set()
@@ -316,7 +365,7 @@ class IndexerService:
             status = self._status_of(reg.worker_id, self.clock())
         self._membership += 1
         sub = self.ingest.subscribe(reg, last_seq)
-        if self.ingest.alive and threading.current_thread() is not self.ingest.thread:
+        if self.ingest.alive and not self.ingest.owns(threading.current_thread()):
             # Answer only once the subscription exists: a failed one is undone, never a 201.
             error = sub.wait(self.config.subscribe_timeout_s)
             if error is not None:

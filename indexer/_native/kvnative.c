@@ -533,8 +533,12 @@ typedef struct {
                       lookup touches one cache line, not two. Values are little-endian words. */
     Py_ssize_t cap, used;
     int width;
+    int pool; /* a value has held a shared-pool bit (bit 3 of a nibble) since the map was made: sticky,
+                 so walk_multi may skip a shard whose workers are all out of a walk only when 0 */
     PyObject *other; /* dict for keys that are not ints in [1, 2^64) */
 } U64Map;
+
+#define POOL_BITS 0x8888888888888888ULL
 
 static PyTypeObject U64MapType;
 #define MIN_CAP 8
@@ -759,6 +763,7 @@ static int set_val(U64Map *m, uint64_t k, PyObject *v) {
         uint64_t *dst = VALS(m, i);
         memset(dst, 0, sizeof(uint64_t) * m->width);
         dst[0] = x;
+        if (x & POOL_BITS) m->pool = 1;
         return 0;
     }
     if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
@@ -783,6 +788,7 @@ static int set_val(U64Map *m, uint64_t k, PyObject *v) {
     if (i < 0) { Py_DECREF(b); return -1; }
     memcpy(VALS(m, i), PyBytes_AS_STRING(b), sizeof(uint64_t) * m->width);
     Py_DECREF(b);
+    for (int w = 0; w < m->width; w++) if (VALS(m, i)[w] & POOL_BITS) m->pool = 1;
     return 0;
 }
 
@@ -844,6 +850,7 @@ static int U64Map_ass(U64Map *m, PyObject *key, PyObject *v) {
             PyErr_SetString(PyExc_TypeError, "U64Map values must be non-negative ints");
             return -1;
         }
+        m->pool = 1; /* (key 0's node: rare; not worth reading the int) */
         return PyDict_SetItem(m->other, key, v);
     }
     return PyDict_DelItem(m->other, key);
@@ -962,6 +969,7 @@ static int set_u64(U64Map *m, PyObject *key, uint64_t val) {
         uint64_t *dst = VALS(m, i);
         memset(dst, 0, sizeof(uint64_t) * m->width);
         dst[0] = val;
+        if (val & POOL_BITS) m->pool = 1;
         return 0;
     }
     PyObject *v = PyLong_FromUnsignedLongLong(val);
@@ -1011,7 +1019,7 @@ static int node_bit(U64Map *m, uint64_t key, int pos, int op) {
     }
     uint64_t *v = VALS(m, i) + word;
     int was = (*v & b) != 0;
-    if (op == 1) *v |= b;
+    if (op == 1) { *v |= b; if ((pos & 3) == 3) m->pool = 1; }
     else if (op == 2) *v &= ~b;
     return was;
 }
@@ -1183,24 +1191,42 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
     unsigned char *st = PyMem_RawCalloc((size_t)(ns ? ns : 1), 3);
     uint64_t *prev = PyMem_RawCalloc((size_t)W, sizeof(uint64_t)), *v = PyMem_RawCalloc((size_t)W, sizeof(uint64_t));
     if (!st || !prev || !v) { PyMem_RawFree(st); PyMem_RawFree(prev); PyMem_RawFree(v); PyErr_NoMemory(); return -1; }
+    /* Slot s belongs to shard s % nm (shard i's series is i, i + nm, ...). A shard none of whose
+     * scored workers is still in the walk, and that never held a pool bit, cannot change the walk's
+     * outcome for the rest (its bits are dead slots'; a key only it holds ends the walk for the
+     * others either way): it is not probed. For one worker's document that is one probe per key. */
+    Py_ssize_t *talive = PyMem_RawCalloc((size_t)nm, sizeof(Py_ssize_t));
+    if (!talive) { PyMem_RawFree(st); PyMem_RawFree(prev); PyMem_RawFree(v); PyErr_NoMemory(); return -1; }
     unsigned char *ac = st, *ad = st + ns, *ct = st + 2 * ns;
     memset(rows, 0, sizeof(WRow) * (size_t)ns);
-    for (Py_ssize_t s = 0; s < ns; s++) ac[s] = ad[s] = 1;
+    for (Py_ssize_t s = 0; s < ns; s++) { ac[s] = ad[s] = 1; talive[slot[s] % nm]++; }
     Py_ssize_t nalive = ns, depth = 0, run = 0;
     int have_prev = 0;
     enum { PF_AHEAD = 4 };
     for (Py_ssize_t j = 0; j < nk && nalive; j++) {
-        if (j + PF_AHEAD < nk) for (Py_ssize_t t = 0; t < nm; t++) pf_slot(ms[t], keys[j + PF_AHEAD]);
+        if (j + PF_AHEAD < nk)
+            for (Py_ssize_t t = 0; t < nm; t++) if (talive[t] || ms[t]->pool) pf_slot(ms[t], keys[j + PF_AHEAD]);
         uint64_t k = keys[j];
-        int any = 0;
-        memset(v, 0, sizeof(uint64_t) * (size_t)W);
-        for (Py_ssize_t t = 0; t < nm && k; t++) {
+        int any = 0, active = 0;
+        Py_ssize_t last = 0;
+        for (Py_ssize_t t = 0; t < nm; t++) if (talive[t] || ms[t]->pool) { active++; last = t; }
+        if (active == 1 && ms[last]->width == W) { /* the common case: one shard left to read, no copy */
             int f = 0;
-            Py_ssize_t i = find(ms[t], k, &f);
-            if (!f) continue;
+            Py_ssize_t i = k ? find(ms[last], k, &f) : 0;
+            if (!f) break;
+            memcpy(v, VALS(ms[last], i), sizeof(uint64_t) * (size_t)W);
             any = 1;
-            const uint64_t *tv = VALS(ms[t], i);
-            for (int w = 0; w < ms[t]->width; w++) v[w] |= tv[w];
+        } else {
+            memset(v, 0, sizeof(uint64_t) * (size_t)W);
+            for (Py_ssize_t t = 0; t < nm && k; t++) {
+                if (!talive[t] && !ms[t]->pool) continue;
+                int f = 0;
+                Py_ssize_t i = find(ms[t], k, &f);
+                if (!f) continue;
+                any = 1;
+                const uint64_t *tv = VALS(ms[t], i);
+                for (int w = 0; w < ms[t]->width; w++) v[w] |= tv[w];
+            }
         }
         if (!any) break; /* no shard holds it (callers never pass key 0: Python walks those) */
         int same = have_prev;
@@ -1216,7 +1242,7 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
             Py_ssize_t word = slot[s] >> 4;
             int nib = word < W ? (int)((v[word] >> (4 * (slot[s] & 15))) & 0xF) : 0;
             if (ad[s] && !(nib & 1)) { rows[s].dev = depth; ad[s] = 0; }
-            if (!(nib & 7) && !pool) { rows[s].cach = depth; ac[s] = 0; nalive--; continue; }
+            if (!(nib & 7) && !pool) { rows[s].cach = depth; ac[s] = 0; nalive--; talive[slot[s] % nm]--; continue; }
             ct[s] = (nib & 1) ? 0 : (nib & 2) ? 1 : (nib & 4) ? 2 : 3;
         }
         memcpy(prev, v, sizeof(uint64_t) * (size_t)W);
@@ -1232,6 +1258,7 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
     PyMem_RawFree(st);
     PyMem_RawFree(prev);
     PyMem_RawFree(v);
+    PyMem_RawFree(talive);
     return 0;
 }
 
@@ -1463,7 +1490,8 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
                                      &PyList_Type, &slotso, &PyList_Type, &wids, &PyList_Type, &ranks, &PyTuple_Type,
                                      &wto, &cls, &PyTuple_Type, &names))
         return NULL;
-    /* nodes: one U64Map, or a tuple of them (the shards of a worker-sharded index: walk_multi) */
+    /* nodes: one U64Map, or a tuple of them: the shards of a worker-sharded index (indexer/sharded.py),
+     * shard i's workers holding the slots i, i + n, ... (walk_multi relies on it) */
     U64Map *const *ms = NULL;
     Py_ssize_t nm = 1;
     if (PyObject_TypeCheck(nodeso, &U64MapType)) m = (U64Map *)nodeso;
