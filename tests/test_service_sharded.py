@@ -417,3 +417,30 @@ def test_sharded_lock() -> None:
     for bad in (0, 65, True):
         with pytest.raises(ValueError):
             ShardedLock(bad)
+
+
+def test_whole_lock_never_holds_a_shard_while_waiting_for_another() -> None:
+    """A /score (the whole lock) that waits for a busy pipeline's shard must not sit on the other
+    shards meanwhile: that stalled every pipeline behind one chunk (docs/service.md, "Session 6")."""
+    lock = ShardedLock(3)
+    busy = lock.shard(1)
+    busy.acquire()  # pipeline 1 in the middle of a chunk
+    got = threading.Event()
+
+    def whole() -> None:
+        with lock:
+            got.set()
+
+    t = threading.Thread(target=whole, daemon=True)
+    t.start()
+    try:
+        # the other pipelines keep getting their shards while the whole-lock taker waits
+        for _ in range(50):
+            for i in (0, 2):
+                assert lock.shard(i).acquire(timeout=2.0), f"shard {i} held by a waiter"
+                lock.shard(i).release()
+        assert not got.is_set()
+    finally:
+        busy.release()
+    t.join(5.0)
+    assert got.is_set() and not lock.locked()
