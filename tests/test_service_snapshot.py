@@ -61,10 +61,12 @@ def test_redis_store_generation_and_failures(redis_server: RedisServer) -> None:
         dead.load()
 
 
-def test_service_snapshot_round_trip_to_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shards", [(1, 1), (2, 1), (1, 2)], ids=["one", "two-to-one", "one-to-two"])
+def test_service_snapshot_round_trip_to_file(tmp_path: Path, shards: tuple[int, int]) -> None:
+    """(With ingest shards too: a snapshot is per worker, so it restores into any number of shards.)"""
     target = str(tmp_path / "kv.snap")
     cfg = ServiceConfig(port=free_port(), block_size=BS, snapshot_target=target, snapshot_interval_s=3600,
-                        stats_ttl_s=0.0)
+                        stats_ttl_s=0.0, ingest_shards=shards[0])
     a = LiveIndexer(cfg).start()
     fleet = Fleet(a.client, 3, seed=11)
     try:
@@ -78,7 +80,7 @@ def test_service_snapshot_round_trip_to_file(tmp_path: Path) -> None:
         assert {w.reg.worker_id: w.last_seq for w in snap.workers} == dump_a["watermarks"]
 
         b = LiveIndexer(ServiceConfig(port=free_port(), block_size=BS, snapshot_target=target,
-                                      snapshot_interval_s=3600, stats_ttl_s=0.0)).start()
+                                      snapshot_interval_s=3600, stats_ttl_s=0.0, ingest_shards=shards[1])).start()
         try:
             assert b.service.restored_from == snap.generation
             dump_b = b.client.get("/dump").json()
@@ -95,10 +97,12 @@ def test_service_snapshot_round_trip_to_file(tmp_path: Path) -> None:
         fleet.close()
 
 
-def test_kill_and_restart_from_redis_mid_stream(redis_server: RedisServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("shards", [1, 2])
+def test_kill_and_restart_from_redis_mid_stream(redis_server: RedisServer, tmp_path: Path, shards: int) -> None:
     port = free_port()
-    args = ("--block-size", str(BS), "--snapshot", redis_server.url, "--snapshot-key", "kv:test",
-            "--snapshot-interval", "0.2", "--stale-after", "60", "--replay-timeout", "2")
+    args = ("--block-size", str(BS), "--snapshot", redis_server.url, "--snapshot-key", f"kv:test{shards}",
+            "--snapshot-interval", "0.2", "--stale-after", "60", "--replay-timeout", "2",
+            "--ingest-shards", str(shards))
     proc = KVIndexerProcess(port, *args, log_path=tmp_path / "indexer-1.log")
     proc.wait_ready()
     rds = redis.Redis.from_url(redis_server.url)
@@ -109,7 +113,7 @@ def test_kill_and_restart_from_redis_mid_stream(redis_server: RedisServer, tmp_p
         fleet.settle(marks)
         # Wait for a periodic snapshot (every 0.2 s when something changed) that holds this state.
         def snapshotted() -> bool:
-            raw = rds.get("kv:test")
+            raw = rds.get(f"kv:test{shards}")
             snap = decode_snapshot(raw) if raw else None
             return snap is not None and all((w.last_seq or -1) >= marks[w.reg.worker_id] for w in snap.workers) \
                 and len(snap.workers) == 4
@@ -137,7 +141,7 @@ def test_kill_and_restart_from_redis_mid_stream(redis_server: RedisServer, tmp_p
         t.join(30)
         for p in fleet.pubs.values():
             p.flush(10)
-        snap = decode_snapshot(rds.get("kv:test"))
+        snap = decode_snapshot(rds.get(f"kv:test{shards}"))
         assert {w.reg.worker_id for w in snap.workers} == set(fleet.sims)
         # The snapshot is behind the stream: the restart must replay, not just reload.
         assert any((w.last_seq or 0) < target[w.reg.worker_id] for w in snap.workers)
