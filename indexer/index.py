@@ -68,8 +68,7 @@ _SEQ_TYPES = (list, tuple, np.ndarray)
 
 
 class KVIndex:
-    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "rank_limits", "_models", "_accel",
-                 "slot_series")
+    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "rank_limits", "_models", "_accel")
 
     def __init__(
         self,
@@ -78,15 +77,8 @@ class KVIndex:
         orphan_grace_batches: int = 4,
         native: bool | None = None,
         rank_limits: RankLimits | None = None,
-        slot_series: tuple[int, int] = (1, 0),
     ) -> None:
-        """`slot_series` = (stride, offset): the worker slots this index hands out (ModelState); a
-        shard of `indexer.sharded.ShardedIndex` gets its own series."""
         self.weights = weights or TierWeights()
-        stride, offset = slot_series
-        if stride < 1 or not 0 <= offset < stride:
-            raise ValueError(f"slot_series must be (stride >= 1, 0 <= offset < stride), got {slot_series!r}")
-        self.slot_series = (stride, offset)
         self.rank_limits = rank_limits or RankLimits()
         self.trust_engine_hashes = trust_engine_hashes
         self.orphan_grace_batches = orphan_grace_batches
@@ -100,8 +92,7 @@ class KVIndex:
         return self._accel is not None
 
     def _new_model(self, model: str, block_size: int, trust: bool) -> ModelState:
-        return ModelState(model, block_size, trust, self._accel.new_map if self._accel is not None else dict,
-                          *self.slot_series)
+        return ModelState(model, block_size, trust, self._accel.new_map if self._accel is not None else dict)
 
     # --- namespaces -------------------------------------------------------------------------
     def ensure_model(self, model: str, block_size: int, trust_engine_hashes: bool | None = None) -> None:

@@ -6,13 +6,13 @@ residency is its own, so the workers can be split over shards that share no tabl
 (docs/service.md, "Session 6"; `bench/bench_apply.py --shards`).
 
 Exactness: every call about one worker goes to its shard (`shard_of`, a stable hash of the worker id),
-so each shard holds exactly what one index would hold for its workers. Shard i hands out the worker
-slots i, i + n, i + 2n, ... (`KVIndex(slot_series=...)`), so the shards' residency values use
-disjoint bits, and a key's value in one index is the OR of its values in the shards. A query is
-scored over a merged view of the shards' models (`_Merged`): the C walk ORs the shards' tables
-(`score_rows` with a tuple of tables), the pure core reads the same OR through `_MergedNodes.get`,
-and the hybrid groups likewise — so the shared pool (any worker's claim counts for every worker) and
-the usable-prefix rules see what one index would. Trust mode is refused with more than one shard: its
+so each shard holds exactly what one index would hold for its workers, in its own worker slots (so
+its residency words are only as wide as its share of the fleet needs). A query is scored over a
+merged view of the shards' models (`_Merged`), in which shard t's worker l is slot l * n + t: the C
+walk reads each worker's nibble from its own shard's value for the key (`score_rows` with a tuple of
+tables), the pure core and the hybrid groups read the shards' values spread into that layout and
+OR-ed (`_MergedNodes.get`) — so the shared pool (any worker's claim counts for every worker) and the
+usable-prefix rules see what one index would. Trust mode is refused with more than one shard: its
 first-seen engine-hash map is shared by all the workers of a model.
 
 Concurrency: calls for workers of different shards touch different shards only and may run at the
@@ -36,17 +36,32 @@ from schemas.events import KVEvent, KVEventBatch
 WorkerDump = tuple[str, int, list[KVEvent]]
 
 
+def _spread(x: int, n: int, t: int) -> int:
+    """Shard t's residency value in the merged layout: its worker l's nibble at slot l * n + t."""
+    out, sh, step = 0, 4 * t, 4 * n
+    while x:
+        nib = x & 15
+        if nib:
+            out |= nib << sh
+        x >>= 4
+        sh += step
+    return out
+
+
 class _MergedNodes(tuple):  # type: ignore[type-arg]
-    """The shards' node tables of one model: a tuple for the C walk, `.get` (OR of what the shards
-    hold, None when none does) for the pure core."""
+    """The shards' node tables of one model: a tuple for the C walk (`score_rows` reads merged slot s
+    as shard s % n's worker s // n), `.get` for the pure core — the shards' values spread into that
+    layout and OR-ed, None when no shard holds the key."""
 
     __slots__ = ()
 
     def get(self, key: Any, default: Any = None) -> Any:
         v = None
-        for t in self:
-            x = t.get(key)
+        n = len(self)
+        for t, table in enumerate(self):
+            x = table.get(key)
             if x is not None:
+                x = _spread(x, n, t)
                 v = x if v is None else v | x
         return default if v is None else v
 
@@ -56,7 +71,7 @@ class _MergedGroup:
 
     def __init__(self, first: Any, tables: list[Any]) -> None:
         self.kind, self.span, self.window = first.kind, first.span, first.window
-        self.nodes = _MergedNodes(tables)
+        self.nodes = _MergedNodes(tables)  # one per shard (an empty map where the shard lacks the group)
 
 
 class _MergedGroups:
@@ -64,11 +79,13 @@ class _MergedGroups:
 
     __slots__ = ("groups",)
 
-    def __init__(self, tables: list[Any]) -> None:
+    def __init__(self, tables: list[Any], n: int) -> None:
+        """`tables`: each shard's GroupTable or None (position = shard)."""
         self.groups: dict[int, _MergedGroup] = {}
-        for idx in sorted({i for t in tables for i in t.groups}):
-            gs = [t.groups[idx] for t in tables if idx in t.groups]
-            self.groups[idx] = _MergedGroup(gs[0], [g.nodes for g in gs])
+        for idx in sorted({i for t in tables if t is not None for i in t.groups}):
+            gs = [t.groups[idx] for t in tables if t is not None and idx in t.groups]
+            self.groups[idx] = _MergedGroup(gs[0], [t.groups[idx].nodes if t is not None and idx in t.groups
+                                                    else {} for t in tables])
 
     @property
     def hybrid(self) -> bool:
@@ -76,7 +93,8 @@ class _MergedGroups:
 
 
 class _Merged:
-    """A read-only view of one model over all shards, with what the scoring reads of a ModelState."""
+    """A read-only view of one model over all shards, with what the scoring reads of a ModelState:
+    the shards' workers as stand-ins numbered in the merged layout (slot l of shard t: l * n + t)."""
 
     __slots__ = ("name", "block_size", "nodes", "workers", "by_id", "slot_mask", "groups", "_ranked", "_first")
 
@@ -85,15 +103,17 @@ class _Merged:
         self._first = first
         self.name = first.name
         self.block_size = first.block_size
+        n = len(models)
         self.nodes = _MergedNodes(m.nodes for m in models)
         self.by_id: dict[tuple[str, int], WorkerState] = {}
         self.slot_mask = 0
-        for m in models:
-            self.by_id.update(m.by_id)
-            self.slot_mask |= m.slot_mask
+        for t, m in enumerate(models):
+            for k, w in m.by_id.items():
+                self.by_id[k] = WorkerState(w.worker_id, w.dp_rank, w.slot * n + t, w.ext)
+            self.slot_mask |= _spread(m.slot_mask, n, t)
         self.workers = sorted(self.by_id.values(), key=lambda w: w.slot)
-        tables = [m.groups for m in models if m.groups is not None]
-        self.groups = _MergedGroups(tables) if tables else None
+        tables = [m.groups for m in models]
+        self.groups = _MergedGroups(tables, n) if any(t is not None for t in tables) else None
         ws = sorted(self.by_id.values(), key=lambda w: (w.worker_id, w.dp_rank))
         self._ranked = (ws, [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws])
 
@@ -117,9 +137,7 @@ class ShardedIndex:
         if n > 1 and kvindex_kwargs.get("trust_engine_hashes"):
             raise ValueError("trust_engine_hashes cannot be sharded: its first-seen hash map is shared by all "
                              "the workers of a model (use one shard)")
-        if "slot_series" in kvindex_kwargs:
-            raise ValueError("the shards' slot series are the sharded index's own")
-        self.shards = [KVIndex(slot_series=(n, i), **kvindex_kwargs) for i in range(n)]
+        self.shards = [KVIndex(**kvindex_kwargs) for _ in range(n)]
         # model -> (the shard models and their `ranked` caches it was built from, groups seen, view)
         self._views: dict[str, tuple[list[Any], _Merged]] = {}
         self._placement = placement

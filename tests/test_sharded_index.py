@@ -114,23 +114,3 @@ def test_trust_mode_is_refused_with_more_than_one_shard() -> None:
     with pytest.raises(ValueError):
         ShardedIndex(0)
 
-
-def test_slot_series_survive_compaction() -> None:
-    """A shard's workers only ever hold its own slots (offset, offset + stride, ...), through removals
-    and the compaction that moves the highest worker down."""
-    from indexer.core.state import ModelState
-
-    m = ModelState("m", BS, False, slot_stride=3, slot_offset=1)
-    ws = [m.worker(f"w{i}", 0) for i in range(40)]
-    assert [w.slot for w in ws] == [1 + 3 * i for i in range(40)]
-    rng = random.Random(7)
-    for w in rng.sample(ws, 30):
-        m.remove(w)
-        live = [x for x in m.workers if x is not None]
-        assert all((x.slot - 1) % 3 == 0 and m.workers[x.slot] is x and x.shift == 4 * x.slot for x in live)
-        assert all((s - 1) % 3 == 0 and m.workers[s] is None for s in m.free_slots)
-    assert len(m.by_id) == 10 and max(x.slot for x in m.by_id.values()) < 64  # compacted into one word
-    w = m.worker("new", 0)
-    assert (w.slot - 1) % 3 == 0
-    with pytest.raises(ValueError):
-        ModelState("m", BS, False, slot_stride=2, slot_offset=2)

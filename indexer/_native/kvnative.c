@@ -1180,23 +1180,29 @@ static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ss
 }
 
 /* A list of ints as u64 keys; 1 when a key is not an int in [1, 2^64) (the Python walk judges it). */
-/* walk_core over the node tables of a worker-sharded index (indexer/sharded.py): the shards' workers
- * hold disjoint slots, so a key's residency value is the OR of what each table holds for it, and the
- * walk over those values is the one-index walk (the shared pool included: any shard's claim counts).
- * Kept apart from walk_core so the one-table walk stays as it is. */
+/* walk_core over the node tables of a worker-sharded index (indexer/sharded.py). Shard t of nm numbers
+ * its workers 0, 1, ... in its own table; the walk's slot s stands for shard s % nm's worker s / nm.
+ * A key's residency for the walk is every shard's value for it (missing: all zero), a worker's nibble
+ * read from its own shard's, the shared pool any shard's claim — the one-index walk over the same
+ * residency. Kept apart from walk_core so the one-table walk stays as it is. */
 static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py_ssize_t nk, const Py_ssize_t *slot,
                       Py_ssize_t ns, WRow *rows) {
     int W = 1;
     for (Py_ssize_t t = 0; t < nm; t++) if (ms[t]->width > W) W = ms[t]->width;
     unsigned char *st = PyMem_RawCalloc((size_t)(ns ? ns : 1), 3);
-    uint64_t *prev = PyMem_RawCalloc((size_t)W, sizeof(uint64_t)), *v = PyMem_RawCalloc((size_t)W, sizeof(uint64_t));
-    if (!st || !prev || !v) { PyMem_RawFree(st); PyMem_RawFree(prev); PyMem_RawFree(v); PyErr_NoMemory(); return -1; }
-    /* Slot s belongs to shard s % nm (shard i's series is i, i + nm, ...). A shard none of whose
-     * scored workers is still in the walk, and that never held a pool bit, cannot change the walk's
-     * outcome for the rest (its bits are dead slots'; a key only it holds ends the walk for the
-     * others either way): it is not probed. For one worker's document that is one probe per key. */
+    /* per shard: this key's value (or NULL) and the previous run's (copied, found flag in pf) */
+    const uint64_t **cur = PyMem_RawCalloc((size_t)nm, sizeof(uint64_t *));
+    uint64_t *prev = PyMem_RawCalloc((size_t)(nm * W), sizeof(uint64_t));
+    unsigned char *pf = PyMem_RawCalloc((size_t)nm, 1);
+    /* A shard none of whose scored workers is still in the walk, and whose table never held a pool
+     * bit, cannot change the outcome for the rest (a key only it holds ends the walk for them either
+     * way): it is not probed. For one worker's document that is about one probe per key. */
     Py_ssize_t *talive = PyMem_RawCalloc((size_t)nm, sizeof(Py_ssize_t));
-    if (!talive) { PyMem_RawFree(st); PyMem_RawFree(prev); PyMem_RawFree(v); PyErr_NoMemory(); return -1; }
+    if (!st || !cur || !prev || !pf || !talive) {
+        PyMem_RawFree(st); PyMem_RawFree(cur); PyMem_RawFree(prev); PyMem_RawFree(pf); PyMem_RawFree(talive);
+        PyErr_NoMemory();
+        return -1;
+    }
     unsigned char *ac = st, *ad = st + ns, *ct = st + 2 * ns;
     memset(rows, 0, sizeof(WRow) * (size_t)ns);
     for (Py_ssize_t s = 0; s < ns; s++) { ac[s] = ad[s] = 1; talive[slot[s] % nm]++; }
@@ -1207,45 +1213,39 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
         if (j + PF_AHEAD < nk)
             for (Py_ssize_t t = 0; t < nm; t++) if (talive[t] || ms[t]->pool) pf_slot(ms[t], keys[j + PF_AHEAD]);
         uint64_t k = keys[j];
-        int any = 0, active = 0;
-        Py_ssize_t last = 0;
-        for (Py_ssize_t t = 0; t < nm; t++) if (talive[t] || ms[t]->pool) { active++; last = t; }
-        if (active == 1 && ms[last]->width == W) { /* the common case: one shard left to read, no copy */
+        int any = 0;
+        for (Py_ssize_t t = 0; t < nm; t++) {
+            cur[t] = NULL;
+            if (!k || (!talive[t] && !ms[t]->pool)) continue;
             int f = 0;
-            Py_ssize_t i = k ? find(ms[last], k, &f) : 0;
-            if (!f) break;
-            memcpy(v, VALS(ms[last], i), sizeof(uint64_t) * (size_t)W);
-            any = 1;
-        } else {
-            memset(v, 0, sizeof(uint64_t) * (size_t)W);
-            for (Py_ssize_t t = 0; t < nm && k; t++) {
-                if (!talive[t] && !ms[t]->pool) continue;
-                int f = 0;
-                Py_ssize_t i = find(ms[t], k, &f);
-                if (!f) continue;
-                any = 1;
-                const uint64_t *tv = VALS(ms[t], i);
-                for (int w = 0; w < ms[t]->width; w++) v[w] |= tv[w];
-            }
+            Py_ssize_t i = find(ms[t], k, &f);
+            if (f) { cur[t] = VALS(ms[t], i); any = 1; }
         }
         if (!any) break; /* no shard holds it (callers never pass key 0: Python walks those) */
         int same = have_prev;
-        for (int w = 0; w < W && same; w++) same = v[w] == prev[w];
+        for (Py_ssize_t t = 0; t < nm && same; t++) {
+            if ((cur[t] != NULL) != pf[t]) { same = 0; break; }
+            if (cur[t]) for (int w = 0; w < ms[t]->width && same; w++) same = cur[t][w] == prev[t * W + w];
+        }
         if (same) { run++; continue; }
         for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
         depth += run;
         run = 0;
         int pool = 0;
-        for (int w = 0; w < W; w++) if (v[w] & 0x8888888888888888ULL) { pool = 1; break; }
+        for (Py_ssize_t t = 0; t < nm && !pool; t++)
+            if (cur[t]) for (int w = 0; w < ms[t]->width; w++) if (cur[t][w] & POOL_BITS) { pool = 1; break; }
         for (Py_ssize_t s = 0; s < ns; s++) {
             if (!ac[s]) continue;
-            Py_ssize_t word = slot[s] >> 4;
-            int nib = word < W ? (int)((v[word] >> (4 * (slot[s] & 15))) & 0xF) : 0;
+            Py_ssize_t t = slot[s] % nm, l = slot[s] / nm, word = l >> 4;
+            int nib = cur[t] && word < ms[t]->width ? (int)((cur[t][word] >> (4 * (l & 15))) & 0xF) : 0;
             if (ad[s] && !(nib & 1)) { rows[s].dev = depth; ad[s] = 0; }
-            if (!(nib & 7) && !pool) { rows[s].cach = depth; ac[s] = 0; nalive--; talive[slot[s] % nm]--; continue; }
+            if (!(nib & 7) && !pool) { rows[s].cach = depth; ac[s] = 0; nalive--; talive[t]--; continue; }
             ct[s] = (nib & 1) ? 0 : (nib & 2) ? 1 : (nib & 4) ? 2 : 3;
         }
-        memcpy(prev, v, sizeof(uint64_t) * (size_t)W);
+        for (Py_ssize_t t = 0; t < nm; t++) {
+            pf[t] = cur[t] != NULL;
+            if (cur[t]) memcpy(prev + t * W, cur[t], sizeof(uint64_t) * (size_t)ms[t]->width);
+        }
         have_prev = 1;
         run = 1;
     }
@@ -1255,10 +1255,7 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
         if (ad[s]) rows[s].dev = depth;
         if (ac[s]) rows[s].cach = depth;
     }
-    PyMem_RawFree(st);
-    PyMem_RawFree(prev);
-    PyMem_RawFree(v);
-    PyMem_RawFree(talive);
+    PyMem_RawFree(st); PyMem_RawFree(cur); PyMem_RawFree(prev); PyMem_RawFree(pf); PyMem_RawFree(talive);
     return 0;
 }
 
@@ -1491,7 +1488,7 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
                                      &wto, &cls, &PyTuple_Type, &names))
         return NULL;
     /* nodes: one U64Map, or a tuple of them: the shards of a worker-sharded index (indexer/sharded.py),
-     * shard i's workers holding the slots i, i + n, ... (walk_multi relies on it) */
+     * slot s then standing for shard s % n's worker s / n (walk_multi) */
     U64Map *const *ms = NULL;
     Py_ssize_t nm = 1;
     if (PyObject_TypeCheck(nodeso, &U64MapType)) m = (U64Map *)nodeso;

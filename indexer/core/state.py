@@ -103,18 +103,9 @@ class ModelState:
     __slots__ = (
         "name", "block_size", "trust", "nodes", "workers", "by_id", "free_slots",
         "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "new_map", "_ranked", "groups", "rank_count",
-        "slot_stride", "slot_offset",
     )
 
-    def __init__(self, name: str, block_size: int, trust: bool, new_map: Callable[[], Any] = dict,
-                 slot_stride: int = 1, slot_offset: int = 0) -> None:
-        """`slot_stride` / `slot_offset`: this model's worker slots are offset, offset + stride, ...
-        A worker-sharded index (indexer/sharded.py) gives shard i of n the slots i, i + n, ...: the
-        shards' residency values then use disjoint bits, and OR-ing them gives the one-index value."""
-        if slot_stride < 1 or not 0 <= slot_offset < slot_stride:
-            raise ValueError(f"slot_offset must lie in [0, slot_stride), got {slot_offset} / {slot_stride}")
-        self.slot_stride = slot_stride
-        self.slot_offset = slot_offset
+    def __init__(self, name: str, block_size: int, trust: bool, new_map: Callable[[], Any] = dict) -> None:
         self.name = name
         self.block_size = block_size
         self.trust = trust
@@ -156,9 +147,8 @@ class ModelState:
                 slot = min(self.free_slots)
                 self.free_slots.remove(slot)
             else:
-                n = len(self.workers)
-                slot = n + (self.slot_offset - n) % self.slot_stride  # the next slot of this model's series
-                self.workers.extend([None] * (slot + 1 - n))
+                slot = len(self.workers)
+                self.workers.append(None)
                 self.slot_mask |= 1 << (4 * slot)
             w = WorkerState(worker_id, dp_rank, slot, self.new_map())
             self.workers[slot] = w
@@ -207,15 +197,13 @@ class ModelState:
         free slots go, and while the highest live slot lies in a 64-bit word the live count does not
         need, its worker moves to the lowest free slot (cost: that worker's blocks, paid only when a
         word is freed by it)."""
-        # the highest slot the live workers need, were they packed into this model's slot series
-        words = ((max(1, len(self.by_id)) - 1) * self.slot_stride + self.slot_offset) // SLOTS_PER_WORD + 1
+        words = max(1, -(-len(self.by_id) // SLOTS_PER_WORD))
         while True:
             while self.workers and self.workers[-1] is None:
                 top = len(self.workers) - 1
                 self.workers.pop()
-                if (top - self.slot_offset) % self.slot_stride == 0:  # between a series' slots: never allocated
-                    self.free_slots.remove(top)
-                    self.slot_mask &= ~(1 << (4 * top))
+                self.free_slots.remove(top)
+                self.slot_mask &= ~(1 << (4 * top))
             top = len(self.workers) - 1
             if top < words * SLOTS_PER_WORD or not self.free_slots:
                 return
