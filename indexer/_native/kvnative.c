@@ -1130,6 +1130,17 @@ static int node_drop(U64Map *m, uint64_t key) {
  * Returns 0, or -1 on memory error. */
 typedef struct { Py_ssize_t dev, cach, sp[4]; } WRow;
 
+/* The end of a walk: the last run counted for the workers still in it, whose depths it reached. */
+static inline void finish_rows(WRow *rows, Py_ssize_t ns, const unsigned char *ac, const unsigned char *ad,
+                               const unsigned char *ct, Py_ssize_t run, Py_ssize_t depth) {
+    for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
+    depth += run;
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        if (ad[s]) rows[s].dev = depth;
+        if (ac[s]) rows[s].cach = depth;
+    }
+}
+
 static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ssize_t *slot, Py_ssize_t ns, WRow *rows) {
     /* per slot: alive_c, alive_d, current tier */
     unsigned char *st = PyMem_RawCalloc((size_t)(ns ? ns : 1), 3);
@@ -1168,12 +1179,7 @@ static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ss
         have_prev = 1;
         run = 1;
     }
-    for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
-    depth += run;
-    for (Py_ssize_t s = 0; s < ns; s++) {
-        if (ad[s]) rows[s].dev = depth;
-        if (ac[s]) rows[s].cach = depth;
-    }
+    finish_rows(rows, ns, ac, ad, ct, run, depth);
     PyMem_RawFree(st);
     PyMem_RawFree(prev);
     return 0;
@@ -1249,12 +1255,7 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
         have_prev = 1;
         run = 1;
     }
-    for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
-    depth += run;
-    for (Py_ssize_t s = 0; s < ns; s++) {
-        if (ad[s]) rows[s].dev = depth;
-        if (ac[s]) rows[s].cach = depth;
-    }
+    finish_rows(rows, ns, ac, ad, ct, run, depth);
     PyMem_RawFree(st); PyMem_RawFree(cur); PyMem_RawFree(prev); PyMem_RawFree(pf); PyMem_RawFree(talive);
     return 0;
 }
