@@ -67,10 +67,12 @@ class _MergedNodes(tuple):  # type: ignore[type-arg]
 
 
 class _MergedGroup:
-    __slots__ = ("kind", "span", "window", "nodes")
+    """One group over the shards: what `score_groups` reads (kind, span, nodes)."""
+
+    __slots__ = ("kind", "span", "nodes")
 
     def __init__(self, first: Any, tables: list[Any]) -> None:
-        self.kind, self.span, self.window = first.kind, first.span, first.window
+        self.kind, self.span = first.kind, first.span
         self.nodes = _MergedNodes(tables)  # one per shard (an empty map where the shard lacks the group)
 
 
@@ -79,13 +81,13 @@ class _MergedGroups:
 
     __slots__ = ("groups",)
 
-    def __init__(self, tables: list[Any], n: int) -> None:
+    def __init__(self, tables: list[Any]) -> None:
         """`tables`: each shard's GroupTable or None (position = shard)."""
         self.groups: dict[int, _MergedGroup] = {}
         for idx in sorted({i for t in tables if t is not None for i in t.groups}):
-            gs = [t.groups[idx] for t in tables if t is not None and idx in t.groups]
-            self.groups[idx] = _MergedGroup(gs[0], [t.groups[idx].nodes if t is not None and idx in t.groups
-                                                    else {} for t in tables])
+            per_shard = [t.groups.get(idx) if t is not None else None for t in tables]
+            first = next(g for g in per_shard if g is not None)
+            self.groups[idx] = _MergedGroup(first, [g.nodes if g is not None else {} for g in per_shard])
 
     @property
     def hybrid(self) -> bool:
@@ -113,7 +115,7 @@ class _Merged:
             self.slot_mask |= _spread(m.slot_mask, n, t)
         self.workers = sorted(self.by_id.values(), key=lambda w: w.slot)
         tables = [m.groups for m in models]
-        self.groups = _MergedGroups(tables, n) if any(t is not None for t in tables) else None
+        self.groups = _MergedGroups(tables) if any(t is not None for t in tables) else None
         ws = sorted(self.by_id.values(), key=lambda w: (w.worker_id, w.dp_rank))
         self._ranked = (ws, [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws])
 
@@ -138,7 +140,8 @@ class ShardedIndex:
             raise ValueError("trust_engine_hashes cannot be sharded: its first-seen hash map is shared by all "
                              "the workers of a model (use one shard)")
         self.shards = [KVIndex(**kvindex_kwargs) for _ in range(n)]
-        # model -> (the shard models and their `ranked` caches it was built from, groups seen, view)
+        # model -> (per shard: the model, its `ranked` cache, its groups and their count, the view was
+        # built from; the view)
         self._views: dict[str, tuple[list[Any], _Merged]] = {}
         self._placement = placement
         self._placed: dict[str, int] = {}  # worker id -> shard, computed once
@@ -251,11 +254,7 @@ class ShardedIndex:
         so every entry gets the heads of all shards (a group whose only workers left would be lost)."""
         out = [d for s in self.shards for d in s.dump(model)]
         heads: dict[int | None, Any] = {}
-        for _, _, evs in out:
-            for e in evs:
-                if is_group_head(e):
-                    heads.setdefault(e.group_idx, e)
-        for s in self.shards:  # also of shards whose workers all left
+        for s in self.shards:  # the entries' heads come from these tables (and a shard's with no worker left)
             t = s._model(model).groups
             for e in group_heads(t) if t is not None else ():
                 heads.setdefault(e.group_idx, e)
