@@ -391,7 +391,11 @@ def test_publish_is_byte_identical_with_the_same_seqs(tmp_path: Path) -> None:
                 return all(len(got[w]) >= seqs[w] for w in got)
             wait_until(complete, timeout=30, interval=0)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=20)
+        # Through the text stream, not communicate(): the readline above may already have buffered
+        # the summary line, which communicate (reading the pipe's fd) would never see.
+        out = proc.stdout.read()
+        err = proc.stderr.read() if proc.stderr is not None else ""
+        proc.wait(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
