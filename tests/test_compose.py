@@ -20,9 +20,9 @@ import yaml
 from router_api.demo.procs import Child, http_json
 from router_api.router.report import summarize
 from router_api.router.trace import TokenExpander, load_trace, slice_conversations
-from schemas.worker import RouterReport
-from tests.conftest import REPO_ROOT, free_port, wait_until
-from tests.support.nats import nats_binary
+from producer.sim.api import RouterReport
+from support.net import REPO_ROOT, free_port, wait_until
+from support.nats import nats_binary
 
 SERVICES = {"redis", "nats", "indexer", "indexer2", "worker1", "worker2", "worker3", "router"}
 EXTERNAL = {"redis", "nats"}  # not our image: stand-ins run locally

@@ -12,10 +12,10 @@ import tempfile
 
 import pytest
 
-from conftest import free_port
+from support.net import free_port
 from router_api.service import ServiceConfig
 from test_service_ingest import BS, Fleet
-from test_service_support import LiveIndexer
+from support.service import LiveIndexer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import free_port, wait_until
+from support.net import free_port, wait_until
 from producer.page_hash import page_ids
 from producer.publisher import ZmqEventPublisher
 from router_api.embedded import EmbeddedIndexer

@@ -9,10 +9,10 @@ import time
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import free_port
+from support.net import free_port
 from indexer.index import KVIndex
 from indexer.subscriber import Batch, Gap, Restart, Subscriber
-from producer.driver import Driver, StreamSpec, build_cache, synthetic_stream
+from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.publisher import ZmqEventPublisher
 from producer.sinks import ZmqSink

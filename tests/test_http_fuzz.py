@@ -9,7 +9,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import free_port
+from support.net import free_port
 from router_api.app import create_app
 from router_api.service import IndexerService, ServiceConfig
 

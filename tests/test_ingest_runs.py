@@ -187,7 +187,8 @@ def test_a_long_common_case_run_is_one_index_call() -> None:
 
 def test_a_burst_received_as_runs_is_trimmed_once_drained() -> None:
     """The memory trimmer counts batches, not deliveries: a burst of runs still returns its buffers."""
-    from conftest import service_with_publisher, wait_until
+    from support.service import service_with_publisher
+    from support.net import wait_until
 
     with service_with_publisher(BS) as (svc, pub):
         trims0 = svc.ingest.trimmer.trims
@@ -206,7 +207,7 @@ def test_a_burst_received_as_runs_is_trimmed_once_drained() -> None:
 def test_the_ingest_thread_idles_without_workers() -> None:
     """No worker: nothing to poll (an empty ZeroMQ poll returns at once); the thread must wait for a
     command, not spin (it used to burn a core and slow /health 8x)."""
-    from conftest import wait_until
+    from support.net import wait_until
 
     svc = IndexerService(ServiceConfig(port=0, block_size=BS))
     svc.start()

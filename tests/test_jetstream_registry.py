@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from conftest import wait_until
+from support.net import wait_until
 from indexer.shared_registry import SharedRegistry
 from schemas.api import RegisterWorker
 from schemas.jetstream import kv_key, kv_key_name

@@ -8,13 +8,13 @@ import pytest
 
 from indexer.jetstream_sequencing import Step, StepKind, StreamCursor
 from support.reference import ReferenceIndex
-from jetstream_support import MODEL, Replica, scores, stream_last_seq, wait_all_applied
+from support.jetstream import MODEL, Replica, scores, stream_last_seq, wait_all_applied
 from producer.jetstream_publisher import JetStreamEventPublisher
 from schemas.codec import decode_batch
 from schemas.events import KVEventBatch
 from schemas.jetstream import StreamSettings, event_subject, jetstream_endpoint, split_subject, subject_token
 from support.nats import NatsServer
-from test_service_support import WorkerSim, make_prompts
+from support.service import WorkerSim, make_prompts
 
 BS = 4
 
@@ -174,7 +174,7 @@ def test_trimmed_stream_gives_an_unrecovered_gap(nats: NatsServer, shared: bool)
 
 
 def test_publisher_restart_is_a_restart_and_snapshot_requests_reach_it(nats: NatsServer) -> None:
-    from conftest import wait_until
+    from support.net import wait_until
 
     sims, pubs = _fleet(nats.url, 1)
     r = Replica(nats.url, BS)
@@ -222,7 +222,7 @@ def test_bad_messages_are_counted_not_fatal(nats: NatsServer) -> None:
 
 
 def test_routed_subscriber_serves_zeromq_and_jetstream_workers(nats: NatsServer) -> None:
-    from conftest import free_port, wait_until
+    from support.net import free_port, wait_until
     from indexer.jetstream_subscriber import JetStreamSubscriber
     from indexer.routed_subscriber import RoutedSubscriber
     from indexer.subscriber import Subscriber
@@ -289,7 +289,7 @@ def test_bounded_queue_and_slow_consumer_restarts_lose_nothing(nats: NatsServer,
             r.add(wid)
         r.pump(0)  # starts the shared consumer
         _drive(pubs, sims, 100, ref)  # 200 messages while nobody polls
-        from conftest import wait_until
+        from support.net import wait_until
         wait_until(lambda: r.sub.stats.queue_full_waits > 0, timeout=10.0)
         assert r.sub.queued <= 4
         wait_all_applied(r, pubs)

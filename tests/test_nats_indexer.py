@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, free_port, wait_until
+from support.net import REPO_ROOT, free_port, wait_until
 from indexer.snapshot import decode_snapshot, make_snapshot_store
-from jetstream_support import subject_last_seq
+from support.jetstream import subject_last_seq
 from producer.jetstream_publisher import JetStreamEventPublisher
 from producer.publisher import ZmqEventPublisher
 from schemas.events import AllBlocksCleared
 from schemas.jetstream import DEFAULT_STREAM, event_subject, jetstream_endpoint, parse_headers
 from schemas.natsio import NatsThread
 from support.nats import NatsServer
-from test_service_support import KVIndexerProcess, WorkerSim, check_scores, make_prompts
+from support.service import KVIndexerProcess, WorkerSim, check_scores, make_prompts
 
 BS = 4
 MODEL = "default"

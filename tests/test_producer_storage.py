@@ -36,7 +36,7 @@ from producer.storage.file_backend import key_filename
 from producer.storage.ledger import LruLedger
 from schemas.media import Medium
 
-from conftest import REDIS_BIN, RedisServer, wait_until
+from support.net import REDIS_BIN, RedisServer, wait_until
 
 BINARY = bytes(range(256)) * 4  # every byte value, incl. NUL and CR/LF
 

@@ -9,18 +9,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from conftest import REPO_ROOT, free_port, wait_until
+from support.net import REPO_ROOT, free_port, wait_until
 from support.reference import ReferenceIndex
 from router_api.relay import Relay, RelayWorker, parse_worker_spec
 from indexer.shared_registry import SharedRegistry
 from indexer.subscriber import Subscriber
-from jetstream_support import MODEL, Replica, scores, subject_last_seq
+from support.jetstream import MODEL, Replica, scores, subject_last_seq
 from producer.publisher import ZmqEventPublisher
 from schemas.api import RegisterWorker
 from schemas.events import KVEventBatch
 from schemas.jetstream import jetstream_endpoint
 from support.nats import NatsServer
-from test_service_support import WorkerSim, make_prompts
+from support.service import WorkerSim, make_prompts
 
 BS = 4
 

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from conftest import free_port, wait_until
+from support.net import free_port, wait_until
 from indexer.eventlog import EventLogWriter, read_event_log
 from indexer.index import KVIndex
 from indexer.replay import (
@@ -31,7 +31,7 @@ from router_api.cli import main as cli_main
 from router_api.service import IndexerService, ServiceConfig
 from schemas.api import RegisterWorker
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredArr, KVEventBatch
-from test_service_support import WorkerSim, make_prompts
+from support.service import WorkerSim, make_prompts
 
 REPO = Path(__file__).resolve().parent.parent
 BS = 4

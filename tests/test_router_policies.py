@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from producer.worker.schedule import QueueFull, Schedule
+from producer.sim.schedule import QueueFull, Schedule
 from router_api.router.policies import POLICIES, RouteInput, ScoreRow, make_policy
 from router_api.router.report import format_table, quantile, summarize
-from schemas.worker import RequestRecord, SimModel, Tokens
+from producer.sim.api import RequestRecord, SimModel, Tokens
 
 W = ["a", "b", "c"]
 SIM = SimModel()

@@ -11,10 +11,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from conftest import free_port, wait_until
+from support.net import free_port, wait_until
 from producer.publisher import ZmqEventPublisher
 from router_api.service import ServiceConfig
-from test_service_support import LiveIndexer, WorkerSim, make_prompts, wait_applied
+from support.service import LiveIndexer, WorkerSim, make_prompts, wait_applied
 
 BS = 4
 

@@ -16,13 +16,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import free_port, wait_until
+from support.net import free_port, wait_until
 from indexer.core import native as native_core
 from producer.publisher import ZmqEventPublisher
 from router_api.app import TokenBodies, create_app
 from router_api.service import ServiceConfig
 from schemas.api import MAX_QUERY_TOKENS, QueryRequest, ScoreRequest
-from test_service_support import LiveIndexer, WorkerSim, make_prompts, wait_applied
+from support.service import LiveIndexer, WorkerSim, make_prompts, wait_applied
 
 pytestmark = pytest.mark.skipif(not native_core.available(), reason="native module not built")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from conftest import free_port, wait_until
+from support.net import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from conftest import free_port, wait_until
+from support.net import free_port, wait_until
 from router_api import fasthttp
 from router_api.app import create_app
 from router_api.cmd_indexer import server_settings

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import free_port, wait_until
+from support.net import free_port, wait_until
 from indexer.index import KVIndex
 from indexer.snapshot import (
     SNAPSHOT_VERSION,
@@ -35,7 +35,7 @@ from router_api.service import IndexerService, ServiceConfig
 from schemas.api import RegisterWorker
 from schemas.events import BlockStored
 from schemas.frames import seq_bytes
-from test_service_support import LiveIndexer
+from support.service import LiveIndexer
 
 BS = 4
 

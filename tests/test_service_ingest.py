@@ -11,13 +11,13 @@ from typing import Any, Callable, Iterator
 import httpx
 import pytest
 
-from conftest import free_port, wait_until
+from support.net import free_port, wait_until
 from support.reference import ReferenceIndex
 from indexer.subscriber import Subscriber
 from producer.publisher import ZmqEventPublisher
 from router_api.service import ServiceConfig
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from test_service_support import LiveIndexer, WorkerSim, check_scores, make_prompts, wait_applied
+from support.service import LiveIndexer, WorkerSim, check_scores, make_prompts, wait_applied
 
 BS = 4
 

@@ -10,7 +10,8 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import service_with_publisher, wait_until
+from support.net import wait_until
+from support.service import service_with_publisher
 from indexer.sequencing import DeliverStep, SeqTracker, on_live
 from indexer.subscriber import Batch, Gap, Subscriber
 from producer.page_hash import page_ids

@@ -7,14 +7,14 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from conftest import free_port, wait_until
+from support.net import free_port, wait_until
 from indexer.subscriber import Subscriber
-from producer.driver import Driver, StreamSpec, build_cache, synthetic_stream
+from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.publisher import ZmqEventPublisher
 from producer.sinks import ZmqSink
 from router_api.service import ServiceConfig
-from test_service_support import LiveIndexer, wait_applied
+from support.service import LiveIndexer, wait_applied
 
 PAGE = 4
 MASK = (1 << 64) - 1

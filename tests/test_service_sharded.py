@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import pytest
 
-from conftest import free_port, wait_until
+from support.net import free_port, wait_until
 from indexer.index import KVIndex
 from indexer.sharded import ShardedIndex
 from indexer.subscriber import Subscriber
@@ -27,7 +27,7 @@ from router_api.locks import ShardedLock
 from router_api.service import IndexerService, ServiceConfig
 from schemas.api import RegisterWorker
 from test_service_ingest import BS, Fleet
-from test_service_support import LiveIndexer, WorkerSim, check_scores, make_prompts, wait_applied
+from support.service import LiveIndexer, WorkerSim, check_scores, make_prompts, wait_applied
 
 MODEL = "default"
 

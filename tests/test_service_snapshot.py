@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import redis
 
-from conftest import RedisServer, free_port, wait_until
+from support.net import RedisServer, free_port, wait_until
 from indexer.snapshot import (
     FileSnapshotStore,
     RedisSnapshotStore,
@@ -24,7 +24,7 @@ from indexer.snapshot import (
 )
 from router_api.service import ServiceConfig
 from test_service_ingest import BS, Fleet
-from test_service_support import KVIndexerProcess, LiveIndexer, check_scores, dump_state, wait_applied
+from support.service import KVIndexerProcess, LiveIndexer, check_scores, dump_state, wait_applied
 
 
 def test_file_store_replaces_atomically(tmp_path: Path) -> None:

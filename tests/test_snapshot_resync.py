@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 import time
 
-from conftest import wait_until
+from support.net import wait_until
 from indexer.index import KVIndex
 from indexer.subscriber import Batch, Gap, Restart, Subscriber
-from producer.driver import Driver, StreamSpec, build_cache, synthetic_stream
+from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.publisher import ZmqEventPublisher
 from producer.sinks import ZmqSink

@@ -5,7 +5,7 @@ from __future__ import annotations
 from indexer.index import KVIndex
 from schemas.codec import encode_batch
 from schemas.events import KVEventBatch
-from test_service_support import WorkerSim, make_prompts
+from support.service import WorkerSim, make_prompts
 
 BS = 4
 

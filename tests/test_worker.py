@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from router_api.demo.procs import Child, http_json, wait_healthy
-from tests.conftest import free_port, wait_until
+from support.net import free_port, wait_until
 
 BLOCK = 512
 

@@ -19,7 +19,7 @@ import msgspec
 
 from indexer.index import KVIndex
 from indexer.subscriber import Batch, Gap, Restart, Subscriber
-from producer.driver import Driver, StreamSpec, build_cache, synthetic_stream
+from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.hicache import TieredCache
 from producer.publisher import ZmqEventPublisher

@@ -93,7 +93,7 @@ async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[An
     from router_api.router.forwarder import RouterCore, fetch_sim
     from router_api.router.policies import make_policy
     from router_api.router.progress import Progress
-    from schemas.worker import RouterReport
+    from producer.sim.api import RouterReport
 
     async with httpx.AsyncClient() as c:
         healths = await asyncio.gather(*(fetch_sim(c, u) for u in workers.values()))

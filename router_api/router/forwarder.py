@@ -19,7 +19,7 @@ import numpy as np
 
 from router_api.router.policies import Policy, RouteInput, ScoreRow
 from router_api.router.trace import TokenExpander, TraceRequest
-from schemas.worker import GenerateResponse, LoadResponse, RequestRecord, SimModel, WorkerHealth
+from producer.sim.api import GenerateResponse, LoadResponse, RequestRecord, SimModel, WorkerHealth
 
 log = logging.getLogger("kvatlas.router")
 _score_dec = msgspec.json.Decoder()

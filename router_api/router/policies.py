@@ -14,7 +14,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from schemas.worker import SimModel
+from producer.sim.api import SimModel
 
 POLICIES = ("round_robin", "random", "least_loaded", "approximate", "precise_gpu", "precise_tiered")
 PRECISE = ("precise_gpu", "precise_tiered")

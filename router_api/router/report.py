@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from schemas.worker import PolicyRow, RequestRecord
+from producer.sim.api import PolicyRow, RequestRecord
 
 
 def quantile(values: Sequence[float], q: float) -> float:

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import zmq
 
-from conftest import REDIS_BIN, RedisServer, free_port, wait_until
+from support.net import REDIS_BIN, RedisServer, free_port, wait_until
 from producer.publisher import ZmqEventPublisher
 from test_service_hardening import _HostilePublisher
-from test_service_support import KVIndexerProcess, WorkerSim, make_prompts
+from support.service import KVIndexerProcess, WorkerSim, make_prompts
 
 BS = 4
 N_WORKERS = 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from conftest import wait_until
+from support.net import wait_until
 from indexer.index import KVIndex
 from indexer.jetstream_subscriber import JetStreamSubscriber
 from indexer.subscriber import Batch, Gap, Restart

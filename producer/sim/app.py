@@ -1,6 +1,6 @@
 """The worker's HTTP API (FastAPI): `POST /generate`, `GET /load`, `GET /health`, `GET /metrics`.
 
-Bodies are msgspec-decoded (`schemas.worker`); bad bodies get 400/422 with a message. A request's
+Bodies are msgspec-decoded (`producer.sim.api`); bad bodies get 400/422 with a message. A request's
 response is held until its simulated completion on the wall clock (virtual e2e / speed), so a
 router's in-flight counts mean what they would with a real engine (docs/end-to-end.md).
 """
@@ -13,9 +13,9 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request, Response
 
-from producer.worker.engine import Engine, VirtualClock
-from producer.worker.schedule import QueueFull
-from schemas.worker import GenerateRequest, GenerateResponse, LoadResponse, WorkerHealth
+from producer.sim.engine import Engine, VirtualClock
+from producer.sim.schedule import QueueFull
+from producer.sim.api import GenerateRequest, GenerateResponse, LoadResponse, WorkerHealth
 
 _JSON = "application/json"
 _dec = msgspec.json.Decoder(GenerateRequest)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from schemas.worker import SimModel
+from producer.sim.api import SimModel
 
 
 class Slot:

@@ -14,12 +14,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
 import httpx
 
-from conftest import free_port, wait_until
+from support.net import free_port, wait_until
 from producer.page_hash import page_ids
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -299,3 +301,24 @@ def dump_state(dump: dict[str, Any], model: str = "default") -> dict[tuple[str, 
                 for h in ev["block_hashes"]:
                     held.get(h, set()).discard(ev.get("medium") or "GPU")
     return out
+
+
+@contextmanager
+def service_with_publisher(block_size: int) -> Iterator[tuple[object, object]]:
+    """A started `IndexerService` (no HTTP) and a real ZmqEventPublisher registered to it as "w0",
+    once the subscription delivers; both closed afterwards. Yields (service, publisher)."""
+    from producer.publisher import ZmqEventPublisher
+    from router_api.service import IndexerService, ServiceConfig
+    from schemas.api import RegisterWorker
+
+    svc = IndexerService(ServiceConfig(port=0, block_size=block_size, stale_after_s=600, remove_after_s=3600))
+    svc.start()
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    try:
+        svc.register(RegisterWorker(worker_id="w0", endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                                    block_size=block_size))
+        wait_until(lambda: (pub.heartbeat(), svc.registry.get("w0").last_seq is not None)[1], timeout=10)
+        yield svc, pub
+    finally:
+        pub.close()
+        svc.stop(final_snapshot=False)

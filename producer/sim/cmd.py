@@ -1,6 +1,6 @@
 """`kvatlas worker`: one inference worker with a simulated model — real torch pools in a
 `TieredCache`, KV events over ZeroMQ with replay, L3 on a local directory or a shared Redis, and
-the HTTP API of `producer.worker.app`. Registers itself with an indexer when given one.
+the HTTP API of `producer.sim.app`. Registers itself with an indexer when given one.
 """
 from __future__ import annotations
 
@@ -80,15 +80,15 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
     import uvicorn
 
-    from producer.driver import build_cache
+    from producer.sim.driver import build_cache
     from producer.events import EventRecorder
     from producer.publisher import ZmqEventPublisher
     from producer.sinks import ZmqSink
     from producer.storage.config import load_backend_config, make_storage_backend
     from producer.storage.worker import StorageWorker
-    from producer.worker.app import create_worker_app
-    from producer.worker.engine import Engine, VirtualClock
-    from schemas.worker import SimModel, WorkerHealth
+    from producer.sim.app import create_worker_app
+    from producer.sim.engine import Engine, VirtualClock
+    from producer.sim.api import SimModel, WorkerHealth
 
     for name in ("block_size", "gpu_pages", "port"):
         if getattr(args, name) <= 0:

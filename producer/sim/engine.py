@@ -17,12 +17,12 @@ from concurrent.futures import Future
 from typing import Any
 
 from producer.allocator import PoolExhausted
-from producer.driver import write_pattern
+from producer.sim.driver import write_pattern
 from producer.hicache import TieredCache
 from producer.storage.keys import page_key
-from producer.worker.schedule import QueueFull, Schedule
+from producer.sim.schedule import QueueFull, Schedule
 from schemas.media import Medium
-from schemas.worker import SimModel, Tokens
+from producer.sim.api import SimModel, Tokens
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,91 @@
+"""Test plumbing without pytest: free ports, polling against a deadline, a real redis-server.
+
+Nothing here sleeps to synchronise: readiness is polled against a deadline.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REDIS_BIN = os.environ.get("KVATLAS_REDIS_SERVER", "/usr/bin/redis-server")
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0, interval: float = 0.005) -> object:
+    """Poll `predicate` until it returns a truthy value; raise AssertionError at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {predicate!r}")
+        # A short pause between probes of an external condition (a poll, not a synchronisation).
+        time.sleep(interval)
+
+
+class RedisServer:
+    """A running redis-server owned by one test."""
+
+    __slots__ = ("host", "port", "proc")
+
+    def __init__(self, host: str, port: int, proc: subprocess.Popen[bytes]) -> None:
+        self.host = host
+        self.port = port
+        self.proc = proc
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+def start_redis_server(tmp_dir: Path, attempts: int = 3) -> RedisServer:
+    """Start redis-server on a free port (retrying if another process grabbed the port first)."""
+    last_err = ""
+    for _ in range(attempts):
+        port = free_port()
+        proc = subprocess.Popen(
+            [REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(tmp_dir), "--protected-mode", "no", "--loglevel", "warning"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        server = RedisServer("127.0.0.1", port, proc)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            if server.ping():
+                return server
+            time.sleep(0.01)  # probing a child process's readiness
+        out = proc.stdout.read().decode(errors="replace") if proc.poll() is not None and proc.stdout else ""
+        last_err = out.strip()[-500:]
+        server.stop()
+    raise RuntimeError(f"redis-server did not start after {attempts} attempts: {last_err}")
