@@ -185,7 +185,7 @@ class EventRecorder:
         # recorded (one C call per event, a memcpy per flush). `_pending` (Python records) takes
         # over until the next flush when the batch declines a value, and serves every other sink.
         # `batch` is the Batch while it is the one recording (None otherwise): a cache may record
-        # into it directly (producer.hicache), falling back to these methods if it raises.
+        # into it directly (producer.cache.emitter), falling back to these methods if it raises.
         self._batch: Any = mod.Batch() if encodes and enabled else None
         self.batch: Any = self._batch
         # A sink that says it never asks for a snapshot (`asks_snapshots = False`) is not polled.

@@ -2,7 +2,7 @@
 
 A plain data structure: no threads, no clocks, no torch. Keys are token tuples whose length is a
 multiple of `page_size`; a partial trailing page is never part of a key. Each node carries the
-per-tier state the tiered controller (`producer.hicache`) manages; the tree only knows how to split
+per-tier state the tiered controller (`producer.cache`) manages; the tree only knows how to split
 it (page-indexed lists split at the page boundary, everything else is copied) and calls a
 `split_hook` so the controller can re-home bookkeeping that names the node (in-flight copies,
 L3 key index, component state). LRU time is a logical counter the caller passes in.

@@ -20,7 +20,7 @@ from producer.components.full import FullAttention
 from producer.components.mamba import MambaComponent
 from producer.components.swa import SlidingWindowComponent
 from producer.events import EventRecorder
-from producer.hicache import CacheConfig, TieredCache
+from producer.cache import CacheConfig, TieredCache
 from producer.pools import KVPool, available_host_memory
 
 FAMILIES = ("full", "mamba", "swa", "dsa")

@@ -17,7 +17,7 @@ import torch
 
 from producer.allocator import PoolExhausted
 from producer.events import EventRecorder
-from producer.hicache import CacheConfig, TieredCache
+from producer.cache import CacheConfig, TieredCache
 from producer.pools import KVPool, make_device_pool, make_host_pool
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from producer.allocator import PoolExhausted
 from producer.sim.driver import write_pattern
-from producer.hicache import TieredCache
+from producer.cache import TieredCache
 from producer.storage.keys import page_key
 from producer.sim.schedule import QueueFull, Schedule
 from schemas.media import Medium

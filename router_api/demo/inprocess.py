@@ -21,7 +21,7 @@ from indexer.index import KVIndex
 from indexer.subscriber import Batch, Gap, Restart, Subscriber
 from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
-from producer.hicache import TieredCache
+from producer.cache import TieredCache
 from producer.publisher import ZmqEventPublisher
 from producer.sinks import ZmqSink
 from schemas.media import Medium
