@@ -259,10 +259,11 @@ def hybrid_streams(scale: float) -> tuple[list[tuple[int, bytes]], list[tuple[in
     """(hybrid batches, the same KV-only batches, KV blocks stored, queries by length) for HW workers."""
     from schemas.codec import encode_batch
     from schemas.events import BlockRemoved, BlockStored, KVEventBatch
+    from schemas.rules import window_blocks
 
     rng = np.random.default_rng(1)
     hw, window, every = 8, 4096, 64
-    span = -(-(window - 1) // BS)
+    span = window_blocks(window, BS)
     docs = [rng.integers(0, 150_000, int(n) * BS) for n in rng.integers(64, 2049, max(4, int(48 * scale)))]
     hybrid: list[tuple[int, bytes]] = []
     full: list[tuple[int, bytes]] = []

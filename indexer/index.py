@@ -116,6 +116,20 @@ class KVIndex:
             raise KeyError(f"unknown model {model!r}; call ensure_model first")
         return m
 
+    def model_state(self, model: str) -> ModelState:
+        """The model's state object (KeyError when unknown): what `score_model` and its siblings
+        score over, and what a worker-sharded index merges (indexer/sharded.py). Read it under the
+        caller's lock; it is not a copy."""
+        return self._model(model)
+
+    # --- worker shards (an unsharded index is one shard) -------------------------------------
+    @property
+    def shard_count(self) -> int:
+        return 1
+
+    def shard_of(self, worker_id: str) -> int:
+        return 0
+
     # --- events -----------------------------------------------------------------------------
     def apply(self, model: str, worker_id: str, dp_rank: int, batch: KVEventBatch) -> ApplyStats:
         """Apply one whole batch of one worker. Unknown model -> KeyError (a caller bug, not bad data)."""

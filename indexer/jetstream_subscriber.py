@@ -167,6 +167,15 @@ class JetStreamSubscriber:
             await self._space.wait()
 
     @property
+    def max_per_poll(self) -> int:
+        """The most messages one `poll` takes: a poll that returns fewer has drained the queue."""
+        return self._max_per_poll
+
+    def frame_drops(self) -> dict[str, int]:
+        """Nothing is dropped below the event layer here (bad headers are `stats.bad_frames`)."""
+        return {}
+
+    @property
     def queued(self) -> int:
         """Messages received from NATS and not yet taken by `poll` (at most `max_queue`)."""
         return self._q.qsize()

@@ -1,4 +1,5 @@
-"""The index as the service, ingestion and replay see it: one small `typing.Protocol`.
+"""The seams the service, ingestion and replay see: the index (`Index`, and `ScoringIndex` for the
+service's answer paths) and the event transport (`Subscriber`).
 
 `indexer.index.KVIndex` is the implementation (on the pure-Python core or the C accelerator, see
 docs/index-core.md); tests/support/reference.py is a brute-force model of the same semantics. Code that
@@ -9,12 +10,15 @@ Changes here are additive only: methods are added, never reshaped.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from indexer.core.types import ApplyStats, ScoreResult
+from indexer.core.types import ApplyStats, ScoreResult, ScoreTable
 from schemas.events import KVEvent, KVEventBatch
+
+if TYPE_CHECKING:  # the deliveries are the ZeroMQ module's structs; importing it here would pull in zmq
+    from indexer.subscriber import Delivery
 
 # One worker's dump: (worker_id, dp_rank, events), the snapshot format (`Index.dump`).
 WorkerDump = tuple[str, int, list[KVEvent]]
@@ -78,4 +82,67 @@ class Index(Protocol):
     def load_dump(self, model: str, block_size: int, dump: list[WorkerDump]) -> int: ...
 
 
-__all__ = ["Index", "WorkerDump"]
+@runtime_checkable
+class ScoringIndex(Index, Protocol):
+    """The index the indexer service serves from (`KVIndex`, `ShardedIndex`): `Index`, plus rows
+    packed for the C `/score` answer writer and the worker shards its ingest pipelines follow."""
+
+    def score_table(
+        self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
+        cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None,
+    ) -> ScoreTable | None:
+        """`score` with the rows packed (no object per row), or None where only `score` serves."""
+        ...
+
+    @property
+    def shard_count(self) -> int:
+        """Worker shards whose residency is disjoint (1: unsharded); one ingest pipeline each."""
+        ...
+
+    def shard_of(self, worker_id: str) -> int:
+        """The shard holding a worker (fixed for the life of the index; 0 when unsharded)."""
+        ...
+
+
+@runtime_checkable
+class Subscriber(Protocol):
+    """An event transport as live ingestion drives it: `indexer.subscriber.ZmqSubscriber` (ZeroMQ
+    PUB/SUB with replay), `indexer.jetstream_subscriber.JetStreamSubscriber` and the
+    `RoutedSubscriber` over both. One thread owns it (not thread-safe); see docs/CONTRACTS.md."""
+
+    def add(self, worker_id: str, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+            last_seq: int | None = None) -> None:
+        """Subscribe; `last_seq` is the watermark already applied. ValueError when it cannot."""
+        ...
+
+    def remove(self, worker_id: str) -> None:
+        """Unsubscribe (KeyError for an unknown worker)."""
+        ...
+
+    def workers(self) -> list[str]: ...
+
+    def watermark(self, worker_id: str) -> int | None:
+        """The last seq delivered for this worker (what a snapshot stores)."""
+        ...
+
+    def request_snapshot(self, worker_id: str) -> bool:
+        """Ask the worker's publisher to re-publish its state in-stream; False when not sent."""
+        ...
+
+    def poll(self, timeout_ms: int) -> list[Delivery]:
+        """Wait up to `timeout_ms`, then take what is ready (at most `max_per_poll` messages)."""
+        ...
+
+    @property
+    def max_per_poll(self) -> int:
+        """A poll that returned fewer messages than this has drained every queue."""
+        ...
+
+    def frame_drops(self) -> dict[str, int]:
+        """Messages dropped below the event layer, by reason (cumulative counts)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+__all__ = ["Index", "ScoringIndex", "Subscriber", "WorkerDump"]

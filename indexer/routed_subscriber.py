@@ -3,9 +3,11 @@ others to the ZeroMQ Subscriber (docs/jetstream.md). Same interface as both, so
 `kvatlas indexer --nats URL` keeps accepting `POST /workers` for either kind of worker."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from indexer.subscriber import Delivery
+if TYPE_CHECKING:
+    from indexer.protocol import Subscriber
+    from indexer.subscriber import Delivery
 from schemas.jetstream import is_jetstream_endpoint
 
 
@@ -14,10 +16,10 @@ class RoutedSubscriber:
 
     __slots__ = ("zmq", "js", "_owner")
 
-    def __init__(self, zmq_subscriber: Any, js_subscriber: Any) -> None:
+    def __init__(self, zmq_subscriber: Subscriber, js_subscriber: Subscriber) -> None:
         self.zmq = zmq_subscriber
         self.js = js_subscriber
-        self._owner: dict[str, Any] = {}
+        self._owner: dict[str, Subscriber] = {}
 
     def add(self, worker_id: str, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
             last_seq: int | None = None) -> None:
@@ -49,6 +51,14 @@ class RoutedSubscriber:
         if has_zmq:
             out.extend(self.zmq.poll(0 if out else timeout_ms))
         return out
+
+    @property
+    def max_per_poll(self) -> int:
+        """A poll returning fewer than this took less than either transport's cap: both are drained."""
+        return min(self.zmq.max_per_poll, self.js.max_per_poll)
+
+    def frame_drops(self) -> dict[str, int]:
+        return self.zmq.frame_drops()
 
     @property
     def stats(self) -> dict[str, Any]:

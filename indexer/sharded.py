@@ -32,18 +32,19 @@ from indexer.core.state import ModelState, WorkerState
 from indexer.core.types import ApplyStats, ScoreResult, ScoreTable
 from indexer.index import KVIndex
 from schemas.events import KVEvent, KVEventBatch
+from schemas.rules import NIBBLE, SLOT_BITS, slot_shift
 
 WorkerDump = tuple[str, int, list[KVEvent]]
 
 
 def _spread(x: int, n: int, t: int) -> int:
     """Shard t's residency value in the merged layout: its worker l's nibble at slot l * n + t."""
-    out, sh, step = 0, 4 * t, 4 * n
+    out, sh, step = 0, slot_shift(t), slot_shift(n)
     while x:
-        nib = x & 15
+        nib = x & NIBBLE
         if nib:
             out |= nib << sh
-        x >>= 4
+        x >>= SLOT_BITS
         sh += step
     return out
 
@@ -160,6 +161,10 @@ class ShardedIndex:
             self._placed[worker_id] = s
         return s
 
+    @property
+    def shard_count(self) -> int:
+        return len(self.shards)
+
     def _of(self, worker_id: str) -> KVIndex:
         return self.shards[self.shard_of(worker_id)]
 
@@ -212,7 +217,7 @@ class ShardedIndex:
 
     def _view(self, model: str) -> _Merged:
         """The merged view of `model`, rebuilt when a shard's model, membership or groups changed."""
-        ms = [s._model(model) for s in self.shards]
+        ms = [s.model_state(model) for s in self.shards]
         # identities: the model objects (load_dump replaces them), their `ranked` caches (reset on every
         # membership change) and groups (a table appears with a model's first group; a group with its
         # first store)
@@ -255,7 +260,7 @@ class ShardedIndex:
         out = [d for s in self.shards for d in s.dump(model)]
         heads: dict[int | None, Any] = {}
         for s in self.shards:  # the entries' heads come from these tables (and a shard's with no worker left)
-            t = s._model(model).groups
+            t = s.model_state(model).groups
             for e in group_heads(t) if t is not None else ():
                 heads.setdefault(e.group_idx, e)
         if not heads:

@@ -265,6 +265,10 @@ class Subscriber:
         """The most messages one `poll` takes: a poll that returns fewer has drained every queue."""
         return self._max_per_poll
 
+    def frame_drops(self) -> dict[str, int]:
+        """Frame-level drops (wrong frame count, bad seq frame, malformed replay replies) by reason."""
+        return self.stats.frame_drops
+
     def replaying(self) -> list[str]:
         """Workers with a replay in flight (their live stream is parked meanwhile)."""
         return [w for w, s in self._sources.items() if s.replay is not None]
@@ -641,3 +645,6 @@ def set_socket_limit(ctx: zmq.Context, wanted: int) -> int:
     except (ImportError, ValueError, OSError) as exc:  # not fatal: the socket limit still applies
         log.warning("cannot raise the open-file limit: %s", exc)
     return int(ctx.get(zmq.MAX_SOCKETS))
+
+
+ZmqSubscriber = Subscriber  # the name that says which transport (indexer.protocol.Subscriber is the seam)

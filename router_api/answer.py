@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import msgspec
 
 from schemas.api import WORKER_STATUSES, BestWorker, ScoreResponse, TierBlocks, WorkerScoreOut
+from schemas.rules import TIER_NAMES
 
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
@@ -28,7 +29,7 @@ SUPPORTED = (
     and WorkerScoreOut.__struct_fields__ == ("worker_id", "dp_rank", "device_blocks", "cached_blocks", "tiers",
                                              "score", "stale", "last_seq", "status", "kv_blocks")
     and WorkerScoreOut.__struct_config__.omit_defaults
-    and TierBlocks.__struct_fields__ == ("gpu", "host", "disk", "shared")
+    and TierBlocks.__struct_fields__ == TIER_NAMES
     and BestWorker.__struct_fields__ == ("worker_id", "dp_rank")
 )
 

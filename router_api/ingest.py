@@ -41,7 +41,7 @@ import time
 from typing import Any, Callable
 
 from indexer import reconcile
-from indexer.protocol import Index
+from indexer.protocol import Index, Subscriber
 from router_api.locks import ShardedLock
 from router_api.memtrim import MemoryTrimmer
 from router_api.metrics import ServiceMetrics
@@ -176,7 +176,7 @@ class IngestLoop:
         registry: Registry,
         lock: threading.Lock,
         metrics: ServiceMetrics,
-        subscriber_factory: Callable[[], Any],
+        subscriber_factory: Callable[[], Subscriber],
         on_expired: Callable[[str], None] | None = None,
         on_subscribe_failed: Callable[[str, str, RegisterWorker | None], None] | None = None,
         poll_ms: int = 20,
@@ -210,7 +210,7 @@ class IngestLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._logged: dict[str, int] = {}
-        self._sub: Any = None  # set by the thread; only the thread uses it
+        self._sub: Subscriber | None = None  # set by the thread; only the thread uses it
         # Returns burst buffers to the OS once ingestion goes idle (see router_api.memtrim).
         self.trimmer = trimmer if trimmer is not None else MemoryTrimmer()
         self._tally = Tally()  # this poll's metric increments, flushed once per poll
@@ -275,12 +275,11 @@ class IngestLoop:
                 log.exception("event=subscriber_close_failed")
             log.info("event=ingest_stopped batches=%d", self.applied_batches)
 
-    def step(self, sub: Any, poll_ms: int, next_tick: float) -> float:
+    def step(self, sub: Subscriber, poll_ms: int, next_tick: float) -> float:
         """One turn of the loop: commands, one poll, its deliveries, the tick when due. Returns the
         next tick time. The thread calls it in a loop; bench/bench_ingest.py drives it directly."""
         self._drain_commands(sub)
-        workers = getattr(sub, "workers", None)
-        if workers is not None and not workers():
+        if not sub.workers():
             # Nothing to poll (an empty poll returns at once): wait for a command instead of spinning.
             self._wait_command(sub, poll_ms / 1000.0)
         applied0 = self.applied_batches
@@ -305,7 +304,7 @@ class IngestLoop:
         if batches:
             self.trimmer.note(batches)
         # A poll that took less than it may has drained the queues: a burst's buffers are free now.
-        if batches < getattr(sub, "max_per_poll", 1) and self.trimmer.maybe_trim(now):
+        if batches < sub.max_per_poll and self.trimmer.maybe_trim(now):
             log.debug("event=memory_trimmed trims=%d", self.trimmer.trims)
         if now >= next_tick:
             next_tick = now + self._tick_s
@@ -313,7 +312,7 @@ class IngestLoop:
                 self._tick(now)
         return next_tick
 
-    def _wait_command(self, sub: Any, timeout: float) -> None:
+    def _wait_command(self, sub: Subscriber, timeout: float) -> None:
         try:
             cmd = self._cmds.get(timeout=timeout)
         except queue.Empty:
@@ -321,7 +320,7 @@ class IngestLoop:
         self._run_command(sub, cmd)
         self._drain_commands(sub)
 
-    def _drain_commands(self, sub: Any) -> None:
+    def _drain_commands(self, sub: Subscriber) -> None:
         while True:
             try:
                 cmd = self._cmds.get_nowait()
@@ -329,7 +328,7 @@ class IngestLoop:
                 return
             self._run_command(sub, cmd)
 
-    def _run_command(self, sub: Any, cmd: _Cmd) -> None:
+    def _run_command(self, sub: Subscriber, cmd: _Cmd) -> None:
         """One subscription change (only this thread touches the subscriber)."""
         try:
             if cmd.kind == "add" and cmd.reg is not None:
@@ -358,11 +357,10 @@ class IngestLoop:
             if cmd.done is not None:
                 cmd.done.set()
 
-    def _export_frame_drops(self, sub: Any) -> None:
+    def _export_frame_drops(self, sub: Subscriber) -> None:
         """Frame-level drops seen by the subscriber (wrong frame count, bad seq frame, malformed
         replay replies) -> `kvatlas_drops_total{reason="frame_<reason>"}`."""
-        stats = getattr(sub, "stats", None)
-        drops = getattr(stats, "frame_drops", None)
+        drops = sub.frame_drops()
         if not drops:
             return
         seen = self._frame_drops
@@ -507,11 +505,11 @@ class IngestLoop:
     def _request_snapshot(self, wid: str) -> None:
         """Ask the worker's publisher to re-publish its state in-stream (kvatlas producers do;
         engines ignore it). Its AllBlocksCleared, when it arrives, ends the resync."""
-        ask = getattr(self._sub, "request_snapshot", None)
-        if ask is None:
+        sub = self._sub
+        if sub is None:
             return
         try:
-            outcome = "sent" if ask(wid) else "not_sent"
+            outcome = "sent" if sub.request_snapshot(wid) else "not_sent"
         except Exception as exc:  # a subscriber bug must not kill ingestion
             outcome = "error"
             log.error("event=snapshot_request_error worker=%s error=%r", wid, exc)

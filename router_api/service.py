@@ -30,11 +30,12 @@ from indexer.snapshot import (
 from indexer.core import native as native_core
 from indexer.core.types import ScoreTable, WorkerScore
 from schemas.codec import DEFAULT_MAX_PAYLOAD
+from schemas.rules import TIER_NAMES
 from router_api import answer
 from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import MAX_SHARDS, ShardedLock
 from router_api.metrics import ServiceMetrics
-from indexer.protocol import Index
+from indexer.protocol import Index, ScoringIndex, Subscriber
 from indexer.reconcile import LivenessPolicy
 from router_api.registry import (
     InvalidRegistration,
@@ -61,7 +62,7 @@ log = logging.getLogger("kvatlas.service")
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
 
-TIER_KEYS = ("gpu", "host", "disk", "shared")
+TIER_KEYS = TIER_NAMES  # the tiers' API names, in Medium order
 
 
 class ServiceHealth(HealthResponse):
@@ -72,7 +73,7 @@ class ServiceHealth(HealthResponse):
 
 def core_name(index: Index) -> str:
     """"native" when the index runs on the C accelerator, else "python"."""
-    return "native" if getattr(index, "native", False) else "python"
+    return "native" if index.native else "python"
 
 
 class UnknownModel(Exception):
@@ -171,7 +172,7 @@ def check_ingest_shards(n: object, trust_engine_hashes: bool) -> None:
                          "(use ingest_shards=1)")
 
 
-def _default_index(config: ServiceConfig) -> Index:
+def _default_index(config: ServiceConfig) -> ScoringIndex:
     from indexer.index import KVIndex
 
     weights = None
@@ -186,12 +187,12 @@ def _default_index(config: ServiceConfig) -> Index:
     return KVIndex(weights=weights, trust_engine_hashes=config.trust_engine_hashes)
 
 
-def _default_subscriber(config: ServiceConfig) -> Callable[[], Any]:
-    def factory() -> Any:
-        from indexer.subscriber import Subscriber
+def _default_subscriber(config: ServiceConfig) -> Callable[[], Subscriber]:
+    def factory() -> Subscriber:
+        from indexer.subscriber import ZmqSubscriber
 
         # Bounded per poll: fewer payloads alive at once, and commands/ticks are served between chunks.
-        return Subscriber(replay_timeout=config.replay_timeout_s, max_per_poll=1024,
+        return ZmqSubscriber(replay_timeout=config.replay_timeout_s, max_per_poll=1024,
                           replay_deadline=config.replay_deadline_s, replay_max_bytes=config.replay_max_bytes,
                           max_msg_bytes=config.max_msg_bytes, runs=True,
                           # a SUB per worker plus replay / snapshot-request DEALERs in flight
@@ -243,8 +244,8 @@ class IndexerService:
         self,
         config: ServiceConfig,
         *,
-        index: Index | None = None,
-        subscriber_factory: Callable[[], Any] | None = None,
+        index: ScoringIndex | None = None,
+        subscriber_factory: Callable[[], Subscriber] | None = None,
         snapshot_store: SnapshotStore | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -252,9 +253,8 @@ class IndexerService:
         self.clock = clock
         shards = config.ingest_shards
         check_ingest_shards(shards, config.trust_engine_hashes)  # the config's fields may be set after it was made
-        self.index: Index = index if index is not None else _default_index(config)
-        if shards > 1 and (not callable(getattr(self.index, "shard_of", None))
-                           or len(getattr(self.index, "shards", ())) != shards):
+        self.index: ScoringIndex = index if index is not None else _default_index(config)
+        if shards > 1 and self.index.shard_count != shards:
             raise ValueError(f"ingest_shards={shards} needs an index of {shards} worker shards "
                              f"(indexer.sharded.ShardedIndex), got {type(self.index).__name__}")
         self.registry = Registry(LivenessPolicy(
@@ -290,7 +290,7 @@ class IndexerService:
                     on_subscribe_failed=self._subscribe_failed, poll_ms=config.poll_ms, clock=clock,
                     ticks=i == 0, name=f"kvatlas-ingest-{i}",
                 ) for i in range(shards)
-            ], self.index.shard_of)  # type: ignore[attr-defined]
+            ], self.index.shard_of)
         self.generation = 0
         self.started_at = clock()
         self.restored_from: int | None = None  # generation of the snapshot we started from
@@ -305,11 +305,10 @@ class IndexerService:
         self.plane: Any = None  # router_api.nats_plane.NatsPlane under `kvatlas indexer --nats` (docs/jetstream.md)
         self._plans: dict[str, _ScorePlan] = {}  # per model, see _plan
         self._plan_epoch = 0  # bumped under the lock with each registry membership change (_plan's check)
-        # The C answer writer (`score_answer`): with the native module, the schema it writes, and an index
-        # that packs rows for it (KVIndex.score_table).
+        # The C answer writer (`score_answer`): with the native module and the schema it writes (the
+        # index packs rows for it, `score_table`, where it can).
         mod = native_core.select(None)
-        packs = callable(getattr(self.index, "score_table", None))
-        self._writer = mod if answer.SUPPORTED and packs and hasattr(mod, "write_answer") else None
+        self._writer = mod if answer.SUPPORTED and hasattr(mod, "write_answer") else None
         self._formats = answer.Formats()
 
     # -- lifecycle ---------------------------------------------------------------------------

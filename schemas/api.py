@@ -20,7 +20,6 @@ TokenList = Annotated[list[TokenId], Meta(max_length=MAX_QUERY_TOKENS)]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 OptName = Optional[Annotated[str, Meta(max_length=256)]]
 
-TIER_NAMES: Final = ("gpu", "host", "disk", "shared")
 WORKER_STATUSES: Final = ("connecting", "live", "stale", "resyncing")
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from support.net import free_port
 from router_api.service import ServiceConfig
-from test_service_ingest import BS, Fleet
+from support.fleet import BS, Fleet
 from support.service import LiveIndexer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -28,7 +28,7 @@ from indexer.core import native as native_core
 from indexer.core.types import TIER_NAMES, WorkerScore
 from indexer.index import ApplyStats, KVIndex
 from schemas.api import U32_MAX
-from test_index_fastpath import BS, MODEL, WORKERS, _payload, _state
+from support.native_payloads import BS, MODEL, WORKERS, index_state, random_payload
 
 N = native_core.select(True)
 LONG = os.environ.get("KVATLAS_FUZZ", "") == "long"
@@ -51,19 +51,19 @@ def _seed_history(rng: random.Random, fast: KVIndex, ref: KVIndex, pool: list, b
     """Known parents and mapped hashes, so mutations hit removes, placeholders and chains too."""
     for _ in range(3):
         wid, r = rng.choice(WORKERS)
-        p = _payload(rng, pool, blocks)
+        p = random_payload(rng, pool, blocks)
         assert fast.apply_payload(MODEL, wid, r, p) == ref.apply_payload(MODEL, wid, r, p)
 
 
 def _same(fast: KVIndex, ref: KVIndex, wid: str, rank: int, payload: bytes, rank_from_batch: bool) -> ApplyStats:
-    before = _state(ref), ref.workers(MODEL)
+    before = index_state(ref), ref.workers(MODEL)
     got = fast.apply_payload(MODEL, wid, rank, payload, rank_from_batch=rank_from_batch)
     want = ref.apply_payload(MODEL, wid, rank, payload, rank_from_batch=rank_from_batch)
     assert got == want, payload
-    assert _state(fast) == _state(ref), payload
+    assert index_state(fast) == index_state(ref), payload
     assert fast.workers(MODEL) == ref.workers(MODEL), payload
     if any(k.startswith("decode_") for k in want.drops):  # refused whole: nothing changed
-        assert (_state(ref), ref.workers(MODEL)) == before, payload
+        assert (index_state(ref), ref.workers(MODEL)) == before, payload
     return want
 
 
@@ -141,7 +141,7 @@ def _mutate_event(rng: random.Random, ev: object, pool: list) -> object:
 
 
 def _mutated_payload(rng: random.Random, pool: list, blocks: list) -> bytes:
-    raw = _payload(rng, pool, blocks)
+    raw = random_payload(rng, pool, blocks)
     try:
         batch = msgspec.msgpack.decode(raw)
     except msgspec.DecodeError:  # trailing bytes: mutated at the byte level instead
@@ -206,7 +206,7 @@ def test_byte_mutations_agree(seed: int, trust: bool) -> None:
     _seed_history(rng, fast, ref, pool, blocks)
     for _ in range(6):
         wid, r = rng.choice(WORKERS)
-        raw = _payload(rng, pool, blocks) if rng.random() < 0.6 else _mutated_payload(rng, pool, blocks)
+        raw = random_payload(rng, pool, blocks) if rng.random() < 0.6 else _mutated_payload(rng, pool, blocks)
         for _ in range(rng.randint(1, 3)):
             raw = _byte_mutation(rng, raw)
         _same(fast, ref, wid, r, raw, rng.random() < 0.5)
@@ -222,7 +222,7 @@ def test_arbitrary_bytes_agree(data: bytes, prefix: bytes) -> None:
 
 def test_truncation_at_every_offset_agrees() -> None:
     rng, pool, blocks = _world(11)
-    payloads = [_payload(rng, pool, blocks) for _ in range(30 if LONG else 6)]
+    payloads = [random_payload(rng, pool, blocks) for _ in range(30 if LONG else 6)]
     payloads.append(enc([1.0, [{"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
                                 "token_ids": [1, 2, 3, 4], "block_size": BS, "medium": "cpu"},
                                {"type": "BlockRemoved", "block_hashes": [2], "medium": "cpu"},

@@ -17,107 +17,9 @@ from indexer.core import native as native_core
 from indexer.index import ApplyStats, KVIndex, RankLimits
 from schemas.batchhead import read_head
 from indexer.core.apply import decode_or_drop
+from support.native_payloads import BS, MODEL, WORKERS, index_state, random_event, random_payload
 
 pytestmark = pytest.mark.skipif(not native_core.available(), reason="native accelerator not built")
-
-BS = 2
-MODEL = "m"
-WORKERS = [("a", 0), ("b", 0), ("a", 1)]
-MEDIA = [None, "GPU", "GPU", "CPU_PINNED", "cpu", " CPU_PINNED\t", "DISK", "nvme", "EXTERNAL", "shared", "bogus", "ＧＰＵ"]
-KINDS = [None, None, "full_attention", "MLA", "sliding_window", "full_sliding", "mamba"]
-
-
-def _hash(rng: random.Random, pool: list) -> object:
-    r = rng.random()
-    if r < 0.85:
-        return rng.choice(pool)
-    if r < 0.9:
-        return rng.choice([0, -1, 2**64 - 1, -(2**63)])
-    if r < 0.97:
-        return rng.getrandbits(64)
-    return b"" if rng.random() < 0.5 else b"\x00" * 3
-
-
-def _tokens(rng: random.Random, blocks: list[list[int]], nblk: int) -> list:
-    toks = [t for _ in range(nblk) for t in rng.choice(blocks)]
-    r = rng.random()
-    if r < 0.1:
-        toks = toks[: max(0, len(toks) - rng.randint(1, BS))]  # partial trailing block
-    elif r < 0.13 and toks:
-        toks[rng.randrange(len(toks))] = rng.choice([1.5, "x", None, 2**64 - 1, -(2**63), True])
-    return toks
-
-
-def _stored(rng: random.Random, pool: list, blocks: list[list[int]]) -> dict:
-    n = rng.randint(1, 4)
-    hashes = [_hash(rng, pool) for _ in range(n)]
-    placeholder = rng.random() < 0.15
-    ev: dict = {"type": "BlockStored", "block_hashes": hashes,
-                "parent_block_hash": None if rng.random() < 0.4 else _hash(rng, pool),
-                "token_ids": [] if placeholder else _tokens(rng, blocks, n),
-                "block_size": 0 if placeholder else rng.choice([BS, BS, BS, BS, 3, -1])}
-    for key, choices in (("lora_id", [None, 3]), ("medium", MEDIA), ("lora_name", [None, "l"]),
-                         ("cache_salt", [None, "s"]), ("session_id", [None, "sess"]),
-                         ("extra_keys", [None, [], [None] * n, [None] * (n + 1), [["img", 1]] + [None] * (n - 1)]),
-                         ("group_idx", [None, 0, 1]), ("kv_cache_spec_kind", KINDS),
-                         ("kv_cache_spec_sliding_window", [None, 128]), ("locality", [None, "node"]),
-                         ("ownership", [None, "own"])):
-        if rng.random() < 0.35:
-            ev[key] = rng.choice(choices[:2] if rng.random() < 0.7 else choices)
-    return ev
-
-
-def _event(rng: random.Random, pool: list, blocks: list[list[int]]) -> object:
-    r = rng.random()
-    if r < 0.55:
-        ev = _stored(rng, pool, blocks)
-    elif r < 0.93:
-        ev = {"type": "BlockRemoved", "block_hashes": [_hash(rng, pool) for _ in range(rng.randint(1, 3))]}
-        if rng.random() < 0.7:
-            ev["medium"] = rng.choice(MEDIA)
-        if rng.random() < 0.1:
-            ev["group_idx"] = 0
-    else:
-        ev = {"type": "AllBlocksCleared"}
-    odd = rng.random()
-    if odd < 0.03:
-        ev["unknown_field"] = [1, {"x": 2}]
-    elif odd < 0.05:  # tag not first
-        ev = dict(reversed(list(ev.items())))
-    elif odd < 0.07:
-        return [ev["type"], *[v for k, v in ev.items() if k != "type"]]  # array form
-    elif odd < 0.08:
-        ev["type"] = "BlockEvicted"
-    return ev
-
-
-def _payload(rng: random.Random, pool: list, blocks: list[list[int]]) -> bytes:
-    events = [_event(rng, pool, blocks) for _ in range(rng.randint(0, 5))]
-    r = rng.random()
-    if r < 0.03:
-        batch: list = [0, events]
-    elif r < 0.05:
-        batch = [0.0, events, 0, "extra"]
-    else:
-        batch = [1.5, events, rng.choice([None, 0])]
-    raw = msgspec.msgpack.encode(batch)
-    if rng.random() < 0.02:
-        raw += b"\x00"
-    return raw
-
-
-def _digests(d: object) -> list[int]:
-    return list(memoryview(d).cast("Q")) if isinstance(d, bytes) else list(d)  # native keeps them packed
-
-
-def _state(ix: KVIndex) -> tuple:
-    m = ix._models[MODEL]
-    workers = {
-        k: (sorted(w.ext.items(), key=repr),
-            [(p.hashes, p.parent, _digests(p.digests), p.tier, p.age, p.cancelled) for p in w.pending])
-        for k, w in m.by_id.items()
-    }
-    return sorted(m.nodes.items(), key=repr), workers, sorted(m.known_ext.items(), key=repr)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -132,11 +34,11 @@ def test_fast_path_matches_python_core(seed: int, n_batches: int, trust: bool) -
         ix.ensure_model(MODEL, BS)
     for _ in range(n_batches):
         wid, r = rng.choice(WORKERS)
-        payload = _payload(rng, pool, blocks)
+        payload = random_payload(rng, pool, blocks)
         got = fast.apply_payload(MODEL, wid, r, payload)
         want = ref.apply_payload(MODEL, wid, r, payload)
         assert got == want, payload
-        assert _state(fast) == _state(ref), payload
+        assert index_state(fast) == index_state(ref), payload
         if rng.random() < 0.05:
             fast.clear_worker(MODEL, wid, r)
             ref.clear_worker(MODEL, wid, r)
@@ -198,7 +100,7 @@ RANKS = [(), (None,), (-1,), (0,), (1,), (3,), (2**64 - 1,), ("x",)]  # () = no 
 
 
 def _ranked_payload(rng: random.Random, pool: list, blocks: list[list[int]]) -> bytes:
-    events = [_event(rng, pool, blocks) for _ in range(rng.choice([0, 0, 1, 2, 4]))]
+    events = [random_event(rng, pool, blocks) for _ in range(rng.choice([0, 0, 1, 2, 4]))]
     ts = rng.choice([1.5, 0.0, -2.0, 7, 2**64 - 1, 1e9 + 0.25])
     raw = msgspec.msgpack.encode([ts, events, *rng.choice(RANKS)])
     if rng.random() < 0.1 and raw[1:2] == b"\xcb":  # ts as a float32, as some encoders write it
@@ -251,7 +153,7 @@ def test_rank_from_batch_matches_read_head_then_apply(seed: int, n_batches: int,
         for ix in (fast, slow):
             got = ix.apply_payload(MODEL, wid, default, payload, rank_from_batch=True)
             assert got == want, payload
-            assert _state(ix) == _state(ref), payload
+            assert index_state(ix) == index_state(ref), payload
         assert fast.workers(MODEL) == ref.workers(MODEL)  # heartbeats and bad payloads register nobody
 
 

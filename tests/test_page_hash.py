@@ -16,29 +16,10 @@ from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_strea
 from producer.events import EventRecorder
 from schemas.codec import encode_batch
 from schemas.events import KVEvent, KVEventBatch
-from producer.sinks import _PayloadSink
+from support.sinks import BytesSink
 
 ENV_ALLOW = "KVATLAS_ALLOW_PURE_PYTHON"
 native = ph._native  # None when not built; every comparison below then says so
-
-
-class BytesSink(_PayloadSink):
-    """The payloads a publisher would send, with a fixed timestamp so two runs compare bytewise."""
-
-    __slots__ = ("payloads", "ts")
-
-    def __init__(self, ts: float = 0.0) -> None:
-        self.payloads: list[bytes] = []
-        self.ts = ts
-
-    def batch_ts(self) -> float:
-        return self.ts
-
-    def send_payload(self, payload: bytes) -> None:
-        self.payloads.append(payload)
-
-    def close(self) -> None:
-        pass
 
 
 def test_native_page_hash_is_built() -> None:

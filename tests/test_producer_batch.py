@@ -17,7 +17,7 @@ from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_strea
 from producer.events import EventRecorder
 from producer.sinks import _PayloadSink
 from schemas.codec import encode_batch
-from test_page_hash import BytesSink
+from support.sinks import BytesSink
 from schemas.events import BlockStored, KVEventBatch
 from schemas.media import Medium
 
@@ -30,7 +30,7 @@ def _mod():
     return native
 
 
-TS = 12.5  # the batches' fixed timestamp (BytesSink is test_page_hash's)
+TS = 12.5  # the batches' fixed timestamp (support.sinks.BytesSink)
 
 
 # Ints across msgpack's width classes (and u32's edge), for ids and token ids.

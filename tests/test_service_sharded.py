@@ -26,7 +26,7 @@ from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import ShardedLock
 from router_api.service import IndexerService, ServiceConfig
 from schemas.api import RegisterWorker
-from test_service_ingest import BS, Fleet
+from support.fleet import BS, Fleet
 from support.service import LiveIndexer, WorkerSim, check_scores, make_prompts, wait_applied
 
 MODEL = "default"

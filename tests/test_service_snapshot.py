@@ -23,7 +23,7 @@ from indexer.snapshot import (
     make_snapshot_store,
 )
 from router_api.service import ServiceConfig
-from test_service_ingest import BS, Fleet
+from support.fleet import BS, Fleet
 from support.service import KVIndexerProcess, LiveIndexer, check_scores, dump_state, wait_applied
 
 

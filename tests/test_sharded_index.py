@@ -14,7 +14,7 @@ from indexer.sharded import ShardedIndex
 from schemas.codec import encode_batch
 from schemas.events import KVEventBatch
 from support.hybrid_history import P, History, ops
-from test_index_property import BS, MODEL, WORKERS, build_history, queries, run
+from support.index_history import BS, MODEL, WORKERS, build_history, queries, run
 
 
 def same_answers(got, want, prompts, rng: random.Random) -> None:

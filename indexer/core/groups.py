@@ -32,13 +32,13 @@ from indexer.core.types import (
 from indexer.hashing import CHAIN_P, MASK64, block_digest_py, extra_digest
 from schemas.events import BlockRemoved, BlockStored, is_full_attention
 from schemas.media import parse_medium
+from schemas.rules import NIBBLE, slot_shift, window_blocks
 
 if TYPE_CHECKING:
     from indexer.core.state import ModelState, WorkerState
 
 FULL, SWA, MAMBA = 0, 1, 2
 KIND_NAMES = ("full_attention", "sliding_window", "mamba")
-NIBBLE = 0xF
 ABSENT = 4  # a block's tier code when the group does not hold it (0..3: gpu, host, disk, shared)
 
 DROP_UNKNOWN_GROUP = "unknown_group"
@@ -68,7 +68,7 @@ def window_span(window: int | None, block_size: int) -> int | None:
     (vLLM's rule). None (no window announced): every block, like full attention."""
     if window is None:
         return None
-    return max(0, -(-(window - 1) // block_size))
+    return window_blocks(window, block_size)
 
 
 class Group:
@@ -95,7 +95,7 @@ class Group:
         ext = self.ext.pop(slot, None)
         if not ext:
             return
-        clear_bits(self.nodes, set(ext.values()), 4 * slot)
+        clear_bits(self.nodes, set(ext.values()), slot_shift(slot))
 
     def move_slot(self, old: int, new: int) -> None:
         """A worker moved from slot `old` to the free slot `new` (the model keeps slots dense)."""

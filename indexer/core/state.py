@@ -25,9 +25,8 @@ from typing import Any
 
 from indexer.core.types import DROP_RANK_COUNT, DROP_RANK_RANGE, RankLimits
 from indexer.hashing import namespace_seed
+from schemas.rules import NIBBLE, SLOTS_PER_WORD, slot_shift
 
-NIBBLE = 0xF
-SLOTS_PER_WORD = 16  # 4 bits a slot: slots per 64-bit word of a residency value (the accelerator's unit)
 
 
 class PendingOrphan:
@@ -94,7 +93,7 @@ class WorkerState:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
         self.slot = slot
-        self.shift = 4 * slot
+        self.shift = slot_shift(slot)
         self.ext: dict[Any, int] = ext
         self.pending: list[PendingOrphan] = []
 
@@ -149,12 +148,12 @@ class ModelState:
             else:
                 slot = len(self.workers)
                 self.workers.append(None)
-                self.slot_mask |= 1 << (4 * slot)
+                self.slot_mask |= 1 << slot_shift(slot)
             w = WorkerState(worker_id, dp_rank, slot, self.new_map())
             self.workers[slot] = w
             self.by_id[(worker_id, dp_rank)] = w
             self.rank_count[worker_id] = self.rank_count.get(worker_id, 0) + 1
-            self.live_gpu |= 1 << (4 * slot)
+            self.live_gpu |= 1 << slot_shift(slot)
             self._ranked = None
         return w
 
@@ -203,7 +202,7 @@ class ModelState:
                 top = len(self.workers) - 1
                 self.workers.pop()
                 self.free_slots.remove(top)
-                self.slot_mask &= ~(1 << (4 * top))
+                self.slot_mask &= ~(1 << slot_shift(top))
             top = len(self.workers) - 1
             if top < words * SLOTS_PER_WORD or not self.free_slots:
                 return
@@ -212,7 +211,7 @@ class ModelState:
             self._move(w, min(self.free_slots))
 
     def _move(self, w: WorkerState, slot: int) -> None:
-        old, new = w.shift, 4 * slot
+        old, new = w.shift, slot_shift(slot)
         move_bits(self.nodes, set(w.ext.values()), old, new)
         if self.groups is not None:
             self.groups.move_slot(w.slot, slot)

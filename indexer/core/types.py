@@ -6,8 +6,8 @@ from typing import Any
 import msgspec
 
 from schemas.media import Medium
+from schemas.rules import TIER_NAMES  # noqa: F401 — re-exported: the core's tier order
 
-TIER_NAMES: tuple[str, str, str, str] = ("gpu", "host", "disk", "shared")
 MEDIUM_NAMES: tuple[str, ...] = tuple(m.name for m in Medium)  # indexed by tier (Medium value)
 
 # The `ApplyStats` vocabulary the accelerator also fills (its tables are generated from these,

@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from producer.components.base import SLIDING_WINDOW, Component, SlotPool
+from schemas.rules import window_blocks
 
 
 def window_pages(window: int, page_size: int) -> int:
-    """Pages a sliding window of `window` tokens needs before a boundary: cdiv(W - 1, page_size)."""
-    return max(0, -(-(window - 1) // page_size))
+    """Pages a sliding window of `window` tokens needs before a boundary (`schemas.rules.window_blocks`)."""
+    return window_blocks(window, page_size)
 
 
 class SlidingWindowComponent(Component):

@@ -21,7 +21,7 @@ import zmq
 
 from support.net import REDIS_BIN, RedisServer, free_port, wait_until
 from producer.publisher import ZmqEventPublisher
-from test_service_hardening import _HostilePublisher
+from support.hostile import HostilePublisher
 from support.service import KVIndexerProcess, WorkerSim, make_prompts
 
 BS = 4
@@ -118,7 +118,7 @@ def test_soak(tmp_path: Path) -> None:
     pubs = {w: _publisher(*eps[w]) for w in eps}
     sims = {w: WorkerSim(900 + i, BS, prompts) for i, w in enumerate(eps)}
     relay = LossyRelay({w: e[0] for w, e in eps.items()}, seed=3)
-    hostile = _HostilePublisher("trickle")
+    hostile = HostilePublisher("trickle")
     port = free_port()
     args = ("--block-size", str(BS), "--snapshot", rds.url, "--snapshot-interval", "0.3", "--stale-after", "60",
             "--remove-after", "120", "--replay-timeout", "0.5", "--replay-deadline", "1.5")

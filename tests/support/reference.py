@@ -26,6 +26,7 @@ from indexer.core.types import MEDIUM_NAMES, TIER_NAMES, ScoreResult, TierWeight
 from schemas.codec import DecodeError, decode_batch
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, is_full_attention
 from schemas.media import parse_medium
+from schemas.rules import window_blocks
 
 
 def _extra_id(x: Any) -> bytes | None:
@@ -336,7 +337,7 @@ class ReferenceIndex:
             out = [(g, i) for g in full for i in range(L)]
             for g, (kind, window) in m.groups.items():
                 if kind == SWA:
-                    span = L if window is None else min(L, max(0, -(-(window - 1) // bs)))
+                    span = L if window is None else min(L, window_blocks(window, bs))
                     out += [(g, i) for i in range(L - span, L)]
                 elif kind == MAMBA and L:
                     out.append((g, L - 1))
