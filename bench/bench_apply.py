@@ -5,7 +5,7 @@ goes now"): build each variant of `indexer/_native/kvnative.c` to its own .so (e
 `-DGROW_DIV=1`) and point `KVATLAS_NATIVE_PATH` at it, alternating runs. Absolute figures only; the
 peer comparison for the index core is `bench_index.py` (Dynamo's RadixTree in the same run).
 
-`--shards N` measures the design in docs/service.md ("Session 6"): the workers split over N
+`--shards N` measures the design in docs/service.md ("Ingest shards"): the workers split over N
 `KVIndex` shards (worker w to shard w % N), each shard's runs applied by its own thread at the same
 time (`apply_run` drops the GIL; shards share no table), against one index and one thread in the
 same run, reps interleaved; it prints the ratio sharded / one.

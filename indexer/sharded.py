@@ -3,7 +3,7 @@
 Why: the C apply is bound by memory latency, and one thread applies one event at a time. A worker's
 residency is its own, so the workers can be split over shards that share no table, and n threads
 (the service's ingest pipelines, `--ingest-shards`) can apply into n shards at once on n cores
-(docs/service.md, "Session 6"; `bench/bench_apply.py --shards`).
+(docs/service.md, "Ingest shards"; `bench/bench_apply.py --shards`).
 
 Exactness: every call about one worker goes to its shard (`shard_of`, a stable hash of the worker id),
 so each shard holds exactly what one index would hold for its workers, in its own worker slots (so

@@ -26,7 +26,7 @@ class TreeNode:
         "last_access", "hit_count",
         "digests",                        # the page chain's digests, concatenated; computed lazily
         "flights",                        # in-flight operations naming this node (controller-owned)
-        "components",                     # seam for Mamba / sliding-window state (later issue)
+        "components",                     # hybrid models: component name -> CompState (producer/components)
     )
 
     def __init__(self, nid: int, parent: TreeNode | None, key: tuple[int, ...]) -> None:

@@ -59,7 +59,7 @@ RUN_HOLD = 64
 
 class ApplyAdapter:
     """How a decoded batch reaches the index and how its outcome is counted. Isolated here so the
-    ingest loop does not depend on ApplyStats' exact shape (adapter over the issue-3 contract)."""
+    ingest loop does not depend on ApplyStats' exact shape."""
 
     __slots__ = ("index", "metrics")
 

@@ -80,7 +80,7 @@ class ShardedLock:
         without waiting, and on a busy one let go of all and wait for that one instead. Taking them in
         order instead held shard 0 while waiting for shard 1's run chunk — every /score stalled the
         pipelines one after the other (a backlog drained 1.22M vs 1.56M blocks/s with this, medians
-        of 8 interleaved runs on 2 cores; docs/service.md, "Session 6")."""
+        of 8 interleaved runs on 2 cores; docs/history.md, "Session 6")."""
         locks = self._locks
         first = 0
         while True:

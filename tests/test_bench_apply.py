@@ -1,6 +1,6 @@
 """`bench/bench_apply.py --shards`: its short mode runs, and what it measures is exact — worker-sharded
 indexes applied by concurrent threads (the C run apply drops the GIL) hold, worker by worker, what one
-index applied by one thread holds (docs/service.md, "Session 6": the design this bench measures).
+index applied by one thread holds (docs/service.md, "Ingest shards": the design this bench measures).
 Also the bench publishers' replay serving that `bench_service.py` and this bench's streams share."""
 from __future__ import annotations
 

@@ -421,7 +421,7 @@ def test_sharded_lock() -> None:
 
 def test_whole_lock_never_holds_a_shard_while_waiting_for_another() -> None:
     """A /score (the whole lock) that waits for a busy pipeline's shard must not sit on the other
-    shards meanwhile: that stalled every pipeline behind one chunk (docs/service.md, "Session 6")."""
+    shards meanwhile: that stalled every pipeline behind one chunk (docs/service.md, "Ingest shards")."""
     lock = ShardedLock(3)
     busy = lock.shard(1)
     busy.acquire()  # pipeline 1 in the middle of a chunk
