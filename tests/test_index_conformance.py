@@ -13,7 +13,7 @@ import pytest
 
 from indexer.core import native as native_core
 from indexer.index import KVIndex
-from indexer.protocol import Index
+from indexer.protocol import Index, ScoringIndex
 from indexer.sharded import ShardedIndex
 from schemas.codec import encode_batch
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -196,3 +196,27 @@ def test_cores_agree_on_stats_and_keys(seed: int) -> None:
     ms = [c._models[M] for c in cores]
     assert sorted(ms[0].nodes.items()) == sorted(ms[1].nodes.items())
     assert [sorted(w.ext.items()) for w in ms[0].by_id.values()] == [sorted(w.ext.items()) for w in ms[1].by_id.values()]
+
+
+@pytest.mark.parametrize("kind", ["native", "pure", "sharded"])
+def test_service_indexes_declare_what_the_service_calls(kind: str) -> None:
+    """KVIndex and ShardedIndex are `ScoringIndex`es: packed rows, shard count and placement, and
+    a public model view that scores like the index itself."""
+    ix: Any = (ShardedIndex(3, placement=lambda w: ord(w[0]) % 3) if kind == "sharded"
+               else KVIndex(native=kind == "native"))
+    assert isinstance(ix, ScoringIndex)
+    ix.ensure_model(M, BS)
+    ix.apply(M, "a", 0, KVEventBatch(0.0, [S([1, 2], None, [1, 2, 3, 4])]))
+    ix.apply(M, "b", 0, KVEventBatch(0.0, [S([5], None, [1, 2], medium="CPU_PINNED")]))
+    if kind == "sharded":
+        assert ix.shard_count == 3 and [ix.shard_of(w) for w in "abc"] == [1, 2, 0]
+        with pytest.raises(KeyError):
+            ix.shards[0].model_state("nope")
+    else:
+        assert ix.shard_count == 1 and ix.shard_of("a") == 0
+        view = ix.model_state(M)
+        assert ix.score_model(view, [1, 2, 3, 4], None, None, None, None) == ix.score(M, [1, 2, 3, 4])
+    table = ix.score_table(M, [1, 2, 3, 4])
+    assert (table is None) == (not ix.native)
+    if table is not None:
+        assert table.query_blocks == 2
