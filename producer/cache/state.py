@@ -4,8 +4,8 @@ eviction, audit) are mixins over this state; `TieredCache` composes them."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from producer.cache.config import CacheConfig
 from producer.cache.emitter import StoreEmitter
@@ -17,6 +17,9 @@ from producer.events import EventRecorder
 from producer.pools import KVPool
 from producer.radix_tree import RadixTree, TreeNode
 from schemas.media import Medium
+
+if TYPE_CHECKING:
+    from producer.cache.matching import MatchResult
 
 
 class CacheState:
@@ -43,6 +46,23 @@ class CacheState:
     _prefetches: list[Flight]
     _backup_retry: deque[TreeNode]
     _l3_index: dict[str, TreeNode]
+
+    if TYPE_CHECKING:  # the seams between the concern modules: what one calls that another defines
+        def match_prefix(self, tokens: Sequence[int]) -> MatchResult: ...                # matching
+        def device_pages_of(self, node: TreeNode) -> list[int]: ...
+        def _node_ending_at(self, key: tuple[int, ...], length: int) -> TreeNode: ...
+        def _alloc_comp(self, c: Component, tier: int, n: int) -> list[int]: ...          # hybrid
+        def _drop_comps(self, n: TreeNode, tier: int) -> None: ...
+        def _write_backup(self, node: TreeNode) -> bool: ...                               # transfers
+        def _comp_keys(self, node: TreeNode, c: Component) -> list[str]: ...               # l3
+        def _backup_to_storage(self, node: TreeNode) -> None: ...
+        def alloc_device(self, n: int) -> list[int]: ...                                   # eviction
+        def _alloc_host(self, n: int) -> list[int]: ...
+        def _free_device(self, n: TreeNode) -> int: ...
+        def _free_host(self, n: TreeNode) -> int: ...
+        def _prune_if_empty(self, n: TreeNode) -> None: ...
+        def evict(self, num_pages: int) -> int: ...
+        def evict_host(self, num_pages: int) -> int: ...
 
     def _count(self, what: str, n: int = 1) -> None:
         self.stats[what] = self.stats.get(what, 0) + n
