@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from schemas.jetstream import is_jetstream_endpoint
+
 if TYPE_CHECKING:
     from indexer.protocol import Subscriber
     from indexer.subscriber import Delivery
-from schemas.jetstream import is_jetstream_endpoint
 
 
 class RoutedSubscriber:

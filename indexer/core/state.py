@@ -28,7 +28,6 @@ from indexer.hashing import namespace_seed
 from schemas.rules import NIBBLE, SLOTS_PER_WORD, slot_shift
 
 
-
 class PendingOrphan:
     """A store whose parent is not (yet) known for its worker, waiting a few batches."""
 
