@@ -45,12 +45,7 @@ class Eviction(CacheState):
         """A node no tier holds any more and with no children leaves the tree."""
         if n.hollow and not n.children and n.parent is not None:
             for c in self.components:  # only an L3-less tombstone record can be left here
-                st = self._state(n, c)
-                if st is not None and st.stored:
-                    st.stored = False
-                    for k in self._comp_keys(n, c):
-                        self._l3_index.pop(k, None)
-                    self.emit.comp(n, c, self.l3_medium, False)  # type: ignore[arg-type]
+                self._unclaim_comp_l3(n, c)
             n.components = None
             self.tree.prune(n)
 

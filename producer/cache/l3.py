@@ -303,6 +303,18 @@ class L3(CacheState):
                     self._l3_index[k] = n
                 self.emit.comp(n, c, self.l3_medium, True)  # type: ignore[arg-type]
 
+    def _unclaim_comp_l3(self, n: TreeNode, c: Component) -> bool:
+        """Drop a component's L3 copy at `n` from the index of keys and announce its removal;
+        False when it had none."""
+        st = self._state(n, c)
+        if st is None or not st.stored:
+            return False
+        st.stored = False
+        for k in self._comp_keys(n, c):
+            self._l3_index.pop(k, None)
+        self.emit.comp(n, c, self.l3_medium, False)  # type: ignore[arg-type]
+        return True
+
     def _forget_l3(self, keys: list[str]) -> None:
         by_suffix = {c.suffix: c for c in self.components}
         for k in keys:
@@ -313,12 +325,7 @@ class L3(CacheState):
             for c in self.components:
                 if comp is not None and c is not comp:
                     continue  # a component key breaks only that component's copy
-                st = self._state(n, c)
-                if st is not None and st.stored:
-                    st.stored = False
-                    for kk in self._comp_keys(n, c):
-                        self._l3_index.pop(kk, None)
-                    self.emit.comp(n, c, self.l3_medium, False)  # type: ignore[arg-type]
+                if self._unclaim_comp_l3(n, c):
                     self._clean_state(n, c)
             if comp is not None:
                 self._l3_index.pop(k, None)
