@@ -191,7 +191,10 @@ class TokenBodies:
                         req = None  # judged below on the whole body, so the wording is the usual one
                 if req is not None:
                     return req, np.frombuffer(buf, dtype="<u4")
-        if mod is not None and body:
+        # The Raw twin keeps only the last of repeated keys, unvalidated, where the typed decoder
+        # judges each occurrence: a body naming token_ids twice (or with a JSON escape that could
+        # spell it) is left to the typed decoder.
+        if mod is not None and body and body.count(b"token_ids") == 1 and (kind != "json" or b"\\" not in body):
             try:
                 req = _dec_raw[kind, typ].decode(body)
             except (msgspec.DecodeError, UnicodeDecodeError):  # incl. ValidationError: the typed decoder words it
