@@ -86,6 +86,7 @@ class ServiceConfig:
         "silent_engine_factor", "resync_hold_s", "max_body_bytes", "replay_timeout_s", "poll_ms",
         "trust_engine_hashes", "stats_ttl_s", "max_workers", "max_msg_bytes", "replay_deadline_s",
         "replay_max_bytes", "snapshot_load_timeout_s", "subscribe_timeout_s", "ingest_shards",
+        "tokenizers",
     )
 
     def __init__(
@@ -117,6 +118,7 @@ class ServiceConfig:
         snapshot_load_timeout_s: float = 10.0,
         subscribe_timeout_s: float = 5.0,
         ingest_shards: int = 1,
+        tokenizers: Any = None,
     ) -> None:
         check_ingest_shards(ingest_shards, trust_engine_hashes)
         if block_size < 1:
@@ -159,6 +161,20 @@ class ServiceConfig:
         self.subscribe_timeout_s = subscribe_timeout_s
         # Ingest pipelines (thread + sockets + index shard each); 1: one IngestLoop over one KVIndex.
         self.ingest_shards = ingest_shards
+        # Per-model tokenizers for /score's prompt / messages (router_api/tokenization.py): a TokenizerSet,
+        # or {model: directory or ChatTokenizer}; None: token ids only.
+        self.tokenizers = _tokenizer_set(tokenizers)
+
+
+def _tokenizer_set(value: Any) -> Any:
+    if value is None:
+        return None
+    from router_api.tokenization import ChatTokenizer, TokenizerSet
+
+    if isinstance(value, TokenizerSet):
+        return value
+    return TokenizerSet({m: t if isinstance(t, ChatTokenizer) else ChatTokenizer.from_dir(t, name=m)
+                         for m, t in dict(value).items()})
 
 
 def check_ingest_shards(n: object, trust_engine_hashes: bool) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from tests.support.net import REPO_ROOT
 
-TINY_CHAT = REPO_ROOT / "tests" / "data" / "tiny-chat"
+
+TINY_CHAT = Path(__file__).resolve().parents[1] / "data" / "tiny-chat"
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
