@@ -30,7 +30,7 @@ _enc = msgspec.json.Encoder()
 # Request headers not forwarded (hop-by-hop, or recomputed by the client library).
 _DROP_REQ = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
                        "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding"})
-_DROP_RESP = frozenset({"connection", "keep-alive", "transfer-encoding", "upgrade", "te", "trailer",
+_DROP_RESP = frozenset({"connection", "keep-alive", "transfer-encoding", "upgrade", "te", "trailer", "date", "server",
                         "content-length"})
 
 
