@@ -179,11 +179,18 @@ def build_config(args: argparse.Namespace) -> Any:
     model = get("model")
     block_size = int(get("block_size"))
     workers = []
+    sizes = {model: (block_size, "--block-size")}
     for s in specs:
         s = dict(s)
         s.setdefault("model", model)
         s.setdefault("block_size", block_size if s["model"] == model else 16)
-        workers.append(msgspec.convert(s, RegisterWorker))
+        w = msgspec.convert(s, RegisterWorker)
+        # refused here, before anything starts, as POST /workers would refuse it (registry.ConflictingBlockSize)
+        fixed = sizes.setdefault(w.model, (w.block_size, f"worker {w.worker_id!r}"))
+        if fixed[0] != w.block_size:
+            raise ValueError(f"worker {w.worker_id!r}: block_size {w.block_size} conflicts with model {w.model!r}, "
+                             f"which uses {fixed[0]} (from {fixed[1]})")
+        workers.append(w)
     token = read_token(get("auth_token"), get("auth_token_file"), os.environ.get("KVATLAS_AUTH_TOKEN"))
     deadline = get("replay_deadline")
     return ServiceConfig(

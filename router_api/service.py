@@ -34,9 +34,11 @@ from router_api import answer
 from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import MAX_SHARDS, ShardedLock
 from router_api.metrics import ServiceMetrics
+from router_api.worker_metrics import WorkerGauges
 from indexer.protocol import Index
 from indexer.reconcile import LivenessPolicy
 from router_api.registry import (
+    ConflictingBlockSize,
     InvalidRegistration,
     Registry,
     RegistryError,
@@ -278,6 +280,7 @@ class IndexerService:
             silent_engine_factor=config.silent_engine_factor, resync_hold_s=config.resync_hold_s,
         ), max_workers=config.max_workers)
         self.metrics = ServiceMetrics()
+        self.worker_gauges = WorkerGauges()  # per-worker status / silence / refusals (router_api/worker_metrics.py)
         self.core = core_name(self.index)
         self.metrics.index_core.set(self.core, value=1.0)
         self.store = snapshot_store if snapshot_store is not None else make_snapshot_store(
@@ -369,12 +372,18 @@ class IndexerService:
     def register(self, reg: RegisterWorker, last_seq: int | None = None) -> WorkerStatus:
         with self.lock:
             known = self.index.models()
-            self.registry.add(reg, self.clock(), model_block_sizes=known, last_seq=last_seq)
+            try:
+                self.registry.add(reg, self.clock(), model_block_sizes=known, last_seq=last_seq)
+            except RegistryError as exc:
+                self.worker_gauges.refuse(reg.worker_id, "block_size_conflict" if isinstance(exc, ConflictingBlockSize)
+                                          else type(exc).__name__.lower())
+                raise
             self._plan_epoch += 1
             try:
                 self.index.ensure_model(reg.model, reg.block_size)
             except Exception as exc:  # BlockSizeConflict: keep registry and index consistent
                 self.registry.remove(reg.worker_id)
+                self.worker_gauges.refuse(reg.worker_id, "block_size_conflict")
                 raise InvalidRegistration(str(exc)) from exc
             # Known to the index before its first event, so /score lists it from the start.
             self.index.register_worker(reg.model, reg.worker_id, reg.dp_rank)
@@ -626,8 +635,9 @@ class IndexerService:
         }
 
     def metrics_text(self) -> str:
-        self.workers()  # refresh per-worker block gauges
-        return self.metrics.render() + ("" if self.plane is None else self.plane.metrics_text())
+        self.worker_gauges.update(self.workers().workers)  # refresh per-worker block / status gauges
+        return self.metrics.render() + self.worker_gauges.render() + \
+            ("" if self.plane is None else self.plane.metrics_text())
 
     # -- snapshots ---------------------------------------------------------------------------
     def build_snapshot(self) -> Snapshot:
