@@ -164,3 +164,16 @@ def test_openai_router_end_to_end(fleet) -> None:
     metrics = c.get("/metrics").text
     assert 'kvatlas_router_requests_total{outcome="retries"} 1' in metrics
     assert f'kvatlas_router_worker_up{{worker="{holder}"}} 0' in metrics
+
+
+def test_demo_runs_through_the_openai_path() -> None:
+    out = subprocess.run([sys.executable, "-m", "router_api.cli", "demo", "--openai", "--workers", "2",
+                          "--requests", "6", "--policies", "round_robin,precise_tiered", "--speed", "50"],
+                         cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines()
+            if ln.split() and ln.split()[0] in ("round_robin", "precise_tiered")}
+    assert set(rows) == {"round_robin", "precise_tiered"}
+    for cols in rows.values():
+        assert cols[1] == "24" and cols[-1] == "0"  # 6 chats x 4 turns, no errors
+    assert rows["round_robin"][4] == "-" and rows["precise_tiered"][4].endswith("%")
