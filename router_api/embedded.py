@@ -15,6 +15,7 @@ that service; importing it loads neither FastAPI nor uvicorn.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable, Mapping, Sequence
 
 import msgspec
@@ -95,6 +96,21 @@ class EmbeddedIndexer:
               cache_salt: str | None = None) -> QueryResponse:
         """The Dynamo / Mooncake-RFC shape `POST /query` answers (matched tokens per worker)."""
         return self.service.query_compat(model or self.model, token_ids, lora_name, cache_salt)
+
+    def wait_live(self, timeout_s: float = 30.0, poll_s: float = 0.05) -> WorkersResponse:
+        """Block until every registered worker is `live` (its stream subscribed and caught up);
+        TimeoutError naming the others and their status at the deadline. For a router that must not
+        route on an index still filling up after `start()`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rows = self.workers()
+            waiting = [(w.worker_id, w.status) for w in rows.workers if w.status != "live"]
+            if not waiting:
+                return rows
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"workers not live after {timeout_s}s: "
+                                   + ", ".join(f"{w} ({st})" for w, st in waiting))
+            time.sleep(poll_s)  # readiness poll against the deadline
 
     # -- membership --------------------------------------------------------------------------
     def add_worker(self, worker: WorkerSpec) -> WorkerStatus:

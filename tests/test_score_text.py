@@ -3,6 +3,8 @@ the engine would make of them (chat template with BOS, special tokens and a gene
 token count echoed, and clear errors for a model without a tokenizer or an ambiguous request."""
 from __future__ import annotations
 
+import threading
+
 import msgspec
 import pytest
 
@@ -101,3 +103,24 @@ def test_embedded_score_messages() -> None:
     pub.close()
     with EmbeddedIndexer([], block_size=BS) as bare, pytest.raises(TextInputError, match="--tokenizer"):
         bare.score(messages=CHAT)
+
+
+def test_embedded_wait_live() -> None:
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    spec = [{"worker_id": "w0", "endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint}]
+    try:
+        with EmbeddedIndexer(spec, block_size=BS, stale_after_s=600, remove_after_s=3600) as idx:
+            with pytest.raises(TimeoutError, match=r"w0 \(connecting\)"):
+                idx.wait_live(timeout_s=0.2)  # nothing published yet
+            # heartbeats until the subscription hears one (a PUB drops what it sends before the SUB connects)
+            stop = threading.Event()
+            beats = threading.Thread(target=lambda: [pub.heartbeat() for _ in iter(lambda: stop.wait(0.05), True)])
+            beats.start()
+            try:
+                rows = idx.wait_live(timeout_s=20)
+            finally:
+                stop.set()
+                beats.join(5)
+            assert [w.status for w in rows.workers] == ["live"]
+    finally:
+        pub.close()
