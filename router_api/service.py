@@ -631,6 +631,7 @@ class IndexerService:
                       "p50_ms": None if p50 is None else p50 * 1e3,
                       "p99_ms": None if p99 is None else p99 * 1e3},
             "snapshot_generation": self.generation,
+            "core": self.core,  # native | python (the dashboard's "core" card)
             "workers": self.workers().workers,
         }
 
