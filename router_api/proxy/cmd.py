@@ -32,7 +32,13 @@ def run(args: argparse.Namespace, workers: dict[str, str]) -> int:
                     "give --tokenizer DIR (the model's Hugging Face tokenizer directory)")
     if not args.indexer:
         log.warning("event=no_indexer detail=routing on load only; give --indexer URL for KV-aware routing")
-    return asyncio.run(_serve(args, workers, tokenizer, sim))
+    try:  # uvloop: httpx's round trips to the indexer and the engines cost about half (bench/bench_openai.py)
+        import uvloop
+
+        runner = getattr(uvloop, "run", asyncio.run)
+    except ImportError:
+        runner = asyncio.run
+    return int(runner(_serve(args, workers, tokenizer, sim)))
 
 
 async def _serve(args: argparse.Namespace, workers: dict[str, str], tokenizer: object, sim: object) -> int:

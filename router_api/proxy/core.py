@@ -195,7 +195,9 @@ class ProxyCore:
                                      self.inflight))
 
     async def route(self, body: dict[str, Any], chat: bool) -> Route:
-        ids = await asyncio.to_thread(self.tokens_of, body, chat)
+        # Inline, not in a thread: encoding holds the GIL anyway, and a shared system prompt comes
+        # from the piece cache (tens of microseconds), less than a thread hop costs.
+        ids = self.tokens_of(body, chat)
         tokens = None if ids is None else np.asarray(ids, dtype="<u4")
         route = Route(f"kvatlas-{next(self._ids)}-{int(time.time() * 1000) % 10**9}", tokens, self.policy_name)
         if tokens is not None:
