@@ -82,7 +82,8 @@ def fleet(tmp_path: Path):
             "--worker", f"w0=http://127.0.0.1:{wp['w0']}", "--worker", f"w1=http://127.0.0.1:{wp['w1']}",
             "--metrics-interval", "600"], tmp_path)
         wait_until(lambda: procs["router"].alive() and _ok(f"http://127.0.0.1:{rp}/health"), timeout=60, interval=0.1)
-        yield {"router": f"http://127.0.0.1:{rp}", "indexer": f"http://127.0.0.1:{ip}", "procs": procs}
+        yield {"router": f"http://127.0.0.1:{rp}", "indexer": f"http://127.0.0.1:{ip}", "procs": procs,
+               "workers": {w: f"http://127.0.0.1:{p}" for w, p in wp.items()}}
     finally:
         for p in reversed(list(procs.values())):
             p.stop()
@@ -103,6 +104,12 @@ def test_openai_router_end_to_end(fleet) -> None:
     idx = httpx.Client(base_url=fleet["indexer"], timeout=10.0)
     models = c.get("/v1/models").json()
     assert models["data"][0]["id"] == "default"
+    # the workers speak vLLM's /tokenize and gauge names
+    w0 = httpx.Client(base_url=fleet["workers"]["w0"], timeout=10.0)
+    tk = w0.post("/tokenize", json={"model": "default", "messages": chat("Hi")}).json()
+    assert tk["tokens"] == TOK.encode_chat(chat("Hi")) and tk["count"] == len(tk["tokens"])
+    assert w0.post("/tokenize", json={"prompt": "Hi"}).json()["tokens"] == TOK.encode_prompt("Hi")
+    assert 'vllm:num_requests_waiting{model_name="default"} 0' in w0.get("/metrics").text
 
     # 1. a chat, not streamed: the worker's prompt is the template's ids, which the router scored
     first = c.post("/v1/chat/completions", json={"model": "default", "messages": chat("What is the capital of France?"),
