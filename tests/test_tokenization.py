@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer
 
 from router_api.tokenization import ChatTokenizer, TokenizerError, parse_tokenizer_specs
-from support.tiny_tokenizer import TINY_CHAT
+from support.tiny_tokenizer import TINY_CHAT, variants
 
 RAW = Tokenizer.from_file(str(TINY_CHAT / "tokenizer.json"))
 
@@ -89,6 +89,26 @@ def test_segment_cache_equals_whole_text_encoding(words: list[str], specials: bo
     text = "".join(words)
     for _ in range(2):  # cold, then from the cache
         assert t.encode_text(text, add_special_tokens=specials) == RAW.encode(text, add_special_tokens=specials).ids
+
+
+VARIANTS = variants()
+
+
+def test_split_check_detects_a_tokenizer_that_cannot_be_split() -> None:
+    assert not ChatTokenizer(VARIANTS["metaspace_first"], {}).segmentable  # prepends to the first piece only
+    assert ChatTokenizer(VARIANTS["metaspace_always"], {}).segmentable
+    assert ChatTokenizer(VARIANTS["wordlevel"], {}).segmentable
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@settings(max_examples=150, deadline=None)
+@given(words=st.lists(_WORDS, max_size=30), specials=st.booleans())
+def test_every_tokenizer_shape_encodes_like_the_library(name: str, words: list[str], specials: bool) -> None:
+    raw = VARIANTS[name]
+    t = ChatTokenizer(raw, {}, cache_entries=8)
+    text = "".join(words)
+    for _ in range(2):
+        assert t.encode_text(text, add_special_tokens=specials) == raw.encode(text, add_special_tokens=specials).ids
 
 
 def test_cache_reuses_a_shared_system_prompt(tok: ChatTokenizer) -> None:

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 
 
@@ -52,6 +52,29 @@ def build(out: Path) -> Path:
               "add_bos_token": True, "model_max_length": 4096, "chat_template": CHATML,
               "tokenizer_class": "PreTrainedTokenizerFast"}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def variants() -> dict[str, Tokenizer]:
+    """Other tokenizer shapes the prefix cache must be exact for (or detect it cannot be): SentencePiece-
+    style Metaspace (prepending to every piece, or only to the first: not splittable), and a lowercasing
+    word-level one."""
+    out: dict[str, Tokenizer] = {}
+    specials = SPECIALS + ["<unk>"]
+    for scheme in ("always", "first"):
+        t = Tokenizer(models.BPE(unk_token="<unk>"))
+        t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+        t.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+        t.train_from_iterator(_CORPUS * 2, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                                show_progress=False))
+        t.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[
+            ("<s>", t.token_to_id("<s>")), ("</s>", t.token_to_id("</s>"))])
+        out[f"metaspace_{scheme}"] = t
+    w = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    w.normalizer = normalizers.Lowercase()
+    w.pre_tokenizer = pre_tokenizers.Whitespace()
+    w.train_from_iterator(_CORPUS, trainers.WordLevelTrainer(special_tokens=specials, show_progress=False))
+    out["wordlevel"] = w
     return out
 
 
