@@ -112,3 +112,22 @@ def test_no_worker_up_is_a_503_naming_why() -> None:
 
     asyncio.run(_with_proxy(ProxyCore(workers, indexer=None, model="default", tokenizer=None,
                                       policy="round_robin"), check))
+
+
+def test_indexer_token_is_sent_and_a_refusal_is_unscored_not_failed() -> None:
+    import numpy as np
+
+    from router_api.service import ServiceConfig
+    from support.service import LiveIndexer
+
+    with LiveIndexer(ServiceConfig(port=free_port(), block_size=4, auth_token="sekret")) as idx:
+        async def score(token: str | None) -> object:
+            core = ProxyCore({"a": f"http://127.0.0.1:{free_port()}"}, indexer=idx.url, model="default",
+                             tokenizer=None, policy="precise_tiered", indexer_token=token)
+            try:
+                return await core.score(np.asarray([1, 2, 3, 4], dtype="<u4"), {})
+            finally:
+                await core.close()
+
+        assert asyncio.run(score("sekret")) == {}  # an answer (no worker registered yet)
+        assert asyncio.run(score(None)) is None    # 401: routed on load, logged

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 log = logging.getLogger("kvatlas.router")
@@ -13,6 +14,7 @@ def run(args: argparse.Namespace, workers: dict[str, str]) -> int:
     import msgspec
 
     from producer.sim.api import SimModel
+    from router_api.cmd_indexer import read_token
     from router_api.tokenization import TokenizerError, load_tokenizer_specs
 
     try:
@@ -21,9 +23,10 @@ def run(args: argparse.Namespace, workers: dict[str, str]) -> int:
             raise ValueError(f"no --tokenizer for the routed model {args.model!r} "
                              f"(given: {', '.join(sorted(tokenizers.by_model))})")
         sim = msgspec.json.decode(args.sim or "{}", type=SimModel)
+        token = read_token(None, args.indexer_token_file, os.environ.get("KVATLAS_AUTH_TOKEN"))
         if args.metrics_interval <= 0 or args.block_size <= 0:
             raise ValueError("--metrics-interval and --block-size must be positive")
-    except (ValueError, TokenizerError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (ValueError, OSError, TokenizerError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         print(f"kvatlas router: {exc}", file=sys.stderr)
         return 2
     tokenizer = tokenizers.by_model.get(args.model)
@@ -38,10 +41,11 @@ def run(args: argparse.Namespace, workers: dict[str, str]) -> int:
         runner = getattr(uvloop, "run", asyncio.run)
     except ImportError:
         runner = asyncio.run
-    return int(runner(_serve(args, workers, tokenizer, sim)))
+    return int(runner(_serve(args, workers, tokenizer, sim, token)))
 
 
-async def _serve(args: argparse.Namespace, workers: dict[str, str], tokenizer: object, sim: object) -> int:
+async def _serve(args: argparse.Namespace, workers: dict[str, str], tokenizer: object, sim: object,
+                 token: str | None) -> int:
     import uvicorn
 
     from router_api.proxy.app import create_proxy_app
@@ -51,7 +55,7 @@ async def _serve(args: argparse.Namespace, workers: dict[str, str], tokenizer: o
     core = ProxyCore(workers, indexer=args.indexer, model=args.model, tokenizer=tokenizer,  # type: ignore[arg-type]
                      policy=args.policy, sim=sim, block_size=args.block_size,  # type: ignore[arg-type]
                      metrics_interval_s=args.metrics_interval, forward_token_ids=args.forward_token_ids,
-                     seed=args.seed)
+                     seed=args.seed, indexer_token=token)
     await core.start()
     for w, st in core.poller.states.items():
         log.info("event=worker worker=%s url=%s up=%s reason=%s", w, st.url, st.up, st.reason)

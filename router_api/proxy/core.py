@@ -41,11 +41,12 @@ class NoWorker(Exception):
 class Route:
     """One routed request: the decision and what was scored."""
 
-    __slots__ = ("request_id", "worker_id", "tokens", "cached_tokens", "policy", "tried", "reported")
+    __slots__ = ("request_id", "worker_id", "tokens", "cached_tokens", "policy", "tried", "reported", "ranks")
 
     def __init__(self, request_id: str, tokens: np.ndarray | None, policy: str) -> None:
         self.request_id = request_id
         self.worker_id = ""
+        self.ranks: dict[str, int] = {}  # per worker, the dp rank of its best /score row (reported with the route)
         self.tokens = tokens
         self.cached_tokens: int | None = None
         self.policy = policy
@@ -78,7 +79,8 @@ class ProxyCore:
     def __init__(self, workers: dict[str, str], *, indexer: str | None, model: str, tokenizer: ChatTokenizer | None,
                  policy: str, sim: SimModel | None = None, block_size: int = 16, metrics_interval_s: float = 1.0,
                  forward_token_ids: bool = False, report_routes: bool = True, seed: int = 0,
-                 connect_timeout_s: float = 2.0, read_timeout_s: float = 600.0) -> None:
+                 connect_timeout_s: float = 2.0, read_timeout_s: float = 600.0,
+                 indexer_token: str | None = None) -> None:
         self.workers = workers
         self.indexer = indexer.rstrip("/") if indexer else None
         self.model = model
@@ -88,6 +90,8 @@ class ProxyCore:
         self.block_size = block_size
         self.forward_token_ids = forward_token_ids
         self.report_routes = report_routes and self.indexer is not None
+        # the indexer's bearer token (`kvatlas indexer --auth-token-file`), sent on /score and /routes only
+        self._auth = {"Authorization": f"Bearer {indexer_token}"} if indexer_token else {}
         self.seed = seed
         make_policy(policy, list(workers), self.sim, seed)  # fail at start on a bad name
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
@@ -138,7 +142,8 @@ class ProxyCore:
             self._warn.warning("bad_text", "event=unscored reason=tokenize_failed error=%s", exc)
             return None
 
-    async def score(self, tokens: np.ndarray, body: dict[str, Any]) -> dict[str, ScoreRow] | None:
+    async def score(self, tokens: np.ndarray, body: dict[str, Any],
+                    ranks: dict[str, int] | None = None) -> dict[str, ScoreRow] | None:
         if self.indexer is None:
             return None
         params = {"model": self.model}
@@ -147,7 +152,8 @@ class ProxyCore:
                 params[k] = body[k]
         try:
             r = await self.client.post(f"{self.indexer}/score", params=params, content=tokens.tobytes(),
-                                       headers={"Content-Type": "application/octet-stream"}, timeout=5.0)
+                                       headers={"Content-Type": "application/octet-stream", **self._auth},
+                                       timeout=5.0)
             if r.status_code == 404:  # the model is not known yet: nothing cached anywhere
                 return {}
             r.raise_for_status()
@@ -164,6 +170,8 @@ class ProxyCore:
                            t.get("shared", 0))
             if prev is None or cur.cached > prev.cached:  # per worker, its best dp rank
                 out[row["worker_id"]] = cur
+                if ranks is not None:
+                    ranks[row["worker_id"]] = int(row.get("dp_rank", 0))
         return out
 
     # -- deciding --------------------------------------------------------------------------------
@@ -202,7 +210,7 @@ class ProxyCore:
         route = Route(f"kvatlas-{next(self._ids)}-{int(time.time() * 1000) % 10**9}", tokens, self.policy_name)
         if tokens is not None:
             self._avg_tokens = 0.9 * self._avg_tokens + 0.1 * len(tokens)
-        scores = await self.score(tokens, body) if tokens is not None else None
+        scores = await self.score(tokens, body, route.ranks) if tokens is not None else None
         if scores is None:
             self.counts["unscored"] += 1
         d = self.decide(tokens, scores, [])
@@ -214,12 +222,13 @@ class ProxyCore:
     async def _report(self, route: Route, body: dict[str, Any]) -> bool:
         if not self.report_routes or route.tokens is None:
             return False
-        doc = {"model": self.model, "request_id": route.request_id, "worker_id": route.worker_id, "dp_rank": 0,
+        doc = {"model": self.model, "request_id": route.request_id, "worker_id": route.worker_id,
+               "dp_rank": route.ranks.get(route.worker_id, 0),
                "token_ids": route.tokens.tolist(), "lora_name": body.get("lora_name"),
                "cache_salt": body.get("cache_salt")}
         try:
             r = await self.client.post(f"{self.indexer}/routes", content=_enc.encode(doc),
-                                       headers={"Content-Type": "application/json"}, timeout=5.0)
+                                       headers={"Content-Type": "application/json", **self._auth}, timeout=5.0)
         except httpx.HTTPError as exc:
             self._warn.warning("routes", "event=route_report_failed url=%s error=%s", self.indexer, exc)
             return False
@@ -238,7 +247,7 @@ class ProxyCore:
             if not await task:
                 return
             await self.client.delete(f"{self.indexer}/routes/{route.request_id}", params={"model": self.model},
-                                     timeout=5.0)
+                                     headers=self._auth, timeout=5.0)
         except (httpx.HTTPError, asyncio.CancelledError) as exc:
             self._warn.warning("release", "event=route_release_failed request=%s error=%r", route.request_id, exc)
 

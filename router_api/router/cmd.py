@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="openai: block size until the indexer's /score says it (default 16)")
     p.add_argument("--forward-token-ids", action="store_true",
                    help="openai: forward a completions text prompt as the token ids that were scored")
+    p.add_argument("--indexer-token-file", default=None,
+                   help="openai: the indexer's bearer token, first line of this file (else $KVATLAS_AUTH_TOKEN)")
     p.add_argument("--sim", default=None,
                    help="openai: cost model of the policies as JSON (producer.sim.api.SimModel fields)")
 
