@@ -10,9 +10,9 @@ rate-limited); only "no worker is up" answers 503.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
+import uuid
 from typing import Any, AsyncIterator
 
 import httpx
@@ -101,7 +101,6 @@ class ProxyCore:
         self.inflight = {w: 0 for w in workers}
         self.counts = {"requests": 0, "routed": 0, "retries": 0, "no_worker": 0, "unscored": 0, "upstream_errors": 0}
         self.routed_to = {w: 0 for w in workers}
-        self._ids = itertools.count(1)
         self._warn = _OnceLog()
         self._avg_tokens = 1024.0
 
@@ -207,7 +206,8 @@ class ProxyCore:
         # from the piece cache (tens of microseconds), less than a thread hop costs.
         ids = self.tokens_of(body, chat)
         tokens = None if ids is None else np.asarray(ids, dtype="<u4")
-        route = Route(f"kvatlas-{next(self._ids)}-{int(time.time() * 1000) % 10**9}", tokens, self.policy_name)
+        # unique across router replicas sharing one indexer (its in-flight routes are keyed by this id)
+        route = Route(f"kvatlas-{uuid.uuid4().hex}", tokens, self.policy_name)
         if tokens is not None:
             self._avg_tokens = 0.9 * self._avg_tokens + 0.1 * len(tokens)
         scores = await self.score(tokens, body, route.ranks) if tokens is not None else None
