@@ -14,7 +14,7 @@ from router_api.embedded import EmbeddedIndexer
 from router_api.score_text import TextInputError
 from router_api.service import ServiceConfig
 from router_api.tokenization import ChatTokenizer
-from schemas.api import RegisterWorker, TextScoreResponse
+from schemas.api import TextScoreResponse
 from schemas.events import BlockStored
 from support.net import free_port, wait_until
 from support.service import LiveIndexer
