@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from indexer.core import native as native_core
 from router_api.metrics import CONTENT_TYPE_LATEST
+from router_api import score_text
 from router_api.registry import RegistryError
 from router_api.service import IndexerService, UnknownModel
 from schemas.api import (
@@ -325,11 +326,15 @@ class ScoreFront:
                 req, tokens = self.bodies.decode(kind, body, typ)
                 if typ is QueryRequest:
                     model = req.model_name or req.model or self.default_model
+                    out = handler(model, tokens, req.lora_name, req.cache_salt, mp)
+                elif score_text.is_text(tokens, req.prompt, req.messages):  # prompt / messages: tokenized here
+                    out = score_text.text_answer(self.service, req.model, req, mp)
                 else:
-                    model = req.model
-                out = handler(model, tokens, req.lora_name, req.cache_salt, mp)
+                    out = handler(req.model, tokens, req.lora_name, req.cache_salt, mp)
         except ApiError as exc:
             return self.rejected(endpoint, exc)
+        except score_text.TextInputError as exc:
+            return self.rejected(endpoint, ApiError(exc.status, exc.message, exc.reason))
         except UnknownModel as exc:
             self.metrics.http_rejects.inc(endpoint, "unknown_model")
             return 404, _json.encode(ErrorResponse(error=str(exc))), _JSON_HEADERS

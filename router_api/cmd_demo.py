@@ -1,6 +1,7 @@
 """`kvatlas demo`: the indexer, workers and routers as real processes on loopback, a bounded slice
 of the bundled trace replayed under each routing policy, one table (docs/end-to-end.md).
-`--in-process` runs the fast single-process example instead (router_api.demo.inprocess)."""
+`--in-process` runs the fast single-process example instead (router_api.demo.inprocess); `--openai`
+drives chats through `kvatlas router --api openai` instead (router_api.demo.openai_demo, docs/openai.md)."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in-process", action="store_true",
                    help="the fast example: caches, ZMQ and the index in one process (no HTTP)")
+    p.add_argument("--openai", action="store_true",
+                   help="the OpenAI path: chats through kvatlas router --api openai to workers speaking vLLM's API "
+                        "(--requests: conversations, default 16; --policies default round_robin,approximate,"
+                        "precise_tiered; needs a source checkout for its tokenizer)")
     p.add_argument("--page-size", type=int, default=16, help="in-process only: tokens per page (default 16)")
     p.add_argument("--device-pages", type=int, default=96, help="in-process only: GPU pages (default 96)")
 
@@ -39,6 +44,21 @@ def _in_process(args: argparse.Namespace) -> int:
     return main(cfg)
 
 
+def _openai(args: argparse.Namespace) -> int:
+    from router_api.demo.openai_demo import TOKENIZER, run_openai_demo
+    from router_api.router.policies import POLICIES
+
+    if not (TOKENIZER / "tokenizer.json").is_file():
+        raise SystemExit(f"kvatlas demo --openai needs the test tokenizer at {TOKENIZER} (a source checkout)")
+    policies = tuple(p.strip() for p in (args.policies or "round_robin,approximate,precise_tiered").split(",")
+                     if p.strip())
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        raise SystemExit(f"--policies: unknown {bad or 'empty list'}; expected some of {', '.join(POLICIES)}")
+    run_openai_demo(policies, args.workers, args.requests or 16, args.seed, args.speed, args.gpu_pages, sys.stdout)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from router_api.router.policies import POLICIES
 
@@ -51,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--speed must be positive")
     if args.in_process:
         return _in_process(args)
+    if args.openai:
+        return _openai(args)
     from router_api.demo.fleet import DemoSettings, rows_json, run_demo
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else None

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", action="append", default=[], metavar="SPEC",
                    help="static worker: ID=tcp://h:p[,replay=tcp://h:p][,dp=N][,topic=T][,model=M]"
                         "[,block_size=B] (repeatable)")
+    p.add_argument("--tokenizer", action="append", default=[], metavar="MODEL=DIR",
+                   help="a model's Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json): "
+                        "/score then takes 'prompt' or chat 'messages' for it (repeatable)")
     p.add_argument("--snapshot", help="snapshot target: redis://host:port/db or a file path (default: none, in-memory)")
     p.add_argument("--snapshot-key", help="Redis key of the snapshot (default kvatlas:snapshot)")
     p.add_argument("--snapshot-interval", type=float, help="seconds between snapshots (default 30)")
@@ -176,11 +179,18 @@ def build_config(args: argparse.Namespace) -> Any:
     model = get("model")
     block_size = int(get("block_size"))
     workers = []
+    sizes = {model: (block_size, "--block-size")}
     for s in specs:
         s = dict(s)
         s.setdefault("model", model)
         s.setdefault("block_size", block_size if s["model"] == model else 16)
-        workers.append(msgspec.convert(s, RegisterWorker))
+        w = msgspec.convert(s, RegisterWorker)
+        # refused here, before anything starts, as POST /workers would refuse it (registry.ConflictingBlockSize)
+        fixed = sizes.setdefault(w.model, (w.block_size, f"worker {w.worker_id!r}"))
+        if fixed[0] != w.block_size:
+            raise ValueError(f"worker {w.worker_id!r}: block_size {w.block_size} conflicts with model {w.model!r}, "
+                             f"which uses {fixed[0]} (from {fixed[1]})")
+        workers.append(w)
     token = read_token(get("auth_token"), get("auth_token_file"), os.environ.get("KVATLAS_AUTH_TOKEN"))
     deadline = get("replay_deadline")
     return ServiceConfig(
@@ -195,7 +205,19 @@ def build_config(args: argparse.Namespace) -> Any:
         replay_deadline_s=None if deadline is None else float(deadline),
         snapshot_load_timeout_s=float(get("snapshot_load_timeout")),
         ingest_shards=get("ingest_shards"),  # checked by ServiceConfig (an integer, 1..64)
+        tokenizers=_tokenizers(getattr(args, "tokenizer", None) or file_cfg.get("tokenizer") or [], model),
     )
+
+
+def _tokenizers(specs: list[str] | dict[str, str], model: str) -> Any:
+    """`--tokenizer MODEL=DIR` values (or a config file's {model: dir}) loaded; ValueError names the bad one."""
+    if not specs:
+        return None
+    from router_api.tokenization import load_tokenizer_specs
+
+    if isinstance(specs, dict):
+        specs = [f"{m}={d}" for m, d in specs.items()]
+    return load_tokenizer_specs(list(specs), model)
 
 
 def read_token(flag: str | None, path: str | None, env: str | None) -> str | None:

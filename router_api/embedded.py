@@ -15,10 +15,12 @@ that service; importing it loads neither FastAPI nor uvicorn.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable, Mapping, Sequence
 
 import msgspec
 
+from router_api import score_text
 from router_api.service import IndexerService, ServiceConfig
 from schemas.api import QueryResponse, RegisterWorker, ScoreResponse, WorkersResponse, WorkerStatus
 
@@ -71,17 +73,44 @@ class EmbeddedIndexer:
         self.close()
 
     # -- queries -----------------------------------------------------------------------------
-    def score(self, token_ids: Sequence[int] | Any, *, model: str | None = None, lora_name: str | None = None,
-              cache_salt: str | None = None) -> ScoreResponse:
+    def score(self, token_ids: Sequence[int] | Any = None, *, model: str | None = None, lora_name: str | None = None,
+              cache_salt: str | None = None, prompt: str | None = None,
+              messages: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
+              add_special_tokens: bool | None = None) -> ScoreResponse:
         """Every registered worker's prefix match, best first: exactly the body `POST /score`
-        answers. `token_ids`: a list of ints or an integer numpy array (a u32 array is the fastest).
-        Raises `router_api.service.UnknownModel` for a model no worker is registered for."""
-        return self.service.score(model or self.model, token_ids, lora_name, cache_salt)
+        answers. Exactly one input: `token_ids` (a list of ints or an integer numpy array, a u32
+        array is the fastest), `prompt` (completions text) or `messages` (chat), the last two
+        tokenized with the model's tokenizer (`tokenizers={model: directory}` at construction);
+        a text query answers a `TextScoreResponse` (`prompt_tokens` added).
+        Raises `router_api.service.UnknownModel` for a model no worker is registered for and
+        `router_api.score_text.TextInputError` for text it cannot tokenize (or no tokenizer)."""
+        m = model or self.model
+        if not score_text.is_text(token_ids, prompt, messages):
+            return self.service.score(m, token_ids, lora_name, cache_salt)
+        ids = score_text.text_tokens(self.service.config.tokenizers, m, prompt, messages,
+                                     add_generation_prompt=add_generation_prompt,
+                                     add_special_tokens=add_special_tokens)
+        return score_text.text_response(self.service.score(m, ids, lora_name, cache_salt), len(ids))
 
     def query(self, token_ids: Sequence[int] | Any, *, model: str | None = None, lora_name: str | None = None,
               cache_salt: str | None = None) -> QueryResponse:
         """The Dynamo / Mooncake-RFC shape `POST /query` answers (matched tokens per worker)."""
         return self.service.query_compat(model or self.model, token_ids, lora_name, cache_salt)
+
+    def wait_live(self, timeout_s: float = 30.0, poll_s: float = 0.05) -> WorkersResponse:
+        """Block until every registered worker is `live` (its stream subscribed and caught up);
+        TimeoutError naming the others and their status at the deadline. For a router that must not
+        route on an index still filling up after `start()`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rows = self.workers()
+            waiting = [(w.worker_id, w.status) for w in rows.workers if w.status != "live"]
+            if not waiting:
+                return rows
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"workers not live after {timeout_s}s: "
+                                   + ", ".join(f"{w} ({st})" for w, st in waiting))
+            time.sleep(poll_s)  # readiness poll against the deadline
 
     # -- membership --------------------------------------------------------------------------
     def add_worker(self, worker: WorkerSpec) -> WorkerStatus:

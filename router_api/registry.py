@@ -40,6 +40,10 @@ class InvalidRegistration(RegistryError):
     status = 400
 
 
+class ConflictingBlockSize(InvalidRegistration):
+    """The worker's block size differs from the one its model already uses (HTTP 400)."""
+
+
 class DuplicateWorker(RegistryError):
     status = 409
 
@@ -181,7 +185,7 @@ class Registry:
         if known is None and model_block_sizes:
             known = model_block_sizes.get(reg.model)
         if known is not None and known != reg.block_size:
-            raise InvalidRegistration(
+            raise ConflictingBlockSize(
                 f"block_size {reg.block_size} conflicts with model {reg.model!r}, which uses {known}"
             )
         keys = frozenset((k, reg.topic) for k in ep_keys)

@@ -35,9 +35,11 @@ from router_api import answer
 from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import MAX_SHARDS, ShardedLock
 from router_api.metrics import ServiceMetrics
+from router_api.worker_metrics import WorkerGauges
 from indexer.protocol import Index, ScoringIndex, Subscriber
 from indexer.reconcile import LivenessPolicy
 from router_api.registry import (
+    ConflictingBlockSize,
     InvalidRegistration,
     Registry,
     RegistryError,
@@ -87,6 +89,7 @@ class ServiceConfig:
         "silent_engine_factor", "resync_hold_s", "max_body_bytes", "replay_timeout_s", "poll_ms",
         "trust_engine_hashes", "stats_ttl_s", "max_workers", "max_msg_bytes", "replay_deadline_s",
         "replay_max_bytes", "snapshot_load_timeout_s", "subscribe_timeout_s", "ingest_shards",
+        "tokenizers",
     )
 
     def __init__(
@@ -118,6 +121,7 @@ class ServiceConfig:
         snapshot_load_timeout_s: float = 10.0,
         subscribe_timeout_s: float = 5.0,
         ingest_shards: int = 1,
+        tokenizers: Any = None,
     ) -> None:
         check_ingest_shards(ingest_shards, trust_engine_hashes)
         if block_size < 1:
@@ -160,6 +164,20 @@ class ServiceConfig:
         self.subscribe_timeout_s = subscribe_timeout_s
         # Ingest pipelines (thread + sockets + index shard each); 1: one IngestLoop over one KVIndex.
         self.ingest_shards = ingest_shards
+        # Per-model tokenizers for /score's prompt / messages (router_api/tokenization.py): a TokenizerSet,
+        # or {model: directory or ChatTokenizer}; None: token ids only.
+        self.tokenizers = _tokenizer_set(tokenizers)
+
+
+def _tokenizer_set(value: Any) -> Any:
+    if value is None:
+        return None
+    from router_api.tokenization import ChatTokenizer, TokenizerSet
+
+    if isinstance(value, TokenizerSet):
+        return value
+    return TokenizerSet({m: t if isinstance(t, ChatTokenizer) else ChatTokenizer.from_dir(t, name=m)
+                         for m, t in dict(value).items()})
 
 
 def check_ingest_shards(n: object, trust_engine_hashes: bool) -> None:
@@ -262,6 +280,7 @@ class IndexerService:
             silent_engine_factor=config.silent_engine_factor, resync_hold_s=config.resync_hold_s,
         ), max_workers=config.max_workers)
         self.metrics = ServiceMetrics()
+        self.worker_gauges = WorkerGauges()  # per-worker status / silence / refusals (router_api/worker_metrics.py)
         self.core = core_name(self.index)
         self.metrics.index_core.set(self.core, value=1.0)
         self.store = snapshot_store if snapshot_store is not None else make_snapshot_store(
@@ -352,12 +371,18 @@ class IndexerService:
     def register(self, reg: RegisterWorker, last_seq: int | None = None) -> WorkerStatus:
         with self.lock:
             known = self.index.models()
-            self.registry.add(reg, self.clock(), model_block_sizes=known, last_seq=last_seq)
+            try:
+                self.registry.add(reg, self.clock(), model_block_sizes=known, last_seq=last_seq)
+            except RegistryError as exc:
+                self.worker_gauges.refuse(reg.worker_id, "block_size_conflict" if isinstance(exc, ConflictingBlockSize)
+                                          else type(exc).__name__.lower())
+                raise
             self._plan_epoch += 1
             try:
                 self.index.ensure_model(reg.model, reg.block_size)
             except Exception as exc:  # BlockSizeConflict: keep registry and index consistent
                 self.registry.remove(reg.worker_id)
+                self.worker_gauges.refuse(reg.worker_id, "block_size_conflict")
                 raise InvalidRegistration(str(exc)) from exc
             # Known to the index before its first event, so /score lists it from the start.
             self.index.register_worker(reg.model, reg.worker_id, reg.dp_rank)
@@ -605,12 +630,14 @@ class IndexerService:
                       "p50_ms": None if p50 is None else p50 * 1e3,
                       "p99_ms": None if p99 is None else p99 * 1e3},
             "snapshot_generation": self.generation,
+            "core": self.core,  # native | python (the dashboard's "core" card)
             "workers": self.workers().workers,
         }
 
     def metrics_text(self) -> str:
-        self.workers()  # refresh per-worker block gauges
-        return self.metrics.render() + ("" if self.plane is None else self.plane.metrics_text())
+        self.worker_gauges.update(self.workers().workers)  # refresh per-worker block / status gauges
+        return self.metrics.render() + self.worker_gauges.render() + \
+            ("" if self.plane is None else self.plane.metrics_text())
 
     # -- snapshots ---------------------------------------------------------------------------
     def build_snapshot(self) -> Snapshot:

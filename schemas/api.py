@@ -75,11 +75,26 @@ class WorkersResponse(Struct):
 
 # --- scoring -----------------------------------------------------------------------------------
 
+# A chat message as the OpenAI API spells it ({"role": ..., "content": ...}; content may be a list
+# of parts); the model's chat template judges the rest (router_api/tokenization.py).
+ChatMessages = Annotated[list[dict[str, Any]], Meta(max_length=100_000)]
+PromptText = Annotated[str, Meta(max_length=64 * 1024 * 1024)]
+
+
 class ScoreRequest(Struct, omit_defaults=True):
-    token_ids: TokenList
+    """Exactly one of `token_ids`, `prompt` (completions text) or `messages` (chat); the last two
+    are tokenized with the model's tokenizer the way the engines' OpenAI servers do it."""
+
+    token_ids: Optional[TokenList] = None
     model: Name = "default"
     lora_name: OptName = None
     cache_salt: OptName = None
+    prompt: Optional[PromptText] = None
+    messages: Optional[ChatMessages] = None
+    # chat: append the assistant header (the engines' default); prompt / chat: add the
+    # post-processor's special tokens (default: yes for a prompt, no for a chat, as the engines do)
+    add_generation_prompt: bool = True
+    add_special_tokens: Optional[bool] = None
 
 
 class ScoreRequestRaw(Struct, omit_defaults=True):
@@ -90,6 +105,10 @@ class ScoreRequestRaw(Struct, omit_defaults=True):
     model: Name = "default"
     lora_name: OptName = None
     cache_salt: OptName = None
+    prompt: Optional[PromptText] = None
+    messages: Optional[ChatMessages] = None
+    add_generation_prompt: bool = True
+    add_special_tokens: Optional[bool] = None
 
 
 class WorkerScoreOut(Struct, omit_defaults=True, gc=False):
@@ -120,6 +139,13 @@ class ScoreResponse(Struct):
     query_blocks: int
     workers: list[WorkerScoreOut]
     best: Optional[BestWorker]
+
+
+class TextScoreResponse(ScoreResponse):
+    """The `/score` answer to a `prompt` or `messages` request: ScoreResponse plus the number of
+    tokens the text became."""
+
+    prompt_tokens: int
 
 
 class QueryRequest(Struct):

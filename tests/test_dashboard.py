@@ -68,6 +68,13 @@ def test_dashboard_renders_workers_and_numbers() -> None:
         p50 = html.unescape(re.search(r'id="score-p50">([^<]+)<', dom).group(1))
         assert p50.endswith(" ms") and float(p50.split()[0]) > 0
         assert re.search(r'class="bar"[^>]*><span class="gpu" style="width:[\d.]+%"', dom)  # tier bars drawn
+        # freshness per worker, the core in use, restarts and drops, and the short history
+        for wid in rows:
+            cell = re.search(rf'<tr data-worker="{wid}".*?data-silent="([\d.]+)"', dom, re.S)
+            assert cell and 0 <= float(cell.group(1)) < 600, wid
+        assert re.search(rf'id="core">{li.client.get("/health").json()["core"]}<', dom)
+        assert re.search(r'id="restarts">\d+ · 1<', dom)  # the one drop above
+        assert re.search(r'<polyline points="[^"]+" stroke="var\(--gpu\)" data-series="gpu"', dom)  # several polls drawn
 
         # Without the token the page is refused (the JSON error is what the browser shows).
         dom = _render(f"{li.url}/")

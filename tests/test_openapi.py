@@ -54,9 +54,12 @@ def test_openapi_documents_score_and_query() -> None:
         assert ok["application/json"]["schema"] == {"$ref": f"#/components/schemas/{res}"}
         assert {"400", "404", "413", "415", "422"} <= set(op["responses"])
     comps = schema["components"]["schemas"]
-    tokens = comps["ScoreRequest"]["properties"]["token_ids"]
+    # /score takes exactly one of token_ids, prompt or messages: none is required by the schema
+    tokens = next(t for t in comps["ScoreRequest"]["properties"]["token_ids"]["anyOf"] if t["type"] == "array")
     assert tokens["items"]["maximum"] == 2 ** 32 - 1 and tokens["maxItems"] == 2_000_000
-    assert comps["ScoreRequest"]["required"] == ["token_ids"]
+    assert {"prompt", "messages"} <= set(comps["ScoreRequest"]["properties"])
+    assert not comps["ScoreRequest"].get("required")
+    assert "token_ids" in comps["QueryRequest"]["required"]
     _resolve(schema, schema)
 
 

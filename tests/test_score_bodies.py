@@ -87,7 +87,7 @@ def outcome(tb: TokenBodies, kind: str, body: bytes, typ: type) -> Any:
     except ApiError as exc:
         return ("error", exc.status, exc.message, exc.reason)
     fields = {f: getattr(req, f) for f in typ.__struct_fields__ if f != "token_ids"}
-    return ("ok", fields, [int(t) for t in toks])
+    return ("ok", fields, None if toks is None else [int(t) for t in toks])  # None: a prompt / messages body
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])

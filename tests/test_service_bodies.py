@@ -277,7 +277,7 @@ def _judged(tb: TokenBodies, body: bytes, typ: type) -> object:
     except ApiError as exc:
         return ("error", exc.status, exc.message)
     fields = {f: getattr(req, f) for f in req.__struct_fields__ if f != "token_ids"}
-    return ("ok", list(np.asarray(toks).tolist()), fields)
+    return ("ok", None if toks is None else list(np.asarray(toks).tolist()), fields)  # None: no token_ids (a prompt / messages body)
 
 
 def test_one_pass_json_body_parse_agrees_with_the_typed_decoder() -> None:

@@ -33,7 +33,7 @@ def fleet(tmp_path: Path):
     cmd = [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING"]
     idx = Child("indexer", [*cmd, "indexer", "--port", str(ip), "--block-size", str(BLOCK), "--model", "m"], tmp_path)
     w = Child("worker", [*cmd, "worker", "--id", "w0", "--port", str(wp), "--indexer", f"http://127.0.0.1:{ip}",
-                         "--model", "m", "--gpu-pages", "8", "--host-pages", "32", "--l3", "file",
+                         "--model", "m", "--block-size", str(BLOCK), "--gpu-pages", "8", "--host-pages", "32", "--l3", "file",
                          "--l3-dir", str(tmp_path / "l3"), "--speed", "1000"], tmp_path)
     try:
         wait_healthy([(idx, f"http://127.0.0.1:{ip}"), (w, f"http://127.0.0.1:{wp}")])

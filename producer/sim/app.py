@@ -1,4 +1,5 @@
-"""The worker's HTTP API (FastAPI): `POST /generate`, `GET /load`, `GET /health`, `GET /metrics`.
+"""The worker's HTTP API (FastAPI): `POST /generate`, `GET /load`, `GET /health`, `GET /metrics`,
+and the OpenAI-compatible routes of `producer.sim.openai` (`/v1/completions`, `/v1/chat/completions`, ...).
 
 Bodies are msgspec-decoded (`producer.sim.api`); bad bodies get 400/422 with a message. A request's
 response is held until its simulated completion on the wall clock (virtual e2e / speed), so a
@@ -30,8 +31,13 @@ def _error(status: int, message: str) -> Response:
     return _json({"error": message}, status)
 
 
-def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock) -> FastAPI:
+def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, tokenizer: Any = None) -> FastAPI:
+    """`tokenizer`: the model's router_api.tokenization.ChatTokenizer for the OpenAI routes' text
+    (producer/sim/openai.py); without one they take token-id prompts only."""
+    from producer.sim.openai import OpenAIFront, mount_openai, vllm_metric_lines
+
     app = FastAPI(title=f"kvatlas worker {health.worker_id}", docs_url=None, redoc_url=None)
+    mount_openai(app, OpenAIFront(engine, clock, health.worker_id, health.model, tokenizer))
     wid = health.worker_id
     counters = {"generate_ok": 0, "generate_bad": 0, "generate_rejected": 0}
 
@@ -88,6 +94,7 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock)
         lines += [f'kvatlas_worker_pages{{worker="{wid}",tier="{k}"}} {v}' for k, v in total.items()]
         lines += [f'kvatlas_worker_cache_total{{worker="{wid}",what="{k}"}} {v}'
                   for k, v in sorted(engine.cache.stats.items())]
+        lines += vllm_metric_lines(engine, clock, health.model)
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app

@@ -27,7 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host name the indexer reaches our ZMQ sockets at (default: the bound address)")
     p.add_argument("--indexer", default=None, help="indexer URL to register with, e.g. http://127.0.0.1:8700")
     p.add_argument("--model", default="default", help="model namespace at the indexer (default 'default')")
-    p.add_argument("--block-size", type=int, default=512, help="tokens per page/block (default 512)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per page/block (default 16, the indexer's default)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the model's Hugging Face tokenizer directory: the OpenAI routes then take text "
+                        "prompts and chat messages, tokenized as vLLM does")
     p.add_argument("--gpu-pages", type=int, default=320, help="GPU-tier pages (default 320)")
     p.add_argument("--host-pages", type=int, default=960, help="host-tier pages (default 960; 0 = none)")
     p.add_argument("--l3", choices=("none", "file", "redis"), default="none", help="L3 backend (default none)")
@@ -103,6 +107,15 @@ def run(args: argparse.Namespace) -> int:
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         print(f"kvatlas worker: bad configuration: {exc}", file=sys.stderr)
         return 2
+    tokenizer = None
+    if args.tokenizer:
+        from router_api.tokenization import ChatTokenizer, TokenizerError
+
+        try:
+            tokenizer = ChatTokenizer.from_dir(args.tokenizer, name=args.model)
+        except TokenizerError as exc:
+            print(f"kvatlas worker: bad --tokenizer: {exc}", file=sys.stderr)
+            return 2
     if args.l3 != "none" and not args.host_pages:
         print("kvatlas worker: an L3 needs a host tier (--host-pages > 0)", file=sys.stderr)
         return 2
@@ -136,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
                           l3=None if storage is None else ("shared" if storage.backend.shared else "disk"))
     log.info("worker %s: events on %s (replay %s), GPU %d + host %d pages of %d tokens, L3 %s",
              args.worker_id, endpoint, replay, args.gpu_pages, args.host_pages, args.block_size, health.l3)
-    app = create_worker_app(engine, health, VirtualClock(args.speed))
+    app = create_worker_app(engine, health, VirtualClock(args.speed), tokenizer)
     try:
         if args.indexer:
             _register(args.indexer, {"worker_id": args.worker_id, "endpoint": endpoint, "replay_endpoint": replay,

@@ -1,6 +1,10 @@
-"""`kvatlas router`: a KV-aware router process. Serves `POST /generate` (route + forward),
-`GET /report`, `GET /health`; optionally replays a trace (its share of it, as replica I of K) at
-scaled speed and writes the per-request report as JSON (docs/end-to-end.md)."""
+"""`kvatlas router`: a KV-aware router process, in one of two APIs.
+
+- `--api openai` (the default without `--trace`): an OpenAI-compatible proxy in front of vLLM /
+  SGLang engines or `kvatlas worker`s (router_api/proxy/, docs/openai.md).
+- `--api sim` (the default with `--trace`): serves `POST /generate` (route + forward), `GET /report`,
+  `GET /health` for `kvatlas worker`s; optionally replays a trace (its share of it, as replica I
+  of K) at scaled speed and writes the per-request report as JSON (docs/end-to-end.md)."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +37,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-after-replay", action="store_true", help="exit once the replay is done")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--api", choices=("openai", "sim"), default=None,
+                   help="openai: OpenAI-compatible proxy (/v1/completions, /v1/chat/completions) in front of "
+                        "vLLM / SGLang; sim: kvatlas worker's /generate and trace replay "
+                        "(default: sim with --trace, else openai)")
+    p.add_argument("--tokenizer", action="append", default=[], metavar="[MODEL=]DIR",
+                   help="openai: the model's Hugging Face tokenizer directory, to tokenize requests as the engine does")
+    p.add_argument("--metrics-interval", type=float, default=1.0,
+                   help="openai: seconds between polls of each worker's Prometheus /metrics (default 1)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="openai: block size until the indexer's /score says it (default 16)")
+    p.add_argument("--forward-token-ids", action="store_true",
+                   help="openai: forward a completions text prompt as the token ids that were scored")
+    p.add_argument("--indexer-token-file", default=None,
+                   help="openai: the indexer's bearer token, first line of this file (else $KVATLAS_AUTH_TOKEN)")
+    p.add_argument("--sim", default=None,
+                   help="openai: cost model of the policies as JSON (producer.sim.api.SimModel fields)")
 
 
 def parse_workers(specs: list[str]) -> dict[str, str]:
@@ -62,6 +82,20 @@ def run(args: argparse.Namespace) -> int:
     from router_api.router.policies import POLICIES, PRECISE
     from router_api.router.trace import TraceError
 
+    api = args.api or ("sim" if args.trace else "openai")
+    if api == "openai":
+        try:
+            workers = parse_workers(args.worker)
+            if args.trace:
+                raise ValueError("--trace replays through --api sim")
+            if args.policy not in POLICIES:
+                raise ValueError(f"unknown policy {args.policy!r}; expected one of {', '.join(POLICIES)}")
+        except ValueError as exc:
+            print(f"kvatlas router: {exc}", file=sys.stderr)
+            return 2
+        from router_api.proxy.cmd import run as run_openai
+
+        return run_openai(args, workers)
     try:
         workers = parse_workers(args.worker)
         if args.policy not in POLICIES:
@@ -78,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         return asyncio.run(_main(args, workers, reqs))
-    except TimeoutError as exc:
+    except (TimeoutError, ValueError) as exc:
         print(f"kvatlas router: {exc}", file=sys.stderr)
         return 1
 

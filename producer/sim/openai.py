@@ -1,0 +1,259 @@
+"""The simulated worker's OpenAI-compatible API, shaped like vLLM's server (docs/openai.md):
+`POST /v1/completions`, `POST /v1/chat/completions` (SSE when `stream`), `GET /v1/models`,
+`POST /tokenize`, and vLLM's Prometheus gauge names for `/metrics` (`vllm_metric_lines`).
+
+A request is tokenized with the model's tokenizer (`kvatlas worker --tokenizer DIR`) exactly as
+vLLM does it (router_api/tokenization.py: a prompt gets the post-processor's BOS, a chat is its
+rendered template with no tokens added; a `prompt` of token ids is taken as is), then served by
+the engine like `/generate`: its prompt blocks enter the cache and go out as KV events. The reply
+is paced to the simulated model's timeline. `return_token_ids: true` adds `prompt_token_ids`
+(as vLLM does); `usage.prompt_tokens_details.cached_tokens` is what the worker held on arrival.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import msgspec
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+
+from producer.sim.engine import Engine, VirtualClock
+from producer.sim.schedule import QueueFull
+
+_enc = msgspec.json.Encoder()
+_dec = msgspec.json.Decoder()
+_FILLER = " the cache holds key and value blocks"
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _err(status: int, message: str) -> Response:
+    # vLLM's error shape
+    body = {"error": {"message": message, "type": "BadRequestError" if status < 500 else "ServiceUnavailable",
+                      "code": status}}
+    return Response(_enc.encode(body), status_code=status, media_type="application/json")
+
+
+def _max_tokens(body: dict[str, Any], key_order: tuple[str, ...]) -> int:
+    for k in key_order:
+        v = body.get(k)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 16:
+                raise BadRequest(400, f"{k} must be an integer from 0 to 65536")
+            return v
+    return 16
+
+
+class OpenAIFront:
+    """Turns OpenAI request bodies into engine submissions and paced replies."""
+
+    def __init__(self, engine: Engine, clock: VirtualClock, worker_id: str, model: str, tokenizer: Any,
+                 max_model_len: int = 1 << 20) -> None:
+        self.engine = engine
+        self.clock = clock
+        self.worker_id = worker_id
+        self.model = model
+        self.tokenizer = tokenizer  # router_api.tokenization.ChatTokenizer or None (token-id prompts only)
+        self.max_model_len = max_model_len
+        self._ids = itertools.count(1)
+        filler = tokenizer.encode_prompt(_FILLER, add_special_tokens=False) if tokenizer is not None else [1]
+        self._filler = filler or [1]
+
+    # -- tokenizing ------------------------------------------------------------------------------
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise BadRequest(400, "this worker has no tokenizer (start it with --tokenizer DIR): "
+                                  "send the prompt as token ids")
+        return self.tokenizer
+
+    def prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        from router_api.tokenization import TokenizerError
+
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       and 0 <= t < 1 << 32 for t in prompt):
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise BadRequest(400, "prompt must be a string or a list of token ids (one prompt per request)")
+        add = body.get("add_special_tokens", True)
+        try:
+            return self._need_tokenizer().encode_prompt(prompt, add_special_tokens=bool(add))
+        except TokenizerError as exc:
+            raise BadRequest(400, str(exc)) from None
+
+    def chat_ids(self, body: dict[str, Any]) -> list[int]:
+        from router_api.tokenization import TokenizerError
+
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest(400, "messages must be a non-empty list")
+        try:
+            return self._need_tokenizer().encode_chat(
+                msgs, add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                add_special_tokens=bool(body.get("add_special_tokens", False)),
+                template_kwargs=body.get("chat_template_kwargs") or None)
+        except TokenizerError as exc:
+            raise BadRequest(400, str(exc)) from None
+
+    def output(self, n: int) -> tuple[list[int], list[str]]:
+        """n generated token ids and their text pieces (a fixed filler: the model is simulated)."""
+        ids = [self._filler[i % len(self._filler)] for i in range(n)]
+        if self.tokenizer is None:
+            return ids, [" tok"] * n
+        return ids, [self.tokenizer.decode([t]) for t in ids]
+
+    # -- serving ---------------------------------------------------------------------------------
+    async def run(self, ids: list[int], max_tokens: int) -> tuple[Any, float]:
+        """Submit to the engine; returns (Served, wall monotonic time of arrival)."""
+        if not ids:
+            raise BadRequest(400, "the prompt is empty")
+        if len(ids) + max_tokens > self.max_model_len:
+            raise BadRequest(400, f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds "
+                                  f"max_model_len {self.max_model_len}")
+        t_wall = time.monotonic()
+        try:
+            served = await asyncio.wrap_future(self.engine.submit(ids, max_tokens, self.clock.now()))
+        except QueueFull as exc:
+            raise BadRequest(503, f"queue full: {exc}") from None
+        return served, t_wall
+
+    async def wait_until(self, t_wall: float, virtual_s: float) -> None:
+        delay = t_wall + virtual_s / self.clock.speed - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)  # pacing to the simulated timeline, not a synchronisation
+
+    def usage(self, ids: list[int], n_out: int, served: Any) -> dict[str, Any]:
+        return {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out,
+                "prompt_tokens_details": {"cached_tokens": served.arrival_cached}}
+
+    async def handle(self, body: dict[str, Any], chat: bool) -> Response:
+        ids = self.chat_ids(body) if chat else self.prompt_ids(body)
+        n = _max_tokens(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
+        model = body.get("model") or self.model
+        served, t_wall = await self.run(ids, n)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+        created = int(time.time())
+        out_ids, pieces = self.output(n)
+        extra = {"prompt_token_ids": ids} if body.get("return_token_ids") else {}
+        headers = {"x-kvatlas-worker": self.worker_id, "x-kvatlas-cached-tokens": str(served.arrival_cached)}
+        if body.get("stream"):
+            opts = body.get("stream_options") or {}
+            gen = self._stream(rid, created, model, chat, ids, out_ids, pieces, served, t_wall,
+                               bool(opts.get("include_usage")), extra)
+            return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
+        await self.wait_until(t_wall, served.e2e_s)
+        text = "".join(pieces)
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        if extra:
+            choice["token_ids"] = out_ids
+        res = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+               "model": model, "choices": [choice], "usage": self.usage(ids, n, served), **extra}
+        return Response(_enc.encode(res), media_type="application/json", headers=headers)
+
+    async def _stream(self, rid: str, created: int, model: str, chat: bool, ids: list[int], out_ids: list[int],
+                      pieces: list[str], served: Any, t_wall: float, include_usage: bool,
+                      extra: dict[str, Any]) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None = None, first: bool = False, ids_too: bool = False) -> bytes:
+            if chat:
+                d: dict[str, Any] = {} if delta is None else {"content": delta}
+                if first:
+                    d = {"role": "assistant", "content": ""}
+                choice: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            c = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            if ids_too:
+                c.update(extra)
+            return b"data: " + _enc.encode(c) + b"\n\n"
+
+        await self.wait_until(t_wall, served.ttft_s)
+        if chat:
+            yield chunk(None, first=True, ids_too=bool(extra))
+        n = len(pieces)
+        step = (served.e2e_s - served.ttft_s) / max(1, n - 1)
+        for i, piece in enumerate(pieces):
+            await self.wait_until(t_wall, served.ttft_s + i * step)
+            last = i == n - 1
+            yield chunk(piece, "length" if last else None, ids_too=not chat and i == 0 and bool(extra))
+        if n == 0:
+            yield chunk("", "length", ids_too=not chat and bool(extra))
+        if include_usage:
+            u = {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                 "usage": self.usage(ids, n, served)}
+            yield b"data: " + _enc.encode(u) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        ids = self.chat_ids(body) if "messages" in body else self.prompt_ids(body)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+
+def vllm_metric_lines(engine: Engine, clock: VirtualClock, model: str) -> list[str]:
+    """The worker's load under vLLM's gauge names (what `kvatlas router` polls on a real vLLM)."""
+    _, queued, running, _ = engine.load(clock.now())
+    free, total = engine.pages()
+    usage = 1.0 - free["gpu"] / total["gpu"] if total.get("gpu") else 0.0
+    label = '{model_name="%s"}' % model.replace("\\", "\\\\").replace('"', '\\"')
+    out = []
+    for name, kind, value in (("vllm:num_requests_running", "gauge", running),
+                              ("vllm:num_requests_waiting", "gauge", queued),
+                              ("vllm:gpu_cache_usage_perc", "gauge", usage),
+                              ("vllm:kv_cache_usage_perc", "gauge", usage)):
+        out += [f"# TYPE {name} {kind}", f"{name}{label} {value}"]
+    return out
+
+
+def mount_openai(app: FastAPI, front: OpenAIFront) -> None:
+    """Adds the OpenAI routes to the worker's app."""
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = _dec.decode(await request.body())
+        except msgspec.DecodeError as exc:
+            raise BadRequest(400, f"malformed JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise BadRequest(400, "the body must be a JSON object")
+        return body
+
+    async def serve(request: Request, chat: bool) -> Response:
+        try:
+            return await front.handle(await body_of(request), chat)
+        except BadRequest as exc:
+            return _err(exc.status, str(exc))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        try:
+            return Response(_enc.encode(front.tokenize(await body_of(request))), media_type="application/json")
+        except BadRequest as exc:
+            return _err(exc.status, str(exc))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = {"object": "list", "data": [{"id": front.model, "object": "model", "created": 0,
+                                            "owned_by": "kvatlas-sim", "max_model_len": front.max_model_len}]}
+        return Response(_enc.encode(data), media_type="application/json")
