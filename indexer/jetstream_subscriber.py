@@ -188,6 +188,10 @@ class JetStreamSubscriber:
         if worker_id in self._workers:
             raise ValueError(f"worker {worker_id!r} is already subscribed")
         subject = endpoint_subject(endpoint)
+        owner = next((o for o in self._workers.values() if o.subject == subject), None)
+        if owner is not None:  # one subject, one worker: never re-route another worker's events
+            raise ValueError(f"cannot subscribe worker {worker_id!r}: subject {subject!r} is worker "
+                             f"{owner.worker_id!r}'s")
         cursor = StreamCursor(last_seq)  # validates last_seq
         w = _Worker(worker_id, subject, cursor)
         try:
@@ -237,7 +241,8 @@ class JetStreamSubscriber:
         w = self._workers.pop(worker_id, None)
         if w is None:
             raise KeyError(f"unknown worker {worker_id!r}")
-        self._by_subject.pop(w.subject, None)
+        if self._by_subject.get(w.subject) is w:
+            del self._by_subject[w.subject]
         if w.sub is not None:
             self._drop_at.pop(id(w.sub._sub), None)
         self._unsubscribe(w)

@@ -93,7 +93,7 @@ def endpoint_keys(endpoint: str, what: str = "endpoint", resolve: Resolver = res
     address the host resolves to, `ipc://` with an absolute normalised path, `inproc://` as is.
     Two registrations whose keys intersect read the same publisher (`tcp://localhost:P` is
     `tcp://127.0.0.1:P`). An unresolvable host is refused. A JetStream worker's
-    `jetstream:<subject>` (docs/jetstream.md) is its own key."""
+    `jetstream:<subject>` (docs/jetstream.md) is its own key (see `check_jetstream_owner`)."""
     if what == "endpoint" and endpoint.startswith("jetstream:"):
         from schemas.jetstream import endpoint_subject
 
@@ -125,6 +125,20 @@ def endpoint_keys(endpoint: str, what: str = "endpoint", resolve: Resolver = res
     if m.group("path") is not None:
         return frozenset({"ipc://" + os.path.normpath(os.path.abspath(m.group("path")))})
     return frozenset({endpoint})
+
+
+def check_jetstream_owner(reg: RegisterWorker) -> None:
+    """One subject, one worker: a `jetstream:` endpoint must be the worker's own subject
+    `<prefix>.<model token>.<worker token>` (schemas.jetstream.event_subject), so no registration
+    can claim, and be credited with, another worker's events (a shared consumer routes by subject)."""
+    from schemas.jetstream import endpoint_subject, subject_token
+
+    subject = endpoint_subject(reg.endpoint)
+    tail = f".{subject_token(reg.model)}.{subject_token(reg.worker_id)}"
+    if not subject.endswith(tail) or len(subject) == len(tail):
+        raise InvalidRegistration(
+            f"endpoint {reg.endpoint!r} is not worker {reg.worker_id!r}'s own subject: a JetStream worker "
+            f"of model {reg.model!r} is read from <prefix>{tail}")
 
 
 class WorkerState(StreamState):
@@ -184,7 +198,11 @@ class Registry:
             raise InvalidRegistration(
                 f"block_size {reg.block_size} conflicts with model {reg.model!r}, which uses {known}"
             )
-        keys = frozenset((k, reg.topic) for k in ep_keys)
+        jetstream = reg.endpoint.startswith("jetstream:")
+        if jetstream:
+            check_jetstream_owner(reg)
+        # A JetStream subject is one publisher whatever the topic (the topic is a ZeroMQ filter).
+        keys = frozenset((k, "" if jetstream else reg.topic) for k in ep_keys)
         for other in self._workers.values():
             if other.keys & keys:
                 raise DuplicateWorker(
