@@ -95,14 +95,20 @@ class RelayStats(msgspec.Struct):
     resumed_workers: int = 0
 
 
-async def last_position(js: Any, stream: str, subject: str) -> tuple[str, int] | None:
-    """(epoch, seq) of the last kvatlas message on `subject`, or None."""
+async def last_position(js: Any, stream: str, subject: str) -> tuple[str, int | None] | None:
+    """(epoch, last whole seq) of the last kvatlas message on `subject`, or None. A split batch
+    whose last part is missing (the relay stopped half-way) is not whole: it is sent again (its
+    stored parts are duplicates by Nats-Msg-Id)."""
     try:
         msg = await js.get_last_msg(stream, subject, direct=True)
     except NotFoundError:
         return None
     hdrs = parse_headers(msg.headers)
-    return None if isinstance(hdrs, str) else (hdrs.epoch, hdrs.seq)
+    if isinstance(hdrs, str):
+        return None
+    if hdrs.part < hdrs.parts - 1:
+        return hdrs.epoch, (hdrs.seq - 1 if hdrs.seq > 0 else None)
+    return hdrs.epoch, hdrs.seq
 
 
 class Relay:
@@ -147,7 +153,8 @@ class Relay:
         else:
             epoch, last = pos
             self.stats.resumed_workers += 1
-            log.info("worker %s: resuming at engine seq %d (epoch %s)", w.worker_id, last + 1, epoch)
+            log.info("worker %s: resuming at engine seq %d (epoch %s)", w.worker_id,
+                     0 if last is None else last + 1, epoch)
         self.pubs[w.worker_id] = JetStreamEventPublisher(
             self._nats, model=w.model, worker_id=w.worker_id, stream=self.settings, ensure=False,
             epoch=epoch, first_seq=0 if last is None else last + 1)

@@ -7,9 +7,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
+import random
+
 from indexer.shared_registry import SharedRegistry
+from indexer.subscriber import Subscriber
+from producer.publisher import ZmqEventPublisher
+from router_api.relay import Relay, RelayWorker
+from schemas.events import BlockStored, KVEventBatch
+from support.jetstream import Replica, scores
+from indexer.index import KVIndex
 from producer.jetstream_publisher import JetStreamEventPublisher
 from schemas.api import RegisterWorker
 from schemas.jetstream import DEFAULT_KV_BUCKET, jetstream_endpoint
@@ -79,3 +88,114 @@ def test_a_jetstream_subject_has_one_worker_over_http_and_the_bucket(nats: NatsS
         bucket.close()
         nt.close()
         r.terminate()
+
+
+def _big_store(rng: random.Random, n_blocks: int, parent: int | None = None) -> BlockStored:
+    """One BlockStored of `n_blocks` chained blocks (token ids over 2^16: 5 msgpack bytes each)."""
+    tokens = [rng.randrange(1 << 20, 1 << 30) for _ in range(n_blocks * BS)]
+    return BlockStored([rng.randrange(1, 1 << 62) for _ in range(n_blocks)], parent, tokens, BS)
+
+
+def _relay_until(relay: Relay, replica: Replica, engine: ZmqEventPublisher, wid: str) -> None:
+    target = engine.next_seq - 1
+
+    def relayed() -> bool:
+        engine.heartbeat()
+        engine.flush(1.0)
+        relay.step(20)
+        replica.pump(0)
+        return relay.sub.watermark(wid) is not None and relay.sub.watermark(wid) >= target and relay.flush(5.0)
+    wait_until(relayed, timeout=30.0, interval=0.0)
+    last = subject_last_seq(relay.pubs[wid])
+    wait_until(lambda: (replica.pump(10), (replica.sub.watermark(wid) or 0) >= last)[1], timeout=30.0, interval=0.0)
+
+
+def test_a_relayed_batch_over_max_payload_is_stored_in_parts_never_a_hole(nats: NatsServer) -> None:
+    """NATS's default max_payload is 1 MiB; ZeroMQ takes the same 1.7 MiB batch. The relay stores
+    it as parts of one seq and the replica applies it whole: no gap, no resync, exact answers."""
+    engine = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    relay = Relay(nats.url, [RelayWorker("w0", engine.endpoint, engine.replay_endpoint, MODEL, BS)],
+                  replay_timeout=1.0, subscriber=Subscriber(replay_timeout=1.0))
+    replica = Replica(nats.url, BS)
+    replica.add("w0")
+    ref = KVIndex()  # the same batches applied directly (the reference model is too slow at 70k blocks)
+    ref.ensure_model(MODEL, BS)
+    rng = random.Random(3)
+    try:
+        wait_until(lambda: (engine.heartbeat(), engine.flush(1.0), relay.step(20),
+                            relay.sub.watermark("w0") is not None)[-1], timeout=10.0, interval=0.0)
+        small = _big_store(rng, 8)
+        big = _big_store(rng, 70_000, parent=small.block_hashes[-1])
+        after = _big_store(rng, 8, parent=big.block_hashes[-1])
+        for ev in (small, big, after):
+            engine.publish([ev])
+            ref.apply(MODEL, "w0", 0, KVEventBatch(0.0, [ev]))
+        assert len(msgspec.msgpack.encode(KVEventBatch(0.0, [big]))) > 1024 * 1024
+        _relay_until(relay, replica, engine, "w0")
+        pub = relay.pubs["w0"]
+        assert pub.stats.split_batches == 1 and pub.stats.parts >= 2 and pub.stats.send_errors == 0
+        assert "Gap" not in replica.kinds() and "Restart" not in replica.kinds(), replica.kinds()
+        assert replica.sub.stats.split_batches == 1 and replica.sub.stats.parts_dropped == 0
+        queries = [small.token_ids, small.token_ids + big.token_ids[:400],
+                   small.token_ids + big.token_ids + after.token_ids]
+        assert scores(replica.index, queries) == scores(ref, queries)
+        assert scores(replica.index, queries[-1:])[0][0][1] == 8 + 70_000 + 8
+        # A replica that starts later reads the stream from its start and puts it together too.
+        late = Replica(nats.url, BS)
+        late.add("w0")
+        try:
+            late.catch_up({"w0": subject_last_seq(pub)})
+            assert scores(late.index, queries) == scores(ref, queries)
+        finally:
+            late.close()
+    finally:
+        relay.close()
+        replica.close()
+        engine.close()
+
+
+def test_publisher_seqs_at_and_above_2_63_are_relayed(nats: NatsServer) -> None:
+    """Wire seqs are u64: a publisher counting from 2^63 + 250 (past 2^63 - 1, across the
+    fingerprint ring's wrap) is relayed batch by batch, and the replica's answers are exact."""
+    import zmq
+
+    from schemas.frames import seq_bytes
+
+    port = free_port()
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    relay = Relay(nats.url, [RelayWorker("w0", f"tcp://127.0.0.1:{port}", None, MODEL, BS)], replay_timeout=1.0)
+    replica = Replica(nats.url, BS)
+    replica.add("w0")
+    ref = KVIndex()
+    ref.ensure_model(MODEL, BS)
+    rng = random.Random(5)
+    enc = msgspec.msgpack.Encoder()
+    first = (1 << 63) + 250
+    seq = first
+    try:
+        def send(events: list) -> None:
+            nonlocal seq
+            pub.send_multipart([b"", seq_bytes(seq), enc.encode(KVEventBatch(0.0, events))])
+            seq += 1
+        wait_until(lambda: (send([]), relay.step(20), relay.sub.watermark("w0") is not None)[-1],
+                   timeout=10.0, interval=0.0)
+        parent = None
+        for _ in range(40):
+            ev = _big_store(rng, 2, parent)
+            parent = ev.block_hashes[-1]
+            send([ev])
+            ref.apply(MODEL, "w0", 0, KVEventBatch(0.0, [ev]))
+            queries = [ev.token_ids]
+        wait_until(lambda: (relay.step(20), relay.sub.watermark("w0") == seq - 1)[-1], timeout=20.0, interval=0.0)
+        assert relay.flush(5.0) and relay.stats.forwarded >= 40
+        assert relay.pubs["w0"].next_seq == seq
+        replica.catch_up({"w0": subject_last_seq(relay.pubs["w0"])})
+        kinds = replica.kinds()  # joined mid-stream: one gap before the first batch, then none
+        assert kinds[0] == "Gap" and "Gap" not in kinds[1:] and "Restart" not in kinds, kinds
+        assert scores(replica.index, queries) == scores(ref, queries)
+    finally:
+        relay.close()
+        replica.close()
+        pub.close(0)
