@@ -3,10 +3,20 @@ absurd recorded timestamps in `kvatlas replay --publish`, worker names that the 
 indexer must judge alike, terminal escapes in the replay summary."""
 from __future__ import annotations
 
+import math
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from indexer.eventlog import EventLogWriter
+from indexer.replay import Pacer
 from indexer.sequencing import FP_WINDOW, SeqTracker
+from router_api.cli import main as cli_main
+from schemas.events import KVEventBatch
 
 U64 = (1 << 64) - 1
 
@@ -26,3 +36,51 @@ def test_seq_tracker_fingerprints_take_any_u64_seq(start: int, n: int) -> None:
     t.remember(U64, b"top")
     t.last = t.live_last = U64
     assert t.classify_live(0).action.name == "RESTART" and not t.stale_copy(0, b"top")
+
+
+T0 = 1_700_000_000.0
+
+
+@pytest.mark.parametrize("stamps", [
+    [T0, math.inf, T0 + 0.1, T0 + 0.2],          # a frame at inf
+    [T0, T0 + 1e18, T0 + 0.1, T0 + 0.2],          # one 1e18 s ahead
+    [-1e18, T0, T0 + 0.1, T0 + 0.2],              # the first one at -1e18
+    [T0, math.nan, -math.inf, T0 + 0.2],
+], ids=["inf", "far_ahead", "far_behind_first", "nan_and_minus_inf"])
+def test_replay_publish_paces_through_absurd_recv_ts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     stamps: list[float]) -> None:
+    """`--speed 1.0` sends every frame, waits only for the sane steps (0.2 s here, not 1e18 s),
+    and counts the jumps it did not wait for."""
+    log = tmp_path / "absurd.kvlog"
+    with EventLogWriter(log) as w:
+        for seq, ts in enumerate(stamps):
+            w.write(ts, "w0", 0, seq, msgspec.msgpack.encode(KVEventBatch(0.0, [], 0)))
+    t = time.monotonic()
+    assert cli_main(["replay", str(log), "--publish", "tcp://127.0.0.1:*", "--speed", "1.0", "--quiet"]) == 0
+    assert time.monotonic() - t < 30.0  # it would wait ~1e18 s (or crash) otherwise
+    out = capsys.readouterr().out
+    assert "re-published 4 of 4 frames" in out and "timestamps not paced" in out, out
+
+
+def test_pacer_waits_for_the_recorded_steps_only() -> None:
+    p = Pacer(2.0, max_gap_s=10.0)
+    assert p.delay(T0, 0.0) == 0.0
+    assert p.delay(T0 + 1.0, 0.0) == 0.5  # one recorded second at twice the speed
+    assert p.delay(T0 + 0.5, 0.5) == 0.0  # a step back (interleaved workers): no wait
+    assert p.delay(T0 + 1e6, 0.5) == 0.0 and p.clamped == 1  # a jump: collapsed, a new baseline
+    assert p.delay(T0 + 1e6 + 2.0, 0.5) == 1.0  # 3 recorded seconds in all, at 2x, 0.5 s gone
+    assert p.delay(math.inf, 0.5) == 1.0 and p.clamped == 2  # paced as the frame before it
+
+
+def test_replay_prints_recorded_worker_names_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hostile = "w\x1b[2J\nFAKE summary line"
+    log = tmp_path / "names.kvlog"
+    with EventLogWriter(log) as w:
+        for seq in range(3):
+            w.write(T0 + seq, hostile, 0, seq, msgspec.msgpack.encode(KVEventBatch(0.0, [], 0)))
+    assert cli_main(["replay", str(log), "--apply", "--quiet"]) == 0
+    assert cli_main(["replay", str(log), "--publish", "tcp://127.0.0.1:*", "--quiet"]) == 0
+    cap = capsys.readouterr()
+    text = cap.out + cap.err
+    assert "\x1b" not in text and "\nFAKE" not in text, text
+    assert "w\\x1b[2J\\nFAKE summary line" in text
