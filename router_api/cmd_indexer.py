@@ -24,6 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "auth_token": None,
     "auth_token_file": None,
     "max_workers": 1024,
+    "max_models": 256,
     "max_msg_mb": 64.0,
     "replay_deadline": None,
     "snapshot_load_timeout": 10.0,
@@ -55,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                         "(visible in ps: prefer --auth-token-file or $KVATLAS_AUTH_TOKEN)")
     p.add_argument("--auth-token-file", help="read the bearer token from this file (first line, stripped)")
     p.add_argument("--max-workers", type=int, help="registration cap; past it POST /workers answers 503 (default 1024)")
+    p.add_argument("--max-models", type=int, help="models indexed at once; a registration of one more answers 503 "
+                   "(default 256; a model goes when its last worker does)")
     p.add_argument("--max-msg-mb", type=float,
                    help="largest ZMQ message accepted on SUB and replay sockets, MiB (default 64)")
     p.add_argument("--replay-deadline", type=float,
@@ -191,6 +194,7 @@ def build_config(args: argparse.Namespace) -> Any:
         remove_after_s=float(get("remove_after")), silent_engine_factor=float(get("silent_factor")),
         resync_hold_s=float(get("resync_hold")), max_body_bytes=int(float(get("max_body_mb")) * 1024 * 1024),
         replay_timeout_s=float(get("replay_timeout")), max_workers=int(get("max_workers")),
+        max_models=int(get("max_models")),
         max_msg_bytes=int(float(get("max_msg_mb")) * 1024 * 1024),
         replay_deadline_s=None if deadline is None else float(deadline),
         snapshot_load_timeout_s=float(get("snapshot_load_timeout")),

@@ -40,6 +40,7 @@ from router_api.registry import (
     InvalidRegistration,
     Registry,
     RegistryError,
+    RegistryFull,
     SubscribeFailed,
     UnknownWorker,
     WorkerState,
@@ -85,7 +86,7 @@ class ServiceConfig:
         "snapshot_interval_s", "auth_token", "tier_weights", "stale_after_s", "remove_after_s",
         "silent_engine_factor", "resync_hold_s", "max_body_bytes", "replay_timeout_s", "poll_ms",
         "trust_engine_hashes", "stats_ttl_s", "max_workers", "max_msg_bytes", "replay_deadline_s",
-        "replay_max_bytes", "snapshot_load_timeout_s", "subscribe_timeout_s", "ingest_shards",
+        "replay_max_bytes", "snapshot_load_timeout_s", "subscribe_timeout_s", "ingest_shards", "max_models",
     )
 
     def __init__(
@@ -117,14 +118,15 @@ class ServiceConfig:
         snapshot_load_timeout_s: float = 10.0,
         subscribe_timeout_s: float = 5.0,
         ingest_shards: int = 1,
+        max_models: int = 256,
     ) -> None:
         check_ingest_shards(ingest_shards, trust_engine_hashes)
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if snapshot_interval_s <= 0:
             raise ValueError("snapshot_interval_s must be > 0")
-        if max_workers < 1 or max_msg_bytes < 1 or replay_max_bytes < 1:
-            raise ValueError("max_workers, max_msg_bytes and replay_max_bytes must be >= 1")
+        if max_workers < 1 or max_msg_bytes < 1 or replay_max_bytes < 1 or max_models < 1:
+            raise ValueError("max_workers, max_models, max_msg_bytes and replay_max_bytes must be >= 1")
         if replay_timeout_s <= 0 or snapshot_load_timeout_s < 0 or subscribe_timeout_s <= 0:
             raise ValueError("replay_timeout_s and subscribe_timeout_s must be > 0, "
                              "snapshot_load_timeout_s >= 0")
@@ -159,6 +161,8 @@ class ServiceConfig:
         self.subscribe_timeout_s = subscribe_timeout_s
         # Ingest pipelines (thread + sockets + index shard each); 1: one IngestLoop over one KVIndex.
         self.ingest_shards = ingest_shards
+        # Models at once (a model lives while a worker of it is registered, the configured one always).
+        self.max_models = max_models
 
 
 def check_ingest_shards(n: object, trust_engine_hashes: bool) -> None:
@@ -353,6 +357,9 @@ class IndexerService:
     def register(self, reg: RegisterWorker, last_seq: int | None = None) -> WorkerStatus:
         with self.lock:
             known = self.index.models()
+            if reg.model not in known and len(known) >= self.config.max_models:
+                raise RegistryFull(f"{len(known)} models indexed: the limit (max_models) is "
+                                   f"{self.config.max_models}; a model goes when its last worker does")
             self.registry.add(reg, self.clock(), model_block_sizes=known, last_seq=last_seq)
             self._plan_epoch += 1
             try:
@@ -382,9 +389,10 @@ class IndexerService:
             state = self.registry.remove(worker_id)
             self._plan_epoch += 1
             self.index.remove_worker(state.reg.model, worker_id)
+            self._drop_model_if_unused(state.reg.model)
         self._membership += 1
         self.ingest.unsubscribe(worker_id)
-        self.metrics.worker_lag.replace({k: v for k, v in self.metrics.worker_lag.items() if k[0] != worker_id})
+        self.metrics.forget_worker(worker_id)
         log.info("event=unregistered worker=%s reason=%s", worker_id, reason)
 
     def _subscribe_failed(self, worker_id: str, error: str, reg: RegisterWorker | None = None) -> None:
@@ -397,8 +405,19 @@ class IndexerService:
             self.registry.remove(worker_id)
             self._plan_epoch += 1
             self.index.remove_worker(state.reg.model, worker_id)
+            self._drop_model_if_unused(state.reg.model)
         self._membership += 1
         log.error("event=registration_undone worker=%s reason=subscribe_failed error=%s", worker_id, error)
+
+    def _drop_model_if_unused(self, model: str) -> None:
+        """A model no registered worker serves is dropped (its block size with it), except the
+        configured one. Call under the lock."""
+        if model == self.config.model or self.registry.block_size_of(model) is not None:
+            return
+        drop = getattr(self.index, "drop_model", None)
+        if drop is not None and drop(model):
+            self._plans.pop(model, None)
+            log.info("event=model_dropped model=%s reason=no_workers", model)
 
     def _expire(self, worker_id: str) -> None:
         try:
@@ -719,6 +738,8 @@ class IndexerService:
                 w.dp_ranks.update(ws.dp_ranks)
                 for rank in ws.dp_ranks:
                     self.index.register_worker(ws.reg.model, ws.reg.worker_id, rank)
+        for model in list(self.index.models()):  # a snapshot's model whose workers all went
+            self._drop_model_if_unused(model)
         self.generation = snap.generation
         self.restored_from = snap.generation
         self.metrics.snapshots.inc("loaded")
