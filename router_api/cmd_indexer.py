@@ -76,6 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ingest-shards", type=int, metavar="N",
                    help="ingest pipelines, each with its own thread, sockets and index shard (workers split by "
                         "id); >1 uses that many cores for ingestion; not with trust_engine_hashes (default 1)")
+    p.add_argument("--http-request-timeout", type=float, metavar="S",
+                   help="a request must arrive whole (headers and body) within S seconds of its first byte, "
+                        "else 408 and the connection is closed (default 10)")
+    p.add_argument("--http-max-connections", type=int, metavar="N",
+                   help="open HTTP connections at most; one more is answered 503 and closed (default 1024)")
     p.add_argument("--http-fast-path", choices=("on", "off"),
                    help="answer /score and /query in uvicorn's protocol callbacks (default on; off: through "
                         "the ASGI front, for comparison)")
@@ -225,16 +230,21 @@ class SafeTextFormatter(logging.Formatter):
         return line if line.isprintable() else line.encode("unicode_escape").decode("ascii")
 
 
-def server_settings(host: str, port: int, fast_path: bool = True) -> dict[str, Any]:
+def server_settings(host: str, port: int, fast_path: bool = True, request_timeout_s: float = 10.0,
+                    max_connections: int = 1024) -> dict[str, Any]:
     """uvicorn settings for the indexer (measured choices, docs/service.md "HTTP stack"): the
     httptools parser with the /score and /query fast path (`router_api.fasthttp`) and uvloop
     (named, so a missing one fails loudly instead of silently serving at half speed), no access
     log, no proxy-header rewriting (nothing here reads the client address, and it is a
     per-request pass over the headers), no `server` header, and keep-alive long enough that a
-    router's connection is reused between its queries."""
+    router's connection is reused between its queries. A request must arrive whole within
+    `request_timeout_s`, and at most `max_connections` are open at once (docs/limits.md)."""
     from router_api import fasthttp
 
-    http: Any = fasthttp.ScoreHttpProtocol if fast_path and fasthttp.supported() else "httptools"
+    if fasthttp.supported():
+        http: Any = fasthttp.protocol_class(fast_path, request_timeout_s, max_connections)
+    else:  # this uvicorn lacks the hooks: its own limits only (logged at start)
+        http = "httptools"
     return {"host": host, "port": port, "http": http, "loop": "uvloop", "log_level": "warning",
             "access_log": False, "proxy_headers": False, "server_header": False, "lifespan": "off",
             "timeout_keep_alive": 30}
@@ -336,7 +346,16 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     fast = (getattr(args, "http_fast_path", None) or "on") == "on"
-    server = _make_server(uvicorn, uvicorn.Config(app, **server_settings(config.host, config.port, fast)))
+    timeout = getattr(args, "http_request_timeout", None) or 10.0
+    max_conn = getattr(args, "http_max_connections", None) or 1024
+    if timeout <= 0 or max_conn < 1:
+        print("kvatlas indexer: --http-request-timeout must be > 0 and --http-max-connections >= 1", file=sys.stderr)
+        service.stop(final_snapshot=False)
+        if plane is not None:
+            plane.close()
+        return 2
+    server = _make_server(uvicorn, uvicorn.Config(app, **server_settings(config.host, config.port, fast, timeout,
+                                                                         max_conn)))
     t0 = time.monotonic()
     log.info("event=listening url=http://%s:%d", config.host, config.port)
     try:
