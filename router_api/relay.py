@@ -31,6 +31,7 @@ from indexer.shared_registry import SharedRegistry
 from indexer.subscriber import Batch, Gap, Restart, Subscriber
 from producer.jetstream_publisher import JetStreamEventPublisher, new_epoch
 from schemas.api import RegisterWorker
+from schemas.names import worker_id_problem
 from schemas.jetstream import StreamSettings, event_subject, jetstream_endpoint, parse_headers
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ def parse_worker_spec(text: str) -> RelayWorker:
     wid, sep, endpoint = head.partition("=")
     if not sep or not wid or "://" not in endpoint:
         raise argparse.ArgumentTypeError(f"--worker expects ID=tcp://HOST:PORT[,key=value...], got {text!r}")
+    problem = worker_id_problem(wid)  # the indexers' own rule: a worker they would refuse is never relayed
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"--worker {text!r}: {problem}")
     fields: dict[str, Any] = {"worker_id": wid, "endpoint": endpoint}
     for opt in opts:
         key, sep, value = opt.partition("=")
@@ -123,6 +127,10 @@ class Relay:
         ids = [w.worker_id for w in workers]
         if len(set(ids)) != len(ids):
             raise ValueError("a worker id is given twice")
+        for wid in ids:
+            problem = worker_id_problem(wid)
+            if problem is not None:
+                raise ValueError(problem)
         self.settings = stream or StreamSettings()
         self._own_nats = isinstance(nats, str)
         self._nats = NatsThread(nats, name="kvatlas-relay") if isinstance(nats, str) else nats

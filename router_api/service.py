@@ -384,6 +384,17 @@ class IndexerService:
                  reg.worker_id, reg.model, reg.block_size, reg.endpoint, reg.replay_endpoint, reg.dp_rank)
         return status
 
+    def check_replacement(self, reg: RegisterWorker) -> None:
+        """Raise the RegistryError that unregistering `reg.worker_id` and registering `reg` would
+        end in, changing nothing (the shared registry checks a changed entry before it removes
+        the live worker)."""
+        with self.lock:
+            known = dict(self.index.models())
+            others = [w for w in self.registry.of_model(reg.model) if w.worker_id != reg.worker_id]
+            if not others and reg.model != self.config.model:
+                known.pop(reg.model, None)  # the model goes with its last worker (_drop_model_if_unused)
+            self.registry.check(reg, known, replacing=reg.worker_id)
+
     def unregister(self, worker_id: str, reason: str = "request") -> None:
         with self.lock:
             state = self.registry.remove(worker_id)

@@ -84,3 +84,36 @@ def test_replay_prints_recorded_worker_names_escaped(tmp_path: Path, capsys: pyt
     text = cap.out + cap.err
     assert "\x1b" not in text and "\nFAKE" not in text, text
     assert "w\\x1b[2J\\nFAKE summary line" in text
+
+
+@settings(max_examples=300, deadline=None)
+@given(wid=st.text(min_size=1, max_size=40).filter(lambda t: "," not in t and "=" not in t))
+def test_relay_and_indexer_judge_worker_ids_alike(wid: str) -> None:
+    """One rule (schemas/names.py): the relay refuses exactly the ids every indexer would refuse,
+    so it never forwards events of a worker no replica registers."""
+    import argparse
+
+    from router_api.registry import RegistryError, validate_worker_id
+    from router_api.relay import parse_worker_spec
+
+    try:
+        validate_worker_id(wid)
+        indexer_ok = True
+    except RegistryError:
+        indexer_ok = False
+    try:
+        parse_worker_spec(f"{wid}=tcp://127.0.0.1:5557")
+        relay_ok = True
+    except argparse.ArgumentTypeError:
+        relay_ok = False
+    assert relay_ok == indexer_ok, wid
+
+
+def test_the_relay_refuses_the_ids_from_the_report() -> None:
+    import argparse
+
+    from router_api.relay import parse_worker_spec
+
+    for wid in ("w 1", "a%2Eb", "w\n1", "a/b"):
+        with pytest.raises(argparse.ArgumentTypeError, match="invalid worker_id"):
+            parse_worker_spec(f"{wid}=tcp://127.0.0.1:5557")

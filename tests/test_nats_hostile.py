@@ -199,3 +199,34 @@ def test_publisher_seqs_at_and_above_2_63_are_relayed(nats: NatsServer) -> None:
         relay.close()
         replica.close()
         pub.close(0)
+
+
+def test_a_bucket_entry_that_cannot_be_registered_leaves_the_live_worker(nats: NatsServer, tmp_path: Path) -> None:
+    """Re-registering a live worker in the bucket with a block size its model cannot take (the
+    configured model is fixed at 4) is refused, counted, and the live worker keeps its state."""
+    r = KVIndexerProcess(free_port(), "--nats", nats.url, "--block-size", str(BS), log_path=tmp_path / "r.log")
+    r.wait_ready()
+    nt = NatsThread(nats.url)
+    bucket = SharedRegistry(nt, DEFAULT_KV_BUCKET)
+    pub = JetStreamEventPublisher(nats.url, model=MODEL, worker_id="a")
+    sim = WorkerSim(2, BS, make_prompts(9, BS))
+    try:
+        own = jetstream_endpoint(MODEL, "a")
+        assert r.client.post("/workers", json={"worker_id": "a", "endpoint": own, "block_size": BS}).status_code == 201
+        _drive(pub, sim, 20)
+        _applied(r, "a", subject_last_seq(pub))
+        bucket.put(RegisterWorker(worker_id="a", endpoint=own, block_size=BS * 2))
+        wait_until(lambda: 'kvatlas_shared_registry_errors_total{op="apply_put"}' in r.client.get("/metrics").text,
+                   timeout=20.0, interval=0.05)
+        rows = _rows(r)
+        assert set(rows) == {"a"} and rows["a"]["block_size"] == BS
+        queries = sim.sample_queries(10)
+        assert check_scores(r.client, {"a": sim}, queries) == len(queries)
+        _drive(pub, sim, 10)
+        _applied(r, "a", subject_last_seq(pub))
+        assert check_scores(r.client, {"a": sim}, sim.sample_queries(10)) == 10
+    finally:
+        pub.close()
+        bucket.close()
+        nt.close()
+        r.terminate()
