@@ -455,7 +455,7 @@ class IndexerService:
             status=w.status(now, self.registry.policy), last_seq=w.last_seq, lag=w.lag,
             silent_s=None if w.last_msg_at is None else max(0.0, now - w.last_msg_at),
             blocks=_tiers(totals), dp_ranks=sorted(w.dp_ranks), batches=w.batches, gaps=w.gaps,
-            replays=w.replays, resyncs=w.resyncs, restarts=w.restarts,
+            replays=w.replays, resyncs=w.resyncs, restarts=w.restarts, exact=w.clean,
         )
 
     def workers(self) -> WorkersResponse:
@@ -647,7 +647,7 @@ class IndexerService:
     def build_snapshot(self) -> Snapshot:
         with self.lock:  # index state and watermarks from the same instant (between two batches)
             models = [ModelSnapshot(m, bs, list(self.index.dump(m))) for m, bs in self.index.models().items()]
-            workers = [WorkerSnapshot(w.reg, w.last_seq, sorted(w.dp_ranks)) for w in self.registry]
+            workers = [WorkerSnapshot(w.reg, w.last_seq, sorted(w.dp_ranks), w.clean) for w in self.registry]
         self.generation += 1
         return Snapshot(SNAPSHOT_VERSION, self.generation, time.time(), workers, models)
 
@@ -746,6 +746,7 @@ class IndexerService:
                 continue
             w = self.registry.get(ws.reg.worker_id)
             if w is not None:
+                w.clean = ws.clean  # a loss not yet answered stays one across the restart
                 w.dp_ranks.update(ws.dp_ranks)
                 for rank in ws.dp_ranks:
                     self.index.register_worker(ws.reg.model, ws.reg.worker_id, rank)

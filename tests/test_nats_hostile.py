@@ -230,3 +230,67 @@ def test_a_bucket_entry_that_cannot_be_registered_leaves_the_live_worker(nats: N
         bucket.close()
         nt.close()
         r.terminate()
+
+
+def _snapshot_marks(path: Path) -> dict[str, int]:
+    from indexer.snapshot import decode_snapshot, make_snapshot_store
+
+    store = make_snapshot_store(str(path))
+    assert store is not None
+    data = store.load()
+    store.close()
+    if data is None:
+        return {}
+    return {w.reg.worker_id: w.last_seq for w in decode_snapshot(data).workers if w.last_seq is not None}
+
+
+def test_replicas_at_the_same_last_seq_after_a_purge_agree_or_say_they_are_not_exact(
+        nats: NatsServer, tmp_path: Path) -> None:
+    """r2 is killed, the stream moves on and is purged, r2 restarts from its snapshot; the engine
+    ignores snapshot requests. Both replicas reach the same last_seq; r1 is exact, and r2, whose
+    view lost what the purge removed, says `exact: false` (also after its own restart)."""
+    from schemas.jetstream import DEFAULT_STREAM
+
+    snap1, snap2 = tmp_path / "r1.snap", tmp_path / "r2.snap"
+    start = lambda name, snap: KVIndexerProcess(  # noqa: E731
+        free_port(), "--nats", nats.url, "--block-size", str(BS), "--snapshot", str(snap),
+        "--snapshot-interval", "0.2", log_path=tmp_path / f"{name}.log")
+    r1, r2 = start("r1", snap1), start("r2", snap2)
+    r1.wait_ready()
+    r2.wait_ready()
+    pub = JetStreamEventPublisher(nats.url, model=MODEL, worker_id="a", listen_snapshots=False)
+    sim = WorkerSim(4, BS, make_prompts(11, BS))
+    try:
+        own = jetstream_endpoint(MODEL, "a")
+        assert r1.client.post("/workers", json={"worker_id": "a", "endpoint": own, "block_size": BS}).status_code == 201
+        _drive(pub, sim, 30)
+        mark = subject_last_seq(pub)
+        _applied(r1, "a", mark)
+        _applied(r2, "a", mark)
+        wait_until(lambda: _snapshot_marks(snap2).get("a", -1) >= mark, timeout=20.0, interval=0.05)
+        r2.kill()
+        _drive(pub, sim, 100)
+        nt = pub._nats
+        nt.call(lambda: nt.js.purge_stream(DEFAULT_STREAM))
+        _drive(pub, sim, 50)
+        mark = subject_last_seq(pub)
+        r2 = start("r2b", snap2)
+        r2.wait_ready()
+        _applied(r1, "a", mark)
+        _applied(r2, "a", mark)
+        row1, row2 = _rows(r1)["a"], _rows(r2)["a"]
+        assert row1["last_seq"] == row2["last_seq"] == mark
+        assert row1["exact"] is True and row2["exact"] is False, (row1, row2)
+        queries = sim.sample_queries(10)
+        assert check_scores(r1.client, {"a": sim}, queries) == len(queries)
+        # The verdict survives r2's own restart (it is in the snapshot).
+        wait_until(lambda: _snapshot_marks(snap2).get("a", -1) >= mark, timeout=20.0, interval=0.05)
+        assert r2.terminate() == 0
+        r2 = start("r2c", snap2)
+        r2.wait_ready()
+        assert _rows(r2)["a"]["exact"] is False
+    finally:
+        pub.close()
+        for r in (r1, r2):
+            if r.proc.poll() is None:
+                r.terminate()
