@@ -14,6 +14,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from producer.sim.engine import Engine, VirtualClock
+from producer.sim.httpbody import MAX_BODY_BYTES, read_capped
 from producer.sim.schedule import QueueFull
 from producer.sim.api import GenerateRequest, GenerateResponse, LoadResponse, WorkerHealth
 
@@ -30,7 +31,13 @@ def _error(status: int, message: str) -> Response:
     return _json({"error": message}, status)
 
 
-def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock) -> FastAPI:
+MAX_OUTPUT_TOKENS = 32768  # per request: 2^20 would hold a batch slot for hours of simulated time
+MAX_AHEAD_S = 3600.0  # how far past the worker's clock a request's virtual arrival may lie
+
+
+def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, *,
+                      max_body_bytes: int = MAX_BODY_BYTES, max_output_tokens: int = MAX_OUTPUT_TOKENS,
+                      max_ahead_s: float = MAX_AHEAD_S) -> FastAPI:
     app = FastAPI(title=f"kvatlas worker {health.worker_id}", docs_url=None, redoc_url=None)
     wid = health.worker_id
     counters = {"generate_ok": 0, "generate_bad": 0, "generate_rejected": 0}
@@ -38,7 +45,10 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock)
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         t_wall = time.monotonic()
-        body = await request.body()
+        body = await read_capped(request, max_body_bytes)
+        if body is None:
+            counters["generate_bad"] += 1
+            return _error(413, f"body exceeds the {max_body_bytes}-byte limit")
         try:
             req = _dec.decode(body)
         except msgspec.ValidationError as exc:
@@ -50,7 +60,15 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock)
         if not req.token_ids:
             counters["generate_bad"] += 1
             return _error(422, "token_ids must not be empty")
-        arrival = clock.now() if req.arrival_s is None else req.arrival_s
+        if req.max_tokens > max_output_tokens:
+            counters["generate_bad"] += 1
+            return _error(422, f"max_tokens {req.max_tokens} exceeds this worker's limit {max_output_tokens}")
+        now = clock.now()
+        if req.arrival_s is not None and not req.arrival_s <= now + max_ahead_s:  # (also inf and nan)
+            counters["generate_bad"] += 1
+            return _error(422, f"arrival_s {req.arrival_s} is more than {max_ahead_s:g}s past the worker's clock "
+                               f"({now:.3f})")
+        arrival = now if req.arrival_s is None else req.arrival_s
         try:
             served = await asyncio.wrap_future(engine.submit(req.token_ids, req.max_tokens, arrival))
         except QueueFull as exc:
