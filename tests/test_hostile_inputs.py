@@ -117,3 +117,51 @@ def test_the_relay_refuses_the_ids_from_the_report() -> None:
     for wid in ("w 1", "a%2Eb", "w\n1", "a/b"):
         with pytest.raises(argparse.ArgumentTypeError, match="invalid worker_id"):
             parse_worker_spec(f"{wid}=tcp://127.0.0.1:5557")
+
+
+def test_record_takes_seqs_at_and_above_2_63(tmp_path: Path) -> None:
+    """`kvatlas record` behind a publisher counting from 2^63 + 250 records every batch with its
+    u64 seq (it crashed in the fingerprint ring before)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import zmq
+
+    from indexer.eventlog import read_event_log
+    from schemas.frames import seq_bytes
+    from support.net import REPO_ROOT
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    out = tmp_path / "u64.kvlog"
+    proc = subprocess.Popen([sys.executable, "-m", "router_api.cli", "record", "--connect",
+                             f"w0=tcp://127.0.0.1:{port}", "--out", str(out), "--no-progress"], cwd=REPO_ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seq = (1 << 63) + 250
+    empty = msgspec.msgpack.encode(KVEventBatch(0.0, [], 0))
+    try:
+        def recorded(n: int) -> bool:
+            nonlocal seq
+            assert proc.poll() is None, proc.communicate()
+            pub.send_multipart([b"", seq_bytes(seq), empty])
+            seq += 1
+            frames = list(read_event_log(out)) if out.exists() and out.stat().st_size > 8 else []
+            return len(frames) >= n
+        from support.net import wait_until
+
+        wait_until(lambda: recorded(300), timeout=30.0, interval=0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        pub.close(0)
+    assert proc.returncode == 0, err
+    seqs = [f.seq for f in read_event_log(out)]
+    assert seqs[0] >= 1 << 63 and seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs[:5]
+    assert "Traceback" not in err, err
