@@ -538,12 +538,14 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
+        # the route's template, not the raw path: a label per URL sent would grow without end
+        route = getattr(request.scope.get("route"), "path", None) or "unrouted"
         if isinstance(exc, ClientDisconnect):  # not ours: nobody is left to answer
-            metrics.http_rejects.inc(request.url.path, "client_disconnect")
+            metrics.http_rejects.inc(route, "client_disconnect")
             return _error(499, "client disconnected")
-        metrics.http_rejects.inc(request.url.path, "internal_error")
-        # one traceback per path and error type per interval: a repeated failure cannot flood the log
-        limiter.error(f"internal:{request.url.path}:{type(exc).__name__}", "event=internal_error path=%s",
+        metrics.http_rejects.inc(route, "internal_error")
+        # one traceback per route and error type per interval: a repeated failure cannot flood the log
+        limiter.error(f"internal:{route}:{type(exc).__name__}", "event=internal_error path=%s",
                       escape_log(request.url.path), exc_info=exc)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
