@@ -35,9 +35,7 @@ MAX_OUTPUT_TOKENS = 32768  # per request: 2^20 would hold a batch slot for hours
 MAX_AHEAD_S = 3600.0  # how far past the worker's clock a request's virtual arrival may lie
 
 
-def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, *,
-                      max_body_bytes: int = MAX_BODY_BYTES, max_output_tokens: int = MAX_OUTPUT_TOKENS,
-                      max_ahead_s: float = MAX_AHEAD_S) -> FastAPI:
+def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock) -> FastAPI:
     app = FastAPI(title=f"kvatlas worker {health.worker_id}", docs_url=None, redoc_url=None)
     wid = health.worker_id
     counters = {"generate_ok": 0, "generate_bad": 0, "generate_rejected": 0}
@@ -45,10 +43,10 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         t_wall = time.monotonic()
-        body = await read_capped(request, max_body_bytes)
+        body = await read_capped(request, MAX_BODY_BYTES)
         if body is None:
             counters["generate_bad"] += 1
-            return _error(413, f"body exceeds the {max_body_bytes}-byte limit")
+            return _error(413, f"body exceeds the {MAX_BODY_BYTES}-byte limit")
         try:
             req = _dec.decode(body)
         except msgspec.ValidationError as exc:
@@ -60,13 +58,13 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
         if not req.token_ids:
             counters["generate_bad"] += 1
             return _error(422, "token_ids must not be empty")
-        if req.max_tokens > max_output_tokens:
+        if req.max_tokens > MAX_OUTPUT_TOKENS:
             counters["generate_bad"] += 1
-            return _error(422, f"max_tokens {req.max_tokens} exceeds this worker's limit {max_output_tokens}")
+            return _error(422, f"max_tokens {req.max_tokens} exceeds this worker's limit {MAX_OUTPUT_TOKENS}")
         now = clock.now()
-        if req.arrival_s is not None and not req.arrival_s <= now + max_ahead_s:  # (also inf and nan)
+        if req.arrival_s is not None and not req.arrival_s <= now + MAX_AHEAD_S:  # (also inf and nan)
             counters["generate_bad"] += 1
-            return _error(422, f"arrival_s {req.arrival_s} is more than {max_ahead_s:g}s past the worker's clock "
+            return _error(422, f"arrival_s {req.arrival_s} is more than {MAX_AHEAD_S:g}s past the worker's clock "
                                f"({now:.3f})")
         arrival = now if req.arrival_s is None else req.arrival_s
         try:
