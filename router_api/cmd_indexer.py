@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a request must arrive whole (headers and body) within S seconds of its first byte, "
                         "else 408 and the connection is closed (default 10)")
     p.add_argument("--http-max-connections", type=int, metavar="N",
-                   help="open HTTP connections at most; one more is answered 503 and closed (default 1024)")
+                   help="open HTTP connections at most; one more is answered 503 and closed (default 1024, or half "
+                        "the open-file limit when that is lower)")
     p.add_argument("--http-fast-path", choices=("on", "off"),
                    help="answer /score and /query in uvicorn's protocol callbacks (default on; off: through "
                         "the ASGI front, for comparison)")
@@ -230,6 +231,17 @@ class SafeTextFormatter(logging.Formatter):
         return line if line.isprintable() else line.encode("unicode_escape").decode("ascii")
 
 
+def default_max_connections(cap: int = 1024) -> int:
+    """The HTTP connection cap when none is given: 1024, or half the open-file limit when that is
+    lower (the rest is for ZeroMQ sockets, snapshots and logs), so the cap is hit before EMFILE."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return cap
+    return max(16, min(cap, soft // 2))
+
+
 def server_settings(host: str, port: int, fast_path: bool = True, request_timeout_s: float = 10.0,
                     max_connections: int = 1024) -> dict[str, Any]:
     """uvicorn settings for the indexer (measured choices, docs/service.md "HTTP stack"): the
@@ -347,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     gc.freeze()
     fast = (getattr(args, "http_fast_path", None) or "on") == "on"
     timeout = getattr(args, "http_request_timeout", None) or 10.0
-    max_conn = getattr(args, "http_max_connections", None) or 1024
+    max_conn = getattr(args, "http_max_connections", None) or default_max_connections()
     if timeout <= 0 or max_conn < 1:
         print("kvatlas indexer: --http-request-timeout must be > 0 and --http-max-connections >= 1", file=sys.stderr)
         service.stop(final_snapshot=False)
