@@ -1,5 +1,6 @@
 """Hostile publishers beside honest ones on the NATS path (issue 24; docs/limits.md): one
-`kvatlas indexer --nats` replica; honest JetStream workers (one of them sometimes storing batches
+`kvatlas indexer --nats` replica; honest ZeroMQ workers (one registered directly, counting from
+2^63) and honest JetStream workers (one of them sometimes storing batches
 over NATS's 1 MiB max_payload) and an honest ZeroMQ engine behind `kvatlas relay` counting from
 seq 2^63; meanwhile a thief claims the honest subjects (over HTTP and straight into the bucket),
 a raw publisher writes junk on an honest subject, and slowloris clients hold the HTTP port. After
@@ -25,6 +26,7 @@ import zmq
 
 from indexer.shared_registry import SharedRegistry
 from producer.jetstream_publisher import JetStreamEventPublisher
+from producer.publisher import ZmqEventPublisher
 from router_api.relay import Relay, RelayWorker
 from schemas.api import RegisterWorker
 from schemas.events import BlockStored, KVEventBatch
@@ -99,6 +101,18 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
     honest = {f"h{i}": WorkerSim(i, BS, make_prompts(100 + i, BS)) for i in range(3)}
     pubs = {w: JetStreamEventPublisher(nats.url, model=MODEL, worker_id=w) for w in honest}
     engine = _RelayedEngine(nats.url, "z0")
+    # ZeroMQ beside it: an honest engine (q0) and a raw publisher past 2^63 registered directly (u0)
+    q_sim = WorkerSim(9, BS, make_prompts(109, BS))
+    q_pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    u_sock = zmq.Context.instance().socket(zmq.PUB)
+    u_port = u_sock.bind_to_random_port("tcp://127.0.0.1")
+    u_seq = (1 << 63) + 7
+    u_enc = msgspec.msgpack.Encoder()
+
+    def u_send(events: list) -> None:
+        nonlocal u_seq
+        u_sock.send_multipart([b"", seq_bytes(u_seq), u_enc.encode(KVEventBatch(time.time(), events))])
+        u_seq += 1
     rng = random.Random(7)
     health_ms: list[float] = []
     stop = threading.Event()
@@ -121,6 +135,17 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
                                                    "block_size": BS}).status_code == 201
         wait_until(lambda: "z0" in {x["worker_id"] for x in r.client.get("/workers").json()["workers"]},
                    timeout=20.0, interval=0.05)
+        for wid, ep, rep_ep in (("q0", q_pub.endpoint, q_pub.replay_endpoint), ("u0", f"tcp://127.0.0.1:{u_port}", None)):
+            body = {"worker_id": wid, "endpoint": ep, "block_size": BS, **({"replay_endpoint": rep_ep} if rep_ep else {})}
+            assert r.client.post("/workers", json=body).status_code == 201
+
+        def zmq_joined() -> bool:
+            q_pub.heartbeat()
+            u_send([])
+            rows = {x["worker_id"]: x for x in r.client.get("/workers").json()["workers"]}
+            return all(rows[w]["last_seq"] is not None for w in ("q0", "u0"))
+        wait_until(zmq_joined, timeout=20.0, interval=0.05)
+        honest["q0"] = q_sim
         rss0 = _rss_kb(r.proc.pid)
         prober.start()
         big_pub = JetStreamEventPublisher(nats.url, model=MODEL, worker_id="big")
@@ -135,17 +160,19 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
         while time.monotonic() < end:
             rounds += 1
             for w, sim in honest.items():
-                pubs[w].publish(sim.step())
+                (q_pub if w == "q0" else pubs[w]).publish(sim.step())
             if rounds % 50 == 1 and len(big_chain) < 2 * 40_000 * BS:  # batches over the 1 MiB max_payload
                 big = BlockStored([rng.randrange(1, 1 << 62) for _ in range(40_000)], big_parent,
                                   [rng.randrange(1 << 20, 1 << 30) for _ in range(40_000 * BS)], BS)
                 big_parent = big.block_hashes[-1]
                 big_chain.extend(big.token_ids)
                 big_pub.publish([big])
+                q_pub.publish([big])  # the same 1.2 MB batch over ZeroMQ (64 MiB cap there)
             ev = BlockStored([rng.randrange(1, 1 << 62)], parent_z, [rng.randrange(1, 1 << 30) for _ in range(BS)], BS)
             parent_z = ev.block_hashes[0]
             z_chain.extend(ev.token_ids)
             engine.send([ev])
+            u_send([ev])
             if rounds % 10 == 0:  # the thief, over HTTP and in the bucket
                 victim = rng.choice(list(honest))
                 resp = r.client.post("/workers", json={"worker_id": f"thief{rounds}", "block_size": BS,
@@ -164,8 +191,12 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
             time.sleep(0.01)  # pacing the producers, not a synchronisation
         pubs["big"] = big_pub
         for p in pubs.values():
+            p.heartbeat()  # the last message on each subject is its own (not the thief's junk)
             assert p.flush(20.0)
+        assert q_pub.flush(20.0)
         marks = {w: subject_last_seq(p) for w, p in pubs.items()}
+        marks["q0"] = q_pub.next_seq - 1
+        marks["u0"] = u_seq - 1
         target_z = engine.seq - 1
         wait_until(lambda: engine.relay.sub.watermark("z0") == target_z and engine.relay.flush(5.0),
                    timeout=30.0, interval=0.05)
@@ -173,25 +204,30 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
             marks["z0"] = subject_last_seq(engine.relay.pubs["z0"])
 
         def applied() -> bool:
+            q_pub.heartbeat()  # a lost last batch is noticed (and replayed) at the next message
             rows = {x["worker_id"]: x for x in r.client.get("/workers").json()["workers"]}
             return all((rows.get(w, {}).get("last_seq") or 0) >= m for w, m in marks.items())
-        wait_until(applied, timeout=60.0, interval=0.1)
+        try:
+            wait_until(applied, timeout=60.0, interval=0.1)
+        except AssertionError:
+            rows = {x["worker_id"]: (x["last_seq"], x["status"], x["gaps"]) for x in r.client.get("/workers").json()["workers"]}
+            raise AssertionError(f"not applied: marks {marks} rows {rows}") from None
         stop.set()
         prober.join(15)
         # Honest answers exact; the relayed u64 engine's chain whole.
         queries = [q for s in honest.values() for q in s.sample_queries(8)]
-        others = {w: WorkerSim(0, BS, []) for w in ("big", "z0")}  # hold none of the honest prompts
+        others = {w: WorkerSim(0, BS, []) for w in ("big", "z0", "u0")}  # hold none of the honest prompts
         assert check_scores(r.client, {**honest, **others}, queries) == len(queries)
         rows = {x["worker_id"]: x for x in r.client.get("/workers").json()["workers"]}
-        assert set(rows) == set(honest) | {"z0", "big"}, sorted(rows)  # no thief ever registered
-        b = r.client.post("/score", json={"token_ids": big_chain}).json()
-        assert next(x for x in b["workers"] if x["worker_id"] == "big")["device_blocks"] == len(big_chain) // BS
+        assert set(rows) == set(honest) | {"z0", "big", "u0"}, sorted(rows)  # no thief ever registered
+        b = {x["worker_id"]: x for x in r.client.post("/score", json={"token_ids": big_chain}).json()["workers"]}
+        assert b["big"]["device_blocks"] == b["q0"]["device_blocks"] == len(big_chain) // BS, (b["big"], b["q0"])
         z = r.client.post("/score", json={"token_ids": z_chain}).json()
-        zrow = next(x for x in z["workers"] if x["worker_id"] == "z0")
-        assert zrow["device_blocks"] == len(z_chain) // BS, zrow
+        for zrow in (x for x in z["workers"] if x["worker_id"] in ("z0", "u0")):
+            assert zrow["device_blocks"] == len(z_chain) // BS, zrow
         for w in [*honest, "big"]:
             assert rows[w]["exact"] is True and rows[w]["gaps"] == 0, rows[w]
-        assert rows["z0"]["gaps"] == 1  # the opening one, before its first block
+        assert rows["z0"]["gaps"] == rows["u0"]["gaps"] == 1  # the opening one, before their first block
         metrics = r.client.get("/metrics").text
         assert 'kvatlas_shared_registry_errors_total{op="apply_put"}' in metrics
         # The slowloris sockets were all closed by the server (408 or EOF), and /health kept answering.
@@ -213,6 +249,8 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
         for s in slow:
             s.close()
         engine.close()
+        q_pub.close()
+        u_sock.close(0)
         for p in pubs.values():
             p.close()
         bucket.close()
