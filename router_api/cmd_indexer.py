@@ -255,7 +255,7 @@ def server_settings(host: str, port: int, fast_path: bool = True, request_timeou
 
     if fasthttp.supported():
         http: Any = fasthttp.protocol_class(fast_path, request_timeout_s, max_connections)
-    else:  # this uvicorn lacks the hooks: its own limits only (logged at start)
+    else:  # this uvicorn lacks the hooks: its own limits only (keep-alive timeout), no deadline or cap
         http = "httptools"
     return {"host": host, "port": port, "http": http, "loop": "uvloop", "log_level": "warning",
             "access_log": False, "proxy_headers": False, "server_header": False, "lifespan": "off",
