@@ -110,6 +110,10 @@ class KVIndex:
     def models(self) -> dict[str, int]:
         return {name: m.block_size for name, m in self._models.items()}
 
+    def drop_model(self, model: str) -> bool:
+        """Forget a model and everything indexed under it (its last worker left); False if unknown."""
+        return self._models.pop(model, None) is not None
+
     def _model(self, model: str) -> ModelState:
         m = self._models.get(model)
         if m is None:

@@ -38,6 +38,7 @@ from nats.js.errors import NotFoundError
 from indexer.jetstream_sequencing import StepKind, StreamCursor
 from schemas.natsio import NatsThread, ensure_stream
 from indexer.subscriber import Batch, Delivery, Gap, Restart
+from schemas.codec import DEFAULT_MAX_PAYLOAD as MAX_BATCH_BYTES
 from schemas.jetstream import StreamSettings, control_subject, endpoint_subject, parse_headers, split_subject
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,12 @@ class JetStreamSubscriberStats(msgspec.Struct):
     subscribe_errors: int = 0
     queue_full_waits: int = 0  # a callback found the in-process queue full and waited (backpressure)
     slow_consumer_restarts: int = 0  # nats-py dropped a message; the consumer restarted at the watermark
+    split_batches: int = 0  # batches stored as parts (schemas/jetstream.py) and put back together
+    parts_dropped: int = 0  # parts whose run was broken (its start trimmed, or over the size cap)
 
 
 class _Worker:
-    __slots__ = ("worker_id", "subject", "cursor", "sub", "catchup_until", "pending", "stale", "gen")
+    __slots__ = ("worker_id", "subject", "cursor", "sub", "catchup_until", "pending", "stale", "gen", "parts")
 
     def __init__(self, worker_id: str, subject: str, cursor: StreamCursor) -> None:
         self.worker_id = worker_id
@@ -69,6 +72,20 @@ class _Worker:
         self.pending = 0  # messages the server still holds for this consumer (consumer lag)
         self.stale = False
         self.gen = 0  # this worker's consumer generation: messages of a replaced consumer are ignored
+        self.parts: _Parts | None = None  # a split batch being put back together
+
+
+class _Parts:
+    """The parts read so far of one batch stored as several messages."""
+
+    __slots__ = ("epoch", "seq", "n", "chunks", "size")
+
+    def __init__(self, epoch: str, seq: int, n: int) -> None:
+        self.epoch = epoch
+        self.seq = seq
+        self.n = n
+        self.chunks: list[bytes] = []
+        self.size = 0
 
 
 def _reply_positions(reply: str) -> tuple[int, int] | None:
@@ -197,6 +214,10 @@ class JetStreamSubscriber:
         if worker_id in self._workers:
             raise ValueError(f"worker {worker_id!r} is already subscribed")
         subject = endpoint_subject(endpoint)
+        owner = next((o for o in self._workers.values() if o.subject == subject), None)
+        if owner is not None:  # one subject, one worker: never re-route another worker's events
+            raise ValueError(f"cannot subscribe worker {worker_id!r}: subject {subject!r} is worker "
+                             f"{owner.worker_id!r}'s")
         cursor = StreamCursor(last_seq)  # validates last_seq
         w = _Worker(worker_id, subject, cursor)
         try:
@@ -246,7 +267,8 @@ class JetStreamSubscriber:
         w = self._workers.pop(worker_id, None)
         if w is None:
             raise KeyError(f"unknown worker {worker_id!r}")
-        self._by_subject.pop(w.subject, None)
+        if self._by_subject.get(w.subject) is w:
+            del self._by_subject[w.subject]
         if w.sub is not None:
             self._drop_at.pop(id(w.sub._sub), None)
         self._unsubscribe(w)
@@ -491,6 +513,11 @@ class JetStreamSubscriber:
             w.cursor.skip(sseq)
             self._bad(w, f"stream seq {sseq}: {hdrs}")
             return
+        data = msg.data
+        if hdrs.parts > 1:
+            data = self._join_part(w, sseq, hdrs, data)
+            if data is None:
+                return
         old = w.cursor.last
         steps = w.cursor.take(sseq, hdrs.epoch, hdrs.seq)
         if steps is None:
@@ -512,7 +539,35 @@ class JetStreamSubscriber:
         replayed = sseq <= w.catchup_until
         if replayed:
             self.stats.replay_batches += 1
-        out.append(Batch(wid, sseq, msg.data, now, replayed))
+        out.append(Batch(wid, sseq, data, now, replayed))
+
+    def _join_part(self, w: _Worker, sseq: int, hdrs: Any, data: bytes) -> bytes | None:
+        """Add a part of a split batch; the whole payload once its last part is read, else None.
+        The watermark stays before the batch until then, so a restart re-reads it from part 0."""
+        if w.cursor.last is not None and sseq <= w.cursor.last:
+            return None  # re-delivered below the watermark
+        p = w.parts
+        if hdrs.part == 0:
+            p = w.parts = _Parts(hdrs.epoch, hdrs.seq, hdrs.parts)
+        elif p is None or (p.epoch, p.seq, p.n, len(p.chunks)) != (hdrs.epoch, hdrs.seq, hdrs.parts, hdrs.part):
+            # its first parts were trimmed, or not consumed here: what the batch held is lost (the
+            # next whole batch reads as a gap and the worker is resynced)
+            w.parts = None
+            self.stats.parts_dropped += 1
+            return None
+        p.chunks.append(data)
+        p.size += len(data)
+        if p.size > MAX_BATCH_BYTES:
+            w.parts = None
+            self.stats.parts_dropped += 1
+            log.warning("worker %s: split batch seq %d exceeds %d bytes: dropped", w.worker_id, hdrs.seq,
+                        MAX_BATCH_BYTES)
+            return None
+        if len(p.chunks) < p.n:
+            return None
+        w.parts = None
+        self.stats.split_batches += 1
+        return b"".join(p.chunks)
 
     def _bad(self, w: _Worker, why: str) -> None:
         self.stats.bad_frames += 1

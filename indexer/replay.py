@@ -20,6 +20,7 @@ exactly the frames, in log order, before the first frame whose recv_ts is later 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Union
 
@@ -358,6 +359,12 @@ def replay_with_queries(
         qi += 1
 
 
+def shown(name: str) -> str:
+    """A worker or model name as printed to a terminal: as is when printable, else with
+    backslash escapes (a recorded name never carries a newline or an ANSI escape to the screen)."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
+
+
 def format_summary(s: ReplaySummary) -> str:
     """The human-readable summary `kvatlas replay --apply` prints."""
     lines = [
@@ -377,7 +384,7 @@ def format_summary(s: ReplaySummary) -> str:
     lines.append(f"  gaps {s.gaps}, restarts {s.restarts}, resyncs {s.resyncs}")
     for w in s.workers:
         seqs = "no frames" if w.first_seq is None else f"seq {w.first_seq}..{w.last_seq}"
-        lines.append(f"  worker {w.worker_id}: {w.frames} frames, {seqs}, gaps {w.gaps} "
+        lines.append(f"  worker {shown(w.worker_id)}: {w.frames} frames, {seqs}, gaps {w.gaps} "
                      f"({w.missing_seqs} seqs missing), restarts {w.restarts}, resyncs {w.resyncs}")
         for rank, tiers in w.blocks.items():
             lines.append(f"    dp_rank {rank}: " + " ".join(f"{k}={v}" for k, v in tiers.items()))
@@ -504,7 +511,46 @@ def republish_steps(frames: Iterable[LogFrame]) -> Iterator[RepublishStep]:
 
 def pace_delay(first_ts: float, frame_ts: float, elapsed: float, speed: float) -> float:
     """Seconds to wait before sending a frame recorded at `frame_ts` when `elapsed` seconds have
-    passed since the first frame was sent; 0 for `speed == 0` (as fast as possible)."""
+    passed since the first frame was sent; 0 for `speed == 0` (as fast as possible) and for
+    timestamps that are not finite."""
     if speed <= 0:
         return 0.0
-    return max(0.0, (frame_ts - first_ts) / speed - elapsed)
+    delay = (frame_ts - first_ts) / speed - elapsed
+    return delay if delay > 0.0 and math.isfinite(delay) else 0.0
+
+
+MAX_PACE_GAP_S = 3600.0
+
+
+class Pacer:
+    """Recorded time for `--speed` pacing, robust to absurd timestamps: a recv_ts that is not
+    finite, or jumps more than `max_gap_s` from the frame before (1e18 ahead, a first frame at
+    -1e18), does not advance the pace: the jump counts as zero and is counted in `clamped`.
+    Small steps back (workers interleaved) wait for nothing, as with absolute pacing."""
+
+    __slots__ = ("speed", "max_gap_s", "clamped", "_offset", "_prev")
+
+    def __init__(self, speed: float, max_gap_s: float = MAX_PACE_GAP_S) -> None:
+        self.speed = speed
+        self.max_gap_s = max_gap_s
+        self.clamped = 0
+        self._offset = 0.0  # recorded seconds since the first frame, jumps collapsed
+        self._prev: float | None = None  # latest recorded ts the offset is measured from
+
+    def delay(self, frame_ts: float, elapsed: float) -> float:
+        """Seconds to wait before sending this frame, `elapsed` seconds after the first was sent."""
+        if not math.isfinite(frame_ts):
+            self.clamped += 1
+        elif self._prev is None:
+            self._prev = frame_ts
+        else:
+            step = frame_ts - self._prev
+            if abs(step) > self.max_gap_s:
+                self.clamped += 1
+                self._prev = frame_ts  # a new baseline: later frames are paced from here
+            elif step > 0:
+                self._offset += step
+                self._prev = frame_ts
+        if self.speed <= 0:
+            return 0.0
+        return pace_delay(0.0, self._offset, elapsed, self.speed)

@@ -64,6 +64,11 @@ _RESTART = Verdict(Action.RESTART)
 FP_WINDOW = 256  # delivered seqs whose payload fingerprint a tracker keeps (2 x 2 KiB)
 
 
+def _ring_seq(seq: int) -> int:
+    """A u64 wire seq as the ring's int64 slot value (two's complement, as the C loop writes it)."""
+    return seq - (1 << 64) if seq >= 1 << 63 else seq
+
+
 def fingerprint(payload: bytes) -> int:
     """A payload's identity for telling a stale copy from a restarted publisher's batch at the
     same seq, in O(1) of its size: length, head (the batch's ts is there) and tail."""
@@ -89,7 +94,7 @@ class SeqTracker:
         """Note the payload delivered at `seq`, so a stale copy of it can be told from a restart."""
         seqs, fps = self.rings()
         i = seq % FP_WINDOW
-        seqs[i] = seq
+        seqs[i] = _ring_seq(seq)
         fps[i] = fingerprint(payload)
 
     def rings(self) -> tuple[array, array]:
@@ -107,7 +112,7 @@ class SeqTracker:
         if fp is None or self.classify_live(seq).action is not Action.RESTART:
             return False
         i = seq % FP_WINDOW
-        return self._fp_seq[i] == seq and fp[i] == fingerprint(payload)  # type: ignore[index]
+        return self._fp_seq[i] == _ring_seq(seq) and fp[i] == fingerprint(payload)  # type: ignore[index]
 
     @property
     def expected(self) -> int:

@@ -182,6 +182,9 @@ class ShardedIndex:
     def models(self) -> dict[str, int]:
         return self.shards[0].models()
 
+    def drop_model(self, model: str) -> bool:
+        return any([s.drop_model(model) for s in self.shards])
+
     # --- one worker: its shard ----------------------------------------------------------------
     def apply(self, model: str, worker_id: str, dp_rank: int, batch: KVEventBatch) -> ApplyStats:
         return self._of(worker_id).apply(model, worker_id, dp_rank, batch)

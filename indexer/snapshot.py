@@ -30,6 +30,7 @@ class WorkerSnapshot(msgspec.Struct):
     reg: RegisterWorker
     last_seq: Optional[int]  # the watermark: last batch applied to `index`
     dp_ranks: list[int]
+    clean: bool = True  # StreamState.clean: False while a loss is unanswered (the view is not exact)
 
 
 class ModelSnapshot(msgspec.Struct):

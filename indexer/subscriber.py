@@ -113,6 +113,9 @@ class _Replay:
         self.nbytes = 0
 
 
+_U64_MAX = (1 << 64) - 1
+
+
 class _Source:
     __slots__ = ("worker_id", "endpoint", "replay_endpoint", "topic", "sock", "addr", "tracker", "replay", "last_rx")
 
@@ -380,7 +383,8 @@ class Subscriber:
         n = 0
         while n < limit:
             last = tracker.last
-            if fast is not None and last is not None and tracker.live_last == last:
+            # (the C loop's expected seq is a u64: the last seq of the space goes the slow way)
+            if fast is not None and last is not None and tracker.live_last == last and last < _U64_MAX:
                 got, payloads, odd = fast(src.addr, limit - n, last + 1, *tracker.rings())
                 n += got
                 if payloads:

@@ -29,7 +29,8 @@ import msgspec
 
 from schemas.natsio import NatsThread, ensure_stream
 from schemas.jetstream import (
-    HDR_EPOCH, HDR_MSG_ID, HDR_SEQ, StreamSettings, control_subject, event_subject, msg_id, subject_token,
+    HDR_EPOCH, HDR_MSG_ID, HDR_PART, HDR_SEQ, PART_HEADROOM, StreamSettings, control_subject, event_subject, msg_id,
+    part_msg_id, subject_token,
 )
 from schemas.events import KVEvent, KVEventBatch
 
@@ -43,6 +44,8 @@ class JetStreamPublisherStats(msgspec.Struct):
     send_errors: int = 0  # publish or ack failed: consumers will see a seq gap
     blocked_puts: int = 0
     snapshot_requests: int = 0
+    split_batches: int = 0  # batches over the server's max_payload, stored as parts (schemas/jetstream.py)
+    parts: int = 0  # messages those batches took
 
 
 def new_epoch() -> str:
@@ -237,9 +240,13 @@ class JetStreamEventPublisher:
                     if not self._pending:
                         break
                     seq, epoch, payload = self._pending.popleft()
-                headers = {HDR_SEQ: str(seq), HDR_EPOCH: epoch, HDR_MSG_ID: msg_id(token, epoch, seq)}
+                limit = self._part_limit()
                 try:
-                    fut = await js.publish_async(subject, payload, headers=headers)
+                    if len(payload) > limit:
+                        fut = await self._publish_parts(js, subject, token, seq, epoch, payload, limit)
+                    else:
+                        headers = {HDR_SEQ: str(seq), HDR_EPOCH: epoch, HDR_MSG_ID: msg_id(token, epoch, seq)}
+                        fut = await js.publish_async(subject, payload, headers=headers)
                 except Exception as exc:
                     self.stats.send_errors += 1
                     log.warning("worker %s: publish of seq %d failed: %r", self.worker_id, seq, exc)
@@ -247,6 +254,36 @@ class JetStreamEventPublisher:
                     continue
                 self.stats.published += 1
                 fut.add_done_callback(self._on_ack)
+
+    def _part_limit(self) -> int:
+        """Payload bytes one message may carry: the server's max_payload less header headroom."""
+        nc = self._nats.nc
+        max_payload = getattr(nc, "max_payload", 0) or 1024 * 1024
+        return max(1024, int(max_payload) - PART_HEADROOM)
+
+    async def _publish_parts(self, js, subject: str, token: str, seq: int, epoch: str,  # noqa: ANN001
+                             payload: bytes, limit: int) -> asyncio.Future:  # type: ignore[type-arg]
+        """Store one oversized batch as consecutive parts (never a hole: consumers apply the batch
+        when its last part arrives). Returns the last part's ack future; an earlier part's failure
+        is counted as a send error."""
+        view = memoryview(payload)
+        n = -(-len(payload) // limit)
+        self.stats.split_batches += 1
+        self.stats.parts += n
+        fut = None
+        for i in range(n):
+            headers = {HDR_SEQ: str(seq), HDR_EPOCH: epoch, HDR_PART: f"{i}/{n}",
+                       HDR_MSG_ID: part_msg_id(token, epoch, seq, i)}
+            fut = await js.publish_async(subject, bytes(view[i * limit:(i + 1) * limit]), headers=headers)
+            if i < n - 1:
+                fut.add_done_callback(self._on_part_ack)
+        assert fut is not None
+        return fut
+
+    def _on_part_ack(self, fut: asyncio.Future) -> None:  # type: ignore[type-arg]
+        if fut.cancelled() or fut.exception() is not None:
+            self.stats.send_errors += 1
+            log.warning("worker %s: JetStream did not store part of a split batch", self.worker_id)
 
     def _on_ack(self, fut: asyncio.Future) -> None:  # type: ignore[type-arg]
         if fut.cancelled():

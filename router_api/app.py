@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from indexer.core import native as native_core
 from router_api.metrics import CONTENT_TYPE_LATEST
@@ -102,13 +103,22 @@ class RateLimitedLog:
         self._suppressed: dict[str, int] = {}
 
     def warning(self, key: str, msg: str, *args: Any) -> bool:
+        return self._log(logging.WARNING, key, msg, args, None)
+
+    def error(self, key: str, msg: str, *args: Any, exc_info: BaseException | None = None) -> bool:
+        return self._log(logging.ERROR, key, msg, args, exc_info)
+
+    def _log(self, level: int, key: str, msg: str, args: tuple[Any, ...], exc_info: BaseException | None) -> bool:
         now = self.clock()
         if now < self._next.get(key, 0.0):
             self._suppressed[key] = self._suppressed.get(key, 0) + 1
             return False
+        if len(self._next) > 4096:  # keys come from request paths: keep the table bounded
+            self._next = {k: t for k, t in self._next.items() if t > now}
+            self._suppressed = {k: n for k, n in self._suppressed.items() if k in self._next}
         self._next[key] = now + self.interval_s
         n = self._suppressed.pop(key, 0)
-        log.warning(msg + " suppressed_since_last=%d", *args, n)
+        log.log(level, msg + " suppressed_since_last=%d", *args, n, exc_info=exc_info)
         return True
 
 
@@ -341,7 +351,8 @@ class ScoreFront:
         except Exception as exc:  # a bug must answer 500 and be counted, never kill the connection
             path = "/" + endpoint
             self.metrics.http_rejects.inc(path, "internal_error")
-            log.exception("event=internal_error path=%s", path)
+            self.limiter.error(f"internal:{path}:{type(exc).__name__}", "event=internal_error path=%s", path,
+                               exc_info=exc)
             return 500, _json.encode(ErrorResponse(error=f"internal error: {type(exc).__name__}: {exc}")), \
                 _JSON_HEADERS
         dt = time.perf_counter() - t0
@@ -456,11 +467,14 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
         check_length(request.headers.get("content-length"), max_body)
         chunks: list[bytes] = []
         total = 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > max_body:
-                raise ApiError(413, f"body exceeds the {max_body}-byte limit", "too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > max_body:
+                    raise ApiError(413, f"body exceeds the {max_body}-byte limit", "too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # the client went away mid-body: its loss, counted, no traceback
+            raise ApiError(499, "client disconnected before the body was read", "client_disconnect") from None
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def encode_for(request: Request, obj: Any, status: int = 200) -> Response:
@@ -532,8 +546,15 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        metrics.http_rejects.inc(request.url.path, "internal_error")
-        log.exception("event=internal_error path=%s", request.url.path)
+        # the route's template, not the raw path: a label per URL sent would grow without end
+        route = getattr(request.scope.get("route"), "path", None) or "unrouted"
+        if isinstance(exc, ClientDisconnect):  # not ours: nobody is left to answer
+            metrics.http_rejects.inc(route, "client_disconnect")
+            return _error(499, "client disconnected")
+        metrics.http_rejects.inc(route, "internal_error")
+        # one traceback per route and error type per interval: a repeated failure cannot flood the log
+        limiter.error(f"internal:{route}:{type(exc).__name__}", "event=internal_error path=%s",
+                      escape_log(request.url.path), exc_info=exc)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     front: Any = ScoreFront(app, service, native_bodies, limiter)

@@ -24,6 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "auth_token": None,
     "auth_token_file": None,
     "max_workers": 1024,
+    "max_models": 256,
     "max_msg_mb": 64.0,
     "replay_deadline": None,
     "snapshot_load_timeout": 10.0,
@@ -58,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                         "(visible in ps: prefer --auth-token-file or $KVATLAS_AUTH_TOKEN)")
     p.add_argument("--auth-token-file", help="read the bearer token from this file (first line, stripped)")
     p.add_argument("--max-workers", type=int, help="registration cap; past it POST /workers answers 503 (default 1024)")
+    p.add_argument("--max-models", type=int, help="models indexed at once; a registration of one more answers 503 "
+                   "(default 256; a model goes when its last worker does)")
     p.add_argument("--max-msg-mb", type=float,
                    help="largest ZMQ message accepted on SUB and replay sockets, MiB (default 64)")
     p.add_argument("--replay-deadline", type=float,
@@ -76,6 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ingest-shards", type=int, metavar="N",
                    help="ingest pipelines, each with its own thread, sockets and index shard (workers split by "
                         "id); >1 uses that many cores for ingestion; not with trust_engine_hashes (default 1)")
+    p.add_argument("--http-request-timeout", type=float, metavar="S",
+                   help="a request must arrive whole (headers and body) within S seconds of its first byte, "
+                        "else 408 and the connection is closed (default 10)")
+    p.add_argument("--http-max-connections", type=int, metavar="N",
+                   help="open HTTP connections at most; one more is answered 503 and closed (default 1024, or half "
+                        "the open-file limit when that is lower)")
     p.add_argument("--http-fast-path", choices=("on", "off"),
                    help="answer /score and /query in uvicorn's protocol callbacks (default on; off: through "
                         "the ASGI front, for comparison)")
@@ -201,6 +210,7 @@ def build_config(args: argparse.Namespace) -> Any:
         remove_after_s=float(get("remove_after")), silent_engine_factor=float(get("silent_factor")),
         resync_hold_s=float(get("resync_hold")), max_body_bytes=int(float(get("max_body_mb")) * 1024 * 1024),
         replay_timeout_s=float(get("replay_timeout")), max_workers=int(get("max_workers")),
+        max_models=int(get("max_models")),
         max_msg_bytes=int(float(get("max_msg_mb")) * 1024 * 1024),
         replay_deadline_s=None if deadline is None else float(deadline),
         snapshot_load_timeout_s=float(get("snapshot_load_timeout")),
@@ -243,16 +253,32 @@ class SafeTextFormatter(logging.Formatter):
         return line if line.isprintable() else line.encode("unicode_escape").decode("ascii")
 
 
-def server_settings(host: str, port: int, fast_path: bool = True) -> dict[str, Any]:
+def default_max_connections(cap: int = 1024) -> int:
+    """The HTTP connection cap when none is given: 1024, or half the open-file limit when that is
+    lower (the rest is for ZeroMQ sockets, snapshots and logs), so the cap is hit before EMFILE."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return cap
+    return max(16, min(cap, soft // 2))
+
+
+def server_settings(host: str, port: int, fast_path: bool = True, request_timeout_s: float = 10.0,
+                    max_connections: int = 1024) -> dict[str, Any]:
     """uvicorn settings for the indexer (measured choices, docs/service.md "HTTP stack"): the
     httptools parser with the /score and /query fast path (`router_api.fasthttp`) and uvloop
     (named, so a missing one fails loudly instead of silently serving at half speed), no access
     log, no proxy-header rewriting (nothing here reads the client address, and it is a
     per-request pass over the headers), no `server` header, and keep-alive long enough that a
-    router's connection is reused between its queries."""
+    router's connection is reused between its queries. A request must arrive whole within
+    `request_timeout_s`, and at most `max_connections` are open at once (docs/limits.md)."""
     from router_api import fasthttp
 
-    http: Any = fasthttp.ScoreHttpProtocol if fast_path and fasthttp.supported() else "httptools"
+    if fasthttp.supported():
+        http: Any = fasthttp.protocol_class(fast_path, request_timeout_s, max_connections)
+    else:  # this uvicorn lacks the hooks: its own limits only (keep-alive timeout), no deadline or cap
+        http = "httptools"
     return {"host": host, "port": port, "http": http, "loop": "uvloop", "log_level": "warning",
             "access_log": False, "proxy_headers": False, "server_header": False, "lifespan": "off",
             "timeout_keep_alive": 30}
@@ -354,7 +380,16 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     fast = (getattr(args, "http_fast_path", None) or "on") == "on"
-    server = _make_server(uvicorn, uvicorn.Config(app, **server_settings(config.host, config.port, fast)))
+    timeout = getattr(args, "http_request_timeout", None) or 10.0
+    max_conn = getattr(args, "http_max_connections", None) or default_max_connections()
+    if timeout <= 0 or max_conn < 1:
+        print("kvatlas indexer: --http-request-timeout must be > 0 and --http-max-connections >= 1", file=sys.stderr)
+        service.stop(final_snapshot=False)
+        if plane is not None:
+            plane.close()
+        return 2
+    server = _make_server(uvicorn, uvicorn.Config(app, **server_settings(config.host, config.port, fast, timeout,
+                                                                         max_conn)))
     t0 = time.monotonic()
     log.info("event=listening url=http://%s:%d", config.host, config.port)
     try:

@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pp.add_argument("--host", default="127.0.0.1", help="host for --publish-base-port/--replay-base-port")
     pp.add_argument("--speed", type=_non_negative, default=0.0, metavar="X",
                     help="0 = as fast as possible (default), 1.0 = recorded pacing, 2.0 = twice as fast")
+    pp.add_argument("--max-pace-gap", type=_non_negative, default=3600.0, metavar="S",
+                    help="with --speed > 0: a recorded jump of more than S seconds between frames (or a "
+                         "recv_ts that is not finite) is not waited for, and counted (default 3600)")
     pp.add_argument("--topic", default="", help="topic frame to publish with (default empty)")
     pp.add_argument("--buffer-steps", type=int, metavar="N",
                     help="replay buffer per publisher (default: the worker's whole log, up to 1,000,000)")
@@ -307,7 +310,7 @@ def _scan(path: str) -> _Scan:
 
 def _run_publish(args: argparse.Namespace, show: bool, tty: bool) -> int:
     from indexer.eventlog import read_event_log
-    from indexer.replay import frame_nbytes, pace_delay, plan_publishers, republish_steps
+    from indexer.replay import Pacer, frame_nbytes, shown, plan_publishers, republish_steps
     from producer.publisher import ZmqEventPublisher
 
     if args.queries is not None or args.out is not None or args.block_size is not None:
@@ -343,11 +346,11 @@ def _run_publish(args: argparse.Namespace, show: bool, tty: bool) -> int:
     for p in plans:
         pub = pubs[p.worker_id]
         n, first_seq, last_seq = scan.per_worker[p.worker_id]
-        print(f"publishing {p.worker_id} on {pub.endpoint}"
+        print(f"publishing {shown(p.worker_id)} on {pub.endpoint}"
               + (f" replay {pub.replay_endpoint}" if pub.replay_endpoint else "")
               + f" ({n} frames, recorded seq {first_seq}..{last_seq})", flush=True)
         if first_seq != 0:
-            print(f"{_PROG}: note: {p.worker_id}'s recording starts at seq {first_seq}; re-published seqs "
+            print(f"{_PROG}: note: {shown(p.worker_id)}'s recording starts at seq {first_seq}; re-published seqs "
                   f"start at 0", file=sys.stderr)
 
     stop = threading.Event()
@@ -363,14 +366,14 @@ def _run_publish(args: argparse.Namespace, show: bool, tty: bool) -> int:
         if args.start_delay > 0:
             stop.wait(args.start_delay)
         start = time.monotonic()
-        first_ts = scan.first_ts or 0.0
+        pacer = Pacer(args.speed, args.max_pace_gap)
         for step in republish_steps(reader):
             if stop.is_set():
                 break
             fr = step.frame
             if fr.worker not in pubs:
                 continue  # appeared after the scan (log still being written): not planned
-            delay = pace_delay(first_ts, fr.recv_ts, time.monotonic() - start, args.speed)
+            delay = pacer.delay(fr.recv_ts, time.monotonic() - start)
             if delay > 0 and stop.wait(delay):  # simulating recorded time, not synchronisation
                 break
             if step.restart:
@@ -379,11 +382,11 @@ def _run_publish(args: argparse.Namespace, show: bool, tty: bool) -> int:
                 old.close()
                 pubs[fr.worker] = make(fr.worker, old.endpoint, old.replay_endpoint)
                 restarts += 1
-                print(f"{_PROG}: {fr.worker} restarted in the recording (seq back to {fr.seq}); "
+                print(f"{_PROG}: {shown(fr.worker)} restarted in the recording (seq back to {fr.seq}); "
                       f"restarted its publisher", file=sys.stderr)
             if step.gap is not None:
                 gaps += 1
-                print(f"{_PROG}: warning: {fr.worker} lost seqs {step.gap[0]}..{step.gap[1]} in the "
+                print(f"{_PROG}: warning: {shown(fr.worker)} lost seqs {step.gap[0]}..{step.gap[1]} in the "
                       f"recording; re-published seqs close the gap", file=sys.stderr)
             pubs[fr.worker].publish_payload(fr.payload)
             sent += 1
@@ -395,6 +398,7 @@ def _run_publish(args: argparse.Namespace, show: bool, tty: bool) -> int:
         interrupted = stop.is_set()
         print(f"re-published {sent} of {scan.frames} frames from {len(pubs)} worker(s) in {elapsed:.3f}s "
               f"({sent / elapsed if elapsed > 0 else 0:,.0f} frames/s); restarts {restarts}, gaps {gaps}"
+              + (f", timestamps not paced {pacer.clamped}" if pacer.clamped else "")
               + (" (interrupted)" if interrupted else ""), flush=True)
         if args.hold > 0 and not interrupted:
             _hold(args.hold, args.heartbeat, stop, pubs, scan.dp_rank)

@@ -11,6 +11,12 @@ validation / negotiation path) and writes the response in one `transport.write`.
 path unchanged (where the ASGI front and BearerAuth answer it). uvicorn keeps the server: sockets,
 keep-alive timer, flow control, signals, graceful shutdown.
 
+`GuardedHttpProtocol` (the base of the fast path, also used without it) bounds what a client can
+hold: a request must arrive whole (headers and body) within `request_timeout_s` of its first byte,
+or of the connection's start, else 408 and close; past `max_connections` open connections a new
+one gets 503 and is closed at once (docs/limits.md). Both are counted in
+`kvatlas_http_rejects_total{endpoint="http"}`.
+
 It reads uvicorn's `HttpToolsProtocol` internals (`parser`, `url`, `headers`, `cycle`, `pipeline`,
 `expect_100_continue`, `on_response_complete`, `server_state.default_headers`); `supported()`
 checks them, and `router_api.cmd_indexer.server_settings` falls back to plain httptools without them.
@@ -27,7 +33,9 @@ from router_api.app import ApiError, Answer, Route, ScoreFront, bearer_ok
 
 HEALTH: Route = ("health", type(None), lambda *a: None)  # marks a GET /health in flight
 _NEEDED = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
-           "_unset_keepalive_if_required")
+           "_unset_keepalive_if_required", "connection_made", "connection_lost", "on_message_begin")
+DEFAULT_REQUEST_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 1024
 
 
 def supported() -> bool:
@@ -41,6 +49,85 @@ def find_front(app: Any) -> ScoreFront | None:
         return app
     front = getattr(app, "front", None)
     return front if isinstance(front, ScoreFront) else None
+
+
+def _plain(status: int, reason: bytes, message: bytes) -> bytes:
+    body = b'{"error":"' + message + b'"}'
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, reason, len(body))) + body
+
+
+_TIMED_OUT = _plain(408, b"Request Timeout", b"request not received in full in time")
+_TOO_MANY = _plain(503, b"Service Unavailable", b"too many open connections")
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a request-read deadline and a connection cap (module doc).
+    The limits are class attributes: `protocol_class` makes a subclass per server."""
+
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: Any = None
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._count("connection_limit")
+            transport.write(_TOO_MANY)
+            transport.close()
+            return
+        self._arm()  # the first request, too, must arrive within the deadline
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        self._arm()
+        super().on_message_begin()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.request_timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        self._count("request_timeout")
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or not cycle.response_started:  # no answer begun
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True  # the app, still reading the body, answers nobody
+            self.transport.write(_TIMED_OUT)
+        self.transport.close()
+
+    def _count(self, reason: str) -> None:
+        front = find_front(self.app)
+        if front is not None:
+            front.metrics.http_rejects.inc("http", reason)
+
+
+def protocol_class(fast_path: bool, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                   max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type:
+    """The uvicorn `http` protocol class for one server, with its limits."""
+    if request_timeout_s <= 0 or max_connections < 1:
+        raise ValueError("request_timeout_s must be > 0 and max_connections >= 1")
+    base = ScoreHttpProtocol if fast_path else GuardedHttpProtocol
+    return type(base.__name__, (base,), {"request_timeout_s": float(request_timeout_s),
+                                         "max_connections": int(max_connections)})
 
 
 class _Pending:
@@ -62,7 +149,7 @@ class _Pending:
         self.done = False  # answered early (413) and closing: the rest of the request is ignored
 
 
-class ScoreHttpProtocol(HttpToolsProtocol):
+class ScoreHttpProtocol(GuardedHttpProtocol):
     """See the module docstring. Without a ScoreFront in the app it is plain HttpToolsProtocol."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -79,6 +166,7 @@ class ScoreHttpProtocol(HttpToolsProtocol):
         if self._front is None:
             super().on_message_begin()
             return
+        self._arm()
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
@@ -87,7 +175,7 @@ class ScoreHttpProtocol(HttpToolsProtocol):
         """uvicorn's own on_headers_complete, with the scope on_message_begin would have built."""
         if self._front is not None:
             url, headers, expect = self.url, self.headers, self.expect_100_continue
-            super().on_message_begin()  # the scope, around a fresh headers list: refilled in place
+            HttpToolsProtocol.on_message_begin(self)  # the scope, around a fresh headers list: refilled in place
             self.url, self.expect_100_continue = url, expect
             self.headers.extend(headers)
         super().on_headers_complete()
@@ -151,6 +239,7 @@ class ScoreHttpProtocol(HttpToolsProtocol):
         if p is None:
             super().on_message_complete()
             return
+        self._disarm()
         self._pending = None
         if p.done:
             return

@@ -96,6 +96,11 @@ class Counter(_Metric):
     def get(self, *labels: str) -> float:
         return self._values.get(labels, 0.0)
 
+    def forget(self, first: str) -> None:
+        """Drop every series whose first label value is `first` (a removed worker's)."""
+        with self._lock:
+            self._values = {k: v for k, v in self._values.items() if not k or k[0] != first}
+
     def total(self) -> float:
         with self._lock:
             return sum(self._values.values())
@@ -246,6 +251,13 @@ class ServiceMetrics:
             self.restarts, self.worker_lag, self.worker_blocks, self.request_latency,
             self.http_rejects, self.snapshots, self.snapshot_requests,
         )
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Remove a worker's per-worker series (its counters end with it: an id used again later
+        starts from zero, as a new process would)."""
+        for m in self._all:
+            if m.labelnames[:1] == ("worker",) and isinstance(m, Counter):
+                m.forget(worker_id)
 
     def render(self) -> str:
         return exposition(self._all)

@@ -121,9 +121,11 @@ class NatsPlane:
             cur = service.registry.get(reg.worker_id)
             if cur is not None and cur.reg == reg:
                 return  # already so (restored from the snapshot, or our own write coming back)
-            if cur is not None:
-                service.unregister(reg.worker_id, reason="shared_registry_changed")
             try:
+                if cur is not None:
+                    # judged first: an entry that cannot be registered must not remove the live worker
+                    service.check_replacement(reg)
+                    service.unregister(reg.worker_id, reason="shared_registry_changed")
                 service.register(reg)
             except RegistryError as exc:
                 self.errors.inc("apply_put")

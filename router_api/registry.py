@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Iterator
 
 from indexer.reconcile import LivenessPolicy, StreamState
 from schemas.api import RegisterWorker
+from schemas.names import worker_id_problem
 
 __all__ = ["LivenessPolicy", "Registry", "RegistryError", "WorkerState", "endpoint_keys",
            "validate_endpoint", "validate_worker_id"]
@@ -23,9 +24,6 @@ _ENDPOINT_RE = re.compile(
     r"^(?:tcp://(?P<host>\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})"
     r"|ipc://(?P<path>[^\x00-\x1f\x7f]+)|inproc://[A-Za-z0-9_.\-]+)$"
 )
-# Characters a worker_id may not hold: it is a URL path segment (DELETE /workers/{id}) and a log
-# and metric label value, so no separators, escapes, whitespace or control characters.
-_BAD_ID_CHARS = frozenset('/\\?#%"\'')
 
 Resolver = Callable[[str, int], list[str]]
 
@@ -65,10 +63,9 @@ class SubscribeFailed(RegistryError):
 
 
 def validate_worker_id(worker_id: str) -> None:
-    if not worker_id.isprintable() or any(c.isspace() or c in _BAD_ID_CHARS for c in worker_id):
-        raise InvalidRegistration(
-            f"invalid worker_id {worker_id!r}: printable characters only, without whitespace "
-            "or any of / \\ ? # % \" '")
+    problem = worker_id_problem(worker_id)  # the one rule (schemas/names.py), the relay's too
+    if problem is not None:
+        raise InvalidRegistration(problem)
 
 
 def resolve_host(host: str, port: int) -> list[str]:
@@ -97,7 +94,7 @@ def endpoint_keys(endpoint: str, what: str = "endpoint", resolve: Resolver = res
     address the host resolves to, `ipc://` with an absolute normalised path, `inproc://` as is.
     Two registrations whose keys intersect read the same publisher (`tcp://localhost:P` is
     `tcp://127.0.0.1:P`). An unresolvable host is refused. A JetStream worker's
-    `jetstream:<subject>` (docs/jetstream.md) is its own key."""
+    `jetstream:<subject>` (docs/jetstream.md) is its own key (see `check_jetstream_owner`)."""
     if what == "endpoint" and endpoint.startswith("jetstream:"):
         from schemas.jetstream import endpoint_subject
 
@@ -129,6 +126,20 @@ def endpoint_keys(endpoint: str, what: str = "endpoint", resolve: Resolver = res
     if m.group("path") is not None:
         return frozenset({"ipc://" + os.path.normpath(os.path.abspath(m.group("path")))})
     return frozenset({endpoint})
+
+
+def check_jetstream_owner(reg: RegisterWorker) -> None:
+    """One subject, one worker: a `jetstream:` endpoint must be the worker's own subject
+    `<prefix>.<model token>.<worker token>` (schemas.jetstream.event_subject), so no registration
+    can claim, and be credited with, another worker's events (a shared consumer routes by subject)."""
+    from schemas.jetstream import endpoint_subject, subject_token
+
+    subject = endpoint_subject(reg.endpoint)
+    tail = f".{subject_token(reg.model)}.{subject_token(reg.worker_id)}"
+    if not subject.endswith(tail) or len(subject) == len(tail):
+        raise InvalidRegistration(
+            f"endpoint {reg.endpoint!r} is not worker {reg.worker_id!r}'s own subject: a JetStream worker "
+            f"of model {reg.model!r} is read from <prefix>{tail}")
 
 
 class WorkerState(StreamState):
@@ -169,11 +180,21 @@ class Registry:
         last_seq: int | None = None,
     ) -> WorkerState:
         """Validate and add. `model_block_sizes` are block sizes already fixed elsewhere (the index)."""
+        keys = self.check(reg, model_block_sizes)
+        state = WorkerState(reg, now, last_seq, keys)
+        self._workers[reg.worker_id] = state
+        return state
+
+    def check(self, reg: RegisterWorker, model_block_sizes: dict[str, int] | None = None,
+              replacing: str | None = None) -> frozenset[tuple[str, str]]:
+        """Raise the RegistryError `add` would, changing nothing; `replacing`: judge as if that
+        registered worker were gone first (a changed registration). Returns the duplicate keys."""
         validate_worker_id(reg.worker_id)
-        if reg.worker_id in self._workers:
+        others = [w for w in self._workers.values() if w.worker_id != replacing]
+        if reg.worker_id in self._workers and reg.worker_id != replacing:
             raise DuplicateWorker(f"worker {reg.worker_id!r} is already registered")
-        if len(self._workers) >= self.max_workers:
-            raise RegistryFull(f"{len(self._workers)} workers registered: the limit (max_workers) is "
+        if len(others) >= self.max_workers:
+            raise RegistryFull(f"{len(others)} workers registered: the limit (max_workers) is "
                                f"{self.max_workers}")
         if not reg.topic.isprintable() or not reg.model.isprintable():
             raise InvalidRegistration("model and topic must be printable")
@@ -181,23 +202,25 @@ class Registry:
         if reg.replay_endpoint is not None:
             if endpoint_keys(reg.replay_endpoint, "replay_endpoint", resolve=self.resolve) & ep_keys:
                 raise InvalidRegistration("replay_endpoint must differ from endpoint")
-        known = self.block_size_of(reg.model)
+        known = next((w.reg.block_size for w in others if w.reg.model == reg.model), None)
         if known is None and model_block_sizes:
             known = model_block_sizes.get(reg.model)
         if known is not None and known != reg.block_size:
             raise ConflictingBlockSize(
                 f"block_size {reg.block_size} conflicts with model {reg.model!r}, which uses {known}"
             )
-        keys = frozenset((k, reg.topic) for k in ep_keys)
-        for other in self._workers.values():
+        jetstream = reg.endpoint.startswith("jetstream:")
+        if jetstream:
+            check_jetstream_owner(reg)
+        # A JetStream subject is one publisher whatever the topic (the topic is a ZeroMQ filter).
+        keys = frozenset((k, "" if jetstream else reg.topic) for k in ep_keys)
+        for other in others:
             if other.keys & keys:
                 raise DuplicateWorker(
                     f"endpoint {reg.endpoint} (topic {reg.topic!r}) reaches the publisher already "
                     f"registered as {other.worker_id!r} ({other.reg.endpoint})"
                 )
-        state = WorkerState(reg, now, last_seq, keys)
-        self._workers[reg.worker_id] = state
-        return state
+        return keys
 
     def remove(self, worker_id: str) -> WorkerState:
         try:

@@ -31,6 +31,7 @@ from indexer.shared_registry import SharedRegistry
 from indexer.subscriber import Batch, Gap, Restart, Subscriber
 from producer.jetstream_publisher import JetStreamEventPublisher, new_epoch
 from schemas.api import RegisterWorker
+from schemas.names import worker_id_problem
 from schemas.jetstream import StreamSettings, event_subject, jetstream_endpoint, parse_headers
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ def parse_worker_spec(text: str) -> RelayWorker:
     wid, sep, endpoint = head.partition("=")
     if not sep or not wid or "://" not in endpoint:
         raise argparse.ArgumentTypeError(f"--worker expects ID=tcp://HOST:PORT[,key=value...], got {text!r}")
+    problem = worker_id_problem(wid)  # the indexers' own rule: a worker they would refuse is never relayed
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"--worker {text!r}: {problem}")
     fields: dict[str, Any] = {"worker_id": wid, "endpoint": endpoint}
     for opt in opts:
         key, sep, value = opt.partition("=")
@@ -95,14 +99,20 @@ class RelayStats(msgspec.Struct):
     resumed_workers: int = 0
 
 
-async def last_position(js: Any, stream: str, subject: str) -> tuple[str, int] | None:
-    """(epoch, seq) of the last kvatlas message on `subject`, or None."""
+async def last_position(js: Any, stream: str, subject: str) -> tuple[str, int | None] | None:
+    """(epoch, last whole seq) of the last kvatlas message on `subject`, or None. A split batch
+    whose last part is missing (the relay stopped half-way) is not whole: it is sent again (its
+    stored parts are duplicates by Nats-Msg-Id)."""
     try:
         msg = await js.get_last_msg(stream, subject, direct=True)
     except NotFoundError:
         return None
     hdrs = parse_headers(msg.headers)
-    return None if isinstance(hdrs, str) else (hdrs.epoch, hdrs.seq)
+    if isinstance(hdrs, str):
+        return None
+    if hdrs.part < hdrs.parts - 1:
+        return hdrs.epoch, (hdrs.seq - 1 if hdrs.seq > 0 else None)
+    return hdrs.epoch, hdrs.seq
 
 
 class Relay:
@@ -117,6 +127,10 @@ class Relay:
         ids = [w.worker_id for w in workers]
         if len(set(ids)) != len(ids):
             raise ValueError("a worker id is given twice")
+        for wid in ids:
+            problem = worker_id_problem(wid)
+            if problem is not None:
+                raise ValueError(problem)
         self.settings = stream or StreamSettings()
         self._own_nats = isinstance(nats, str)
         self._nats = NatsThread(nats, name="kvatlas-relay") if isinstance(nats, str) else nats
@@ -147,7 +161,8 @@ class Relay:
         else:
             epoch, last = pos
             self.stats.resumed_workers += 1
-            log.info("worker %s: resuming at engine seq %d (epoch %s)", w.worker_id, last + 1, epoch)
+            log.info("worker %s: resuming at engine seq %d (epoch %s)", w.worker_id,
+                     0 if last is None else last + 1, epoch)
         self.pubs[w.worker_id] = JetStreamEventPublisher(
             self._nats, model=w.model, worker_id=w.worker_id, stream=self.settings, ensure=False,
             epoch=epoch, first_seq=0 if last is None else last + 1)

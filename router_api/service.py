@@ -43,6 +43,7 @@ from router_api.registry import (
     InvalidRegistration,
     Registry,
     RegistryError,
+    RegistryFull,
     SubscribeFailed,
     UnknownWorker,
     WorkerState,
@@ -89,7 +90,7 @@ class ServiceConfig:
         "silent_engine_factor", "resync_hold_s", "max_body_bytes", "replay_timeout_s", "poll_ms",
         "trust_engine_hashes", "stats_ttl_s", "max_workers", "max_msg_bytes", "replay_deadline_s",
         "replay_max_bytes", "snapshot_load_timeout_s", "subscribe_timeout_s", "ingest_shards",
-        "tokenizers",
+        "tokenizers", "max_models",
     )
 
     def __init__(
@@ -122,14 +123,15 @@ class ServiceConfig:
         subscribe_timeout_s: float = 5.0,
         ingest_shards: int = 1,
         tokenizers: Any = None,
+        max_models: int = 256,
     ) -> None:
         check_ingest_shards(ingest_shards, trust_engine_hashes)
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if snapshot_interval_s <= 0:
             raise ValueError("snapshot_interval_s must be > 0")
-        if max_workers < 1 or max_msg_bytes < 1 or replay_max_bytes < 1:
-            raise ValueError("max_workers, max_msg_bytes and replay_max_bytes must be >= 1")
+        if max_workers < 1 or max_msg_bytes < 1 or replay_max_bytes < 1 or max_models < 1:
+            raise ValueError("max_workers, max_models, max_msg_bytes and replay_max_bytes must be >= 1")
         if replay_timeout_s <= 0 or snapshot_load_timeout_s < 0 or subscribe_timeout_s <= 0:
             raise ValueError("replay_timeout_s and subscribe_timeout_s must be > 0, "
                              "snapshot_load_timeout_s >= 0")
@@ -164,6 +166,8 @@ class ServiceConfig:
         self.subscribe_timeout_s = subscribe_timeout_s
         # Ingest pipelines (thread + sockets + index shard each); 1: one IngestLoop over one KVIndex.
         self.ingest_shards = ingest_shards
+        # Models at once (a model lives while a worker of it is registered, the configured one always).
+        self.max_models = max_models
         # Per-model tokenizers for /score's prompt / messages (router_api/tokenization.py): a TokenizerSet,
         # or {model: directory or ChatTokenizer}; None: token ids only.
         self.tokenizers = _tokenizer_set(tokenizers)
@@ -371,6 +375,10 @@ class IndexerService:
     def register(self, reg: RegisterWorker, last_seq: int | None = None) -> WorkerStatus:
         with self.lock:
             known = self.index.models()
+            if reg.model not in known and len(known) >= self.config.max_models:
+                self.worker_gauges.refuse(reg.worker_id, "registryfull")
+                raise RegistryFull(f"{len(known)} models indexed: the limit (max_models) is "
+                                   f"{self.config.max_models}; a model goes when its last worker does")
             try:
                 self.registry.add(reg, self.clock(), model_block_sizes=known, last_seq=last_seq)
             except RegistryError as exc:
@@ -401,14 +409,26 @@ class IndexerService:
                  reg.worker_id, reg.model, reg.block_size, reg.endpoint, reg.replay_endpoint, reg.dp_rank)
         return status
 
+    def check_replacement(self, reg: RegisterWorker) -> None:
+        """Raise the RegistryError that unregistering `reg.worker_id` and registering `reg` would
+        end in, changing nothing (the shared registry checks a changed entry before it removes
+        the live worker)."""
+        with self.lock:
+            known = dict(self.index.models())
+            others = [w for w in self.registry.of_model(reg.model) if w.worker_id != reg.worker_id]
+            if not others and reg.model != self.config.model:
+                known.pop(reg.model, None)  # the model goes with its last worker (_drop_model_if_unused)
+            self.registry.check(reg, known, replacing=reg.worker_id)
+
     def unregister(self, worker_id: str, reason: str = "request") -> None:
         with self.lock:
             state = self.registry.remove(worker_id)
             self._plan_epoch += 1
             self.index.remove_worker(state.reg.model, worker_id)
+            self._drop_model_if_unused(state.reg.model)
         self._membership += 1
         self.ingest.unsubscribe(worker_id)
-        self.metrics.worker_lag.replace({k: v for k, v in self.metrics.worker_lag.items() if k[0] != worker_id})
+        self.metrics.forget_worker(worker_id)
         log.info("event=unregistered worker=%s reason=%s", worker_id, reason)
 
     def _subscribe_failed(self, worker_id: str, error: str, reg: RegisterWorker | None = None) -> None:
@@ -421,8 +441,19 @@ class IndexerService:
             self.registry.remove(worker_id)
             self._plan_epoch += 1
             self.index.remove_worker(state.reg.model, worker_id)
+            self._drop_model_if_unused(state.reg.model)
         self._membership += 1
         log.error("event=registration_undone worker=%s reason=subscribe_failed error=%s", worker_id, error)
+
+    def _drop_model_if_unused(self, model: str) -> None:
+        """A model no registered worker serves is dropped (its block size with it), except the
+        configured one. Call under the lock."""
+        if model == self.config.model or self.registry.block_size_of(model) is not None:
+            return
+        drop = getattr(self.index, "drop_model", None)
+        if drop is not None and drop(model):
+            self._plans.pop(model, None)
+            log.info("event=model_dropped model=%s reason=no_workers", model)
 
     def _expire(self, worker_id: str) -> None:
         try:
@@ -449,7 +480,7 @@ class IndexerService:
             status=w.status(now, self.registry.policy), last_seq=w.last_seq, lag=w.lag,
             silent_s=None if w.last_msg_at is None else max(0.0, now - w.last_msg_at),
             blocks=_tiers(totals), dp_ranks=sorted(w.dp_ranks), batches=w.batches, gaps=w.gaps,
-            replays=w.replays, resyncs=w.resyncs, restarts=w.restarts,
+            replays=w.replays, resyncs=w.resyncs, restarts=w.restarts, exact=w.clean,
         )
 
     def workers(self) -> WorkersResponse:
@@ -643,7 +674,7 @@ class IndexerService:
     def build_snapshot(self) -> Snapshot:
         with self.lock:  # index state and watermarks from the same instant (between two batches)
             models = [ModelSnapshot(m, bs, list(self.index.dump(m))) for m, bs in self.index.models().items()]
-            workers = [WorkerSnapshot(w.reg, w.last_seq, sorted(w.dp_ranks)) for w in self.registry]
+            workers = [WorkerSnapshot(w.reg, w.last_seq, sorted(w.dp_ranks), w.clean) for w in self.registry]
         self.generation += 1
         return Snapshot(SNAPSHOT_VERSION, self.generation, time.time(), workers, models)
 
@@ -742,9 +773,12 @@ class IndexerService:
                 continue
             w = self.registry.get(ws.reg.worker_id)
             if w is not None:
+                w.clean = ws.clean  # a loss not yet answered stays one across the restart
                 w.dp_ranks.update(ws.dp_ranks)
                 for rank in ws.dp_ranks:
                     self.index.register_worker(ws.reg.model, ws.reg.worker_id, rank)
+        for model in list(self.index.models()):  # a snapshot's model whose workers all went
+            self._drop_model_if_unused(model)
         self.generation = snap.generation
         self.restored_from = snap.generation
         self.metrics.snapshots.inc("loaded")

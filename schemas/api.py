@@ -67,6 +67,9 @@ class WorkerStatus(Struct):
     replays: int
     resyncs: int
     restarts: int
+    # False from a loss the publisher has not answered with its full state (an AllBlocksCleared
+    # batch) or a restart: rows may then differ from another replica's at the same last_seq.
+    exact: bool = True
 
 
 class WorkersResponse(Struct):

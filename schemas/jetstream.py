@@ -9,6 +9,10 @@ Pure: no I/O. Shared by the JetStream publisher (producer), the relay and the Je
 - Headers: `Kvatlas-Seq` (publisher seq, decimal), `Kvatlas-Epoch` (one value per publisher
   incarnation: a restart mints a new one), `Nats-Msg-Id` = `<worker token>.<epoch>.<seq>` so a
   re-sent batch (a relay restart) is dropped by JetStream's duplicate window.
+- A batch larger than what one NATS message may carry (the server's `max_payload`, 1 MiB by
+  default, less `PART_HEADROOM` for headers) is stored as consecutive parts of one seq: header
+  `Kvatlas-Part: <i>/<n>`, `Nats-Msg-Id` `<id>.p<i>`. Consumers apply it once its last part is
+  read (the part's stream seq is then the watermark); parts whose run is broken are dropped.
 - Snapshot requests travel on core NATS: `<control prefix>.<model token>.<worker token>`.
 """
 from __future__ import annotations
@@ -26,6 +30,9 @@ ENDPOINT_SCHEME: Final = "jetstream:"  # RegisterWorker.endpoint of a worker rea
 HDR_SEQ: Final = "Kvatlas-Seq"
 HDR_EPOCH: Final = "Kvatlas-Epoch"
 HDR_MSG_ID: Final = "Nats-Msg-Id"
+HDR_PART: Final = "Kvatlas-Part"  # "<i>/<n>": part i of a batch stored as n messages (module doc)
+PART_HEADROOM: Final = 4096  # bytes of max_payload left for the headers of a part
+MAX_PARTS: Final = 1 << 16
 
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 # NATS KV keys allow [-/_=.A-Za-z0-9]; '=' is our escape character there.
@@ -107,6 +114,10 @@ def msg_id(worker_token: str, epoch: str, seq: int) -> str:
     return f"{worker_token}.{epoch}.{seq}"
 
 
+def part_msg_id(worker_token: str, epoch: str, seq: int, part: int) -> str:
+    return f"{worker_token}.{epoch}.{seq}.p{part}"
+
+
 def kv_key(worker_id: str) -> str:
     """A worker id as a NATS KV key (`=XX` escapes, reversible)."""
     return _escape(worker_id, _KV_SAFE, "=")
@@ -134,6 +145,8 @@ class EventHeaders(msgspec.Struct, frozen=True):
 
     seq: int
     epoch: str
+    part: int = 0  # HDR_PART: this message is part `part` of `parts`
+    parts: int = 1
 
 
 def parse_headers(headers: dict[str, str] | None) -> EventHeaders | str:
@@ -152,4 +165,16 @@ def parse_headers(headers: dict[str, str] | None) -> EventHeaders | str:
         return f"{HDR_SEQ} header {seq} is negative"
     if not epoch:
         return f"empty {HDR_EPOCH} header"
-    return EventHeaders(seq, epoch)
+    if seq >= 1 << 64:
+        return f"{HDR_SEQ} header {seq} does not fit 64 bits"
+    raw_part = headers.get(HDR_PART)
+    if raw_part is None:
+        return EventHeaders(seq, epoch)
+    i, sep, n = raw_part.partition("/")
+    try:
+        part, parts = int(i), int(n)
+    except ValueError:
+        return f"{HDR_PART} header {raw_part!r} is not <i>/<n>"
+    if not sep or not 0 <= part < parts <= MAX_PARTS:
+        return f"{HDR_PART} header {raw_part!r} is not <i>/<n> with 0 <= i < n <= {MAX_PARTS}"
+    return EventHeaders(seq, epoch, part, parts)

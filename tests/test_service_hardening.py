@@ -107,7 +107,10 @@ def test_unreadable_snapshot_is_never_overwritten(tmp_path: Path) -> None:
 def test_hostile_replay_never_stalls_healthy_workers(mode: str) -> None:
     hostile = HostilePublisher(mode)
     healthy = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
-    sub = Subscriber(replay_timeout=1.0, replay_deadline=2.0, replay_max_bytes=8 * 1024 * 1024)
+    # Trickle: the junk keeps the replay alive until its deadline, long enough (6 s) that the
+    # healthy batches below are all served while it runs, with a wide margin on a loaded machine.
+    deadline = 6.0 if mode == "trickle" else 2.0
+    sub = Subscriber(replay_timeout=1.0, replay_deadline=deadline, replay_max_bytes=8 * 1024 * 1024)
     try:
         sub.add("bad", hostile.endpoint, hostile.replay_endpoint)
         sub.add("good", healthy.endpoint, healthy.replay_endpoint)
@@ -124,24 +127,20 @@ def test_hostile_replay_never_stalls_healthy_workers(mode: str) -> None:
         pump(lambda: {d.worker_id for d in got if isinstance(d, Batch)} == {"bad", "good"})
         hostile.send(500)  # a gap 1..499: the replay endpoint answers with junk
         wait_until(lambda: got.extend(sub.poll(10)) or sub.replaying() == ["bad"], timeout=5)
-        # While the hostile replay runs, the healthy worker's batches keep flowing.
-        worst = 0.0
-        t_end = time.monotonic() + 1.0
-        while time.monotonic() < t_end:
+        # While the hostile replay runs, the healthy worker's batches keep flowing: each one is
+        # delivered before the hostile replay ends (an ordering, not a wall-clock bound).
+        for _ in range(10):
             healthy.publish([_stored(0)])
-            t_sent = time.monotonic()
             seq = healthy.next_seq - 1
-            while True:
-                ds = sub.poll(10)
-                got.extend(ds)
-                if any(isinstance(d, Batch) and d.worker_id == "good" and d.seq >= seq for d in ds):
-                    break
-                assert time.monotonic() - t_sent < 1.0, "healthy worker stalled behind the hostile replay"
-            worst = max(worst, time.monotonic() - t_sent)
-        assert worst < 0.25, worst
-        if mode == "trickle":  # still replaying: the healthy ones were not waiting on it
-            assert sub.replaying() == ["bad"]
-        pump(lambda: any(isinstance(d, Gap) and d.worker_id == "bad" for d in got), timeout=5)
+
+            def delivered(seq: int = seq) -> bool:
+                got.extend(sub.poll(10))
+                return any(isinstance(d, Batch) and d.worker_id == "good" and d.seq >= seq for d in got)
+            wait_until(delivered, timeout=10.0, interval=0.0)
+            if mode == "trickle":  # still replaying: the healthy one was not waiting on it
+                assert sub.replaying() == ["bad"]
+                assert not any(isinstance(d, Gap) and d.worker_id == "bad" for d in got)
+        pump(lambda: any(isinstance(d, Gap) and d.worker_id == "bad" for d in got), timeout=deadline + 10)
         gap = next(d for d in got if isinstance(d, Gap) and d.worker_id == "bad")
         assert (gap.first, gap.last, gap.recovered) == (1, 499, False)
         assert sub.stats.replay_capped == 1  # deadline (trickle) or byte cap (flood), not silence

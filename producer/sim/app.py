@@ -15,6 +15,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from producer.sim.engine import Engine, VirtualClock
+from producer.sim.httpbody import MAX_BODY_BYTES, read_capped
 from producer.sim.schedule import QueueFull
 from producer.sim.api import GenerateRequest, GenerateResponse, LoadResponse, WorkerHealth
 
@@ -31,6 +32,10 @@ def _error(status: int, message: str) -> Response:
     return _json({"error": message}, status)
 
 
+MAX_OUTPUT_TOKENS = 32768  # per request: 2^20 would hold a batch slot for hours of simulated time
+MAX_AHEAD_S = 3600.0  # how far past the worker's clock a request's virtual arrival may lie
+
+
 def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, tokenizer: Any = None) -> FastAPI:
     """`tokenizer`: the model's router_api.tokenization.ChatTokenizer for the OpenAI routes' text
     (producer/sim/openai.py); without one they take token-id prompts only."""
@@ -44,7 +49,10 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         t_wall = time.monotonic()
-        body = await request.body()
+        body = await read_capped(request, MAX_BODY_BYTES)
+        if body is None:
+            counters["generate_bad"] += 1
+            return _error(413, f"body exceeds the {MAX_BODY_BYTES}-byte limit")
         try:
             req = _dec.decode(body)
         except msgspec.ValidationError as exc:
@@ -56,7 +64,15 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
         if not req.token_ids:
             counters["generate_bad"] += 1
             return _error(422, "token_ids must not be empty")
-        arrival = clock.now() if req.arrival_s is None else req.arrival_s
+        if req.max_tokens > MAX_OUTPUT_TOKENS:
+            counters["generate_bad"] += 1
+            return _error(422, f"max_tokens {req.max_tokens} exceeds this worker's limit {MAX_OUTPUT_TOKENS}")
+        now = clock.now()
+        if req.arrival_s is not None and not req.arrival_s <= now + MAX_AHEAD_S:  # (also inf and nan)
+            counters["generate_bad"] += 1
+            return _error(422, f"arrival_s {req.arrival_s} is more than {MAX_AHEAD_S:g}s past the worker's clock "
+                               f"({now:.3f})")
+        arrival = now if req.arrival_s is None else req.arrival_s
         try:
             served = await asyncio.wrap_future(engine.submit(req.token_ids, req.max_tokens, arrival))
         except QueueFull as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import urllib.error
@@ -26,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-host", default=None,
                    help="host name the indexer reaches our ZMQ sockets at (default: the bound address)")
     p.add_argument("--indexer", default=None, help="indexer URL to register with, e.g. http://127.0.0.1:8700")
+    p.add_argument("--indexer-token-file", default=None,
+                   help="bearer token of an indexer run with auth (first line of the file; default $KVATLAS_AUTH_TOKEN)")
     p.add_argument("--model", default="default", help="model namespace at the indexer (default 'default')")
     p.add_argument("--block-size", type=int, default=16,
                    help="tokens per page/block (default 16, the indexer's default)")
@@ -47,14 +50,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="simulated model overrides as JSON, e.g. '{\"prefill_tokens_per_s\": 8000}'")
 
 
-def _register(url: str, body: dict[str, Any], timeout: float = 60.0) -> None:
+def indexer_token(path: str | None) -> str | None:
+    """The indexer's bearer token: the file's first line, else $KVATLAS_AUTH_TOKEN, else None."""
+    if path:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+        if not token:
+            raise SystemExit(f"kvatlas: {path} holds no token")
+        return token
+    return os.environ.get("KVATLAS_AUTH_TOKEN") or None
+
+
+def _register(url: str, body: dict[str, Any], timeout: float = 60.0, token: str | None = None) -> None:
     """POST /workers until the indexer answers (it may start after us); fail loudly at the deadline."""
     deadline = time.monotonic() + timeout
     data = json.dumps(body).encode()
     delay = 0.05
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     while True:
-        req = urllib.request.Request(url.rstrip("/") + "/workers", data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(url.rstrip("/") + "/workers", data=data, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=5) as resp:
                 if resp.status < 300:
@@ -153,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.indexer:
             _register(args.indexer, {"worker_id": args.worker_id, "endpoint": endpoint, "replay_endpoint": replay,
-                                     "model": args.model, "block_size": args.block_size})
+                                     "model": args.model, "block_size": args.block_size},
+                      token=indexer_token(args.indexer_token_file))
         uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                       access_log=False, lifespan="off")).run()
     finally:

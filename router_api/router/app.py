@@ -3,12 +3,13 @@ request; `GET /report` (the per-request records so far, `?summary=1` for the tab
 `GET /health` (replay progress)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 from fastapi import FastAPI, Request, Response
 
+from producer.sim.httpbody import MAX_BODY_BYTES, read_capped
 from router_api.router.forwarder import RouterCore
 from router_api.router.report import summarize
 from schemas.api import TokenList
@@ -18,7 +19,7 @@ _enc = msgspec.json.Encoder()
 
 class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: TokenList
-    max_tokens: int = 16
+    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 16
 
 
 _dec = msgspec.json.Decoder(RouteRequest)
@@ -28,20 +29,26 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(_enc.encode(obj), status_code=status, media_type="application/json")
 
 
-def create_router_app(core: RouterCore, state: dict[str, Any]) -> FastAPI:
+def create_router_app(core: RouterCore, state: dict[str, Any], *, max_body_bytes: int = MAX_BODY_BYTES,
+                      max_records: int = 100_000) -> FastAPI:
     app = FastAPI(title="kvatlas router", docs_url=None, redoc_url=None)
     counter = {"n": 1 << 40}  # ids of interactive requests, apart from trace indexes
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        body = await read_capped(request, max_body_bytes)
+        if body is None:
+            return _json({"error": f"body exceeds the {max_body_bytes}-byte limit"}, 413)
         try:
-            req = _dec.decode(await request.body())
+            req = _dec.decode(body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return _json({"error": f"invalid request: {exc}"}, 422)
         if not req.token_ids or req.max_tokens < 0:
             return _json({"error": "token_ids must not be empty and max_tokens >= 0"}, 422)
         counter["n"] += 1
         rec, resp = await core.handle(counter["n"], np.asarray(req.token_ids, dtype=np.uint32), req.max_tokens)
+        if len(core.records) > max_records:  # interactive records are kept bounded: the oldest go
+            del core.records[:len(core.records) - max_records]
         if resp is None:
             return _json({"error": rec.error, "worker_id": rec.worker_id}, 502)
         return _json({"worker_id": rec.worker_id, "predicted_cached": rec.predicted_cached, "response": resp})

@@ -20,6 +20,11 @@ log = logging.getLogger("kvatlas.router")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--indexer", default=None, help="indexer URL (needed by the precise policies)")
+    p.add_argument("--indexer-token-file", default=None,
+                   help="bearer token of an indexer run with auth (first line of the file; default $KVATLAS_AUTH_TOKEN)")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest POST /generate body (default 8 MiB)")
+    p.add_argument("--max-records", type=int, default=100_000,
+                   help="request records kept for GET /report from interactive requests (oldest go first)")
     p.add_argument("--worker", action="append", default=[], metavar="ID=URL",
                    help="a worker: its id (as registered at the indexer) and HTTP URL (repeatable)")
     p.add_argument("--policy", default="precise_tiered",
@@ -128,6 +133,7 @@ async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[An
     from router_api.router.policies import make_policy
     from router_api.router.progress import Progress
     from producer.sim.api import RouterReport
+    from producer.sim.cmd import indexer_token
 
     async with httpx.AsyncClient() as c:
         healths = await asyncio.gather(*(fetch_sim(c, u) for u in workers.values()))
@@ -138,11 +144,15 @@ async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[An
     sim = healths[0].sim
     policy = make_policy(args.policy, list(workers), sim, seed=args.seed + args.replica_index)
     core = RouterCore(policy, workers, args.indexer, args.model, sizes.pop(), sim, speed=args.speed)
+    token = indexer_token(args.indexer_token_file)
+    if token:
+        core.indexer_auth = {"Authorization": f"Bearer {token}"}
     state = {"total": len(reqs or []), "done": 0, "replaying": bool(reqs)}
     server = None
     serve_task = None
     if args.port:
-        app = create_router_app(core, state)
+        app = create_router_app(core, state, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                                max_records=args.max_records)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                access_log=False, lifespan="off"))
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -61,6 +61,7 @@ class RouterCore:
         self.polled_end: dict[str, float] = {w: 0.0 for w in workers}  # virtual time the worker frees up
         self.busy_until: dict[str, float] = {w: 0.0 for w in workers}  # our own overlay of what we sent
         self.records: list[RequestRecord] = []
+        self.indexer_auth: dict[str, str] = {}  # {"Authorization": "Bearer ..."} for an indexer run with auth
         self.t0 = time.monotonic()
         self._poller: asyncio.Task[None] | None = None
 
@@ -105,7 +106,8 @@ class RouterCore:
         assert self.indexer is not None
         r = await self.client.post(f"{self.indexer}/score", params={"model": self.model},
                                    content=np.ascontiguousarray(tokens, dtype="<u4").tobytes(),
-                                   headers={"Content-Type": "application/octet-stream"}, timeout=30.0)
+                                   headers={"Content-Type": "application/octet-stream", **self.indexer_auth},
+                                   timeout=30.0)
         if r.status_code == 404:  # model not known yet: no worker has published anything
             return {}
         r.raise_for_status()
