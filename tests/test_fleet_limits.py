@@ -29,11 +29,11 @@ def post(url: str, body: bytes | dict, headers: dict[str, str] | None = None) ->
         return exc.code, json.loads(exc.read() or b"{}")
 
 
-def declared_too_big(port: int, length: int) -> bytes:
-    """POST /generate declaring `length` body bytes, none sent: the status line of the answer."""
+def declared_too_big(port: int, length: int, path: bytes = b"/generate") -> bytes:
+    """POST `path` declaring `length` body bytes, none sent: the status line of the answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % length)
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % (path, length))
         return s.recv(4096).split(b"\r\n", 1)[0]
 
 
@@ -53,7 +53,7 @@ def test_worker_and_router_work_with_an_auth_indexer_and_bound_their_inputs(tmp_
         assert [r["worker_id"] for r in rows] == ["w0"]  # registered through the auth check
         router = Child("router", [*cmd, "router", "--indexer", f"http://127.0.0.1:{ip}", "--worker",
                                   f"w0=http://127.0.0.1:{wp}", "--port", str(rp), "--policy", "precise_tiered",
-                                  "--max-records", "3", "--max-body-mb", "1"], tmp_path, env)
+                                  "--max-records", "3", "--max-body-mb", "1", "--api", "sim"], tmp_path, env)
         wait_healthy([(router, f"http://127.0.0.1:{rp}")])
         prompt = list(range(1, 4 * BLOCK + 1))
         for i in range(5):
@@ -63,6 +63,10 @@ def test_worker_and_router_work_with_an_auth_indexer_and_bound_their_inputs(tmp_
         # Bounds, on the worker and the router alike.
         assert declared_too_big(rp, 2 * 1024 * 1024) == b"HTTP/1.1 413 Request Entity Too Large"  # > 1 MiB
         assert declared_too_big(wp, 200 * 1024 * 1024) == b"HTTP/1.1 413 Request Entity Too Large"  # > 8 MiB
+        for path in (b"/v1/completions", b"/v1/chat/completions"):  # the worker's OpenAI API too
+            assert declared_too_big(wp, 200 * 1024 * 1024, path) == b"HTTP/1.1 413 Request Entity Too Large"
+        st, body = post(f"http://127.0.0.1:{wp}/v1/completions", {"prompt": prompt, "max_tokens": 1 << 20})
+        assert st == 400 and "max_tokens" in body["error"]["message"], body
         worker = f"http://127.0.0.1:{wp}/generate"
         st, body = post(worker, {"token_ids": prompt, "max_tokens": 1 << 20})
         assert st == 422 and "max_tokens" in body["error"], body

@@ -26,7 +26,7 @@ from schemas.natsio import NatsThread
 from support.jetstream import subject_last_seq
 from support.nats import NatsServer
 from support.net import free_port, wait_until
-from support.service import KVIndexerProcess, WorkerSim, check_scores, make_prompts
+from support.service import KVIndexerProcess, WorkerSim, check_scores, make_prompts, snapshot_marks
 
 BS = 4
 MODEL = "default"
@@ -232,16 +232,6 @@ def test_a_bucket_entry_that_cannot_be_registered_leaves_the_live_worker(nats: N
         r.terminate()
 
 
-def _snapshot_marks(path: Path) -> dict[str, int]:
-    from indexer.snapshot import decode_snapshot, make_snapshot_store
-
-    store = make_snapshot_store(str(path))
-    assert store is not None
-    data = store.load()
-    store.close()
-    if data is None:
-        return {}
-    return {w.reg.worker_id: w.last_seq for w in decode_snapshot(data).workers if w.last_seq is not None}
 
 
 def test_replicas_at_the_same_last_seq_after_a_purge_agree_or_say_they_are_not_exact(
@@ -267,7 +257,7 @@ def test_replicas_at_the_same_last_seq_after_a_purge_agree_or_say_they_are_not_e
         mark = subject_last_seq(pub)
         _applied(r1, "a", mark)
         _applied(r2, "a", mark)
-        wait_until(lambda: _snapshot_marks(snap2).get("a", -1) >= mark, timeout=20.0, interval=0.05)
+        wait_until(lambda: snapshot_marks(snap2).get("a", -1) >= mark, timeout=20.0, interval=0.05)
         r2.kill()
         _drive(pub, sim, 100)
         nt = pub._nats
@@ -284,7 +274,7 @@ def test_replicas_at_the_same_last_seq_after_a_purge_agree_or_say_they_are_not_e
         queries = sim.sample_queries(10)
         assert check_scores(r1.client, {"a": sim}, queries) == len(queries)
         # The verdict survives r2's own restart (it is in the snapshot).
-        wait_until(lambda: _snapshot_marks(snap2).get("a", -1) >= mark, timeout=20.0, interval=0.05)
+        wait_until(lambda: snapshot_marks(snap2).get("a", -1) >= mark, timeout=20.0, interval=0.05)
         assert r2.terminate() == 0
         r2 = start("r2c", snap2)
         r2.wait_ready()

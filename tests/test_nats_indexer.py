@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from support.net import REPO_ROOT, free_port, wait_until
-from indexer.snapshot import decode_snapshot, make_snapshot_store
 from support.jetstream import subject_last_seq
 from producer.jetstream_publisher import JetStreamEventPublisher
 from producer.publisher import ZmqEventPublisher
@@ -22,7 +21,7 @@ from schemas.events import AllBlocksCleared
 from schemas.jetstream import DEFAULT_STREAM, event_subject, jetstream_endpoint, parse_headers
 from schemas.natsio import NatsThread
 from support.nats import NatsServer
-from support.service import KVIndexerProcess, WorkerSim, check_scores, make_prompts
+from support.service import KVIndexerProcess, WorkerSim, check_scores, make_prompts, snapshot_marks
 
 BS = 4
 MODEL = "default"
@@ -137,18 +136,10 @@ def test_two_replicas_agree_with_the_reference_and_share_registrations(nats: Nat
             p.close()
 
 
-def _snapshot_marks(path: Path) -> dict[str, int]:
-    store = make_snapshot_store(str(path))
-    assert store is not None
-    data = store.load()
-    store.close()
-    if data is None:
-        return {}
-    return {w.reg.worker_id: w.last_seq for w in decode_snapshot(data).workers if w.last_seq is not None}
 
 
 def _wait_snapshot(path: Path, marks: dict[str, int]) -> None:
-    wait_until(lambda: all(_snapshot_marks(path).get(w, -1) >= m for w, m in marks.items()),
+    wait_until(lambda: all(snapshot_marks(path).get(w, -1) >= m for w, m in marks.items()),
                timeout=20.0, interval=0.05)
 
 

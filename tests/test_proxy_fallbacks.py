@@ -13,6 +13,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
+from producer.sim.httpbody import MAX_BODY_BYTES
 from router_api.proxy.app import create_proxy_app
 from router_api.proxy.core import ProxyCore
 from router_api.tokenization import ChatTokenizer
@@ -82,6 +83,9 @@ def test_routes_on_load_without_tokenizer_or_indexer(engines) -> None:
         assert r.headers["x-engine"] == "idle" and r.headers["x-kvatlas-worker"] == "idle"
         bad = await c.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
         assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
+        big = await c.post("/v1/completions", content=b" " * (MAX_BODY_BYTES + 1),
+                           headers={"content-type": "application/json"})
+        assert big.status_code == 413 and "byte limit" in big.json()["error"]["message"]
 
     asyncio.run(_with_proxy(ProxyCore(workers, indexer=None, model="default", tokenizer=None,
                                       policy="precise_tiered"), check))

@@ -15,7 +15,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from producer.sim.engine import Engine, VirtualClock
-from producer.sim.httpbody import MAX_BODY_BYTES, read_capped
+from producer.sim.httpbody import MAX_AHEAD_S, MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, read_capped
 from producer.sim.schedule import QueueFull
 from producer.sim.api import GenerateRequest, GenerateResponse, LoadResponse, WorkerHealth
 
@@ -32,8 +32,6 @@ def _error(status: int, message: str) -> Response:
     return _json({"error": message}, status)
 
 
-MAX_OUTPUT_TOKENS = 32768  # per request: 2^20 would hold a batch slot for hours of simulated time
-MAX_AHEAD_S = 3600.0  # how far past the worker's clock a request's virtual arrival may lie
 
 
 def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, tokenizer: Any = None) -> FastAPI:

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from producer.sim.engine import Engine, VirtualClock
+from producer.sim.httpbody import MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, read_capped
 from producer.sim.schedule import QueueFull
 
 _enc = msgspec.json.Encoder()
@@ -46,8 +47,9 @@ def _max_tokens(body: dict[str, Any], key_order: tuple[str, ...]) -> int:
     for k in key_order:
         v = body.get(k)
         if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 16:
-                raise BadRequest(400, f"{k} must be an integer from 0 to 65536")
+            # The /generate bound: one request may not hold a batch slot for hours of simulated time.
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_OUTPUT_TOKENS:
+                raise BadRequest(400, f"{k} must be an integer from 0 to {MAX_OUTPUT_TOKENS}")
             return v
     return 16
 
@@ -223,8 +225,11 @@ def mount_openai(app: FastAPI, front: OpenAIFront) -> None:
     """Adds the OpenAI routes to the worker's app."""
 
     async def body_of(request: Request) -> dict[str, Any]:
+        raw = await read_capped(request, MAX_BODY_BYTES)
+        if raw is None:
+            raise BadRequest(413, f"body exceeds the {MAX_BODY_BYTES}-byte limit")
         try:
-            body = _dec.decode(await request.body())
+            body = _dec.decode(raw)
         except msgspec.DecodeError as exc:
             raise BadRequest(400, f"malformed JSON: {exc}") from None
         if not isinstance(body, dict):

@@ -14,6 +14,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
+from producer.sim.httpbody import MAX_BODY_BYTES, read_capped
 from router_api.proxy.core import NoWorker, ProxyCore
 
 _enc = msgspec.json.Encoder()
@@ -26,12 +27,14 @@ def _error(status: int, message: str, kind: str = "BadRequestError") -> Response
                     media_type="application/json")
 
 
-def create_proxy_app(core: ProxyCore) -> FastAPI:
+def create_proxy_app(core: ProxyCore, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="kvatlas router (OpenAI-compatible)", docs_url=None, redoc_url=None)
 
     async def proxied(request: Request, path: str, chat: bool) -> Response:
         core.counts["requests"] += 1
-        raw = await request.body()
+        raw = await read_capped(request, max_body_bytes)
+        if raw is None:
+            return _error(413, f"body exceeds the {max_body_bytes}-byte limit")
         try:
             body = _dec.decode(raw)
         except msgspec.DecodeError as exc:

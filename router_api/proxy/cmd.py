@@ -59,7 +59,7 @@ async def _serve(args: argparse.Namespace, workers: dict[str, str], tokenizer: o
     await core.start()
     for w, st in core.poller.states.items():
         log.info("event=worker worker=%s url=%s up=%s reason=%s", w, st.url, st.up, st.reason)
-    server = uvicorn.Server(uvicorn.Config(create_proxy_app(core), host=args.host, port=args.port,
+    server = uvicorn.Server(uvicorn.Config(create_proxy_app(core, int(args.max_body_mb * 1024 * 1024)), host=args.host, port=args.port,
                                            log_level="warning", access_log=False, lifespan="off"))
     log.info("event=listening url=http://%s:%d api=openai policy=%s", args.host, args.port, args.policy)
     try:

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--indexer", default=None, help="indexer URL (needed by the precise policies)")
     p.add_argument("--indexer-token-file", default=None,
                    help="bearer token of an indexer run with auth (first line of the file; default $KVATLAS_AUTH_TOKEN)")
-    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest POST /generate body (default 8 MiB)")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, /generate or /v1/* (default 8 MiB)")
     p.add_argument("--max-records", type=int, default=100_000,
                    help="request records kept for GET /report from interactive requests (oldest go first)")
     p.add_argument("--worker", action="append", default=[], metavar="ID=URL",
@@ -54,8 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="openai: block size until the indexer's /score says it (default 16)")
     p.add_argument("--forward-token-ids", action="store_true",
                    help="openai: forward a completions text prompt as the token ids that were scored")
-    p.add_argument("--indexer-token-file", default=None,
-                   help="openai: the indexer's bearer token, first line of this file (else $KVATLAS_AUTH_TOKEN)")
     p.add_argument("--sim", default=None,
                    help="openai: cost model of the policies as JSON (producer.sim.api.SimModel fields)")
 

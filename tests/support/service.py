@@ -322,3 +322,16 @@ def service_with_publisher(block_size: int) -> Iterator[tuple[object, object]]:
     finally:
         pub.close()
         svc.stop(final_snapshot=False)
+
+
+def snapshot_marks(path: Path) -> dict[str, int]:
+    """Per worker, the seq watermark a snapshot file holds ({} before the first snapshot)."""
+    from indexer.snapshot import decode_snapshot, make_snapshot_store
+
+    store = make_snapshot_store(str(path))
+    assert store is not None
+    data = store.load()
+    store.close()
+    if data is None:
+        return {}
+    return {w.reg.worker_id: w.last_seq for w in decode_snapshot(data).workers if w.last_seq is not None}
