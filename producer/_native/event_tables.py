@@ -21,7 +21,6 @@ from typing import Any
 from schemas import events as E
 
 HEADER = Path(__file__).with_name("event_tables.h")
-EVENTS = (E.BlockStored, E.BlockRemoved, E.AllBlocksCleared)
 
 # The BlockStored fields the encoder writes, in the order it writes them (msgspec writes a struct's
 # fields in declaration order, so this order must be theirs: render() checks it). lora_id and the
@@ -33,14 +32,14 @@ REMOVED_WRITTEN = ("block_hashes", "medium", "group_idx")
 
 def tables() -> dict[str, Any]:
     """Every table the C module holds, as plain Python values (also what `event_tables()` returns)."""
-    cfg = E.BlockStored.__struct_config__
+    events = (E.BlockStored, E.BlockRemoved, E.AllBlocksCleared)  # the EV_* order
     return {
-        "tag_field": cfg.tag_field,
-        "tags": tuple(c.__struct_config__.tag for c in EVENTS),
+        "tag_field": E.BlockStored.__struct_config__.tag_field,
+        "tags": tuple(c.__struct_config__.tag for c in events),
         "stored_fields": tuple(E.BlockStored.__struct_fields__),
         "removed_fields": tuple(E.BlockRemoved.__struct_fields__),
         # msgspec's map header for each event: fields + the tag, fixmap below 16 else map16
-        "map_keys": tuple(len(c.__struct_fields__) + 1 for c in EVENTS),
+        "map_keys": tuple(len(c.__struct_fields__) + 1 for c in events),
     }
 
 

@@ -18,6 +18,7 @@ int w_reserve(Writer *w, size_t n) {
 }
 
 int w_raw(Writer *w, const void *p, size_t n) {
+    if (n == 0) return 0;  /* an empty buffer may be NULL: memcpy must not see it */
     if (w_reserve(w, n) < 0) return -1;
     memcpy(w->buf + w->len, p, n);
     w->len += n;
