@@ -463,7 +463,7 @@ static PyObject *Batch_take(BatchObject *b, PyObject *const *args, Py_ssize_t na
     if (close_open(b) < 0) return NULL;
     uint8_t head[15];
     size_t hl = 0, n = (size_t)b->nout;
-    head[hl++] = 0x93;  /* [ts, events, dp_rank]: msgspec writes all three */
+    head[hl++] = (uint8_t)(0x90 | N_BATCH_FIELDS);  /* [ts, events, dp_rank]: msgspec writes all three */
     uint64_t bits;
     memcpy(&bits, &ts, 8);
     head[hl++] = 0xcb;
@@ -571,8 +571,9 @@ static PyObject *str_tuple(const char *const *xs, Py_ssize_t n) {
 
 /* The tables this build was compiled with, in event_tables.py's tables() form. */
 PyObject *py_event_tables(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:s,s:N,s:N,s:N,s:(III)}", "tag_field", TAG_FIELD, "tags", str_tuple(TAGS, EV_N),
+    return Py_BuildValue("{s:s,s:N,s:N,s:N,s:(III),s:N}", "tag_field", TAG_FIELD, "tags", str_tuple(TAGS, EV_N),
                          "stored_fields", str_tuple(STORED_FIELDS, N_STORED_FIELDS),
                          "removed_fields", str_tuple(REMOVED_FIELDS, N_REMOVED_FIELDS),
-                         "map_keys", MAP_KEYS[EV_STORED], MAP_KEYS[EV_REMOVED], MAP_KEYS[EV_CLEARED]);
+                         "map_keys", MAP_KEYS[EV_STORED], MAP_KEYS[EV_REMOVED], MAP_KEYS[EV_CLEARED],
+                         "batch_fields", str_tuple(BATCH_FIELDS, N_BATCH_FIELDS));
 }

@@ -11,6 +11,10 @@ static const unsigned char MP_TAG_LEN[EV_N] = {12, 13, 17};
 /* keys in each event's map at most (its fields + the tag): msgspec sizes the header for them */
 static const unsigned MAP_KEYS[EV_N] = {16, 6, 1};
 
+/* KVEventBatch: a positional array of its fields, all written (ts, events, dp_rank) */
+#define N_BATCH_FIELDS 3
+static const char *const BATCH_FIELDS[N_BATCH_FIELDS] = {"ts", "events", "data_parallel_rank"};
+
 /* The fields the encoder writes (BlockStored's, then BlockRemoved's), as msgpack keys */
 enum {
     KS_BLOCK_HASHES,
