@@ -112,16 +112,13 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
+    """`--write` writes the header; otherwise exits 1 when the committed one is stale."""
     text = render()
     if "--write" in argv:
         HEADER.write_text(text)
-        print(f"wrote {HEADER}")
-        return 0
-    if HEADER.read_text() != text:
-        print(f"{HEADER} is stale: run python -m producer._native.event_tables --write", file=sys.stderr)
-        return 1
-    print(f"{HEADER} is current")
-    return 0
+    current = HEADER.read_text() == text
+    print(f"{HEADER}: {'current' if current else 'stale: run python -m producer._native.event_tables --write'}")
+    return 0 if current else 1
 
 
 if __name__ == "__main__":

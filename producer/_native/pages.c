@@ -152,15 +152,20 @@ static int chain_args(PyObject *args, PyObject *kwargs, Py_ssize_t *page_size, P
     return has_prior;
 }
 
-static PyObject *sha256_chain_impl(PyObject *args, PyObject *kwargs, int library, int blob) {
+enum { HASH_SHA256, HASH_SHA256_LIBRARY, HASH_XXH3 };
+
+/* The chain entry points: the digests of every whole page by `hash`, as one bytes object (`blob`)
+ * or as (digests, ids) lists. */
+static PyObject *chain_impl(PyObject *args, PyObject *kwargs, int hash, int blob) {
     Py_ssize_t page_size;
     Pages pg;
     Py_buffer pv;
     int has_prior = chain_args(args, kwargs, &page_size, &pg, &pv);
     if (has_prior < 0) return NULL;
+    Py_ssize_t dl = hash == HASH_XXH3 ? 16 : 32;
     Py_ssize_t n = pg.npages, plen = has_prior ? pv.len : 0, len = 4 * page_size;
-    size_t scratch_len = (size_t)(plen > 32 ? plen : 32) + (size_t)len + 72;
-    uint8_t *out = PyMem_Malloc(n > 0 ? (size_t)n * 32 : 1);
+    size_t scratch_len = (size_t)(plen > dl ? plen : dl) + (size_t)len + 72;  /* + SHA-256 padding */
+    uint8_t *out = PyMem_Malloc(n > 0 ? (size_t)(n * dl) : 1);
     uint8_t *scratch = PyMem_Malloc(scratch_len);
     PyObject *res = NULL;
     if (out == NULL || scratch == NULL) {
@@ -170,10 +175,13 @@ static PyObject *sha256_chain_impl(PyObject *args, PyObject *kwargs, int library
     if (n > 0) {
         const uint8_t *pr = has_prior ? pv.buf : NULL;
         PyThreadState *ts = n >= NOGIL_PAGES ? PyEval_SaveThread() : NULL;
-        sha256_pages(pr, (size_t)plen, pg.data, n, (size_t)len, out, scratch, library);
+        if (hash == HASH_XXH3)
+            xxh3_pages(pr, (size_t)plen, pg.data, n, (size_t)len, out, scratch);
+        else
+            sha256_pages(pr, (size_t)plen, pg.data, n, (size_t)len, out, scratch, hash == HASH_SHA256_LIBRARY);
         if (ts) PyEval_RestoreThread(ts);
     }
-    res = blob ? PyBytes_FromStringAndSize((const char *)out, n * 32) : build_result(out, n, 32);
+    res = blob ? PyBytes_FromStringAndSize((const char *)out, n * dl) : build_result(out, n, dl);
 done:
     PyMem_Free(out);
     PyMem_Free(scratch);
@@ -183,17 +191,22 @@ done:
 }
 
 PyObject *py_sha256_chain(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return sha256_chain_impl(args, kwargs, 0, 0);
+    return chain_impl(args, kwargs, HASH_SHA256, 0);
 }
 
 PyObject *py_sha256_chain_library(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return sha256_chain_impl(args, kwargs, 1, 0);
+    return chain_impl(args, kwargs, HASH_SHA256_LIBRARY, 0);
 }
 
 /* The digests as one bytes object (32 per page): what the radix tree keeps per node, so a node
  * holds one object instead of a digest and an int per page (docs/producer-events.md). */
 PyObject *py_sha256_blob(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return sha256_chain_impl(args, kwargs, 0, 1);
+    return chain_impl(args, kwargs, HASH_SHA256, 1);
+}
+
+/* xxh3_blob(tokens, page_size, prior=None) -> bytes: the xxh3 chain's digests (16 a page). */
+PyObject *py_xxh3_blob(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return chain_impl(args, kwargs, HASH_XXH3, 1);
 }
 
 /* xxh3_128(data) -> bytes: XXH3-128 of a bytes-like object, as xxhash.xxh3_128_digest gives it. */
@@ -204,29 +217,6 @@ PyObject *py_xxh3_128(PyObject *self, PyObject *arg) {
     xxh3_128_digest(b.buf, (size_t)b.len, d);
     PyBuffer_Release(&b);
     return PyBytes_FromStringAndSize((const char *)d, 16);
-}
-
-/* xxh3_blob(tokens, page_size, prior=None) -> bytes: the xxh3 chain's digests (16 a page). */
-PyObject *py_xxh3_blob(PyObject *self, PyObject *args, PyObject *kwargs) {
-    Py_ssize_t page_size;
-    Pages pg;
-    Py_buffer pv;
-    int has_prior = chain_args(args, kwargs, &page_size, &pg, &pv);
-    if (has_prior < 0) return NULL;
-    Py_ssize_t n = pg.npages, plen = has_prior ? pv.len : 0, len = 4 * page_size;
-    PyObject *res = PyBytes_FromStringAndSize(NULL, n * 16);
-    uint8_t *scratch = PyMem_Malloc((size_t)(plen > 16 ? plen : 16) + (size_t)len);
-    if (res == NULL || scratch == NULL) {
-        Py_CLEAR(res);
-        if (!PyErr_Occurred()) PyErr_NoMemory();
-    } else {
-        xxh3_pages(has_prior ? pv.buf : NULL, (size_t)plen, pg.data, n, (size_t)len, (uint8_t *)PyBytes_AS_STRING(res),
-                   scratch);
-    }
-    PyMem_Free(scratch);
-    if (has_prior) PyBuffer_Release(&pv);
-    pages_release(&pg);
-    return res;
 }
 
 /* ids_of(digests, dlen) -> list[int]: the event id of every `dlen`-byte digest in `digests`. */
