@@ -9,7 +9,7 @@
  *   in registers with the SHA instructions (below, checked once via cpuid): every message after
  *   the first is `digest || page` of one length, so its padding is laid out once, and for 64- and
  *   4-byte pages (page size 16 and 1) the whole message is built in registers. Measured per page
- *   on the bench machine (docs/producer-events.md): 73 ns against libcrypto's 98 for 16-token
+ *   on the bench machine (docs/producer-events.md): 72 ns against libcrypto's 98 for 16-token
  *   pages, 37 against 53 for 1-token pages, 185 against 200 for 64-token pages; the chain is
  *   serial, so per-call overhead is the cost, and that is what the library's generic
  *   Update/Final pays per page. `library` forces libcrypto (tests compare both with hashlib).
