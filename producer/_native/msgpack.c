@@ -3,8 +3,7 @@
  * events from these and the keys event_tables.h holds; nothing here knows an event's shape. */
 #include "pagehash.h"
 
-int w_reserve(Writer *w, size_t n) {
-    if (w->len + n <= w->cap) return 0;
+int w_grow(Writer *w, size_t n) {
     size_t cap = w->cap ? w->cap : 1024;
     while (cap < w->len + n) cap *= 2;
     uint8_t *b = PyMem_Realloc(w->buf, cap);
@@ -14,14 +13,6 @@ int w_reserve(Writer *w, size_t n) {
     }
     w->buf = b;
     w->cap = cap;
-    return 0;
-}
-
-int w_raw(Writer *w, const void *p, size_t n) {
-    if (n == 0) return 0;  /* an empty buffer may be NULL: memcpy must not see it */
-    if (w_reserve(w, n) < 0) return -1;
-    memcpy(w->buf + w->len, p, n);
-    w->len += n;
     return 0;
 }
 
@@ -63,38 +54,6 @@ int w_str(Writer *w, PyObject *o) {
     memcpy(q, u, (size_t)n);
     w->len = (size_t)(q - w->buf) + (size_t)n;
     return 0;
-}
-
-/* One int in msgpack's smallest form, exactly as msgspec writes it (positive fixint, uint8..64
- * for non-negatives; negative fixint, int8..64 below zero). */
-uint8_t *mp_write_u64(uint8_t *q, uint64_t x) {
-    if (x < 128) { *q++ = (uint8_t)x; return q; }
-    if (x < 256) { *q++ = 0xcc; *q++ = (uint8_t)x; return q; }
-    if (x < 65536) { *q++ = 0xcd; *q++ = (uint8_t)(x >> 8); *q++ = (uint8_t)x; return q; }
-    if (x < 4294967296ULL) {
-        *q++ = 0xce;
-        for (int s = 24; s >= 0; s -= 8) *q++ = (uint8_t)(x >> s);
-        return q;
-    }
-    *q++ = 0xcf;
-    for (int s = 56; s >= 0; s -= 8) *q++ = (uint8_t)(x >> s);
-    return q;
-}
-
-uint8_t *mp_write_i64(uint8_t *q, int64_t x) {
-    if (x >= 0) return mp_write_u64(q, (uint64_t)x);
-    if (x >= -32) { *q++ = (uint8_t)(x & 0xff); return q; }
-    uint64_t u = (uint64_t)x;
-    if (x >= -128) { *q++ = 0xd0; *q++ = (uint8_t)u; return q; }
-    if (x >= -32768) { *q++ = 0xd1; *q++ = (uint8_t)(u >> 8); *q++ = (uint8_t)u; return q; }
-    if (x >= -2147483648LL) {
-        *q++ = 0xd2;
-        for (int s = 24; s >= 0; s -= 8) *q++ = (uint8_t)(u >> s);
-        return q;
-    }
-    *q++ = 0xd3;
-    for (int s = 56; s >= 0; s -= 8) *q++ = (uint8_t)(u >> s);
-    return q;
 }
 
 int int_id(PyObject *o, BlockId *out) {

@@ -40,8 +40,18 @@ typedef struct {
     size_t len, cap;
 } Writer;
 
-int w_reserve(Writer *w, size_t n);
-int w_raw(Writer *w, const void *p, size_t n);
+/* The small writers are inline here: the encoder calls them per key and per int, from batch.c. */
+int w_grow(Writer *w, size_t n);  /* room for n more bytes (MemoryError set on failure) */
+static inline int w_reserve(Writer *w, size_t n) {
+    return w->len + n <= w->cap ? 0 : w_grow(w, n);
+}
+static inline int w_raw(Writer *w, const void *p, size_t n) {
+    if (n == 0) return 0;  /* an empty buffer may be NULL: memcpy must not see it */
+    if (w_reserve(w, n) < 0) return -1;
+    memcpy(w->buf + w->len, p, n);
+    w->len += n;
+    return 0;
+}
 /* An array / map header in msgpack's smallest form given `fixmax` (msgspec's choice). */
 int w_header(Writer *w, size_t n, uint8_t fix, uint8_t fixmax, uint8_t b16, uint8_t b32);
 #define W_ARRAY(w, n) w_header((w), (n), 0x90, 16, 0xdc, 0xdd)
@@ -57,8 +67,36 @@ typedef struct {
     int hi;
 } BlockId;
 
-uint8_t *mp_write_u64(uint8_t *q, uint64_t x);
-uint8_t *mp_write_i64(uint8_t *q, int64_t x);
+/* One int in msgpack's smallest form, exactly as msgspec writes it (positive fixint, uint8..64
+ * for non-negatives; negative fixint, int8..64 below zero). */
+static inline uint8_t *mp_write_u64(uint8_t *q, uint64_t x) {
+    if (x < 128) { *q++ = (uint8_t)x; return q; }
+    if (x < 256) { *q++ = 0xcc; *q++ = (uint8_t)x; return q; }
+    if (x < 65536) { *q++ = 0xcd; *q++ = (uint8_t)(x >> 8); *q++ = (uint8_t)x; return q; }
+    if (x < 4294967296ULL) {
+        *q++ = 0xce;
+        for (int s = 24; s >= 0; s -= 8) *q++ = (uint8_t)(x >> s);
+        return q;
+    }
+    *q++ = 0xcf;
+    for (int s = 56; s >= 0; s -= 8) *q++ = (uint8_t)(x >> s);
+    return q;
+}
+static inline uint8_t *mp_write_i64(uint8_t *q, int64_t x) {
+    if (x >= 0) return mp_write_u64(q, (uint64_t)x);
+    if (x >= -32) { *q++ = (uint8_t)(x & 0xff); return q; }
+    uint64_t u = (uint64_t)x;
+    if (x >= -128) { *q++ = 0xd0; *q++ = (uint8_t)u; return q; }
+    if (x >= -32768) { *q++ = 0xd1; *q++ = (uint8_t)(u >> 8); *q++ = (uint8_t)u; return q; }
+    if (x >= -2147483648LL) {
+        *q++ = 0xd2;
+        for (int s = 24; s >= 0; s -= 8) *q++ = (uint8_t)(u >> s);
+        return q;
+    }
+    *q++ = 0xd3;
+    for (int s = 56; s >= 0; s -= 8) *q++ = (uint8_t)(u >> s);
+    return q;
+}
 static inline uint8_t *id_write(uint8_t *q, BlockId id) {
     return id.hi ? mp_write_i64(q, (int64_t)id.v) : mp_write_u64(q, id.v);
 }
