@@ -6,9 +6,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test test-fast system-deps bench clean
 
-# torch is installed first, pinned to the CPU build that lies on local disk, so the
-# project's `producer` extra never pulls a multi-GB CUDA build.
+# Build headers first (libssl-dev for the producer's C helper: scripts/ensure-system-deps.sh --build),
+# since the editable install compiles the C accelerators and leaves out one that cannot build (its
+# package then runs its pure path). torch is installed next, pinned to the CPU build that lies on
+# local disk, so the project's `producer` extra never pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml
+	@bash scripts/ensure-system-deps.sh --build
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[producer,dev]'
@@ -40,9 +43,10 @@ SAN_TESTS := tests/test_fuzz_native.py tests/test_index_fastpath.py tests/test_i
              tests/test_index_conformance.py tests/test_native_built.py tests/test_service_bodies.py \
              tests/test_index_apply_run.py tests/test_zmqdrain.py tests/test_producer_batch.py tests/test_page_hash.py \
              tests/test_score_answer.py tests/test_score_bodies.py tests/test_bench_apply.py \
-             tests/test_sharded_index.py
+             tests/test_sharded_index.py tests/test_event_tables_drift.py
 SAN_ZMQ_SO := build/sanitize/_zmqdrain.so
 SAN_PH_SO  := build/sanitize/_pagehash.so
+SAN_PH_SRC := $(addprefix producer/_native/,module.c chains.c pages.c msgpack.c batch.c)  # as setup.py
 
 .PHONY: test-sanitize
 test-sanitize: $(STAMP)
@@ -55,7 +59,7 @@ test-sanitize: $(STAMP)
 	    indexer/_native/zmqdrain.c -o $(SAN_ZMQ_SO) -ldl
 	gcc -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
 	    -fno-sanitize-recover=all -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-	    producer/_native/pagehash.c -o $(SAN_PH_SO)
+	    $(SAN_PH_SRC) -o $(SAN_PH_SO) -lcrypto
 	PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	    LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" KVATLAS_NATIVE_PATH="$(CURDIR)/$(SAN_SO)" \
 	    KVATLAS_ZMQDRAIN_PATH="$(CURDIR)/$(SAN_ZMQ_SO)" \

@@ -1,10 +1,14 @@
-"""Build hook for the optional native accelerator of the index core; all metadata lives in pyproject.toml.
+"""Build hook for the optional C accelerators; all metadata lives in pyproject.toml.
 
-`pip install -e .` compiles `indexer._native._kvnative` from plain C (CPython API only). If the
-compiler or headers are missing the build goes on without it (optional=True) and the index falls back
-to its pure-Python core, saying so in a warning at import.
+`pip install -e .` compiles `indexer._native._kvnative` (the index core), `indexer._native._zmqdrain`
+(the subscriber's receive loop) and `producer._native._pagehash` (page hashing and the event encoder).
+If a compiler or headers are missing the build goes on without that one (optional=True) and its
+package falls back to its pure-Python path (the index core says so in a warning at import).
 """
 from setuptools import Extension, setup
+
+# The producer helper's C files (also the Makefile's sanitize build: keep the two lists alike).
+PAGEHASH_SOURCES = ("module", "chains", "pages", "msgpack", "batch")
 
 setup(
     ext_modules=[
@@ -23,12 +27,18 @@ setup(
             libraries=["dl"],
             optional=True,
         ),
-        # Producer page-hash chains (SHA-256 written from FIPS 180-4: no libssl needed); optional
-        # like the one above, producer/page_hash.py falls back to hashlib (docs/producer-events.md).
+        # The producer's C helper: page-hash chains (SHA-256 with OpenSSL's libcrypto or the CPU's
+        # SHA unit, XXH3 from the vendored xxHash header) and the event batch encoder, whose tables
+        # are generated from schemas/ (producer/_native/event_tables.py). Optional like the ones
+        # above: without a compiler or libssl-dev, producer/page_hash.py and producer/events.py use
+        # hashlib, the xxhash package and msgspec (docs/producer-events.md).
         Extension(
             "producer._native._pagehash",
-            sources=["producer/_native/pagehash.c"],
+            sources=[f"producer/_native/{f}.c" for f in PAGEHASH_SOURCES],
+            depends=["producer/_native/pagehash.h", "producer/_native/event_tables.h",
+                     "producer/_native/third_party/xxhash.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter"],
+            libraries=["crypto"],
             optional=True,
         ),
     ]

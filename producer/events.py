@@ -161,7 +161,7 @@ class EventRecorder:
     only sends bytes the buffer is the C helper's `Batch` (events encoded as they are recorded),
     else Python records (docs/producer-events.md); the bytes on the wire are the same."""
 
-    __slots__ = ("sink", "enabled", "dp_rank", "names", "heartbeat_interval_s", "_encode", "_batch", "batch", "_ask",
+    __slots__ = ("sink", "enabled", "dp_rank", "names", "heartbeat_interval_s", "_batch", "batch", "_ask",
                  "_pending", "_last_sent", "events_emitted", "batches_sent", "heartbeats_sent")
 
     def __init__(self, sink: EventSink | None = None, *, enabled: bool = True, dp_rank: int | None = None,
@@ -175,15 +175,13 @@ class EventRecorder:
         self.dp_rank = dp_rank
         self.names = dict(media_names)
         self.heartbeat_interval_s = heartbeat_interval_s
-        # A sink that only sends bytes gets each batch encoded by the C helper straight from the
-        # pending records (EventSink); `native` as in producer.page_hash: None = the helper unless
-        # KVATLAS_PURE_PYTHON=1, False = always event structs encoded by msgspec.
+        # A sink that only sends bytes (EventSink) gets its pending events in the C helper's `Batch`,
+        # encoded as they are recorded (one C call per event, a memcpy per flush); `native` as in
+        # producer.page_hash: None = the helper unless KVATLAS_PURE_PYTHON=1, False = never.
+        # `_pending` (Python records, event structs encoded by msgspec at the flush) takes over
+        # until the next flush when the batch declines a value, and serves every other sink.
         mod = page_hash.native_module(native)
         encodes = mod is not None and getattr(sink, "encodes_events", False)
-        self._encode = mod.encode_batch if encodes else None
-        # For such a sink the pending events live in the helper's `Batch`, encoded as they are
-        # recorded (one C call per event, a memcpy per flush). `_pending` (Python records) takes
-        # over until the next flush when the batch declines a value, and serves every other sink.
         # `batch` is the Batch while it is the one recording (None otherwise): a cache may record
         # into it directly (producer.cache.emitter), falling back to these methods if it raises.
         self._batch: Any = mod.Batch() if encodes and enabled else None
@@ -251,7 +249,9 @@ class EventRecorder:
                                     name, group_idx, kind, window))
 
     def _demote(self) -> None:
-        """Move what the native batch holds to Python records, which record until the next flush."""
+        """Move what the native batch holds to Python records, which record until the next flush
+        (only for values no producer path records: ids beyond 64 bits, non-int tokens from a caller)."""
+        log.debug("native batch declined a value; Python records (msgspec) until the next flush")
         b = self._batch
         self.batch = None
         if len(b):
@@ -362,18 +362,7 @@ class EventRecorder:
         return 0
 
     def _send(self, pending: list[_Record]) -> None:
-        sink = self.sink
-        if self._encode is not None:
-            try:
-                payload = self._encode(sink.batch_ts(), pending, self.dp_rank, _Store, _Removed, _Cleared)  # type: ignore[union-attr]
-            except (TypeError, OverflowError) as exc:
-                # Only values no producer path records (ids beyond 64 bits, non-int tokens from a
-                # caller): msgspec encodes what it can, or raises the same error it always did.
-                log.debug("native batch encode declined (%s); msgspec encodes this batch", exc)
-            else:
-                sink.send_payload(payload)  # type: ignore[union-attr]
-                return
-        sink.emit([r.event() for r in pending], self.dp_rank)  # type: ignore[union-attr]
+        self.sink.emit([r.event() for r in pending], self.dp_rank)  # type: ignore[union-attr]
 
     def close(self, now: float) -> None:
         self.flush(now)

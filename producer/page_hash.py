@@ -10,8 +10,9 @@ digest's first 8 bytes read big-endian as a signed int64; the hex digest is the 
   `xxhash` package.
 
 One call hashes every whole page of a node (docs/producer-events.md): the optional C helper
-`producer._native._pagehash` (SHA-256 from FIPS 180-4, using the CPU's SHA unit where present;
-XXH3-128 from the xxHash spec) returns digests and event ids together; without it, or with
+`producer._native._pagehash` (SHA-256 on the CPU's SHA unit where present, else OpenSSL's
+libcrypto; XXH3-128 from the xxHash library) returns digests and event ids together; without it
+(not built, or built from other schemas than these: `event_tables`), or with
 KVATLAS_PURE_PYTHON=1, the Python functions below (hashlib, the xxhash package) give identical
 results (tests compare both).
 
@@ -44,8 +45,12 @@ _FAST_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
 def _load_native() -> tuple[ModuleType | None, str | None]:
     try:
         from producer._native import _pagehash as mod
-    except ImportError as exc:  # not built (no compiler at install time): hashlib serves
+    except ImportError as exc:  # not built (no compiler or libssl-dev at install time): hashlib serves
         return None, str(exc)
+    from producer._native.event_tables import tables
+
+    if mod.event_tables() != tables():  # built before a schema change: its encoder would be wrong
+        return None, "producer._native._pagehash was built from other schemas: reinstall (pip install -e .)"
     return mod, None
 
 

@@ -2,13 +2,20 @@
 # System packages the test suite uses beyond Python: redis-server (real server for snapshot and
 # L3 tests), nats-server (JetStream tests) and chromium (headless dashboard test). Installs them when it
 # can (root + apt-get), otherwise says exactly what is missing; tests that need a missing one fail with that reason.
+# With --build: only what compiling the C accelerators needs beyond gcc and the Python headers
+# (libssl-dev: OpenSSL's headers for the producer's C helper); the Makefile runs this before the
+# editable install. A C helper that still cannot build is left out and its pure path serves.
 set -u
 missing=()
-command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
-{ command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ]; } || missing+=(nats-server)
-command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
-# nats-server (JetStream event-plane tests); Debian puts it in /usr/sbin.
-command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
+if [ "${1:-}" = "--build" ]; then
+  [ -f /usr/include/openssl/sha.h ] || missing+=(libssl-dev)
+else
+  command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+  { command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ]; } || missing+=(nats-server)
+  command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+  # nats-server (JetStream event-plane tests); Debian puts it in /usr/sbin.
+  command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
+fi
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing system packages: ${missing[*]}"

@@ -34,7 +34,7 @@ def test_native_page_hash_is_built() -> None:
 def _native_fns():
     if native is None:
         pytest.fail("producer._native._pagehash is not built (see test_native_page_hash_is_built)")
-    return [native.sha256_chain, native.sha256_chain_portable]
+    return [native.sha256_chain, native.sha256_chain_library]
 
 
 def _cases(seed: int, n: int):
@@ -161,10 +161,11 @@ def test_cache_events_are_byte_identical_native_or_pure(page_hash: str) -> None:
 
 
 def test_native_batch_encode_is_msgspec_bytes() -> None:
-    """The C batch encoder writes exactly msgspec's bytes for KVEventBatch: every record kind,
-    optional fields set or omitted, ints of every width, arrays and strings across their size
-    classes, dp_rank None or set. What it does not take raises (and msgspec then encodes)."""
-    from producer.events import _Cleared, _Removed, _Store
+    """The C event encoder (`Batch`, the one encoder path) writes exactly msgspec's bytes for
+    KVEventBatch: every event kind, optional fields set or omitted, ints of every width, arrays and
+    strings across their size classes, ids as ints or digests, dp_rank None or set. What it does
+    not take raises before the batch changes (the recorder then lets msgspec encode)."""
+    from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 
     if native is None:
         pytest.fail("producer._native._pagehash is not built")
@@ -178,45 +179,63 @@ def test_native_batch_encode_is_msgspec_bytes() -> None:
     def opt(v):  # noqa: ANN001, ANN202
         return v if rng.random() < 0.5 else None
 
-    def id_source(n: int):  # noqa: ANN202 - ints, or digest blobs of 32 or 16 bytes per id
+    def ids_given(n: int):  # noqa: ANN202 - (ids as ints, None, 0) or (ids, digests, dlen)
         if rng.random() < 0.5:
             return ints(n), None, 0
         dlen = rng.choice([16, 32])
         digests = bytes(rng.randrange(256) for _ in range(n * dlen))
-        cut = rng.randrange(n + 1) * dlen
-        return None, [b for b in (digests[:cut], digests[cut:]) if b], dlen
+        return ph._py_ids_of(digests, dlen), digests, dlen
 
     for case in range(300):
-        recs: list = []
+        b, events = native.Batch(), []
         for _ in range(rng.randrange(0, 6)):
             k = rng.randrange(3)
             if k == 0:
-                sizes = [rng.choice([0, 1, 15, 16, 17, 300]) for _ in range(rng.randrange(1, 4))]
-                if case == 7:
-                    sizes = [40000, 30000]  # > 65535 tokens: the 32-bit array header
-                chunks = [tuple(ints(n)) if rng.random() < 0.5 else ints(n) for n in sizes]
-                ids, blobs, dlen = id_source(rng.choice([1, 15, 16, 40]))
-                recs.append(_Store(ids, blobs, dlen, 0, opt(rng.choice(edges)), chunks,
-                                   rng.choice([1, 16, 2**20]), rng.choice(["GPU", "CPU_PINNED", "x" * 40]),
-                                   opt(rng.choice([0, 1, 300])), opt(rng.choice(["full_attention", "y" * 300])),
-                                   opt(rng.choice([128, 70000]))))
+                n = rng.choice([0, 1, 15, 16, 17, 300]) if case != 7 else 70000  # > 65535: array32
+                toks = [rng.choice(edges[:14]) if rng.random() < 0.5 else rng.randrange(2**32) for _ in range(n)]
+                ids, digests, dlen = ids_given(rng.choice([1, 15, 16, 40]))
+                parent = opt(rng.choice(edges))
+                # a parent no stored event ends with: each store is its own event, as msgspec's
+                if events and type(events[-1]) is BlockStored and parent == events[-1].block_hashes[-1]:
+                    parent = None
+                f = (rng.choice([1, 16, 2**20]), rng.choice(["GPU", "CPU_PINNED", "x" * 40]),
+                     opt(rng.choice([0, 1, 300])), opt(rng.choice(["full_attention", "y" * 300])),
+                     opt(rng.choice([128, 70000])))
+                if digests is None:
+                    b.stored_ids(ids, parent, tuple(toks) if rng.random() < 0.5 else toks, *f)
+                else:
+                    b.stored_digests(digests, dlen, parent, tuple(toks), *f)
+                events.append(BlockStored(ids, parent, toks, f[0], None, f[1], group_idx=f[2],
+                                          kv_cache_spec_kind=f[3], kv_cache_spec_sliding_window=f[4]))
             elif k == 1:
-                ids, blobs, dlen = id_source(rng.choice([1, 16, 17]))
-                recs.append(_Removed(ids, blobs, dlen, rng.choice(["GPU", "DISK"]), opt(rng.choice([0, 5]))))
+                ids, digests, dlen = ids_given(rng.choice([1, 16, 17]))
+                m, g = rng.choice(["GPU", "DISK"]), opt(rng.choice([0, 5]))
+                if digests is None:
+                    b.removed_ids(ids, m, g)
+                else:
+                    b.removed_digests(digests, dlen, m, g)
+                last = events[-1] if events else None
+                if type(last) is BlockRemoved and (last.medium, last.group_idx) == (m, g):
+                    last.block_hashes.extend(ids)  # a removal of the same tier and group coalesces
+                else:
+                    events.append(BlockRemoved(ids, m, group_idx=g))
             else:
-                recs.append(_Cleared())
+                b.cleared()
+                events.append(AllBlocksCleared())
         ts, dp = rng.choice([0.0, 1.5e9 + rng.random(), -3.25]), rng.choice([None, 0, 3])
-        want = encode_batch(KVEventBatch(ts, [r.event() for r in recs], dp))
-        assert native.encode_batch(ts, recs, dp, _Store, _Removed, _Cleared) == want
-    for bad in (_Store([2**64], None, 0, 0, None, [(1,)], 16, "GPU", None, None, None),
-                _Store([1], None, 0, 0, None, [(True,)], 16, "GPU", None, None, None),
-                _Store([1], None, 0, 0, None, [(1.5,)], 16, "GPU", None, None, None),
-                _Store(None, [bytes(31)], 32, 0, None, [(1,)], 16, "GPU", None, None, None),
-                _Removed([b"raw"], None, 0, "GPU", None)):
+        assert len(b) == len(events)
+        assert b.take(ts, dp) == encode_batch(KVEventBatch(ts, events, dp))
+    b = native.Batch()
+    b.stored_ids([7], None, (1, 2), 2, "GPU", None, None, None)
+    for call in (lambda: b.stored_ids([2**64], None, (1,), 16, "GPU", None, None, None),
+                 lambda: b.stored_ids([1], None, (True,), 16, "GPU", None, None, None),
+                 lambda: b.stored_ids([1], None, (1.5,), 16, "GPU", None, None, None),
+                 lambda: b.stored_digests(bytes(31), 32, None, (1,), 16, "GPU", None, None, None),
+                 lambda: b.removed_ids([b"raw"], "GPU", None),
+                 lambda: b.removed_ids([1], 5, None)):
         with pytest.raises((TypeError, OverflowError)):
-            native.encode_batch(0.0, [bad], None, _Store, _Removed, _Cleared)
-    with pytest.raises(TypeError):
-        native.encode_batch(0.0, [object()], None, _Store, _Removed, _Cleared)
+            call()
+    assert b.take(0.0, None) == encode_batch(KVEventBatch(0.0, [BlockStored([7], None, [1, 2], 2, None, "GPU")]))
 
 
 def test_recorder_falls_back_to_msgspec_for_what_the_encoder_declines() -> None:

@@ -1,4 +1,4 @@
-"""Optional C helper of the producer (`_pagehash`, built from pagehash.c by setup.py).
+"""Optional C helper of the producer (`_pagehash`, built by setup.py from the C files here: docs/producer-events.md).
 
 `KVATLAS_PAGEHASH_PATH` names another build of the same source (the ASan + UBSan build of
 `make test-sanitize`); it then replaces the in-tree `_pagehash` for the whole process.
