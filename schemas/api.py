@@ -108,6 +108,9 @@ class WorkerScoreOut(Struct, omit_defaults=True, gc=False):
     last_seq: Optional[int]
     status: str
     kv_blocks: Optional[int] = None
+    # Leading query blocks past this row's exact match that in-flight routes to this worker hold
+    # (`POST /routes`; docs/CONTRACTS.md, "Pending routes"). Never part of the exact fields above.
+    pending_blocks: int = 0
 
 
 class BestWorker(Struct, gc=False):
@@ -121,6 +124,27 @@ class ScoreResponse(Struct):
     query_blocks: int
     workers: list[WorkerScoreOut]
     best: Optional[BestWorker]
+
+
+class RouteReport(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """`POST /routes`: a router chose `worker_id` (and `dp_rank`) for request `request_id`."""
+
+    request_id: Name
+    worker_id: Name
+    token_ids: TokenList
+    model: Name = "default"
+    dp_rank: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    lora_name: OptName = None
+    cache_salt: OptName = None
+
+
+class RouteAnswer(Struct):
+    request_id: str
+    pending_blocks: int  # the request's full blocks now pending on the chosen worker
+
+
+class RouteRelease(Struct):
+    released: int  # blocks the route held (0: unknown or already released / confirmed / expired)
 
 
 class QueryRequest(Struct):
