@@ -39,7 +39,6 @@ from schemas.api import (
     QueryRequestRaw,
     QueryResponse,
     RegisterWorker,
-    RouteAnswer,
     RouteRelease,
     RouteReport,
     ScoreRequest,
@@ -509,14 +508,14 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
             if kind == "octet":
                 raise ApiError(415, "report a route with a JSON or msgpack body", "bad_content_type")
             r = decode_body(kind, await read_body(request), RouteReport)
-            n = service.report_route(r.model, r.request_id, r.worker_id, r.token_ids, r.dp_rank,
-                                     r.lora_name, r.cache_salt)
+            answer = service.report_route(r.model, r.request_id, r.worker_id, r.token_ids, r.dp_rank,
+                                          r.lora_name, r.cache_salt)
         except ApiError as exc:
             return reject("routes", exc)
         except (UnknownModel, UnknownRouteWorker) as exc:
             return reject("routes", ApiError(404, str(exc).strip("'\""), "unknown_worker"))
         observe("routes", t0)
-        return encode_for(request, RouteAnswer(r.request_id, n))
+        return encode_for(request, answer)
 
     @app.delete("/routes/{request_id:path}")
     async def release_route(request: Request, request_id: str, model: str = "default") -> Response:

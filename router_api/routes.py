@@ -56,8 +56,10 @@ class RouteBook:
         return query_keys(token_ids, block_size, namespace_seed(block_size, lora_name, cache_salt))
 
     # -- changes -------------------------------------------------------------------------------
-    def report(self, registry: Any, model: str, request_id: str, worker_id: str, dp_rank: int,
-               keys: Sequence[int], now: float) -> int:
+    def report(self, index: Any, registry: Any, model: str, request_id: str, worker_id: str, dp_rank: int,
+               keys: Sequence[int], now: float) -> tuple[int, int, int]:
+        """Add the route; returns (cached, pending, blocks): the worker's exact match of the request
+        and the pending blocks past it before this route, and the blocks the route holds."""
         w = registry.get(worker_id)
         if w is None or w.reg.model != model:
             raise UnknownRouteWorker(f"worker {worker_id!r} is not registered for model {model!r}")
@@ -68,7 +70,18 @@ class RouteBook:
             mark = None
         if mark is None:
             self._marks[(model, worker_id)] = _Mark(w.last_seq, _epoch(w))
-        return self.pending.add(model, request_id, worker_id, dp_rank, keys, now)
+        cached = self._held(index, model, keys, (worker_id, dp_rank))
+        pend = self.pending.run(model, worker_id, dp_rank, keys, cached)
+        return cached, pend, self.pending.add(model, request_id, worker_id, dp_rank, keys, now)
+
+    @staticmethod
+    def _held(index: Any, model: str, keys: Sequence[int], pair: tuple[str, int]) -> int:
+        """The exact match (any tier) of `keys` on one worker (0 where the index cannot tell)."""
+        score_keys = getattr(index, "score_keys", None)
+        if score_keys is None or not keys:
+            return 0
+        res = score_keys(model, list(keys), [pair])
+        return next((s.cached_blocks for s in res.workers if s.worker_id == pair[0] and s.dp_rank == pair[1]), 0)
 
     def release(self, model: str, request_id: str, now: float) -> int:
         self.pending.expire(now)
@@ -89,7 +102,6 @@ class RouteBook:
         by_worker: dict[str, list[Any]] = {}
         for r in pend.routes(model):
             by_worker.setdefault(r.pair[0], []).append(r)
-        score_keys = getattr(index, "score_keys", None)
         for wid, routes in by_worker.items():
             w = registry.get(wid)
             mark = self._marks.get((model, wid))
@@ -98,14 +110,11 @@ class RouteBook:
                 continue
             if mark is None:
                 mark = self._marks[(model, wid)] = _Mark(None, _epoch(w))
-            if mark.seq == w.last_seq or score_keys is None:
+            if mark.seq == w.last_seq:
                 continue
             mark.seq = w.last_seq
             for r in routes:
-                res = score_keys(model, list(r.keys), [r.pair])
-                held = next((s.cached_blocks for s in res.workers
-                             if s.worker_id == r.pair[0] and s.dp_rank == r.pair[1]), 0)
-                if held >= len(r.keys):
+                if r.keys and self._held(index, model, r.keys, r.pair) >= len(r.keys):
                     pend.confirm(model, r.request_id)
 
     def pending_run(self, model: str, worker_id: str, dp_rank: int, keys: Sequence[int], exact: int) -> int:

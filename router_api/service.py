@@ -52,6 +52,7 @@ from schemas.api import (
     QueryInstance,
     QueryResponse,
     RegisterWorker,
+    RouteAnswer,
     ScoreResponse,
     TierBlocks,
     WorkerScoreOut,
@@ -572,9 +573,10 @@ class IndexerService:
 
     # -- in-flight routes --------------------------------------------------------------------
     def report_route(self, model: str, request_id: str, worker_id: str, token_ids: Any, dp_rank: int = 0,
-                     lora_name: str | None = None, cache_salt: str | None = None) -> int:
+                     lora_name: str | None = None, cache_salt: str | None = None) -> RouteAnswer:
         """A router chose `worker_id` for this request: its full blocks count as pending there until
-        the worker's events cover them, `release_route`, or the TTL. Returns the blocks recorded.
+        the worker's events cover them, `release_route`, or the TTL. Answers what the worker will
+        serve from cache as the index sees it now (schemas.api.RouteAnswer).
         Raises UnknownModel / UnknownRouteWorker."""
         with self.lock:
             block_size = self.index.models().get(model)
@@ -582,7 +584,9 @@ class IndexerService:
             raise UnknownModel(f"unknown model {model!r}")
         keys = self.routes.keys(self.index, model, block_size, token_ids, lora_name, cache_salt)
         with self.lock:
-            return self.routes.report(self.registry, model, request_id, worker_id, dp_rank, keys, self.clock())
+            cached, pend, n = self.routes.report(self.index, self.registry, model, request_id, worker_id, dp_rank,
+                                                 keys, self.clock())
+        return RouteAnswer(request_id, pend, cached, n)
 
     def release_route(self, model: str, request_id: str) -> int:
         """The request finished or failed: forget its route (idempotent; unknown id: 0)."""

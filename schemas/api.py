@@ -139,8 +139,14 @@ class RouteReport(Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 
 class RouteAnswer(Struct):
+    """What the chosen worker will serve this request from cache, as the index sees it at the report
+    (before this route is added): `cached_blocks` exactly held (any tier) + `pending_blocks` past them
+    held by earlier in-flight routes to that worker; `blocks`: the request's full blocks now pending."""
+
     request_id: str
-    pending_blocks: int  # the request's full blocks now pending on the chosen worker
+    pending_blocks: int
+    cached_blocks: int = 0
+    blocks: int = 0
 
 
 class RouteRelease(Struct):

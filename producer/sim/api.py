@@ -97,7 +97,8 @@ class RequestRecord(Struct, omit_defaults=True):
     index: int
     worker_id: str
     input_tokens: int
-    predicted_cached: Optional[int] = None   # what the policy expected (index or own guess)
+    predicted_cached: Optional[int] = None   # tokens the policy expected served from cache (index or own guess)
+    predicted_pending: Optional[int] = None  # of which: tokens of in-flight routes (index's pending_blocks)
     arrival_cached: Optional[int] = None     # the worker's truth at arrival
     served: Optional[Tokens] = None
     ttft_s: Optional[float] = None
@@ -125,8 +126,11 @@ class PolicyRow(Struct):
     ttft_p90_s: float
     prediction_accuracy: Optional[float]
     errors: int = 0
-    index_behind: int = 0     # mismatches where the worker held more than predicted
-    index_ahead: int = 0      # mismatches where it held less (evicted between score and arrival)
+    index_behind: int = 0     # mismatches where the worker served more from cache than predicted
+    index_ahead: int = 0      # mismatches where it served less
+    # Measured causes of the mismatches (report.mismatch_cause): cause -> requests
+    causes: dict[str, int] = msgspec.field(default_factory=dict)
+    held_accuracy: Optional[float] = None  # predicted == what the worker held at arrival (second figure)
 
 
 json_encoder = msgspec.json.Encoder()
