@@ -180,12 +180,27 @@ class PreciseGpu(Policy):
         """Virtual seconds of load-back + prefill this request adds on that worker."""
         return self.sim.prefill_s(max(0, inp.tokens - (row.device + row.pending) * inp.block_size))
 
+    def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0, *, work_weight: float = 2.0,
+                 tie_s: float = 0.0) -> None:
+        super().__init__(workers, sim, seed)
+        self.work_weight = work_weight
+        self.tie_s = tie_s
+        self.assigned = {w: 0.0 for w in self.workers}  # virtual seconds of work this policy has sent
+
     def choose(self, inp: RouteInput) -> Decision:
         scores = inp.scores or {}
         empty = ScoreRow()
         costs = {w: self.cost(inp, scores.get(w, empty)) for w in self.workers}
-        # Expected TTFT on each worker: wait for its queue, then this request's own work.
-        w = min(self.workers, key=lambda w: (inp.backlog.get(w, 0.0) + costs[w], inp.inflight.get(w, 0), w))
+        ww, tie = self.work_weight, self.tie_s
+        # The wait for the worker's queue, then this request's own work, counted `work_weight` times:
+        # the work it adds also delays every request queued behind it (a recompute is paid twice).
+        key = {w: inp.backlog.get(w, 0.0) + ww * costs[w] for w in self.workers}
+        best = min(key.values())
+        # Ties (e.g. an idle fleet and no cache anywhere) go to the worker sent the least work so far,
+        # not always to the first: new conversations spread, and their later turns follow them.
+        w = min((w for w in self.workers if key[w] <= best + tie),
+                key=lambda w: (self.assigned[w], inp.inflight.get(w, 0), w))
+        self.assigned[w] += costs[w]
         row = scores.get(w, empty)
         b = inp.block_size
         # What the worker will serve from cache: everything it holds (any tier; the engine loads lower
