@@ -98,12 +98,12 @@ class RequestRecord(Struct, omit_defaults=True):
     worker_id: str
     input_tokens: int
     predicted_cached: Optional[int] = None   # tokens the policy expected served from cache (index or own guess)
-    predicted_pending: Optional[int] = None  # of which: tokens of in-flight routes (index's pending_blocks)
     arrival_cached: Optional[int] = None     # the worker's truth at arrival
     served: Optional[Tokens] = None
     ttft_s: Optional[float] = None
     queue_s: Optional[float] = None
     error: Optional[str] = None
+    predicted_pending: Optional[int] = None  # of predicted_cached: tokens of in-flight routes (pending_blocks)
 
 
 class RouterReport(Struct, omit_defaults=True):
