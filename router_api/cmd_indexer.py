@@ -331,6 +331,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if plane is not None:
         plane.attach(service)  # follow the shared registry
+        from router_api.route_plane import RouteFanout
+
+        service.route_fanout = RouteFanout(plane.nats, service)  # pending routes reach every replica
     app = create_app(service)
     # Everything imported and built so far lives as long as the process: keep it out of the
     # collector's full passes, which would otherwise walk it during /score requests (p99).
@@ -347,6 +350,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         log.info("event=shutting_down served_s=%.1f", time.monotonic() - t0)
         service.stop()
+        if service.route_fanout is not None:
+            service.route_fanout.close()
         if plane is not None:
             plane.close()
     return 0

@@ -309,6 +309,7 @@ class IndexerService:
         self._membership = 0  # bumped on (un)registration: a snapshot with nothing new is skipped
         self._saved_mark: tuple[int, int] | None = None
         self.plane: Any = None  # router_api.nats_plane.NatsPlane under `kvatlas indexer --nats` (docs/jetstream.md)
+        self.route_fanout: Any = None  # router_api.route_plane.RouteFanout under `--nats`: routes reach every replica
         self._plans: dict[str, _ScorePlan] = {}  # per model, see _plan
         self._plan_epoch = 0  # bumped under the lock with each registry membership change (_plan's check)
         # The C answer writer (`score_answer`): with the native module, the schema it writes, and an index
@@ -586,12 +587,27 @@ class IndexerService:
         with self.lock:
             cached, pend, n = self.routes.report(self.index, self.registry, model, request_id, worker_id, dp_rank,
                                                  keys, self.clock())
+        if self.route_fanout is not None:
+            self.route_fanout.added(model, request_id, worker_id, dp_rank, keys)
         return RouteAnswer(request_id, pend, cached, n)
 
-    def release_route(self, model: str, request_id: str) -> int:
+    def apply_route(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: list[int]) -> bool:
+        """A route another indexer replica took (already hashed); False if the worker is unknown here."""
+        with self.lock:
+            try:
+                self.routes.report(self.index, self.registry, model, request_id, worker_id, dp_rank, keys,
+                                   self.clock())
+            except UnknownRouteWorker:
+                return False
+        return True
+
+    def release_route(self, model: str, request_id: str, fanout: bool = True) -> int:
         """The request finished or failed: forget its route (idempotent; unknown id: 0)."""
         with self.lock:
-            return self.routes.release(model, request_id, self.clock())
+            n = self.routes.release(model, request_id, self.clock())
+        if fanout and self.route_fanout is not None:
+            self.route_fanout.released(model, request_id)
+        return n
 
     def query_compat(self, model: str, token_ids: Any, lora_name: str | None,
                      cache_salt: str | None) -> QueryResponse:
@@ -659,7 +675,8 @@ class IndexerService:
         self.workers()  # refresh per-worker block gauges
         with self.lock:
             pending = self.routes.metrics_text()
-        return self.metrics.render() + pending + ("" if self.plane is None else self.plane.metrics_text())
+        fan = "" if self.route_fanout is None else self.route_fanout.metrics_text()
+        return self.metrics.render() + pending + fan + ("" if self.plane is None else self.plane.metrics_text())
 
     # -- snapshots ---------------------------------------------------------------------------
     def build_snapshot(self) -> Snapshot:

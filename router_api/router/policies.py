@@ -192,6 +192,8 @@ class PreciseGpu(Policy):
         empty = ScoreRow()
         costs = {w: self.cost(inp, scores.get(w, empty)) for w in self.workers}
         ww, tie = self.work_weight, self.tie_s
+        import os as _o  # H21TMP
+        ww = float(_o.environ.get("H21_WW", ww))  # H21TMP
         # The wait for the worker's queue, then this request's own work, counted `work_weight` times:
         # the work it adds also delays every request queued behind it (a recompute is paid twice).
         key = {w: inp.backlog.get(w, 0.0) + ww * costs[w] for w in self.workers}
