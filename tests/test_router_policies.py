@@ -132,3 +132,17 @@ def test_schedule_fcfs_serial_prefill_batch_slots_and_late_arrivals() -> None:
     full.admit(0.0, 0.0, 10.0, 0)
     with pytest.raises(QueueFull):
         full.admit(0.0, 0.0, 10.0, 0)
+
+
+def test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix() -> None:
+    # 'a' and 'b' hold the system prompt (8 of 24 blocks) and are busy; 'c' has never seen it and is
+    # idle: its extra prefill delays nobody, so it takes the new conversation.
+    scores = {"a": ScoreRow(8, 8), "b": ScoreRow(8, 8), "c": ScoreRow()}
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=24 * 512, scores=scores,
+                                                        backlog={"a": 0.5, "b": 0.6, "c": 0.0}))
+    assert d.worker_id == "c" and d.predicted_cached == 0
+    # a conversation whose cache is on a busy worker stays there while a recompute elsewhere costs more
+    scores = {"a": ScoreRow(22, 22), "b": ScoreRow(8, 8), "c": ScoreRow(8, 8)}
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=24 * 512, scores=scores,
+                                                        backlog={"a": 0.5, "b": 0.3, "c": 0.3}))
+    assert d.worker_id == "a" and d.predicted_cached == 22 * 512

@@ -176,31 +176,35 @@ class PreciseGpu(Policy):
     name = "precise_gpu"
     uses_index = True
 
+    def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0, *, work_weight: float = 3.0,
+                 busy_s: float = 1.0) -> None:
+        super().__init__(workers, sim, seed)
+        self.work_weight = work_weight
+        self.busy_s = busy_s
+        self.assigned = {w: 0.0 for w in self.workers}  # virtual seconds of work this policy has sent
+
     def cost(self, inp: RouteInput, row: ScoreRow) -> float:
         """Virtual seconds of load-back + prefill this request adds on that worker."""
         return self.sim.prefill_s(max(0, inp.tokens - (row.device + row.pending) * inp.block_size))
 
-    def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0, *, work_weight: float = 2.0,
-                 tie_s: float = 0.0) -> None:
-        super().__init__(workers, sim, seed)
-        self.work_weight = work_weight
-        self.tie_s = tie_s
-        self.assigned = {w: 0.0 for w in self.workers}  # virtual seconds of work this policy has sent
+    def key(self, backlog: float, work: float) -> float:
+        """Expected TTFT on a worker (its queue, then this request's own work), plus the delay that work
+        imposes on the requests that will queue behind it: up to `work_weight - 1` more times the work,
+        in proportion to how busy the worker is (`backlog / busy_s`, capped at 1). On a busy worker a
+        recompute is paid several times, so conversations stay where their cache is; an idle worker's
+        work delays nobody, so a cold worker takes new work (it is never locked out by a shared prefix
+        it has not seen yet)."""
+        return backlog + work * (1.0 + (self.work_weight - 1.0) * min(1.0, backlog / self.busy_s))
 
     def choose(self, inp: RouteInput) -> Decision:
         scores = inp.scores or {}
         empty = ScoreRow()
         costs = {w: self.cost(inp, scores.get(w, empty)) for w in self.workers}
-        ww, tie = self.work_weight, self.tie_s
-        import os as _o  # H21TMP
-        ww = float(_o.environ.get("H21_WW", ww))  # H21TMP
-        # The wait for the worker's queue, then this request's own work, counted `work_weight` times:
-        # the work it adds also delays every request queued behind it (a recompute is paid twice).
-        key = {w: inp.backlog.get(w, 0.0) + ww * costs[w] for w in self.workers}
+        key = {w: self.key(inp.backlog.get(w, 0.0), costs[w]) for w in self.workers}
         best = min(key.values())
         # Ties (e.g. an idle fleet and no cache anywhere) go to the worker sent the least work so far,
         # not always to the first: new conversations spread, and their later turns follow them.
-        w = min((w for w in self.workers if key[w] <= best + tie),
+        w = min((w for w in self.workers if key[w] <= best),
                 key=lambda w: (self.assigned[w], inp.inflight.get(w, 0), w))
         self.assigned[w] += costs[w]
         row = scores.get(w, empty)
