@@ -247,3 +247,27 @@ def test_routes_are_confirmed_by_the_workers_events_and_forgotten_on_restart() -
         text = svc.metrics_text()
         assert 'kvatlas_pending_routes_total{outcome="confirmed"} 1' in text
         assert "kvatlas_event_visibility_seconds" in text
+
+
+def test_embedded_indexer_reports_and_releases_routes() -> None:
+    from producer.publisher import ZmqEventPublisher
+    from router_api.embedded import EmbeddedIndexer
+
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*")
+    try:
+        with EmbeddedIndexer(workers=[{"worker_id": "e0", "endpoint": pub.endpoint},
+                                      {"worker_id": "e1", "endpoint": "tcp://127.0.0.1:9"}],
+                             block_size=BS, pending_ttl_s=30.0) as idx:
+            toks = list(range(1, 5 * BS))  # 4 full blocks
+            assert idx.report_route(None, "a", "e1", toks) == 0  # nothing pending there before it
+            assert idx.report_route(None, "b", "e1", toks[:3 * BS]) == 3  # the first route's blocks
+            rows = {r.worker_id: r for r in idx.score(toks).workers}
+            assert (rows["e1"].pending_blocks, rows["e0"].pending_blocks) == (4, 0)
+            assert (rows["e1"].cached_blocks, rows["e1"].score, idx.score(toks).best) == (0, 0.0, None)
+            assert idx.release_route(None, "a") == 4 and idx.release_route("default", "b") == 3
+            assert idx.release_route(None, "a") == 0
+            assert all(r.pending_blocks == 0 for r in idx.score(toks).workers)
+            with pytest.raises(UnknownRouteWorker):
+                idx.report_route(None, "c", "nobody", toks)
+    finally:
+        pub.close()

@@ -178,7 +178,8 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
                                                                     if k != "name"))
             p(f"per worker: GPU {s.gpu_pages} + host {s.host_pages} pages of {MODEL_BLOCK} tokens, "
               f"L3 on a local directory (DISK); trace: {_trace_name(s.trace)}, "
-              f"{s.requests} requests (whole conversations), speed x{s.speed:g}")
+              f"{s.requests} requests ({'the first by arrival' if s.trace == 'builtin-chat' else 'whole conversations'}), "
+              f"speed x{s.speed:g}")
             p(f"runs: {', '.join(f'{pol} x{k}' for pol, k in runs_plan)}\n")
             for i, run in enumerate(runs):
                 if i:
