@@ -122,6 +122,7 @@ def test_schedule_fcfs_serial_prefill_batch_slots_and_late_arrivals() -> None:
     c = s.admit(2.0, 0.0, 1.0, 0)         # both slots busy until 15
     assert c.start == 15.0 and s.queued_at(3.0) == 2 and s.running_at(3.0) == 1
     assert s.backlog_at(3.0) == 13.0  # the engine is committed until c is prefilled at 16
+    assert s.free_at() == 16.0 and s.backlog_at(20.0) == 0.0  # free_at does not move with the clock
     late = Schedule(SimModel())
     x = late.admit(0.0, 0.0, 2.0, 0)
     y = late.admit(10.0, 0.0, 2.0, 0)

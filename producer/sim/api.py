@@ -78,6 +78,9 @@ class LoadResponse(Struct):
     backlog_s: float           # virtual seconds before a new request's prefill could start
     free_pages: dict[str, int]
     total_pages: dict[str, int]
+    # Virtual time the committed work ends (`at_s + backlog_s` unless at_s is past it): what a router
+    # whose clock runs behind its trace (a loaded machine) must compare its requests' arrivals with.
+    free_at_s: Optional[float] = None
 
 
 class WorkerHealth(Struct):

@@ -51,7 +51,7 @@ class RouterCore:
 
     def __init__(self, policy: Policy, workers: dict[str, str], indexer: str | None, model: str,
                  block_size: int, sim: SimModel, *, speed: float = 1.0, load_poll_s: float = 0.05,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, serial: bool = True) -> None:
         self.policy = policy
         self.workers = workers  # worker id -> base URL
         self.indexer = indexer.rstrip("/") if indexer else None
@@ -67,6 +67,7 @@ class RouterCore:
         self.records: list[RequestRecord] = []
         self.route_errors = 0
         self._deciding = asyncio.Lock()
+        self.serial = serial
         self.route_prefix = os.urandom(4).hex()  # request ids unique across router replicas
         self.t0 = time.monotonic()
         self._poller: asyncio.Task[None] | None = None
@@ -89,7 +90,10 @@ class RouterCore:
                 r = await self.client.get(f"{url}/load", params={"at": f"{at:.6f}"}, timeout=5.0)
                 if r.status_code == 200:
                     ld = _load_dec.decode(r.content)
-                    self.polled_end[w] = ld.at_s + ld.backlog_s
+                    # The absolute end of the worker's committed work: `at_s + backlog_s` would never be
+                    # below `at` (now on this router's clock) and flatten every worker's backlog to the
+                    # router's lag when it runs behind its trace.
+                    self.polled_end[w] = ld.free_at_s if ld.free_at_s is not None else ld.at_s + ld.backlog_s
             except (httpx.HTTPError, msgspec.DecodeError) as exc:
                 log.debug("load poll of %s failed: %s", w, exc)
 
@@ -161,9 +165,10 @@ class RouterCore:
         rid = request_id or str(index)
         route_id = f"{self.route_prefix}-{rid}" if pol.uses_index else None
         try:
-            # One decision at a time per replica (score -> choose -> report), so each one sees the
-            # routes this replica reported before it; other replicas' show up once reported.
-            async with self._deciding if pol.uses_index else _NO_LOCK:
+            # One decision at a time per replica (score -> choose -> report): each sees the routes this
+            # replica reported before it, and requests reach the workers in trace order even when the
+            # router runs behind its trace (its decisions then do not depend on the machine's load).
+            async with self._deciding if pol.uses_index and self.serial else _NO_LOCK:
                 scores = await self.score(tokens) if pol.uses_index else None
                 keys = block_keys(tokens, self.block_size) if pol.name == "approximate" else []
                 d = pol.choose(RouteInput(len(tokens), keys, self.block_size, scores, self.backlog(now),
