@@ -109,7 +109,7 @@ def test_summary_counts_prediction_mismatches_by_direction() -> None:
     assert summarize("round_robin", 1, [RequestRecord(0, "a", 10, None, 0, Tokens(computed=10), 1.0)]
                      ).prediction_accuracy is None
     table = format_table([row])
-    assert "precise_tiered" in table and "50.0%" in table and "1 worker held more than the index showed" in table
+    assert "precise_tiered" in table and "50.0%" in table and "1 worker held more than predicted" in table
     assert row.causes == {"unseen": 1, "evicted": 1} and row.held_accuracy == 0.5
     assert quantile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 0.9) == 9.0
 
@@ -137,10 +137,10 @@ def test_schedule_fcfs_serial_prefill_batch_slots_and_late_arrivals() -> None:
 
 def test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix() -> None:
     # 'a' and 'b' hold the system prompt (8 of 24 blocks) and are busy; 'c' has never seen it and is
-    # idle: its extra prefill delays nobody, so it takes the new conversation.
+    # idle: its extra prefill costs less than their queues, so it takes the new conversation.
     scores = {"a": ScoreRow(8, 8), "b": ScoreRow(8, 8), "c": ScoreRow()}
     d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=24 * 512, scores=scores,
-                                                        backlog={"a": 0.5, "b": 0.6, "c": 0.0}))
+                                                        backlog={"a": 1.0, "b": 1.2, "c": 0.0}))
     assert d.worker_id == "c" and d.predicted_cached == 0
     # a conversation whose cache is on a busy worker stays there while a recompute elsewhere costs more
     scores = {"a": ScoreRow(22, 22), "b": ScoreRow(8, 8), "c": ScoreRow(8, 8)}

@@ -177,10 +177,11 @@ class PreciseGpu(Policy):
     uses_index = True
 
     def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0, *, work_weight: float = 3.0,
-                 busy_s: float = 1.0) -> None:
+                 busy_s: float = 1.0, min_share: float = 0.5) -> None:
         super().__init__(workers, sim, seed)
         self.work_weight = work_weight
         self.busy_s = busy_s
+        self.min_share = min_share
         self.assigned = {w: 0.0 for w in self.workers}  # virtual seconds of work this policy has sent
 
     def cost(self, inp: RouteInput, row: ScoreRow) -> float:
@@ -189,12 +190,13 @@ class PreciseGpu(Policy):
 
     def key(self, backlog: float, work: float) -> float:
         """Expected TTFT on a worker (its queue, then this request's own work), plus the delay that work
-        imposes on the requests that will queue behind it: up to `work_weight - 1` more times the work,
-        in proportion to how busy the worker is (`backlog / busy_s`, capped at 1). On a busy worker a
-        recompute is paid several times, so conversations stay where their cache is; an idle worker's
-        work delays nobody, so a cold worker takes new work (it is never locked out by a shared prefix
-        it has not seen yet)."""
-        return backlog + work * (1.0 + (self.work_weight - 1.0) * min(1.0, backlog / self.busy_s))
+        imposes on the requests that will queue behind it: `work_weight - 1` more times the work on a
+        busy worker (backlog >= `busy_s`), less on a quieter one, down to `min_share` of that on an idle
+        one (requests still arrive while it works). On a busy worker a recompute is paid several times,
+        so conversations stay where their cache is; a cold worker (one that has not seen a shared prefix
+        yet) is still cheaper than a queue, so it is never locked out."""
+        share = max(self.min_share, min(1.0, backlog / self.busy_s))
+        return backlog + work * (1.0 + (self.work_weight - 1.0) * share)
 
     def choose(self, inp: RouteInput) -> Decision:
         scores = inp.scores or {}

@@ -14,7 +14,8 @@ from producer.sim.api import PolicyRow, RequestRecord
 
 # cause -> the table's wording
 CAUSES = {
-    "unseen": "worker held more than the index showed (stores not yet visible, no route reported)",
+    "unseen": "worker held more than predicted (stores the prediction missed: events not yet visible and "
+              "no route reported, or another router's decisions)",
     "unlanded": "pending route's blocks not yet stored when it arrived (requests reordered)",
     "evicted": "held less on arrival than predicted (evicted, or a guess that never was)",
     "lost": "held on arrival, served less (evicted or prefetch unfinished before it ran)",
