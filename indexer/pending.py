@@ -102,9 +102,10 @@ class PendingRoutes:
         expires = now + (self.ttl_s if ttl_s is None else ttl_s)
         r = PendingRoute(model, request_id, (worker_id, dp_rank), keys, expires, self._gen)
         self._routes.setdefault(model, {})[request_id] = r
-        held = self._held.setdefault(model, {}).setdefault(r.pair, {})
-        for k in keys:
-            held[k] = held.get(k, 0) + 1
+        if keys:  # a prompt shorter than a block holds nothing (and leaves no empty entry behind)
+            held = self._held.setdefault(model, {}).setdefault(r.pair, {})
+            for k in keys:
+                held[k] = held.get(k, 0) + 1
         self._blocks += len(keys)
         heapq.heappush(self._heap, (expires, r.gen, model, request_id))
         self.counts.added += 1
@@ -175,20 +176,21 @@ class PendingRoutes:
         r = routes.pop(request_id, None) if routes else None
         if r is None:
             return None
-        by_pair = self._held[model]
-        held = by_pair[r.pair]
-        for k in r.keys:
-            c = held[k] - 1
-            if c:
-                held[k] = c
-            else:
-                del held[k]
-        if not held:
-            del by_pair[r.pair]
         if not routes:
             del self._routes[model]
-            if not by_pair:
-                del self._held[model]
+        if r.keys:
+            by_pair = self._held[model]
+            held = by_pair[r.pair]
+            for k in r.keys:
+                c = held[k] - 1
+                if c:
+                    held[k] = c
+                else:
+                    del held[k]
+            if not held:
+                del by_pair[r.pair]
+                if not by_pair:
+                    del self._held[model]
         self._blocks -= len(r.keys)
         return r
 
