@@ -509,7 +509,11 @@ class IndexerService:
                     is_stale, w.last_seq, status, ws.kv_blocks))
             query_blocks = result.query_blocks
             if self.routes.pending.has(model):
-                self._add_pending(model, block_size, token_ids, lora_name, cache_salt, fresh, stale, now)
+                try:
+                    self._add_pending(model, block_size, token_ids, lora_name, cache_salt, fresh, stale, now)
+                except Exception as exc:  # pending state must never cost the exact answer
+                    self.metrics.drops.inc("pending_error")
+                    log.error("event=pending_rows_failed model=%s error=%r", model, exc)
         # Best first; a stale worker may be gone, so it sorts after every fresh one (stable: the
         # index's tie-break order is kept; reverse=True keeps sort stability).
         fresh.sort(key=_by_score, reverse=True)
