@@ -659,6 +659,8 @@ class IndexerService:
         for (typ, _tier, _outcome), n in m.events.items():
             by_type[typ] = by_type.get(typ, 0) + n
         p50, p99 = m.recent_score.quantiles((0.5, 0.99))
+        with self.lock:
+            pending = self.routes.stats()
         return {
             "uptime_s": self.clock() - self.started_at,
             "events_total": m.events.total(),
@@ -671,7 +673,7 @@ class IndexerService:
                       "p50_ms": None if p50 is None else p50 * 1e3,
                       "p99_ms": None if p99 is None else p99 * 1e3},
             "snapshot_generation": self.generation,
-            "pending": self.routes.stats(),
+            "pending": pending,
             "workers": self.workers().workers,
         }
 
