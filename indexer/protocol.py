@@ -96,6 +96,17 @@ class ScoringIndex(Index, Protocol):
         """`score` with the rows packed (no object per row), or None where only `score` serves."""
         ...
 
+    def query_keys(
+        self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Sequence[int]:
+        """The node keys of a query's full blocks (what its blocks' stores are keyed by)."""
+        ...
+
+    def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
+        """`score` over node keys already computed by `query_keys`."""
+        ...
+
     @property
     def shard_count(self) -> int:
         """Worker shards whose residency is disjoint (1: unsharded); one ingest pipeline each."""
