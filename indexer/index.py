@@ -47,8 +47,10 @@ from indexer.core import native as _native
 from indexer.core.accel import Accelerator
 from indexer.core.apply import apply_events, decode_or_drop, finite_ts
 from indexer.core.dump import dump_model, load_model_dump
-from indexer.core.groups import dump_groups, load_groups
-from indexer.core.scoring import score_keys
+from indexer.core.groupdump import dump_groups, load_groups
+from indexer.core.groupscore import score_groups
+from indexer.core.scoring import rank_key, score_keys
+from indexer.core.state import WorkerState
 from indexer.core.state import ModelState
 from indexer.core.types import (
     TIER_NAMES, ApplyStats, BlockSizeConflict, RankLimits, ScoreResult, ScoreTable, TierWeights, WorkerScore,
@@ -65,6 +67,18 @@ __all__ = [
 
 # Token containers the native score reads itself; anything else is hashed by the pure path.
 _SEQ_TYPES = (list, tuple, np.ndarray)
+
+
+def _split(m: Any, wl: list[tuple[str, int]] | None) -> tuple[list[WorkerState], list[tuple[str, int]] | None]:
+    """The workers of a selection with groups (their rows are usable prefixes) and the others' ids;
+    ([], wl) when none has groups."""
+    if m.groups is None:
+        return [], wl
+    ws = list(m.by_id.values()) if wl is None else [w for w in (m.by_id.get((wid, int(r))) for wid, r in wl) if w is not None]
+    hybrid = [w for w in ws if w.layout is not None and w.layout.groups]
+    if not hybrid:
+        return [], wl
+    return hybrid, [(w.worker_id, w.dp_rank) for w in ws if w.layout is None or not w.layout.groups]
 
 
 class KVIndex:
@@ -137,9 +151,10 @@ class KVIndex:
         That is exactly `schemas.batchhead.read_head` + `apply_payload`, in one pass over the bytes."""
         m = self._models.get(model) or self._model(model)
         rank = int(dp_rank) if rank_from_batch else int(dp_rank or 0)
-        # Group stores are the pure core's (docs/hybrid.md). Above the decoder's size cap the pure path
-        # refuses the payload: the C walk must not take it.
-        if self._accel is not None and m.groups is None and len(payload) <= DEFAULT_MAX_PAYLOAD:
+        # Group stores are the pure core's (docs/hybrid.md; the C walk declines them, and the batches of
+        # a worker whose main tree is not group 0). Above the decoder's size cap the pure path refuses
+        # the payload: the C walk must not take it.
+        if self._accel is not None and len(payload) <= DEFAULT_MAX_PAYLOAD:
             stats = self._accel.apply_payload(
                 m, worker_id, rank, payload, self.orphan_grace_batches, rank_from_batch, self.rank_limits,
             )
@@ -162,7 +177,7 @@ class KVIndex:
         as apply_payload returns them. The caller applies the batch after the run one by one. k may
         be 0 (the pure core, a hybrid model, a worker not yet known or with orphans pending)."""
         m = self._models.get(model) or self._model(model)
-        if self._accel is None or m.groups is not None:
+        if self._accel is None:
             return 0, ApplyStats(), None
         return self._accel.apply_run(
             m, worker_id, int(rank), int(default_rank), payloads, self.orphan_grace_batches, DEFAULT_MAX_PAYLOAD,
@@ -249,13 +264,26 @@ class KVIndex:
         its shards' models (indexer/sharded.py)."""
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
         wl = list(workers) if workers is not None else None
-        native = self._accel is not None and (m.groups is None or not m.groups.hybrid)
-        if native and extras is None and type(token_ids) in _SEQ_TYPES:
+        hybrid, plain = _split(m, wl)
+        if hybrid:
+            return self._score_mixed(m, self._keys(m, token_ids, lora_name, cache_salt, extras), hybrid, plain)
+        if self._accel is not None and extras is None and type(token_ids) in _SEQ_TYPES:
             res = self._accel.score(m, None, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
             if res is not None:
                 return res
         keys = self._keys(m, token_ids, lora_name, cache_salt, extras)
         return score_keys(m, keys, self.weights, wl)
+
+    def _score_mixed(self, m: Any, keys: list[int], hybrid: list[WorkerState], plain: list[tuple[str, int]]) -> ScoreResult:
+        """Workers with groups score usable prefixes (pure core); the others as full-attention ones,
+        in C where it serves: each row is what that worker's own events make of it."""
+        rows: list[WorkerScore] = []
+        if plain:
+            res = self._accel.score(m, keys, None, 0, self.weights, plain) if self._accel is not None else None
+            rows = (res if res is not None else score_keys(m, keys, self.weights, plain)).workers
+        rows += score_groups(m, keys, self.weights, hybrid)
+        rows.sort(key=rank_key)
+        return ScoreResult(query_blocks=len(keys), block_size=m.block_size, workers=rows)
 
     def score_table(
         self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
@@ -274,9 +302,9 @@ class KVIndex:
         """`score_table` over a model object (see `score_model`)."""
         if self._accel is None or type(token_ids) not in _SEQ_TYPES:
             return None
-        if m.groups is not None and m.groups.hybrid:
-            return None
         wl = list(workers) if workers is not None else None
+        if _split(m, wl)[0]:
+            return None
         return self._accel.score_table(m, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
 
     def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
@@ -286,7 +314,10 @@ class KVIndex:
     def score_keys_model(self, m: Any, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
         """`score_keys` over a model object (see `score_model`)."""
         wl = list(workers) if workers is not None else None
-        if self._accel is not None and type(keys) is list and (m.groups is None or not m.groups.hybrid):
+        hybrid, plain = _split(m, wl)
+        if hybrid:
+            return self._score_mixed(m, keys, hybrid, plain)
+        if self._accel is not None and type(keys) is list:
             res = self._accel.score(m, keys, None, 0, self.weights, wl)
             if res is not None:
                 return res

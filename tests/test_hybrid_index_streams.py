@@ -132,9 +132,11 @@ def test_unknown_group_removes_are_counted() -> None:
         assert row(ix, TOK[:8]) == (2, 2, None, (2, 0, 0, 0))  # still full-attention-only: no kv_blocks
         st = ix.apply(M, "w", 0, KVEventBatch(0.0, [stored(h, range(2), 1, "sliding_window", window=3)]))
         assert st.counts == {("group_stored", "GPU", "new"): 2}
+        # group 1 changes kind: the worker's engine changed its layout, so its whole state goes (counted)
         st = ix.apply(M, "w", 0, KVEventBatch(0.0, [stored(h, range(2), 1, "mamba"), BlockRemoved([h[0]], "GPU", group_idx=1)]))
-        assert st.drops == {"group_kind_conflict": 2} and st.counts == {("group_removed", "GPU", "removed"): 1}
-        assert row(ix, TOK[:8])[:3] == (2, 2, 2)
+        assert st.counts == {("cleared", "ALL", "layout_reset"): 1, ("group_stored", "GPU", "new"): 2,
+                             ("group_removed", "GPU", "removed"): 1}
+        assert row(ix, TOK[:8])[:3] == (0, 0, 0)
 
 
 def test_mamba_first_stream_picks_the_full_group_as_main() -> None:

@@ -24,6 +24,12 @@ from indexer.core.types import (
 )
 
 
+def _pure_only(w: WorkerState) -> bool:
+    """A worker with a group layout: its clears and group-0 events may concern its groups, which the
+    C walk does not hold, so its batches are the pure core's (docs/hybrid.md)."""
+    return w.layout is not None
+
+
 class Accelerator:
     __slots__ = ("mod", "new_map")
 
@@ -44,8 +50,8 @@ class Accelerator:
         known = m.known_ext if m.trust else None
         if not rank_from_batch:  # the common case: one C call, nothing to compare afterwards
             w = m.by_id.get((worker_id, rank))
-            if w is not None and w.pending:
-                return None  # orphans wait on this worker: only the pure core resolves them
+            if w is not None and (w.pending or _pure_only(w)):
+                return None  # orphans wait on this worker, or its layout: only the pure core judges them
             fresh = w is None
             if fresh:
                 w = m.worker(worker_id, rank)
@@ -62,8 +68,8 @@ class Accelerator:
         default = rank
         for _ in range(2):
             w = m.by_id.get((worker_id, rank))
-            if w is not None and w.pending:
-                return None  # orphans wait on this worker: only the pure core resolves them
+            if w is not None and (w.pending or _pure_only(w)):
+                return None  # orphans wait on this worker, or its layout: only the pure core judges them
             fresh = w is None
             if fresh:
                 w = m.worker(worker_id, rank)
@@ -99,7 +105,7 @@ class Accelerator:
         """`KVIndex.apply_run` on the C walk: whole batches of `rank` applied in one call while they
         are the common case; (0, empty stats, None) when the worker is unknown or has orphans."""
         w = m.by_id.get((worker_id, rank))
-        if w is None or w.pending:
+        if w is None or w.pending or _pure_only(w):
             return 0, ApplyStats(), None
         k, counts, drops, ts, n_events, partial = self.mod.apply_msgpack_run(
             payloads, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size, m.seed0,

@@ -1,0 +1,143 @@
+"""Scoring the workers with groups (hybrid layouts, indexer/core/groups.py): usable prefixes.
+
+For a depth L, every full-attention group of the worker's layout (its main tree included) must hold
+blocks [0, L), every sliding-window group (window W tokens) the last cdiv(W - 1, block_size) blocks
+before L, every Mamba group a state at block L - 1; L = 0 is always usable. `device_blocks` asks the
+GPU alone, `cached_blocks` allows any tier (the shared pool included) per block; `kv_blocks` is the
+full-attention-only match over any tier, whatever the usable prefix is. Each block of the usable
+prefix is split to the most expensive of the cheapest tiers of the groups that need it there.
+
+Consecutive blocks whose full-attention residencies are equal form one run, so the full-attention
+prefix and split cost one step per run and worker (like indexer/core/scoring.py). A window of a
+sliding-window group is judged by its distinct residency values (few: blocks are held in runs).
+Workers whose layouts share groups share the lookups: each group's values are read once per score.
+"""
+from __future__ import annotations
+
+from itertools import groupby
+from typing import TYPE_CHECKING, Any
+
+from indexer.core.groups import FULL, MAMBA
+from indexer.core.types import TierWeights, WorkerScore
+
+if TYPE_CHECKING:
+    from indexer.core.state import ModelState, WorkerState
+
+ABSENT = 4  # a block's tier code when the group does not hold it (0..3: gpu, host, disk, shared)
+
+
+def _code(r: int, sh: int, pool_bits: int) -> int:
+    """The cheapest tier (0 gpu .. 3 shared pool) holding a block for the worker at shift `sh`."""
+    own = (r >> sh) & 7
+    if own:
+        return 0 if own & 1 else 1 if own & 2 else 2
+    return 3 if r & pool_bits else ABSENT
+
+
+def _usable(top: int, parts: list[tuple[int, int | None, list[int]]], sh: int, pool_bits: int, limit: int) -> int:
+    """Largest L <= top (the full-attention prefix) at which every sliding-window / Mamba group
+    validates an end with tiers <= limit (0: the GPU alone; 3: any tier). L = 0 always."""
+    verified: list[int | None] = [None] * len(parts)  # per SWA group: blocks [v, >= L-1] known good
+    L = top
+    while L > 0:
+        for k, (kind, span, vals) in enumerate(parts):
+            if kind == MAMBA:
+                if _code(vals[L - 1], sh, pool_bits) > limit:
+                    L -= 1
+                    break
+                continue
+            lo = 0 if span is None else max(0, L - span)
+            v = verified[k]
+            hi = L - 1 if v is None else min(L - 1, v - 1)
+            if hi >= lo:
+                seg = vals[lo : hi + 1]
+                bad = {x for x in set(seg) if _code(x, sh, pool_bits) > limit}
+                if bad:
+                    j = hi
+                    while seg[j - lo] not in bad:
+                        j -= 1
+                    while j and _code(vals[j - 1], sh, pool_bits) > limit:
+                        j -= 1  # the whole bad run: no end above its first block can use it
+                    verified[k] = None
+                    L = j
+                    break
+            verified[k] = lo if v is None else min(v, lo)
+        else:
+            return L
+    return 0
+
+
+def score_groups(m: ModelState, keys: list[int], weights: TierWeights, slots: list[WorkerState]) -> list[WorkerScore]:
+    """The rows of `slots` (workers with a hybrid layout), unranked (module docstring)."""
+    main = []
+    for r in map(m.nodes.get, keys):  # no worker holds KV past the first absent block
+        if r is None:
+            break
+        main.append(r)
+    n = len(main)
+    values: dict[int, list[int]] = {}  # id(group) -> its residency per query block, read once
+
+    def vals(g: Any) -> list[int]:
+        v = values.get(id(g))
+        if v is None:
+            v = values[id(g)] = [x or 0 for x in map(g.nodes.get, keys[:n])]
+        return v
+
+    shapes: dict[tuple[int, ...], tuple[list, list]] = {}  # layout -> (full-attention runs, other parts)
+    pool_bits = m.slot_mask << 3
+    wt = weights.as_tuple()
+    bs = m.block_size
+    out = []
+    for w in slots:
+        groups = w.layout.groups.values()
+        sig = tuple(sorted(id(g) for g in groups))
+        shape = shapes.get(sig)
+        if shape is None:
+            fulls = [main] + [vals(g) for g in groups if g.kind == FULL]
+            runs = [(vt, len(list(grp))) for vt, grp in groupby(zip(*fulls))]
+            parts = [(g.kind, g.span, vals(g)) for g in groups if g.kind != FULL]
+            shape = shapes[sig] = (runs, parts)
+        runs, parts = shape
+        sh = w.shift
+        coded: list[tuple[int, int, int]] = []  # (start, length, tier of the full-attention groups)
+        pos = 0
+        dev_top = -1
+        for vt, ln in runs:
+            c = max(_code(v, sh, pool_bits) for v in vt)
+            if c == ABSENT:
+                break
+            if c and dev_top < 0:
+                dev_top = pos
+            coded.append((pos, ln, c))
+            pos += ln
+        kv = pos
+        dev = _usable(kv if dev_top < 0 else dev_top, parts, sh, pool_bits, 0)
+        cached = _usable(kv, parts, sh, pool_bits, 3)
+        split = [0, 0, 0, 0]
+        for start, ln, c in coded:
+            if start >= cached:
+                break
+            split[c] += min(ln, cached - start)
+        # A block a sliding-window / Mamba group needs at `cached` costs at least that group's tier.
+        raised: dict[int, int] = {}
+        for kind, span, gv in parts:
+            lo = cached - 1 if kind == MAMBA else 0 if span is None else max(0, cached - span)
+            if cached == 0 or lo >= cached:
+                continue
+            codes = {x: _code(x, sh, pool_bits) for x in set(gv[lo:cached])}
+            if max(codes.values()) == 0:
+                continue  # all on the GPU: costs nothing more than the KV
+            for i in range(lo, cached):
+                c = codes[gv[i]]
+                if c > raised.get(i, 0):
+                    raised[i] = c
+        for i, c in raised.items():
+            base = next(cc for start, ln, cc in coded if start <= i < start + ln)
+            if c > base:
+                split[base] -= 1
+                split[c] += 1
+        out.append(WorkerScore(
+            w.worker_id, w.dp_rank, dev, cached, {"gpu": split[0], "host": split[1], "disk": split[2], "shared": split[3]},
+            float(bs * (split[0] * wt[0] + split[1] * wt[1] + split[2] * wt[2] + split[3] * wt[3])), kv,
+        ))
+    return out
