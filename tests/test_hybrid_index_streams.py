@@ -299,3 +299,27 @@ def test_group_residency_follows_a_worker_whose_slot_moves(ix, feed) -> None:
     assert row(ix, wid="w17") == want and row(ix, wid="w16") == want
     feed(ix, "w17", [BlockRemoved([h[5]], "GPU", group_idx=2)])  # its state at block 5 goes
     assert row(ix, wid="w17")[:2] == (0, 0) and row(ix, wid="w16") == want
+
+
+@pytest.mark.parametrize("shape", ["no_state", "window_gone", "second_full_group", "other_worker_full_group",
+                                   "kv_on_host_and_disk"])
+def test_kv_blocks_is_the_full_attention_match_whatever_the_usable_prefix(ix, feed, shape) -> None:
+    """kv_blocks is the worker's own full-attention (main tree) match over any tier, also when its
+    usable prefix is 0: the probe of issue 22 (usable prefix 0, full-attention match 6 -> kv_blocks 6)."""
+    h = ids("int")
+    kv = [stored(h, range(6), 0, "full_attention")]
+    if shape == "kv_on_host_and_disk":
+        kv = [stored(h, range(3), 0, "full_attention", medium="CPU_PINNED"),
+              stored(h, range(3, 6), 0, "full_attention", medium="DISK")]
+    groups = {
+        "no_state": [stored(h, [5], 1, "mamba"), BlockRemoved([h[5]], "GPU", group_idx=1)],
+        "window_gone": [stored(h, range(6), 1, "sliding_window", window=9), BlockRemoved(h, "GPU", group_idx=1)],
+        "second_full_group": [stored(h, [5], 1, "mamba"), BlockRemoved([h[5]], "GPU", group_idx=1),
+                              stored(h, [0], 3, "full_attention")],
+        "other_worker_full_group": [stored(h, [5], 1, "mamba"), BlockRemoved([h[5]], "GPU", group_idx=1)],
+        "kv_on_host_and_disk": [stored(h, [5], 1, "mamba"), BlockRemoved([h[5]], "GPU", group_idx=1)],
+    }[shape]
+    feed(ix, "w", kv + groups)
+    if shape == "other_worker_full_group":  # another worker's layout has a second full group: not w's
+        feed(ix, "x", [stored(h, [0], 0, "full_attention"), stored(h, [0], 3, "full_attention")])
+    assert row(ix)[:3] == (0, 0, 6)

@@ -4,7 +4,8 @@ For a depth L, every full-attention group of the worker's layout (its main tree 
 blocks [0, L), every sliding-window group (window W tokens) the last cdiv(W - 1, block_size) blocks
 before L, every Mamba group a state at block L - 1; L = 0 is always usable. `device_blocks` asks the
 GPU alone, `cached_blocks` allows any tier (the shared pool included) per block; `kv_blocks` is the
-full-attention-only match over any tier, whatever the usable prefix is. Each block of the usable
+worker's main tree's (its primary full-attention group's) match over any tier, whatever the usable
+prefix and the other groups are: what an index counting KV alone would say. Each block of the usable
 prefix is split to the most expensive of the cheapest tiers of the groups that need it there.
 
 Consecutive blocks whose full-attention residencies are equal form one run, so the full-attention
@@ -83,6 +84,7 @@ def score_groups(m: ModelState, keys: list[int], weights: TierWeights, slots: li
             v = values[id(g)] = [x or 0 for x in map(g.nodes.get, keys[:n])]
         return v
 
+    main_runs = [(v, len(list(grp))) for v, grp in groupby(main)]
     shapes: dict[tuple[int, ...], tuple[list, list]] = {}  # layout -> (full-attention runs, other parts)
     pool_bits = m.slot_mask << 3
     wt = weights.as_tuple()
@@ -110,9 +112,14 @@ def score_groups(m: ModelState, keys: list[int], weights: TierWeights, slots: li
                 dev_top = pos
             coded.append((pos, ln, c))
             pos += ln
-        kv = pos
-        dev = _usable(kv if dev_top < 0 else dev_top, parts, sh, pool_bits, 0)
-        cached = _usable(kv, parts, sh, pool_bits, 3)
+        full = pos  # every full-attention group holds [0, full)
+        dev = _usable(full if dev_top < 0 else dev_top, parts, sh, pool_bits, 0)
+        cached = _usable(full, parts, sh, pool_bits, 3)
+        kv = 0  # the main tree's own match, over any tier: what an index counting KV alone says
+        for v, ln in main_runs:
+            if _code(v, sh, pool_bits) == ABSENT:
+                break
+            kv += ln
         split = [0, 0, 0, 0]
         for start, ln, c in coded:
             if start >= cached:

@@ -357,7 +357,7 @@ class ReferenceIndex:
             return max(L for L in range(len(idents) + 1) if all(tier(g, idents[i]) <= limit for g, i in needs(L)))
 
         kv = 0
-        while kv < len(idents) and all(tier(g, idents[kv]) < 4 for g in full):
+        while kv < len(idents) and tier(None, idents[kv]) < 4:  # the main tree alone
             kv += 1
         cached = usable(3)
         split = [0, 0, 0, 0]
