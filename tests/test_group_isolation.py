@@ -176,3 +176,35 @@ def test_groups_per_worker_are_capped_and_counted() -> None:
         assert not st.drops
         ix.remove_worker(M, "flood")
         assert set(ix._models[M].groups.classes) == {(1, 1, 5), (2, 1, 5)}  # the honest worker's only
+
+
+def test_a_hostile_layout_costs_a_score_linear_work(monkeypatch) -> None:
+    """Issue 24 item 7: the usable-prefix search reads each block of each group at most once per tier
+    limit, whatever the residency pattern — here 15 sliding-window groups holding every block and a
+    Mamba group with one state at block 0, which used to re-run the window checks at every depth
+    (seconds for a 480k-token query). Counted in tier look-ups, not wall time."""
+    import indexer.core.groupscore as gs
+
+    n = 300
+    toks = [1 + (i * 13) % 97 for i in range(n * BS)]
+    hs = list(range(1, n + 1))
+    evs: list = [BlockStored(hs, None, toks, BS, None, "GPU")]
+    evs += [BlockStored(hs, None, toks, BS, None, "GPU", group_idx=g, kv_cache_spec_kind="sliding_window",
+                        kv_cache_spec_sliding_window=64 + g) for g in range(1, 16)]
+    evs.append(BlockStored(hs[:1], None, toks[:BS], BS, None, "GPU", group_idx=16, kv_cache_spec_kind="mamba"))
+    calls = [0]
+    real = gs._code
+
+    def counted(r: int, sh: int, pool_bits: int) -> int:
+        calls[0] += 1
+        return real(r, sh, pool_bits)
+
+    monkeypatch.setattr(gs, "_code", counted)
+    for native in (True, False):
+        ix = KVIndex(native=native)
+        ix.ensure_model(M, BS)
+        ix.apply(M, "evil", 0, KVEventBatch(0.0, evs))
+        calls[0] = 0
+        s = ix.score(M, toks).workers[0]
+        assert (s.device_blocks, s.cached_blocks, s.kv_blocks) == (1, 1, n)
+        assert calls[0] <= 2 * 17 * n + 4 * n, calls[0]  # two limits x (16 groups + the KV) x n, and the split

@@ -37,35 +37,41 @@ def _code(r: int, sh: int, pool_bits: int) -> int:
 
 def _usable(top: int, parts: list[tuple[int, int | None, list[int]]], sh: int, pool_bits: int, limit: int) -> int:
     """Largest L <= top (the full-attention prefix) at which every sliding-window / Mamba group
-    validates an end with tiers <= limit (0: the GPU alone; 3: any tier). L = 0 always."""
-    verified: list[int | None] = [None] * len(parts)  # per SWA group: blocks [v, >= L-1] known good
+    validates an end with tiers <= limit (0: the GPU alone; 3: any tier). L = 0 always.
+
+    L only goes down, so each group reads each block at most once: a sliding-window group keeps the
+    lowest block `good[k]` of the run it verified below the current L, a Mamba group scans down to
+    its next state. Cost: O(blocks x groups) per worker whatever the residency pattern (a hostile
+    layout cannot make a score quadratic)."""
+    good: list[int] = [top] * len(parts)  # per SWA group: blocks [good[k], L) are known to qualify
     L = top
-    while L > 0:
+    moved = True
+    while moved and L > 0:
+        moved = False
         for k, (kind, span, vals) in enumerate(parts):
             if kind == MAMBA:
-                if _code(vals[L - 1], sh, pool_bits) > limit:
-                    L -= 1
-                    break
+                j = L - 1
+                while j >= 0 and _code(vals[j], sh, pool_bits) > limit:
+                    j -= 1
+                if j + 1 < L:
+                    L = j + 1
+                    moved = True
+                    if not L:
+                        return 0
                 continue
             lo = 0 if span is None else max(0, L - span)
-            v = verified[k]
-            hi = L - 1 if v is None else min(L - 1, v - 1)
-            if hi >= lo:
-                seg = vals[lo : hi + 1]
-                bad = {x for x in set(seg) if _code(x, sh, pool_bits) > limit}
-                if bad:
-                    j = hi
-                    while seg[j - lo] not in bad:
-                        j -= 1
-                    while j and _code(vals[j - 1], sh, pool_bits) > limit:
-                        j -= 1  # the whole bad run: no end above its first block can use it
-                    verified[k] = None
-                    L = j
-                    break
-            verified[k] = lo if v is None else min(v, lo)
-        else:
-            return L
-    return 0
+            j = min(good[k], L) - 1
+            while j >= lo and _code(vals[j], sh, pool_bits) <= limit:
+                j -= 1
+            if j >= lo:  # block j fails: no end in (j, j + span] can use it, and L is below j + span
+                L = j
+                good[k] = j
+                moved = True
+                if not L:
+                    return 0
+            else:
+                good[k] = j + 1
+    return L
 
 
 def score_groups(m: ModelState, keys: list[int], weights: TierWeights, slots: list[WorkerState]) -> list[WorkerScore]:
