@@ -17,6 +17,7 @@ from indexer.core import native as native_core
 from indexer.index import ApplyStats, KVIndex, RankLimits
 from schemas.batchhead import read_head
 from indexer.core.apply import decode_or_drop
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 pytestmark = pytest.mark.skipif(not native_core.available(), reason="native accelerator not built")
 
@@ -91,8 +92,29 @@ def _event(rng: random.Random, pool: list, blocks: list[list[int]]) -> object:
     return ev
 
 
+_FIELDS = {t: [f for f in cls.__struct_fields__] for t, cls in (
+    ("BlockStored", BlockStored), ("BlockRemoved", BlockRemoved), ("AllBlocksCleared", AllBlocksCleared))}
+
+
+def _positional(rng: random.Random, ev: object) -> object:
+    """A map event in vLLM's array-like form: the tag, then the fields in declaration order (trailing
+    absent ones omitted, sometimes written as nil, sometimes followed by extra elements)."""
+    if not isinstance(ev, dict) or ev.get("type") not in _FIELDS or set(ev) - {"type", *_FIELDS[ev["type"]]}:
+        return ev
+    names = _FIELDS[ev["type"]]
+    vals = [ev.get(f) for f in names]
+    last = max((i for i, f in enumerate(names) if f in ev), default=-1)
+    keep = len(names) if rng.random() < 0.2 else last + 1 + rng.randint(0, 1)
+    out = [ev["type"], *vals[:keep]]
+    if rng.random() < 0.1:
+        out += [rng.choice([None, 7, "x", [1, {"y": 2}]])]  # past the declared fields: ignored
+    return out
+
+
 def _payload(rng: random.Random, pool: list, blocks: list[list[int]]) -> bytes:
     events = [_event(rng, pool, blocks) for _ in range(rng.randint(0, 5))]
+    if rng.random() < 0.35:  # the whole batch in the array-like form (vLLM before maps, Dynamo)
+        events = [_positional(rng, ev) for ev in events]
     r = rng.random()
     if r < 0.03:
         batch: list = [0, events]
@@ -269,3 +291,50 @@ def test_rank_from_batch_cases() -> None:
     assert ("h", 5) not in ix.workers(MODEL)
     bad = ix.apply_payload(MODEL, "z", 0, b"\xc1", rank_from_batch=True)
     assert (bad.dp_rank, bad.drops) == (None, {"decode_malformed": 1})
+
+
+def test_array_like_events_take_the_fast_path_like_maps() -> None:
+    """vLLM's array-like tagged events (`["BlockStored", hashes, parent, tokens, block_size, lora_id,
+    medium, lora_name]`, every event tag, int and bytes hashes, group fields of group 0) are walked
+    in C exactly as their map twins; what the walk declines is counted with its reason."""
+    nat = native_core.select(True)
+    enc = msgspec.msgpack.encode
+    H = b"\x05" * 32
+    maps = [
+        {"type": "BlockStored", "block_hashes": [11, H], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+         "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None},
+        {"type": "BlockStored", "block_hashes": [13], "parent_block_hash": H, "token_ids": [5, 6], "block_size": BS,
+         "lora_id": None, "medium": "cpu", "lora_name": None, "cache_salt": None, "session_id": None,
+         "extra_keys": None, "group_idx": 0, "kv_cache_spec_kind": "full_attention"},
+        {"type": "BlockRemoved", "block_hashes": [11, 99], "medium": "GPU", "group_idx": 0},
+        {"type": "AllBlocksCleared"},
+        {"type": "BlockStored", "block_hashes": [-5], "parent_block_hash": None, "token_ids": [7, 8], "block_size": BS},
+    ]
+    arrays = [[e["type"], *[v for k, v in e.items() if k != "type"]] for e in maps]  # written in declaration order
+    arrays[3] = ["AllBlocksCleared"]
+    results = []
+    for events in (maps, arrays):
+        ix = KVIndex(native=True)
+        ix.ensure_model(MODEL, BS)
+        w = ix._models[MODEL].worker("a", 0)
+        m = ix._models[MODEL]
+        res = nat.apply_msgpack(enc([1.0, events]), w.ext, m.nodes, None, w.shift, BS, m.seed0, 1000)
+        assert res is not None  # the C walk took the whole batch
+        results.append((res, sorted(m.nodes.items(), key=repr), sorted(w.ext.items(), key=repr)))
+    assert results[0] == results[1]
+    before = nat.declines()
+    for events, reason in (([arrays[0], maps[0]], "mixed_forms"),
+                           ([["BlockStored", [1], None, [1, 2], BS, None, "GPU", "lora-x"]], "lora_or_salt"),
+                           ([["BlockStored", [1], None, [1, 2], BS, None, "GPU", None, None, None, None, 1, "mamba"]], "group"),
+                           ([["BlockRemoved", [1], "GPU", 2]], "group"),
+                           ([["BlockStored", [1], None, [1, 2]]], "malformed"),
+                           ([{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2],
+                              "block_size": BS, "vendor": 1}], "unknown_field")):
+        ix = KVIndex(native=True)
+        ix.ensure_model(MODEL, BS)
+        w = ix._models[MODEL].worker("a", 0)
+        m = ix._models[MODEL]
+        assert nat.apply_msgpack(enc([1.0, events]), w.ext, m.nodes, None, w.shift, BS, m.seed0, 1000) is None
+        after = nat.declines()
+        assert after[reason] == before[reason] + 1, reason
+        before = after
