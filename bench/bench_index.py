@@ -18,6 +18,8 @@ Hybrid row (`--hybrid-only` runs just it): a vLLM-shaped hybrid stream (full-att
 sliding-window group 1 with its out-of-window removes, Mamba group 2 with a state every 64 blocks)
 against the same stream's full-attention events alone, in one run: apply blocks/s and lookup µs of
 the usable-prefix scoring as ratios to the full-attention-only index (Dynamo has no hybrid scoring).
+Shapes row (`--shapes-only`): the main workload's ingest in the map shape and in vLLM's array-like
+tagged-event shape (same content), alternated in one process, with the C walk's decline counts.
 """
 from __future__ import annotations
 
@@ -320,6 +322,49 @@ def run_hybrid(scale: float) -> None:
           + " | ".join(f"{int(n) // 1024}k {hl[n] / fl[n]:.2f}x" for n in fl))
 
 
+def array_like(payload: bytes) -> bytes:
+    """The same batch with vLLM's array-like tagged events: the tag, then the fields in declaration
+    order up to the last one present (what vLLM sent before its map encoding)."""
+    from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    fields = {c.__name__: c.__struct_fields__ for c in (BlockStored, BlockRemoved, AllBlocksCleared)}
+    ts, events, *rest = msgspec.msgpack.decode(payload)
+    out = []
+    for ev in events:
+        names = fields[ev["type"]]
+        last = max((i for i, f in enumerate(names) if f in ev), default=-1)
+        out.append([ev["type"], *(ev.get(f) for f in names[: last + 1])])
+    return msgspec.msgpack.encode([ts, out, *rest])
+
+
+def run_shapes(scale: float, reps: int) -> None:
+    """Ingest rate of the main workload in the map shape (SGLang, vLLM 0.33) and in vLLM's array-like
+    shape, same content, alternated in one process (issue 22: within 10%)."""
+    from indexer.core import native
+    from indexer.index import KVIndex
+
+    wl = build(scale)
+    shapes = {"map": wl.batches, "array": [(w, array_like(p)) for w, p in wl.batches]}
+    names = [f"w{w}" for w in range(W)]
+    best = {k: float("inf") for k in shapes}
+    before = native.declines()
+    for _ in range(reps):
+        for kind, batches in shapes.items():
+            gc.collect()
+            ix = KVIndex()
+            ix.ensure_model("m", BS)
+            t0 = time.perf_counter()
+            for w, payload in batches:
+                ix.apply_payload("m", names[w], 0, payload)
+            best[kind] = min(best[kind], time.perf_counter() - t0)
+    after = native.declines()
+    declined = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    for kind, dt in best.items():
+        print(f"shape {kind:5s}: apply {wl.stored_blocks / dt / 1e3:7.0f}k blocks/s ({dt:.2f}s, best of {reps})")
+    print(f"ratio array / map (same run): {best['map'] / best['array']:.2f}x (target >= 0.9) | "
+          f"C walk declines: {declined or 'none'}")
+
+
 def child(kind: str, path: str, out: str, reps: int) -> None:
     wl = msgspec.msgpack.decode(Path(path).read_bytes(), type=Workload)
     if kind == "dynamo":
@@ -336,9 +381,13 @@ def main() -> None:
     ap.add_argument("--no-pure", action="store_true", help="skip the pure-Python reference core")
     ap.add_argument("--child", nargs=3, metavar=("KIND", "WORKLOAD", "OUT"))
     ap.add_argument("--hybrid-only", action="store_true", help="only the hybrid scoring row")
+    ap.add_argument("--shapes-only", action="store_true", help="only the map vs array-like event shape ingest row")
     args = ap.parse_args()
     if args.child:
         child(*args.child, reps=max(1, args.reps))
+        return
+    if args.shapes_only:
+        run_shapes(args.scale, max(1, args.reps))
         return
     if args.hybrid_only:
         run_hybrid(args.scale)
