@@ -275,13 +275,14 @@ class KVIndex:
         return score_keys(m, keys, self.weights, wl)
 
     def _score_mixed(self, m: Any, keys: list[int], hybrid: list[WorkerState], plain: list[tuple[str, int]]) -> ScoreResult:
-        """Workers with groups score usable prefixes (pure core); the others as full-attention ones,
-        in C where it serves: each row is what that worker's own events make of it."""
+        """Workers with groups score usable prefixes, the others as full-attention ones, each in C where
+        it serves (else the pure core): each row is what that worker's own events make of it."""
         rows: list[WorkerScore] = []
         if plain:
             res = self._accel.score(m, keys, None, 0, self.weights, plain) if self._accel is not None else None
             rows = (res if res is not None else score_keys(m, keys, self.weights, plain)).workers
-        rows += score_groups(m, keys, self.weights, hybrid)
+        got = self._accel.hybrid_rows(m, keys, self.weights, hybrid) if self._accel is not None else None
+        rows += got if got is not None else score_groups(m, keys, self.weights, hybrid)
         rows.sort(key=rank_key)
         return ScoreResult(query_blocks=len(keys), block_size=m.block_size, workers=rows)
 

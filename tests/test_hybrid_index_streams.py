@@ -323,3 +323,18 @@ def test_kv_blocks_is_the_full_attention_match_whatever_the_usable_prefix(ix, fe
     if shape == "other_worker_full_group":  # another worker's layout has a second full group: not w's
         feed(ix, "x", [stored(h, [0], 0, "full_attention"), stored(h, [0], 3, "full_attention")])
     assert row(ix)[:3] == (0, 0, 6)
+
+
+def test_native_index_scores_hybrid_workers_in_c(monkeypatch) -> None:
+    """With the accelerator, hybrid rows come from the C walk (hybrid_rows), not the pure core's."""
+    import indexer.index as index_mod
+
+    def boom(*a, **kw):
+        raise AssertionError("pure usable-prefix scoring used on the native index")
+
+    monkeypatch.setattr(index_mod, "score_groups", boom)
+    ix = make("native")
+    h = ids("int")
+    ix.apply(M, "w", 0, KVEventBatch(0.0, [stored(h, range(6), 0, "full_attention"), stored(h, [3], 1, "mamba")]))
+    ix.register_worker(M, "plain")
+    assert row(ix)[:3] == (4, 4, 6)

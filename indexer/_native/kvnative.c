@@ -1291,6 +1291,9 @@ static int slots_of(PyObject *slotso, Py_ssize_t **out) {
     return 0;
 }
 
+/* Usable-prefix rows of hybrid workers (groupscore.py's twin): groups_walk.c. */
+#include "groups_walk.c"
+
 /* Ranked result rows: score like scoring.score_keys, sort best first by (-score, -cached, rank) where
  * rank = position in the caller's (worker_id, dp_rank)-sorted list, and build the WorkerScore objects. */
 typedef struct { double score; Py_ssize_t idx; } Ranked;
@@ -2376,6 +2379,8 @@ static PyMethodDef module_methods[] = {
     {"msgpack_body_u32", py_msgpack_body_u32, METH_VARARGS, "u32 tokens and their span from a whole msgpack request body"},
     {"msgpack_u32_array", py_msgpack_u32_array, METH_VARARGS, "u32 tokens from a raw msgpack int array"},
     {"wire_tables", py_wire_tables, METH_NOARGS, "the generated wire tables this module was built with"},
+    {"hybrid_rows", (PyCFunction)(void (*)(void))py_hybrid_rows, METH_FASTCALL,
+     "usable-prefix rows (dev, cached, kv, gpu, host, disk, shared) of workers with a hybrid layout"},
     {"declines", py_declines, METH_NOARGS, "payloads the whole-batch walk declined since import, per reason"},
     {NULL, NULL, 0, NULL},
 };

@@ -164,6 +164,34 @@ class Accelerator:
             return None
         return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
 
+    def hybrid_rows(
+        self, m: ModelState, keys: list[int], weights: TierWeights, ws: list[WorkerState],
+    ) -> list[WorkerScore] | None:
+        """`groupscore.score_groups` in one C call (`hybrid_rows`): the usable-prefix rows of workers
+        with a hybrid layout, unranked; None when the C call cannot judge the input (the pure core does)."""
+        groups: list[tuple[int, int, Any]] = []
+        at: dict[int, int] = {}
+        layouts = []
+        for w in ws:
+            idx = []
+            for g in w.layout.groups.values():
+                i = at.get(id(g))
+                if i is None:
+                    i = at[id(g)] = len(groups)
+                    groups.append((g.kind, -1 if g.span is None else g.span, g.nodes))
+                idx.append(i)
+            layouts.append(tuple(idx))
+        res = self.mod.hybrid_rows(m.nodes, keys, groups, layouts, [w.slot for w in ws])
+        if res is None:
+            return None
+        bs = m.block_size
+        wg, wh, wd, wsh = weights.as_tuple()
+        return [
+            WorkerScore(w.worker_id, w.dp_rank, dev, cached, {"gpu": g, "host": h, "disk": d, "shared": sh},
+                        float(bs * (g * wg + h * wh + d * wd + sh * wsh)), kv)
+            for w, (dev, cached, kv, g, h, d, sh) in zip(ws, res)
+        ]
+
     def score_table(
         self, m: ModelState, tokens: object, seed: int, weights: TierWeights, workers: list[tuple[str, int]] | None,
     ) -> ScoreTable | None:

@@ -1,0 +1,206 @@
+/* Usable-prefix rows of workers with a hybrid layout (twin of indexer/core/groupscore.py), included
+ * by kvnative.c. The rule, held to the pure core by the hybrid, isolation and sharded suites:
+ * for a depth L every full-attention group of the worker's layout (its main tree included) holds
+ * blocks [0, L), every sliding-window group the last `span` blocks before L (all of them without a
+ * window), every Mamba group a state at block L - 1; L = 0 always. device = usable on the GPU alone,
+ * cached = usable with any tier (the shared pool included); kv = the main tree's own match; each block
+ * of the cached prefix costs the most expensive of the cheapest tiers of the groups that need it.
+ *
+ * hybrid_rows(main, keys, groups, layouts, slots) -> [(dev, cached, kv, gpu, host, disk, shared), ...]
+ *   main: a U64Map or a tuple of them (a worker-sharded index: slot s is shard s % n's worker s / n);
+ *   keys: the query's chained keys (ints in [1, 2^64), else None: the pure core judges);
+ *   groups: [(kind 0 full / 1 sliding / 2 mamba, span or -1 for none, nodes as main: an empty dict
+ *           standing for a shard without the group)];
+ *   layouts: per worker a tuple of indices into groups; slots: per worker its slot.
+ * The tables are only read, with the GIL held throughout (nothing can change them meanwhile). */
+
+enum { HK_FULL = 0, HK_SWA = 1, HK_MAMBA = 2, H_ABSENT = 4 };
+
+typedef struct {
+    int kind;
+    Py_ssize_t span;               /* -1: every block before L */
+    const uint64_t **v;            /* [block * nm + shard]: that shard's value, or NULL */
+    int *width;                    /* [shard]: its table's width */
+    unsigned char *pool;           /* [block]: some shard's value holds a shared-pool bit */
+} HTab;
+
+/* The tables of `o` (a U64Map, or a tuple of them / empty dicts) into ms; 0 ok, 1 not a shape we take. */
+static int h_tables(PyObject *o, Py_ssize_t nm, U64Map **ms) {
+    if (PyObject_TypeCheck(o, &U64MapType)) {
+        if (nm != 1) return 1;
+        ms[0] = (U64Map *)o;
+        return 0;
+    }
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != nm) return 1;
+    for (Py_ssize_t t = 0; t < nm; t++) {
+        PyObject *x = PyTuple_GET_ITEM(o, t);
+        if (PyObject_TypeCheck(x, &U64MapType)) ms[t] = (U64Map *)x;
+        else if (PyDict_CheckExact(x) && PyDict_GET_SIZE(x) == 0) ms[t] = NULL;
+        else return 1;
+    }
+    return 0;
+}
+
+/* Fill a table's values for blocks [0, n). */
+static void h_fill(HTab *h, U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py_ssize_t n) {
+    for (Py_ssize_t t = 0; t < nm; t++) h->width[t] = ms[t] ? ms[t]->width : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int pool = 0;
+        for (Py_ssize_t t = 0; t < nm; t++) {
+            const uint64_t *v = NULL;
+            if (ms[t]) {
+                if (i + 4 < n) pf_slot(ms[t], keys[i + 4]);
+                int f;
+                Py_ssize_t j = find(ms[t], keys[i], &f);
+                if (f) {
+                    v = VALS(ms[t], j);
+                    for (int w = 0; w < ms[t]->width; w++) if (v[w] & POOL_BITS) pool = 1;
+                }
+            }
+            h->v[i * nm + t] = v;
+        }
+        h->pool[i] = (unsigned char)pool;
+    }
+}
+
+/* The cheapest tier (0 gpu .. 3 shared pool) of block i for the worker at slot s, H_ABSENT if none. */
+static inline int h_code(const HTab *h, Py_ssize_t nm, Py_ssize_t i, Py_ssize_t s) {
+    Py_ssize_t t = s % nm, l = s / nm, word = l >> 4;
+    const uint64_t *v = h->v[i * nm + t];
+    int nib = v && word < h->width[t] ? (int)((v[word] >> (4 * (l & 15))) & 0x7) : 0;
+    if (nib) return (nib & 1) ? 0 : (nib & 2) ? 1 : 2;
+    return h->pool[i] ? 3 : H_ABSENT;
+}
+
+/* Largest L <= top at which every sliding-window / Mamba group of the layout validates an end with
+ * tiers <= limit (groupscore._usable: each group reads each block at most once; good[] is scratch). */
+static Py_ssize_t h_usable(Py_ssize_t top, const HTab *tabs, const Py_ssize_t *parts, Py_ssize_t np,
+                           Py_ssize_t nm, Py_ssize_t s, int limit, Py_ssize_t *good) {
+    for (Py_ssize_t k = 0; k < np; k++) good[k] = top;
+    Py_ssize_t L = top;
+    int moved = 1;
+    while (moved && L > 0) {
+        moved = 0;
+        for (Py_ssize_t k = 0; k < np; k++) {
+            const HTab *h = &tabs[parts[k]];
+            if (h->kind == HK_MAMBA) {
+                Py_ssize_t j = L - 1;
+                while (j >= 0 && h_code(h, nm, j, s) > limit) j--;
+                if (j + 1 < L) { L = j + 1; moved = 1; if (!L) return 0; }
+                continue;
+            }
+            Py_ssize_t lo = h->span < 0 ? 0 : (L - h->span > 0 ? L - h->span : 0);
+            Py_ssize_t j = (good[k] < L ? good[k] : L) - 1;
+            while (j >= lo && h_code(h, nm, j, s) <= limit) j--;
+            if (j >= lo) { L = j; good[k] = j; moved = 1; if (!L) return 0; }
+            else good[k] = j + 1;
+        }
+    }
+    return L;
+}
+
+static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "hybrid_rows takes 5 positional arguments"); return NULL; }
+    PyObject *maino = args[0], *keys = args[1], *groupso = args[2], *layouts = args[3], *slotso = args[4];
+    if (!PyList_Check(keys) || !PyList_Check(groupso) || !PyList_Check(layouts) || !PyList_Check(slotso) ||
+        PyList_GET_SIZE(layouts) != PyList_GET_SIZE(slotso))
+        Py_RETURN_NONE;
+    Py_ssize_t nm = PyTuple_Check(maino) ? PyTuple_GET_SIZE(maino) : 1;
+    Py_ssize_t ng = PyList_GET_SIZE(groupso) + 1, nw = PyList_GET_SIZE(slotso); /* table 0: the main tree */
+    if (nm < 1 || nm > MAX_SLOT) Py_RETURN_NONE;
+    PyObject *out = NULL;
+    uint64_t *k = NULL;
+    Py_ssize_t *slot = NULL, *good = NULL, *parts = NULL, *fulls = NULL;
+    unsigned char *tier = NULL;
+    U64Map **ms = PyMem_RawCalloc((size_t)nm, sizeof(U64Map *));
+    HTab *tabs = PyMem_RawCalloc((size_t)ng, sizeof(HTab));
+    if (!ms || !tabs) { PyErr_NoMemory(); goto done; }
+    int rc = keys_u64(keys, &k);
+    if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
+    if (slots_of(slotso, &slot) < 0) goto done;
+    Py_ssize_t nk = PyList_GET_SIZE(keys);
+    /* the main tree's walk: no worker holds KV past the first block no shard holds */
+    if (h_tables(maino, nm, ms)) { out = Py_None; Py_INCREF(out); goto done; }
+    Py_ssize_t n = 0;
+    for (; n < nk; n++) {
+        int any = 0, f;
+        for (Py_ssize_t t = 0; t < nm && !any; t++) if (ms[t]) { find(ms[t], k[n], &f); any = f; }
+        if (!any) break;
+    }
+    Py_ssize_t cap = n ? n : 1;
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        HTab *h = &tabs[g];
+        h->v = PyMem_RawMalloc((size_t)(cap * nm) * sizeof(uint64_t *));
+        h->width = PyMem_RawCalloc((size_t)nm, sizeof(int));
+        h->pool = PyMem_RawMalloc((size_t)cap);
+        if (!h->v || !h->width || !h->pool) { PyErr_NoMemory(); goto done; }
+        if (g) {
+            PyObject *e = PyList_GET_ITEM(groupso, g - 1);
+            if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3 || !PyLong_CheckExact(PyTuple_GET_ITEM(e, 0)) ||
+                !PyLong_CheckExact(PyTuple_GET_ITEM(e, 1)) || h_tables(PyTuple_GET_ITEM(e, 2), nm, ms)) {
+                out = Py_None; Py_INCREF(out); goto done;
+            }
+            long kind = PyLong_AsLong(PyTuple_GET_ITEM(e, 0));
+            Py_ssize_t span = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 1));
+            if (PyErr_Occurred()) { PyErr_Clear(); out = Py_None; Py_INCREF(out); goto done; }
+            if (kind < HK_FULL || kind > HK_MAMBA || span < -1) { out = Py_None; Py_INCREF(out); goto done; }
+            h->kind = (int)kind;
+            h->span = span;
+        } else {
+            h->kind = HK_FULL;
+            h->span = -1;
+        }
+        h_fill(h, ms, nm, k, n);
+    }
+    good = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
+    parts = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
+    fulls = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
+    tier = PyMem_RawMalloc((size_t)cap);
+    PyObject *lst = PyList_New(nw);
+    if (!good || !parts || !fulls || !tier || !lst) { Py_XDECREF(lst); if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t w = 0; w < nw; w++) {
+        PyObject *lay = PyList_GET_ITEM(layouts, w);
+        if (!PyTuple_Check(lay)) { Py_DECREF(lst); out = Py_None; Py_INCREF(out); goto done; }
+        Py_ssize_t nf = 1, np = 0, s = slot[w];
+        fulls[0] = 0;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(lay); j++) {
+            PyObject *gi = PyTuple_GET_ITEM(lay, j);
+            Py_ssize_t g = PyLong_CheckExact(gi) ? PyLong_AsSsize_t(gi) + 1 : -1;
+            if (g < 1 || g >= ng || nf + np >= ng) { PyErr_Clear(); Py_DECREF(lst); out = Py_None; Py_INCREF(out); goto done; }
+            if (tabs[g].kind == HK_FULL) fulls[nf++] = g;
+            else parts[np++] = g;
+        }
+        /* every full-attention group's tier per block (the most expensive of their cheapest), the
+         * full prefix, the first block not all on the GPU, and the main tree's own match */
+        Py_ssize_t full = n, dev_top = -1, kv = n;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int c = 0;
+            for (Py_ssize_t f = 0; f < nf; f++) { int x = h_code(&tabs[fulls[f]], nm, i, s); if (x > c) c = x; }
+            if (c == H_ABSENT) { full = i; break; }
+            if (c && dev_top < 0) dev_top = i;
+            tier[i] = (unsigned char)c;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) if (h_code(&tabs[0], nm, i, s) == H_ABSENT) { kv = i; break; }
+        Py_ssize_t dev = h_usable(dev_top < 0 ? full : dev_top, tabs, parts, np, nm, s, 0, good);
+        Py_ssize_t cached = h_usable(full, tabs, parts, np, nm, s, 3, good);
+        for (Py_ssize_t q = 0; q < np && cached; q++) { /* the blocks a group needs at `cached` */
+            const HTab *h = &tabs[parts[q]];
+            Py_ssize_t lo = h->kind == HK_MAMBA ? cached - 1 : h->span < 0 ? 0 : (cached - h->span > 0 ? cached - h->span : 0);
+            for (Py_ssize_t i = lo; i < cached; i++) {
+                int x = h_code(h, nm, i, s);
+                if (x > tier[i]) tier[i] = (unsigned char)x;
+            }
+        }
+        Py_ssize_t sp[4] = {0, 0, 0, 0};
+        for (Py_ssize_t i = 0; i < cached; i++) sp[tier[i]]++;
+        PyObject *row = Py_BuildValue("(nnnnnnn)", dev, cached, kv, sp[0], sp[1], sp[2], sp[3]);
+        if (!row) { Py_DECREF(lst); goto done; }
+        PyList_SET_ITEM(lst, w, row);
+    }
+    out = lst;
+done:
+    if (tabs) for (Py_ssize_t g = 0; g < ng; g++) { PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); }
+    PyMem_RawFree(tabs); PyMem_RawFree(ms); PyMem_RawFree(k); PyMem_RawFree(slot);
+    PyMem_RawFree(good); PyMem_RawFree(parts); PyMem_RawFree(fulls); PyMem_RawFree(tier);
+    return out;
+}
