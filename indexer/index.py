@@ -266,7 +266,13 @@ class KVIndex:
         wl = list(workers) if workers is not None else None
         hybrid, plain = _split(m, wl)
         if hybrid:
-            return self._score_mixed(m, self._keys(m, token_ids, lora_name, cache_salt, extras), hybrid, plain)
+            if extras is None and type(token_ids) in _SEQ_TYPES:
+                res = self._score_mixed(m, None, token_ids, m.seed(lora_name, cache_salt), hybrid, plain)
+                if res is not None:
+                    return res
+            res = self._score_mixed(m, self._keys(m, token_ids, lora_name, cache_salt, extras), None, 0, hybrid, plain)
+            assert res is not None
+            return res
         if self._accel is not None and extras is None and type(token_ids) in _SEQ_TYPES:
             res = self._accel.score(m, None, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
             if res is not None:
@@ -274,15 +280,25 @@ class KVIndex:
         keys = self._keys(m, token_ids, lora_name, cache_salt, extras)
         return score_keys(m, keys, self.weights, wl)
 
-    def _score_mixed(self, m: Any, keys: list[int], hybrid: list[WorkerState], plain: list[tuple[str, int]]) -> ScoreResult:
-        """Workers with groups score usable prefixes, the others as full-attention ones, each in C where
-        it serves (else the pure core): each row is what that worker's own events make of it."""
-        rows: list[WorkerScore] = []
-        if plain:
-            res = self._accel.score(m, keys, None, 0, self.weights, plain) if self._accel is not None else None
-            rows = (res if res is not None else score_keys(m, keys, self.weights, plain)).workers
-        got = self._accel.hybrid_rows(m, keys, self.weights, hybrid) if self._accel is not None else None
-        rows += got if got is not None else score_groups(m, keys, self.weights, hybrid)
+    def _score_mixed(
+        self, m: Any, keys: list[int] | None, tokens: object, seed: int, hybrid: list[WorkerState],
+        plain: list[tuple[str, int]] | None,
+    ) -> ScoreResult | None:
+        """Workers with groups score usable prefixes, the others as full-attention ones, in C where it
+        serves (else the pure core): each row is what that worker's own events make of it. Keys come
+        hashed from `tokens` when `keys` is None; then None when the C calls cannot judge them."""
+        accel = self._accel
+        if accel is not None:
+            got = accel.hybrid_rows(m, keys, tokens, seed, self.weights, hybrid)
+            res = accel.score(m, keys, tokens, seed, self.weights, plain) if got is not None and plain else None
+            if got is not None and (res is not None or not plain):
+                rows = got[1] + (res.workers if res is not None else [])
+                rows.sort(key=rank_key)
+                return ScoreResult(query_blocks=got[0], block_size=m.block_size, workers=rows)
+        if keys is None:
+            return None
+        rows = score_keys(m, keys, self.weights, plain).workers if plain else []
+        rows += score_groups(m, keys, self.weights, hybrid)
         rows.sort(key=rank_key)
         return ScoreResult(query_blocks=len(keys), block_size=m.block_size, workers=rows)
 
@@ -317,7 +333,9 @@ class KVIndex:
         wl = list(workers) if workers is not None else None
         hybrid, plain = _split(m, wl)
         if hybrid:
-            return self._score_mixed(m, keys, hybrid, plain)
+            res = self._score_mixed(m, keys if type(keys) is list else list(keys), None, 0, hybrid, plain)
+            assert res is not None
+            return res
         if self._accel is not None and type(keys) is list:
             res = self._accel.score(m, keys, None, 0, self.weights, wl)
             if res is not None:

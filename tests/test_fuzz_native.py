@@ -419,7 +419,7 @@ def test_hybrid_rows_declines_odd_arguments() -> None:
     for k in (5, 6, 7):
         main[k] = 0b1
         g[k] = 0b1
-    ok = N.hybrid_rows(main, [5, 6, 7], [(2, -1, g)], [(0,)], [0])
+    ok = N.hybrid_rows(main, [5, 6, 7], None, 0, 1, [(2, -1, g)], [(0,)], [0])[1]
     assert ok == [(3, 3, 3, 3, 0, 0, 0)]
     odd = [
         (main, [5, 0], [(2, -1, g)], [(0,)], [0]),           # key 0: the pure core's
@@ -440,17 +440,19 @@ def test_hybrid_rows_declines_odd_arguments() -> None:
         (main, (5,), [(1, 1, g)], [(0,)], [0]),
         (main, [5], [(1, 1, g)], [(0,), (0,)], [0]),         # layouts and slots disagree
     ]
-    for args in odd:
-        assert N.hybrid_rows(*args) is None, args
+    for main_, keys, groups, layouts, slots in odd:
+        assert N.hybrid_rows(main_, keys, None, 0, 1, groups, layouts, slots) is None
+    for toks, seed, bs in (([1, 2], "s", 1), ([1, 2], 0, 0), (None, 0, 1), (["x"], 0, 1), ([1.5], 0, 1)):
+        assert N.hybrid_rows(main, None, toks, seed, bs, [(2, -1, g)], [(0,)], [0]) is None
     for slots in ([-1], [2**62], [1 << 20]):
         with pytest.raises((ValueError, OverflowError)):
-            N.hybrid_rows(main, [5], [(2, -1, g)], [(0,)], slots)
+            N.hybrid_rows(main, [5], None, 0, 1, [(2, -1, g)], [(0,)], slots)
     with pytest.raises(TypeError):
         N.hybrid_rows(main, [5])
     # shards: slot s is shard s % 2's worker s // 2; an empty dict stands for a shard without the group
     other = N.U64Map()
     other[5] = 0b10
-    assert N.hybrid_rows((main, other), [5, 6], [(0, -1, (g, {}))], [(0,), ()], [0, 1]) == [
+    assert N.hybrid_rows((main, other), [5, 6], None, 0, 1, [(0, -1, (g, {}))], [(0,), ()], [0, 1])[1] == [
         (2, 2, 2, 2, 0, 0, 0), (0, 1, 1, 0, 1, 0, 0)]
 
 

@@ -6,9 +6,11 @@
  * cached = usable with any tier (the shared pool included); kv = the main tree's own match; each block
  * of the cached prefix costs the most expensive of the cheapest tiers of the groups that need it.
  *
- * hybrid_rows(main, keys, groups, layouts, slots) -> [(dev, cached, kv, gpu, host, disk, shared), ...]
+ * hybrid_rows(main, keys|None, tokens|None, seed, block_size, groups, layouts, slots)
+ *   -> (query blocks, [(dev, cached, kv, gpu, host, disk, shared), ...]), or None: the pure core judges
  *   main: a U64Map or a tuple of them (a worker-sharded index: slot s is shard s % n's worker s / n);
- *   keys: the query's chained keys (ints in [1, 2^64), else None: the pure core judges);
+ *   keys: the query's chained keys (ints in [1, 2^64)), or None and the tokens hashed here from seed
+ *         as score_rows hashes them;
  *   groups: [(kind 0 full / 1 sliding / 2 mamba, span or -1 for none, nodes as main: an empty dict
  *           standing for a shard without the group)];
  *   layouts: per worker a tuple of indices into groups; slots: per worker its slot.
@@ -100,9 +102,13 @@ static Py_ssize_t h_usable(Py_ssize_t top, const HTab *tabs, const Py_ssize_t *p
 }
 
 static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "hybrid_rows takes 5 positional arguments"); return NULL; }
-    PyObject *maino = args[0], *keys = args[1], *groupso = args[2], *layouts = args[3], *slotso = args[4];
-    if (!PyList_Check(keys) || !PyList_Check(groupso) || !PyList_Check(layouts) || !PyList_Check(slotso) ||
+    if (nargs != 8) { PyErr_SetString(PyExc_TypeError, "hybrid_rows takes 8 positional arguments"); return NULL; }
+    PyObject *maino = args[0], *keys = args[1], *toks = args[2], *seedo = args[3], *groupso = args[5],
+             *layouts = args[6], *slotso = args[7];
+    Py_ssize_t bs = PyLong_CheckExact(args[4]) ? PyLong_AsSsize_t(args[4]) : -1;
+    if (bs == -1 && PyErr_Occurred()) PyErr_Clear();
+    if ((keys != Py_None && !PyList_Check(keys)) || (keys == Py_None && (toks == Py_None || bs <= 0 || !PyLong_Check(seedo))) ||
+        !PyList_Check(groupso) || !PyList_Check(layouts) || !PyList_Check(slotso) ||
         PyList_GET_SIZE(layouts) != PyList_GET_SIZE(slotso))
         Py_RETURN_NONE;
     Py_ssize_t nm = PyTuple_Check(maino) ? PyTuple_GET_SIZE(maino) : 1;
@@ -115,10 +121,11 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
     U64Map **ms = PyMem_RawCalloc((size_t)nm, sizeof(U64Map *));
     HTab *tabs = PyMem_RawCalloc((size_t)ng, sizeof(HTab));
     if (!ms || !tabs) { PyErr_NoMemory(); goto done; }
-    int rc = keys_u64(keys, &k);
+    Py_ssize_t nk = 0;
+    int rc = keys != Py_None ? keys_u64(keys, &k) : tokens_keys(toks, seedo, bs, &k, &nk);
     if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
+    if (keys != Py_None) nk = PyList_GET_SIZE(keys);
     if (slots_of(slotso, &slot) < 0) goto done;
-    Py_ssize_t nk = PyList_GET_SIZE(keys);
     /* the main tree's walk: no worker holds KV past the first block no shard holds */
     if (h_tables(maino, nm, ms)) { out = Py_None; Py_INCREF(out); goto done; }
     Py_ssize_t n = 0;
@@ -197,7 +204,7 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         if (!row) { Py_DECREF(lst); goto done; }
         PyList_SET_ITEM(lst, w, row);
     }
-    out = lst;
+    out = Py_BuildValue("(nN)", nk, lst);
 done:
     if (tabs) for (Py_ssize_t g = 0; g < ng; g++) { PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); }
     PyMem_RawFree(tabs); PyMem_RawFree(ms); PyMem_RawFree(k); PyMem_RawFree(slot);

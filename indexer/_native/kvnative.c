@@ -1291,9 +1291,6 @@ static int slots_of(PyObject *slotso, Py_ssize_t **out) {
     return 0;
 }
 
-/* Usable-prefix rows of hybrid workers (groupscore.py's twin): groups_walk.c. */
-#include "groups_walk.c"
-
 /* Ranked result rows: score like scoring.score_keys, sort best first by (-score, -cached, rank) where
  * rank = position in the caller's (worker_id, dp_rank)-sorted list, and build the WorkerScore objects. */
 typedef struct { double score; Py_ssize_t idx; } Ranked;
@@ -1475,6 +1472,38 @@ static int u32_keys(PyObject *toks, uint64_t seed, Py_ssize_t bs, uint64_t **kou
     return 1;
 }
 
+/* The chained keys of a query's tokens (a u32 buffer hashed in place, else a list / tuple / int
+ * buffer): 0 ok (*kout owned by the caller), 1 a key is 0 or the tokens are not ints (the Python walk
+ * judges them), -1 error. */
+static int tokens_keys(PyObject *toks, PyObject *seedo, Py_ssize_t bs, uint64_t **kout, Py_ssize_t *nkout) {
+    uint64_t seed = PyLong_AsUnsignedLongLongMask(seedo);
+    if (seed == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    uint64_t *k = NULL;
+    Py_ssize_t nk = 0;
+    int zero = 0, rc = u32_keys(toks, seed, bs, &k, &nk, &zero);
+    if (rc < 0) return -1;
+    if (rc == 0) {
+        uint64_t *t = NULL;
+        Py_ssize_t n = tokens_u64(toks, &t);
+        if (n == -2) return -1;
+        if (n < 0) return 1;
+        nk = n / bs;
+        k = PyMem_RawMalloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+        uint64_t *cols = col_table(bs);
+        if (!k || !cols) { PyMem_RawFree(k); PyMem_RawFree(t); PyMem_RawFree(cols); PyErr_NoMemory(); return -1; }
+        for (Py_ssize_t j = 0; j < nk; j++) { seed = seed * P_MUL + block_digest(t + j * bs, bs, 0, cols); k[j] = seed; zero |= !seed; }
+        PyMem_RawFree(t);
+        PyMem_RawFree(cols);
+    }
+    if (zero) { PyMem_RawFree(k); return 1; } /* key 0: the Python walk judges it */
+    *kout = k;
+    *nkout = nk;
+    return 0;
+}
+
+/* Usable-prefix rows of hybrid workers (groupscore.py's twin): groups_walk.c. */
+#include "groups_walk.c"
+
 /* score_rows(nodes, keys|None, tokens|None, seed, block_size, slots, wids, ranks, weights, WorkerScore|None, names)
  *   -> (query_blocks, [WorkerScore best first]) | (query_blocks, packed rows: bytes) | None
  * With row type None the ranked rows come back packed (PRow, best first) for write_answer: no object per row.
@@ -1531,24 +1560,8 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
         if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } return out; }
         nk = PyList_GET_SIZE(keys);
     } else {
-        uint64_t seed = PyLong_AsUnsignedLongLongMask(seedo);
-        if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-        int zero = 0, rc = u32_keys(toks, seed, bs, &k, &nk, &zero);
-        if (rc < 0) return NULL;
-        if (rc == 0) {
-            uint64_t *t = NULL;
-            Py_ssize_t n = tokens_u64(toks, &t);
-            if (n == -2) return NULL;
-            if (n < 0) Py_RETURN_NONE;
-            nk = n / bs;
-            k = PyMem_RawMalloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
-            uint64_t *cols = col_table(bs);
-            if (!k || !cols) { PyMem_RawFree(t); PyMem_RawFree(cols); PyErr_NoMemory(); goto done; }
-            for (Py_ssize_t j = 0; j < nk; j++) { seed = seed * P_MUL + block_digest(t + j * bs, bs, 0, cols); k[j] = seed; zero |= !seed; }
-            PyMem_RawFree(t);
-            PyMem_RawFree(cols);
-        }
-        if (zero) { out = Py_None; Py_INCREF(out); goto done; } /* key 0: the Python walk judges it */
+        int rc = tokens_keys(toks, seedo, bs, &k, &nk);
+        if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
     }
     if (slots_of(slotso, &slot) < 0) goto done;
     rows = PyMem_RawMalloc(sizeof(WRow) * (size_t)(ns ? ns : 1));

@@ -165,10 +165,12 @@ class Accelerator:
         return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
 
     def hybrid_rows(
-        self, m: ModelState, keys: list[int], weights: TierWeights, ws: list[WorkerState],
-    ) -> list[WorkerScore] | None:
-        """`groupscore.score_groups` in one C call (`hybrid_rows`): the usable-prefix rows of workers
-        with a hybrid layout, unranked; None when the C call cannot judge the input (the pure core does)."""
+        self, m: ModelState, keys: list[int] | None, tokens: object, seed: int, weights: TierWeights,
+        ws: list[WorkerState],
+    ) -> tuple[int, list[WorkerScore]] | None:
+        """`groupscore.score_groups` in one C call (`hybrid_rows`, keys hashed from `tokens` when `keys`
+        is None): (query blocks, the usable-prefix rows of workers with a hybrid layout, unranked);
+        None when the C call cannot judge the input (the pure core does)."""
         groups: list[tuple[int, int, Any]] = []
         at: dict[int, int] = {}
         layouts = []
@@ -181,15 +183,15 @@ class Accelerator:
                     groups.append((g.kind, -1 if g.span is None else g.span, g.nodes))
                 idx.append(i)
             layouts.append(tuple(idx))
-        res = self.mod.hybrid_rows(m.nodes, keys, groups, layouts, [w.slot for w in ws])
+        bs = m.block_size
+        res = self.mod.hybrid_rows(m.nodes, keys, tokens, seed, bs, groups, layouts, [w.slot for w in ws])
         if res is None:
             return None
-        bs = m.block_size
         wg, wh, wd, wsh = weights.as_tuple()
-        return [
+        return res[0], [
             WorkerScore(w.worker_id, w.dp_rank, dev, cached, {"gpu": g, "host": h, "disk": d, "shared": sh},
                         float(bs * (g * wg + h * wh + d * wd + sh * wsh)), kv)
-            for w, (dev, cached, kv, g, h, d, sh) in zip(ws, res)
+            for w, (dev, cached, kv, g, h, d, sh) in zip(ws, res[1])
         ]
 
     def score_table(
