@@ -139,7 +139,14 @@ def _state(ix: KVIndex) -> tuple:
             [(p.hashes, p.parent, _digests(p.digests), p.tier, p.age, p.cancelled) for p in w.pending])
         for k, w in m.by_id.items()
     }
-    return sorted(m.nodes.items(), key=repr), workers, sorted(m.known_ext.items(), key=repr)
+    layouts = {  # group layouts and residency (docs/hybrid.md): the C walk stops at group events
+        k: None if w.layout is None else (w.layout.primary, {
+            gi: (g.kind, g.window, sorted(g.ext.get(w.slot, {}).items(), key=repr),
+                 sorted(((key, (g.nodes.get(key, 0) >> w.shift) & 15) for key in g.ext.get(w.slot, {}).values()), key=repr))
+            for gi, g in w.layout.groups.items()})
+        for k, w in m.by_id.items()
+    }
+    return sorted(m.nodes.items(), key=repr), workers, sorted(m.known_ext.items(), key=repr), layouts
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -325,8 +332,6 @@ def test_array_like_events_take_the_fast_path_like_maps() -> None:
     before = nat.declines()
     for events, reason in (([arrays[0], maps[0]], "mixed_forms"),
                            ([["BlockStored", [1], None, [1, 2], BS, None, "GPU", "lora-x"]], "lora_or_salt"),
-                           ([["BlockStored", [1], None, [1, 2], BS, None, "GPU", None, None, None, None, 1, "mamba"]], "group"),
-                           ([["BlockRemoved", [1], "GPU", 2]], "group"),
                            ([["BlockStored", [1], None, [1, 2]]], "malformed"),
                            ([{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2],
                               "block_size": BS, "vendor": 1}], "unknown_field")):
@@ -338,3 +343,17 @@ def test_array_like_events_take_the_fast_path_like_maps() -> None:
         after = nat.declines()
         assert after[reason] == before[reason] + 1, reason
         before = after
+    # group events are the pure core's: the walk applies the events before the first one and stops there
+    ix = KVIndex(native=True)
+    ix.ensure_model(MODEL, BS)
+    w = ix._models[MODEL].worker("a", 0)
+    m = ix._models[MODEL]
+    for events, stop in (([arrays[0], ["BlockStored", [1], None, [1, 2], BS, None, "GPU", None, None, None, None, 1,
+                                       "mamba"]], 1),
+                         ([arrays[0], ["BlockRemoved", [1], "GPU", 2]], 1),
+                         ([["BlockStored", [1], None, [1, 2], BS, None, "GPU", None, None, None, None, 0, "mamba"]], 0)):
+        res = nat.apply_msgpack(enc([1.0, events]), w.ext, m.nodes, None, w.shift, BS, m.seed0, 1000)
+        assert res is not None and res[0] == stop
+        res = nat.apply_msgpack(enc([1.0, [arrays[3]]]), w.ext, m.nodes, None, w.shift, BS, m.seed0, 1000, None, 0, True)
+        assert res[0] == 0  # a clear of a worker with a layout: its groups are the pure core's
+    assert nat.declines() == before

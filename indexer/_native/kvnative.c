@@ -1905,6 +1905,7 @@ typedef struct {
     Py_ssize_t bs, limit;
     uint64_t seed;
     const uint64_t *cols;
+    int layout; /* the worker has a group layout (main tree = group 0): its clears are the pure core's */
     Py_ssize_t stored[4][3], removed[4][2], cleared, drops[N_DROPS];
 } FCtx;
 
@@ -2070,12 +2071,21 @@ static int add_count(PyObject *d, PyObject *key, Py_ssize_t n) {
     return r;
 }
 
-/* The parsed events of one batch applied in order; *stop = the first orphan event (nothing of it
- * applied), else -1. 0, or -1 on error. */
+/* An event the pure core applies (docs/hybrid.md): a store or remove of a group other than 0, a
+ * non-full store naming group 0 (it declares a layout), and a clear of a worker with a layout. */
+static inline int group_event(const FCtx *c, const FEv *e) {
+    if (e->type == EV_STORED) return e->gidx == 2 || (e->gidx == 1 && !e->full);
+    if (e->type == EV_REMOVED) return e->gidx == 2;
+    return c->layout;
+}
+
+/* The parsed events of one batch applied in order; *stop = the first orphan or group event (nothing
+ * of it applied; the pure core applies the batch from there), else -1. 0, or -1 on error. */
 static int walk_events(FCtx *c, const FBatch *b, Py_ssize_t *stop) {
     *stop = -1;
     for (Py_ssize_t i = 0; i < b->nev; i++) {
         const FEv *e = b->ev + i;
+        if (group_event(c, e)) { *stop = i; break; }
         /* no arithmetic on NULL: an event (or a whole batch) without hashes or tokens passes NULL */
         const HRef *hs = e->nh ? b->h + e->h0 : NULL;
         const uint64_t *ts = e->nt ? b->t + e->t0 : NULL;
@@ -2119,13 +2129,13 @@ static void add_counters(FCtx *to, const FCtx *from) {
  * the first event left to the Python core (an orphan: nothing of it was applied). */
 static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"payload", "ext", "nodes", "known", "shift", "block_size", "seed", "known_limit",
-                             "want_rank", "default_rank", NULL};
+                             "want_rank", "default_rank", "layout", NULL};
     PyObject *payload, *knowno, *seedo, *wanto = Py_None;
     U64Map *ext, *nodes;
-    int shift;
+    int shift, layout = 0;
     Py_ssize_t bs, limit, defrank = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|On", kwlist, &payload, &U64MapType, &ext, &U64MapType,
-                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|Onp", kwlist, &payload, &U64MapType, &ext, &U64MapType,
+                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank, &layout))
         return NULL;
     int ranked = wanto != Py_None;
     long long want = 0;
@@ -2164,6 +2174,7 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
     if (ranked && (rank != want || b.nev == 0)) goto result; /* nothing to apply to these maps */
     if (!(cols = col_table(bs))) goto done;
     c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
+    c.layout = layout;
     if (walk_events(&c, &b, &stop) < 0 || tally_dicts(&c, counts, drops) < 0) goto done;
 result:
     out = Py_BuildValue("(nOOdLn)", stop, counts, drops, hd.ts, rank, b.nev);
@@ -2199,7 +2210,9 @@ static int run_parse(PyObject *items, Py_ssize_t k, Py_ssize_t bs, Py_ssize_t ma
 }
 
 static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 positional arguments"); return NULL; }
+    if (nargs != 11 && nargs != 12) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 or 12 positional arguments"); return NULL; }
+    int layout = nargs == 12 ? PyObject_IsTrue(args[11]) : 0;
+    if (layout < 0) return NULL;
     PyObject *payloads = args[0], *knowno = args[3];
     if (!PyList_Check(payloads)) { PyErr_SetString(PyExc_TypeError, "payloads must be a list"); return NULL; }
     if (!PyObject_TypeCheck(args[1], &U64MapType) || !PyObject_TypeCheck(args[2], &U64MapType)
@@ -2245,10 +2258,10 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
         if (rank != want || b.nev == 0) break;
         memset(&c, 0, sizeof(c));
         c.ext = ext; c.nodes = nodes; c.known = known; c.shift = (int)shiftl; c.bs = bs; c.limit = limit;
-        c.seed = seed; c.cols = cols;
+        c.seed = seed; c.cols = cols; c.layout = layout;
         Py_ssize_t stop;
         if (walk_events(&c, &b, &stop) < 0) goto done;
-        if (stop >= 0) { /* an orphan: this batch is the caller's to finish */
+        if (stop >= 0) { /* an orphan or a group event: this batch is the caller's to finish */
             gil_need();
             PyObject *pc = PyDict_New(), *pd = PyDict_New();
             if (pc && pd && tally_dicts(&c, pc, pd) == 0)

@@ -180,6 +180,7 @@ enum { EV_STORED, EV_REMOVED, EV_CLEARED };
 
 typedef struct {
     int type, tier, full, has_parent;
+    int gidx; /* group_idx: 0 absent or nil, 1 zero, 2 another group */
     int bsz; /* block_size: 0 zero, 1 equals the model's, 2 other */
     Py_ssize_t h0, nh, t0, nt;
     HRef parent;
@@ -205,9 +206,9 @@ static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
 /* Why the walk declined a payload (the pure core then judges it whole): counted per reason since
  * import, read with `declines()` (docs/index-core.md, "Every wire shape"). Atomic: the run apply
  * parses without the GIL on several ingest threads at once. */
-enum { DECL_MALFORMED, DECL_FIELD, DECL_MEDIUM, DECL_NAMESPACE, DECL_EXTRA_KEYS, DECL_GROUP, DECL_MIXED_FORMS, N_DECL };
+enum { DECL_MALFORMED, DECL_FIELD, DECL_MEDIUM, DECL_NAMESPACE, DECL_EXTRA_KEYS, DECL_MIXED_FORMS, N_DECL };
 static const char *const DECL_NAMES[N_DECL] = {
-    "malformed", "unknown_field", "unknown_medium", "lora_or_salt", "extra_keys", "group", "mixed_forms",
+    "malformed", "unknown_field", "unknown_medium", "lora_or_salt", "extra_keys", "mixed_forms",
 };
 static uint64_t DECLINES[N_DECL];
 #define DECLINE(d) do { __atomic_fetch_add(&DECLINES[d], 1, __ATOMIC_RELAXED); return 1; } while (0)
@@ -267,14 +268,13 @@ static int parse_field(Rd *r, int f, Py_ssize_t bs, FEv *e, FBatch *b, Py_ssize_
         }
         case F_KV_CACHE_SPEC_KIND:
             if (rd_ascii_or_nil(r, &str, &slen) < 0) DECLINE(DECL_MALFORMED);
-            e->full = full_attention(str, slen);
-            if (!e->full) DECLINE(DECL_GROUP); /* another group's kind: groups are the pure core's (docs/hybrid.md) */
+            e->full = full_attention(str, slen); /* another group's kind: the walk stops there (walk_events) */
             break;
         case F_GROUP_IDX: {
             if (rd_nil(r)) break;
             uint64_t v; int neg;
             if (rd_int(r, &v, &neg) != 1) DECLINE(DECL_MALFORMED);
-            if (v) DECLINE(DECL_GROUP); /* a group other than 0: the pure core's */
+            e->gidx = v ? 2 : 1; /* a group other than 0: the walk stops there (walk_events) */
             break;
         }
         case F_SESSION_ID: case F_LOCALITY: case F_OWNERSHIP:

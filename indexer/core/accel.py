@@ -25,9 +25,12 @@ from indexer.core.types import (
 
 
 def _pure_only(w: WorkerState) -> bool:
-    """A worker with a group layout: its clears and group-0 events may concern its groups, which the
-    C walk does not hold, so its batches are the pure core's (docs/hybrid.md)."""
-    return w.layout is not None
+    """A worker whose layout's main tree is not group 0 (its group-0 events are another group's, or
+    would set its main group): its batches are the pure core's. The C walk applies the main-tree
+    events of the others and stops at the first group event (a worker with a layout: also at a
+    clear), which the pure core applies from there (docs/hybrid.md)."""
+    lay = w.layout
+    return lay is not None and lay.primary != 0
 
 
 class Accelerator:
@@ -56,7 +59,11 @@ class Accelerator:
             if fresh:
                 w = m.worker(worker_id, rank)
             # positional: keyword parsing costs more than the walk of a small batch (docs/index-core.md)
-            res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT)
+            if w.layout is None:
+                res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT)
+            else:
+                res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT,
+                                    None, 0, True)
             if res is None:
                 if fresh:
                     m.remove(w)  # a payload the C walk does not take must not register its worker
@@ -75,6 +82,7 @@ class Accelerator:
                 w = m.worker(worker_id, rank)
             res = apply_msgpack(
                 payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT, rank, default,
+                w.layout is not None,
             )
             if res is None:
                 if fresh:
@@ -109,7 +117,7 @@ class Accelerator:
             return 0, ApplyStats(), None
         k, counts, drops, ts, n_events, partial = self.mod.apply_msgpack_run(
             payloads, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size, m.seed0,
-            KNOWN_EXT_LIMIT, rank, default, max_payload,
+            KNOWN_EXT_LIMIT, rank, default, max_payload, w.layout is not None,
         )
         extra = None
         if partial is not None:  # payloads[k] stopped at an orphan: the pure core finishes it
