@@ -354,6 +354,6 @@ def test_array_like_events_take_the_fast_path_like_maps() -> None:
                          ([["BlockStored", [1], None, [1, 2], BS, None, "GPU", None, None, None, None, 0, "mamba"]], 0)):
         res = nat.apply_msgpack(enc([1.0, events]), w.ext, m.nodes, None, w.shift, BS, m.seed0, 1000)
         assert res is not None and res[0] == stop
-        res = nat.apply_msgpack(enc([1.0, [arrays[3]]]), w.ext, m.nodes, None, w.shift, BS, m.seed0, 1000, None, 0, True)
+        res = nat.apply_msgpack(enc([1.0, [arrays[3]]]), w.ext, m.nodes, None, w.shift, BS, m.seed0, 1000, None, 0, ())
         assert res[0] == 0  # a clear of a worker with a layout: its groups are the pure core's
     assert nat.declines() == before

@@ -1906,7 +1906,9 @@ typedef struct {
     uint64_t seed;
     const uint64_t *cols;
     int layout; /* the worker has a group layout (main tree = group 0): its clears are the pure core's */
+    const struct GLay_ *gl; Py_ssize_t ngl; /* that layout's groups (groups_apply.c) */
     Py_ssize_t stored[4][3], removed[4][2], cleared, drops[N_DROPS];
+    Py_ssize_t gstored[4][3], gremoved[4][2];
 } FCtx;
 
 /* Twin of apply._attach (no cancellations: the fast path only runs with no pending orphans). */
@@ -2059,6 +2061,9 @@ static int fp_clear(FCtx *c) {
     return 0;
 }
 
+/* Group events of a known layout, and where the walk stops for the pure core: groups_apply.c. */
+#include "groups_apply.c"
+
 /* ApplyStats keys as Python objects (tuples / str), built once at import from wire_tables.h. */
 static PyObject *COUNT_KEY_OBJS, *DROP_KEY_OBJS;
 
@@ -2071,25 +2076,19 @@ static int add_count(PyObject *d, PyObject *key, Py_ssize_t n) {
     return r;
 }
 
-/* An event the pure core applies (docs/hybrid.md): a store or remove of a group other than 0, a
- * non-full store naming group 0 (it declares a layout), and a clear of a worker with a layout. */
-static inline int group_event(const FCtx *c, const FEv *e) {
-    if (e->type == EV_STORED) return e->gidx == 2 || (e->gidx == 1 && !e->full);
-    if (e->type == EV_REMOVED) return e->gidx == 2;
-    return c->layout;
-}
-
 /* The parsed events of one batch applied in order; *stop = the first orphan or group event (nothing
  * of it applied; the pure core applies the batch from there), else -1. 0, or -1 on error. */
 static int walk_events(FCtx *c, const FBatch *b, Py_ssize_t *stop) {
     *stop = -1;
     for (Py_ssize_t i = 0; i < b->nev; i++) {
         const FEv *e = b->ev + i;
-        if (group_event(c, e)) { *stop = i; break; }
+        const GLay *g;
+        if (group_event(c, e, &g)) { *stop = i; break; }
         /* no arithmetic on NULL: an event (or a whole batch) without hashes or tokens passes NULL */
         const HRef *hs = e->nh ? b->h + e->h0 : NULL;
         const uint64_t *ts = e->nt ? b->t + e->t0 : NULL;
-        int r = e->type == EV_STORED ? fp_store(c, e, hs, ts)
+        int r = g ? (e->type == EV_STORED ? gp_store(c, g, e, hs, ts) : gp_remove(c, g, e, hs))
+              : e->type == EV_STORED ? fp_store(c, e, hs, ts)
               : e->type == EV_REMOVED ? fp_remove(c, e, hs) : fp_clear(c);
         if (r < 0) return -1;
         if (r > 0) { *stop = i; break; }
@@ -2106,6 +2105,12 @@ static int tally_dicts(const FCtx *c, PyObject *counts, PyObject *drops) {
             if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_REMOVED(t, o)), c->removed[t][o]) < 0) return -1;
     }
     if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_CLEARED), c->cleared) < 0) return -1;
+    for (int t = 0; t < 4; t++) {
+        for (int o = 0; o < 3; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_GSTORED(t, o)), c->gstored[t][o]) < 0) return -1;
+        for (int o = 0; o < 2; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_GREMOVED(t, o)), c->gremoved[t][o]) < 0) return -1;
+    }
     for (int d = 0; d < N_DROPS; d++) if (add_count(drops, PyTuple_GET_ITEM(DROP_KEY_OBJS, d), c->drops[d]) < 0) return -1;
     return 0;
 }
@@ -2114,6 +2119,8 @@ static void add_counters(FCtx *to, const FCtx *from) {
     for (int t = 0; t < 4; t++) {
         for (int o = 0; o < 3; o++) to->stored[t][o] += from->stored[t][o];
         for (int o = 0; o < 2; o++) to->removed[t][o] += from->removed[t][o];
+        for (int o = 0; o < 3; o++) to->gstored[t][o] += from->gstored[t][o];
+        for (int o = 0; o < 2; o++) to->gremoved[t][o] += from->gremoved[t][o];
     }
     to->cleared += from->cleared;
     for (int d = 0; d < N_DROPS; d++) to->drops[d] += from->drops[d];
@@ -2129,13 +2136,13 @@ static void add_counters(FCtx *to, const FCtx *from) {
  * the first event left to the Python core (an orphan: nothing of it was applied). */
 static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"payload", "ext", "nodes", "known", "shift", "block_size", "seed", "known_limit",
-                             "want_rank", "default_rank", "layout", NULL};
-    PyObject *payload, *knowno, *seedo, *wanto = Py_None;
+                             "want_rank", "default_rank", "groups", NULL};
+    PyObject *payload, *knowno, *seedo, *wanto = Py_None, *groupso = Py_None;
     U64Map *ext, *nodes;
-    int shift, layout = 0;
+    int shift;
     Py_ssize_t bs, limit, defrank = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|Onp", kwlist, &payload, &U64MapType, &ext, &U64MapType,
-                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank, &layout))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|OnO", kwlist, &payload, &U64MapType, &ext, &U64MapType,
+                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank, &groupso))
         return NULL;
     int ranked = wanto != Py_None;
     long long want = 0;
@@ -2156,8 +2163,12 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
         PyErr_SetString(PyExc_ValueError, "apply_msgpack: ext, nodes and known must be distinct maps");
         return NULL;
     }
+    GLay *gl = NULL;
+    Py_ssize_t ngl = 0;
+    int grc = glay_parse(groupso, ext, nodes, known, &gl, &ngl);
+    if (grc) { if (grc < 0) return NULL; Py_RETURN_NONE; }
     Py_buffer view;
-    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); PyMem_RawFree(gl); Py_RETURN_NONE; }
     FBatch b;
     memset(&b, 0, sizeof(b));
     PyObject *out = NULL, *counts = PyDict_New(), *drops = PyDict_New();
@@ -2174,7 +2185,7 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
     if (ranked && (rank != want || b.nev == 0)) goto result; /* nothing to apply to these maps */
     if (!(cols = col_table(bs))) goto done;
     c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
-    c.layout = layout;
+    c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl;
     if (walk_events(&c, &b, &stop) < 0 || tally_dicts(&c, counts, drops) < 0) goto done;
 result:
     out = Py_BuildValue("(nOOdLn)", stop, counts, drops, hd.ts, rank, b.nev);
@@ -2185,6 +2196,7 @@ done:
     PyMem_RawFree(b.ev);
     PyMem_RawFree(b.h);
     PyMem_RawFree(b.t);
+    PyMem_RawFree(gl);
     PyBuffer_Release(&view);
     return out;
 }
@@ -2211,8 +2223,7 @@ static int run_parse(PyObject *items, Py_ssize_t k, Py_ssize_t bs, Py_ssize_t ma
 
 static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 11 && nargs != 12) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 or 12 positional arguments"); return NULL; }
-    int layout = nargs == 12 ? PyObject_IsTrue(args[11]) : 0;
-    if (layout < 0) return NULL;
+    PyObject *groupso = nargs == 12 ? args[11] : Py_None;
     PyObject *payloads = args[0], *knowno = args[3];
     if (!PyList_Check(payloads)) { PyErr_SetString(PyExc_TypeError, "payloads must be a list"); return NULL; }
     if (!PyObject_TypeCheck(args[1], &U64MapType) || !PyObject_TypeCheck(args[2], &U64MapType)
@@ -2232,6 +2243,10 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
     long long want = PyLong_AsLongLong(args[8]), defrank = PyLong_AsLongLong(args[9]);
     Py_ssize_t max_payload = PyLong_AsSsize_t(args[10]);
     if (PyErr_Occurred()) return NULL;
+    GLay *gl = NULL;
+    Py_ssize_t ngl = 0;
+    int grc = glay_parse(groupso, ext, nodes, known, &gl, &ngl);
+    if (grc < 0) return NULL;
     PyObject *counts = PyDict_New(), *drops = PyDict_New(), *partial = NULL, *out = NULL, *items = NULL;
     uint64_t *cols = NULL;
     FBatch b;
@@ -2244,7 +2259,7 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
     if (!counts || !drops || !(items = PyList_AsTuple(payloads))) goto done;
     n = PyTuple_GET_SIZE(items);
     /* a slot position outside [0, MAX_SLOT) would shift past any word, or widen a map without bound */
-    if (bs <= 0 || shiftl < 0 || shiftl % 4 || shiftl / 4 >= MAX_SLOT || (int)shiftl != shiftl) n = 0;
+    if (bs <= 0 || shiftl < 0 || shiftl % 4 || shiftl / 4 >= MAX_SLOT || (int)shiftl != shiftl || grc) n = 0;
     if (n) {
         if (!(cols = col_table(bs))) goto done;
     }
@@ -2258,7 +2273,7 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
         if (rank != want || b.nev == 0) break;
         memset(&c, 0, sizeof(c));
         c.ext = ext; c.nodes = nodes; c.known = known; c.shift = (int)shiftl; c.bs = bs; c.limit = limit;
-        c.seed = seed; c.cols = cols; c.layout = layout;
+        c.seed = seed; c.cols = cols; c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl;
         Py_ssize_t stop;
         if (walk_events(&c, &b, &stop) < 0) goto done;
         if (stop >= 0) { /* an orphan or a group event: this batch is the caller's to finish */
@@ -2288,6 +2303,7 @@ done:
     PyMem_RawFree(b.ev);
     PyMem_RawFree(b.h);
     PyMem_RawFree(b.t);
+    PyMem_RawFree(gl);
     return out;
 }
 

@@ -176,11 +176,34 @@ static int full_attention(const unsigned char *s, Py_ssize_t n) {
     return full;
 }
 
+/* indexer.core.groups.classify for an ASCII kind: 0 full attention (None included), 1 sliding
+ * window, 2 Mamba, 3 a kind not modelled (skipped as non_full_attention by the main path); -1 no memory. */
+static int group_kind(const unsigned char *s, Py_ssize_t n, int full) {
+    if (full) return 0;
+    if (!s) return 3;
+    char low[64];
+    if (n >= (Py_ssize_t)sizeof(low)) { /* long kinds: lowered on the heap */
+        char *big = PyMem_RawMalloc((size_t)n);
+        if (!big) return -1; /* the caller declines: the pure core judges the payload */
+        for (Py_ssize_t i = 0; i < n; i++) big[i] = (char)((s[i] >= 'A' && s[i] <= 'Z') ? s[i] + 32 : s[i]);
+        int k = (n >= 7 && memcmp(big, "kvatlas", 7) == 0) ? 3 : has_marker(big, n, "sliding") ? 1
+              : has_marker(big, n, "mamba") ? 2 : 3;
+        PyMem_RawFree(big);
+        return k;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) low[i] = (char)((s[i] >= 'A' && s[i] <= 'Z') ? s[i] + 32 : s[i]);
+    if (n >= 7 && memcmp(low, "kvatlas", 7) == 0) return 3;
+    return has_marker(low, n, "sliding") ? 1 : has_marker(low, n, "mamba") ? 2 : 3;
+}
+
 enum { EV_STORED, EV_REMOVED, EV_CLEARED };
 
 typedef struct {
     int type, tier, full, has_parent;
     int gidx; /* group_idx: 0 absent or nil, 1 zero, 2 another group */
+    int kcode; /* kv_cache_spec_kind as groups.classify reads it: 0 full (or none), 1 sliding, 2 mamba, 3 other */
+    int has_window, odd_window; /* kv_cache_spec_sliding_window given; outside [0, 2^63) */
+    int64_t gi, window; /* group_idx (-1 when negative or above INT64_MAX), the window */
     int bsz; /* block_size: 0 zero, 1 equals the model's, 2 other */
     Py_ssize_t h0, nh, t0, nt;
     HRef parent;
@@ -268,19 +291,31 @@ static int parse_field(Rd *r, int f, Py_ssize_t bs, FEv *e, FBatch *b, Py_ssize_
         }
         case F_KV_CACHE_SPEC_KIND:
             if (rd_ascii_or_nil(r, &str, &slen) < 0) DECLINE(DECL_MALFORMED);
-            e->full = full_attention(str, slen); /* another group's kind: the walk stops there (walk_events) */
+            e->full = full_attention(str, slen);
+            e->kcode = group_kind(str, slen, e->full);
+            if (e->kcode < 0) DECLINE(DECL_MALFORMED);
             break;
         case F_GROUP_IDX: {
             if (rd_nil(r)) break;
             uint64_t v; int neg;
             if (rd_int(r, &v, &neg) != 1) DECLINE(DECL_MALFORMED);
-            e->gidx = v ? 2 : 1; /* a group other than 0: the walk stops there (walk_events) */
+            e->gidx = v ? 2 : 1;
+            e->gi = (neg || v > (uint64_t)INT64_MAX) ? -1 : (int64_t)v;
+            break;
+        }
+        case F_KV_CACHE_SPEC_SLIDING_WINDOW: {
+            if (rd_nil(r)) break;
+            uint64_t v; int neg;
+            if (rd_int(r, &v, &neg) != 1) DECLINE(DECL_MALFORMED);
+            e->has_window = 1;
+            e->odd_window = neg || v > (uint64_t)INT64_MAX;
+            e->window = (int64_t)v;
             break;
         }
         case F_SESSION_ID: case F_LOCALITY: case F_OWNERSHIP:
             if (rd_ascii_or_nil(r, &str, &slen) < 0) DECLINE(DECL_MALFORMED);
             break;
-        default: /* lora_id, kv_cache_spec_sliding_window */
+        default: /* lora_id */
             if (rd_int_or_nil(r) < 0) DECLINE(DECL_MALFORMED);
     }
     return 0;

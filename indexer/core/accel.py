@@ -33,6 +33,21 @@ def _pure_only(w: WorkerState) -> bool:
     return lay is not None and lay.primary != 0
 
 
+def _groups_arg(w: WorkerState) -> tuple | None:
+    """The worker's layout for the C walk (groups_apply.c): per group (group_idx, kind, has_window,
+    window, nodes, the worker's map); a window outside [0, 2^63) makes its group never match there."""
+    lay = w.layout
+    if lay is None:
+        return None
+    out = []
+    for gi, g in lay.groups.items():
+        win = g.window
+        ok = win is None or (type(win) is int and 0 <= win < 2**63)
+        out.append((gi, g.kind if ok else -1, int(win is not None), win if ok and win is not None else 0, g.nodes,
+                    g.slot_map(w.slot)))
+    return tuple(out)
+
+
 class Accelerator:
     __slots__ = ("mod", "new_map")
 
@@ -63,7 +78,7 @@ class Accelerator:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT)
             else:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT,
-                                    None, 0, True)
+                                    None, 0, _groups_arg(w))
             if res is None:
                 if fresh:
                     m.remove(w)  # a payload the C walk does not take must not register its worker
@@ -82,7 +97,7 @@ class Accelerator:
                 w = m.worker(worker_id, rank)
             res = apply_msgpack(
                 payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT, rank, default,
-                w.layout is not None,
+                _groups_arg(w),
             )
             if res is None:
                 if fresh:
@@ -117,7 +132,7 @@ class Accelerator:
             return 0, ApplyStats(), None
         k, counts, drops, ts, n_events, partial = self.mod.apply_msgpack_run(
             payloads, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size, m.seed0,
-            KNOWN_EXT_LIMIT, rank, default, max_payload, w.layout is not None,
+            KNOWN_EXT_LIMIT, rank, default, max_payload, _groups_arg(w),
         )
         extra = None
         if partial is not None:  # payloads[k] stopped at an orphan: the pure core finishes it

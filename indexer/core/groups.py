@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from indexer.core.state import clear_bits, move_bits, unset_tier
 from indexer.core.types import (
-    DROP_PLACEHOLDER, MEDIUM_NAMES, REMOVE_OUTCOMES, STORE_OUTCOMES, ApplyStats, full_block_hashes,
+    DROP_GROUP_ORPHAN, DROP_PLACEHOLDER, GROUP_REMOVED, GROUP_STORED, MEDIUM_NAMES, REMOVE_OUTCOMES,
+    STORE_OUTCOMES, ApplyStats, full_block_hashes,
 )
 from indexer.hashing import CHAIN_P, MASK64, block_digest_py, extra_digest
 from schemas.events import BlockRemoved, BlockStored, is_full_attention
@@ -44,10 +45,7 @@ KIND_NAMES = ("full_attention", "sliding_window", "mamba")
 GROUP_CAP = 16  # distinct groups one worker id may use over its ranks
 
 DROP_UNKNOWN_GROUP = "unknown_group"
-DROP_GROUP_ORPHAN = "group_orphan"
 DROP_GROUP_LIMIT = "group_limit"
-GROUP_STORED = "group_stored"
-GROUP_REMOVED = "group_removed"
 LAYOUT_RESET_KEY: tuple[str, str, str] = ("cleared", "ALL", "layout_reset")
 
 ClassKey = tuple[int, int, "int | None"]  # (group_idx, kind, window)
