@@ -60,7 +60,7 @@ def _stored(rng: random.Random, pool: list, blocks: list[list[int]]) -> dict:
     for key, choices in (("lora_id", [None, 3]), ("medium", MEDIA), ("lora_name", [None, "l"]),
                          ("cache_salt", [None, "s"]), ("session_id", [None, "sess"]),
                          ("extra_keys", [None, [], [None] * n, [None] * (n + 1), [["img", 1]] + [None] * (n - 1)]),
-                         ("group_idx", [None, 0, 1]), ("kv_cache_spec_kind", KINDS),
+                         ("group_idx", [None, 0, 1, 1, 2]), ("kv_cache_spec_kind", KINDS),
                          ("kv_cache_spec_sliding_window", [None, 128]), ("locality", [None, "node"]),
                          ("ownership", [None, "own"])):
         if rng.random() < 0.35:
@@ -76,8 +76,8 @@ def _event(rng: random.Random, pool: list, blocks: list[list[int]]) -> object:
         ev = {"type": "BlockRemoved", "block_hashes": [_hash(rng, pool) for _ in range(rng.randint(1, 3))]}
         if rng.random() < 0.7:
             ev["medium"] = rng.choice(MEDIA)
-        if rng.random() < 0.1:
-            ev["group_idx"] = 0
+        if rng.random() < 0.3:
+            ev["group_idx"] = rng.choice([0, 1, 1, 2])
     else:
         ev = {"type": "AllBlocksCleared"}
     odd = rng.random()

@@ -90,11 +90,17 @@ static int group_event(const FCtx *c, const FEv *e, const GLay **g) {
 static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const uint64_t *toks) {
     Py_ssize_t n = e->nh, nk = 0;
     uint64_t stackbuf[128], *keys = n <= 128 ? stackbuf : PyMem_RawMalloc((size_t)n * sizeof(uint64_t));
-    if (!keys) { gil_need(); PyErr_NoMemory(); return -1; }
+    unsigned char hadbuf[128], *had = n <= 128 ? hadbuf : PyMem_RawMalloc((size_t)n); /* in the group's map already */
+    if (!keys || !had) {
+        if (keys != stackbuf) PyMem_RawFree(keys);
+        if (had != hadbuf) PyMem_RawFree(had);
+        gil_need(); PyErr_NoMemory(); return -1;
+    }
     int rc = -1, r;
     if (e->bsz == 0 || e->nt == 0) { /* placeholder: blocks this worker maps (in this group or as KV) */
         for (Py_ssize_t j = 0; j < n; j++) {
             if ((r = href_get(g->ext, hs + j, &keys[j])) < 0) goto out;
+            had[j] = (unsigned char)r;
             if (!r && (r = href_get(c->ext, hs + j, &keys[j])) < 0) goto out;
             if (!r) { c->drops[D_PLACEHOLDER_UNKNOWN] += n; rc = 0; goto out; }
         }
@@ -112,7 +118,9 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
         }
         for (Py_ssize_t j = 0; j < nfull; j++) {
             uint64_t key;
+            if (!hs[j].b) pf_slot(g->nodes, hs[j].k);
             if ((r = href_get(g->ext, hs + j, &key)) < 0) goto out;
+            had[nk] = (unsigned char)r;
             if (!r && (r = href_get(c->ext, hs + j, &key)) < 0) goto out;
             if (!r) {
                 if (!have) { c->drops[D_GROUP_ORPHAN] += nfull - j; break; }
@@ -124,17 +132,24 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
         }
     }
     int pos = c->shift + e->tier;
+    for (Py_ssize_t j = 0; j < nk; j++) pf_slot(g->nodes, keys[j]);
     for (Py_ssize_t j = 0; j < nk; j++) {
-        uint64_t old;
-        int had = href_get(g->ext, hs + j, &old);
-        if (had < 0 || href_set(g->ext, hs + j, keys[j]) < 0) goto out;
+        /* had[j]: mapped before this event, to keys[j] (nothing to write). Else it may have been mapped
+         * by an earlier block of this event (a repeated hash): counted as mapped, and overwritten as
+         * the pure core's `gext[h] = key` does. */
+        int seen = had[j];
+        if (!seen) {
+            uint64_t old;
+            if ((seen = href_get(g->ext, hs + j, &old)) < 0 || href_set(g->ext, hs + j, keys[j]) < 0) goto out;
+        }
         int was = node_bit(g->nodes, keys[j], pos, 1);
         if (was < 0) goto out;
-        c->gstored[e->tier][was ? 1 : had ? 2 : 0]++;
+        c->gstored[e->tier][was ? 1 : seen ? 2 : 0]++;
     }
     rc = 0;
 out:
     if (keys != stackbuf) PyMem_RawFree(keys);
+    if (had != hadbuf) PyMem_RawFree(had);
     return rc;
 }
 

@@ -43,11 +43,12 @@ static int h_tables(PyObject *o, Py_ssize_t nm, U64Map **ms) {
     return 0;
 }
 
-/* Fill a table's values for blocks [0, n). */
-static void h_fill(HTab *h, U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py_ssize_t n) {
+/* Fill a table's values for blocks [0, n); with `walk`, stop at the first block no shard holds
+ * (the main tree: no worker holds KV past it). Returns the blocks filled. */
+static Py_ssize_t h_fill(HTab *h, U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py_ssize_t n, int walk) {
     for (Py_ssize_t t = 0; t < nm; t++) h->width[t] = ms[t] ? ms[t]->width : 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int pool = 0;
+        int pool = 0, any = 0;
         for (Py_ssize_t t = 0; t < nm; t++) {
             const uint64_t *v = NULL;
             if (ms[t]) {
@@ -56,13 +57,16 @@ static void h_fill(HTab *h, U64Map *const *ms, Py_ssize_t nm, const uint64_t *ke
                 Py_ssize_t j = find(ms[t], keys[i], &f);
                 if (f) {
                     v = VALS(ms[t], j);
+                    any = 1;
                     for (int w = 0; w < ms[t]->width; w++) if (v[w] & POOL_BITS) pool = 1;
                 }
             }
             h->v[i * nm + t] = v;
         }
+        if (walk && !any) return i;
         h->pool[i] = (unsigned char)pool;
     }
+    return n;
 }
 
 /* The cheapest tier (0 gpu .. 3 shared pool) of block i for the worker at slot s, H_ABSENT if none. */
@@ -126,15 +130,8 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
     if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
     if (keys != Py_None) nk = PyList_GET_SIZE(keys);
     if (slots_of(slotso, &slot) < 0) goto done;
-    /* the main tree's walk: no worker holds KV past the first block no shard holds */
     if (h_tables(maino, nm, ms)) { out = Py_None; Py_INCREF(out); goto done; }
-    Py_ssize_t n = 0;
-    for (; n < nk; n++) {
-        int any = 0, f;
-        for (Py_ssize_t t = 0; t < nm && !any; t++) if (ms[t]) { find(ms[t], k[n], &f); any = f; }
-        if (!any) break;
-    }
-    Py_ssize_t cap = n ? n : 1;
+    Py_ssize_t n = nk, cap = nk ? nk : 1; /* table 0 (the main tree) sets n: its walk's length */
     for (Py_ssize_t g = 0; g < ng; g++) {
         HTab *h = &tabs[g];
         h->v = PyMem_RawMalloc((size_t)(cap * nm) * sizeof(uint64_t *));
@@ -157,7 +154,8 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
             h->kind = HK_FULL;
             h->span = -1;
         }
-        h_fill(h, ms, nm, k, n);
+        Py_ssize_t got = h_fill(h, ms, nm, k, n, g == 0);
+        if (g == 0) n = got;
     }
     good = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
     parts = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
