@@ -24,7 +24,13 @@ typedef struct {
     const uint64_t **v;            /* [block * nm + shard]: that shard's value, or NULL */
     int *width;                    /* [shard]: its table's width */
     unsigned char *pool;           /* [block]: some shard's value holds a shared-pool bit */
+    U64Map **ms;                   /* [shard]: its table (NULL: the shard lacks the group) */
+    const uint64_t *keys;
+    Py_ssize_t nm, lo;             /* blocks [lo, n) are read: sliding-window and Mamba groups are read
+                                    * from the top down, a chunk at a time, as the search needs them */
 } HTab;
+
+enum { H_CHUNK = 128 };
 
 /* The tables of `o` (a U64Map, or a tuple of them / empty dicts) into ms; 0 ok, 1 not a shape we take. */
 static int h_tables(PyObject *o, Py_ssize_t nm, U64Map **ms) {
@@ -43,22 +49,23 @@ static int h_tables(PyObject *o, Py_ssize_t nm, U64Map **ms) {
     return 0;
 }
 
-/* Fill a table's values for blocks [0, n); with `walk`, stop at the first block no shard holds
- * (the main tree: no worker holds KV past it). Returns the blocks filled. */
-static Py_ssize_t h_fill(HTab *h, U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py_ssize_t n, int walk) {
-    for (Py_ssize_t t = 0; t < nm; t++) h->width[t] = ms[t] ? ms[t]->width : 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+/* Read a table's values for blocks [from, to); with `walk`, stop at the first block no shard holds
+ * (the main tree: no worker holds KV past it). Returns the end reached. */
+static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
+    Py_ssize_t nm = h->nm;
+    for (Py_ssize_t i = from; i < to; i++) {
         int pool = 0, any = 0;
         for (Py_ssize_t t = 0; t < nm; t++) {
             const uint64_t *v = NULL;
-            if (ms[t]) {
-                if (i + 4 < n) pf_slot(ms[t], keys[i + 4]);
+            U64Map *m = h->ms[t];
+            if (m) {
+                if (i + 4 < to) pf_slot(m, h->keys[i + 4]);
                 int f;
-                Py_ssize_t j = find(ms[t], keys[i], &f);
+                Py_ssize_t j = find(m, h->keys[i], &f);
                 if (f) {
-                    v = VALS(ms[t], j);
+                    v = VALS(m, j);
                     any = 1;
-                    for (int w = 0; w < ms[t]->width; w++) if (v[w] & POOL_BITS) pool = 1;
+                    for (int w = 0; w < m->width; w++) if (v[w] & POOL_BITS) pool = 1;
                 }
             }
             h->v[i * nm + t] = v;
@@ -66,11 +73,20 @@ static Py_ssize_t h_fill(HTab *h, U64Map *const *ms, Py_ssize_t nm, const uint64
         if (walk && !any) return i;
         h->pool[i] = (unsigned char)pool;
     }
-    return n;
+    return to;
+}
+
+/* Make block i read (a chunk below what is read, at least down to i). */
+static void h_extend(HTab *h, Py_ssize_t i) {
+    Py_ssize_t lo = h->lo - H_CHUNK < i ? h->lo - H_CHUNK : i;
+    if (lo < 0) lo = 0;
+    h_fill(h, lo, h->lo, 0);
+    h->lo = lo;
 }
 
 /* The cheapest tier (0 gpu .. 3 shared pool) of block i for the worker at slot s, H_ABSENT if none. */
-static inline int h_code(const HTab *h, Py_ssize_t nm, Py_ssize_t i, Py_ssize_t s) {
+static inline int h_code(HTab *h, Py_ssize_t nm, Py_ssize_t i, Py_ssize_t s) {
+    if (i < h->lo) h_extend(h, i);
     Py_ssize_t t = s % nm, l = s / nm, word = l >> 4;
     const uint64_t *v = h->v[i * nm + t];
     int nib = v && word < h->width[t] ? (int)((v[word] >> (4 * (l & 15))) & 0x7) : 0;
@@ -80,7 +96,7 @@ static inline int h_code(const HTab *h, Py_ssize_t nm, Py_ssize_t i, Py_ssize_t 
 
 /* Largest L <= top at which every sliding-window / Mamba group of the layout validates an end with
  * tiers <= limit (groupscore._usable: each group reads each block at most once; good[] is scratch). */
-static Py_ssize_t h_usable(Py_ssize_t top, const HTab *tabs, const Py_ssize_t *parts, Py_ssize_t np,
+static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, Py_ssize_t np,
                            Py_ssize_t nm, Py_ssize_t s, int limit, Py_ssize_t *good) {
     for (Py_ssize_t k = 0; k < np; k++) good[k] = top;
     Py_ssize_t L = top;
@@ -88,7 +104,7 @@ static Py_ssize_t h_usable(Py_ssize_t top, const HTab *tabs, const Py_ssize_t *p
     while (moved && L > 0) {
         moved = 0;
         for (Py_ssize_t k = 0; k < np; k++) {
-            const HTab *h = &tabs[parts[k]];
+            HTab *h = &tabs[parts[k]];
             if (h->kind == HK_MAMBA) {
                 Py_ssize_t j = L - 1;
                 while (j >= 0 && h_code(h, nm, j, s) > limit) j--;
@@ -137,7 +153,8 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         h->v = PyMem_RawMalloc((size_t)(cap * nm) * sizeof(uint64_t *));
         h->width = PyMem_RawCalloc((size_t)nm, sizeof(int));
         h->pool = PyMem_RawMalloc((size_t)cap);
-        if (!h->v || !h->width || !h->pool) { PyErr_NoMemory(); goto done; }
+        h->ms = PyMem_RawCalloc((size_t)nm, sizeof(U64Map *));
+        if (!h->v || !h->width || !h->pool || !h->ms) { PyErr_NoMemory(); goto done; }
         if (g) {
             PyObject *e = PyList_GET_ITEM(groupso, g - 1);
             if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3 || !PyLong_CheckExact(PyTuple_GET_ITEM(e, 0)) ||
@@ -154,8 +171,16 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
             h->kind = HK_FULL;
             h->span = -1;
         }
-        Py_ssize_t got = h_fill(h, ms, nm, k, n, g == 0);
-        if (g == 0) n = got;
+        for (Py_ssize_t t = 0; t < nm; t++) { h->ms[t] = ms[t]; h->width[t] = ms[t] ? ms[t]->width : 0; }
+        h->keys = k;
+        h->nm = nm;
+        if (h->kind == HK_FULL) { /* read upwards in full: the main tree's read sets n */
+            Py_ssize_t got = h_fill(h, 0, n, g == 0);
+            if (g == 0) n = got;
+            h->lo = 0;
+        } else {
+            h->lo = n; /* read on demand, from the top down */
+        }
     }
     good = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
     parts = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
@@ -189,7 +214,7 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         Py_ssize_t dev = h_usable(dev_top < 0 ? full : dev_top, tabs, parts, np, nm, s, 0, good);
         Py_ssize_t cached = h_usable(full, tabs, parts, np, nm, s, 3, good);
         for (Py_ssize_t q = 0; q < np && cached; q++) { /* the blocks a group needs at `cached` */
-            const HTab *h = &tabs[parts[q]];
+            HTab *h = &tabs[parts[q]];
             Py_ssize_t lo = h->kind == HK_MAMBA ? cached - 1 : h->span < 0 ? 0 : (cached - h->span > 0 ? cached - h->span : 0);
             for (Py_ssize_t i = lo; i < cached; i++) {
                 int x = h_code(h, nm, i, s);
@@ -204,7 +229,9 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
     }
     out = Py_BuildValue("(nN)", nk, lst);
 done:
-    if (tabs) for (Py_ssize_t g = 0; g < ng; g++) { PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); }
+    if (tabs) for (Py_ssize_t g = 0; g < ng; g++) {
+        PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); PyMem_RawFree(tabs[g].ms);
+    }
     PyMem_RawFree(tabs); PyMem_RawFree(ms); PyMem_RawFree(k); PyMem_RawFree(slot);
     PyMem_RawFree(good); PyMem_RawFree(parts); PyMem_RawFree(fulls); PyMem_RawFree(tier);
     return out;
