@@ -138,7 +138,7 @@ def test_one_hostile_group_event_leaves_other_workers_exact() -> None:
 def test_a_layout_change_resets_that_worker_only() -> None:
     """An honest hybrid worker keeps its layout whatever another worker declares for the same group
     numbers; a worker that changes its own layout (engine restarted with another config) loses its
-    state, counted as layout_reset."""
+    state, counted as ("layout", "ALL", "reset")."""
     hs = _hashes(0)
     for native in (True, False):
         ix = _index("native" if native else "pure")
@@ -149,7 +149,7 @@ def test_a_layout_change_resets_that_worker_only() -> None:
         assert rows == {"honest": (6, 6, 6), "other": (6, 6, 6)}
         st = ix.apply(M, "other", 0, KVEventBatch(0.0, [BlockStored([hs[5]], hs[4], ROOTS[0][5 * BS:], BS, None, "GPU",
                                                                     group_idx=1, kv_cache_spec_kind="sliding_window")]))
-        assert st.counts[("cleared", "ALL", "layout_reset")] == 1
+        assert st.counts[("layout", "ALL", "reset")] == 1
         assert st.drops == {"group_orphan": 1}  # its KV went with the reset: the store has no parent now
         rows = {s.worker_id: (s.device_blocks, s.cached_blocks, s.kv_blocks) for s in ix.score(M, ROOTS[0]).workers}
         assert rows == {"honest": (6, 6, 6), "other": (0, 0, 0)}

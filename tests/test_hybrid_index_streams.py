@@ -134,7 +134,7 @@ def test_unknown_group_removes_are_counted() -> None:
         assert st.counts == {("group_stored", "GPU", "new"): 2}
         # group 1 changes kind: the worker's engine changed its layout, so its whole state goes (counted)
         st = ix.apply(M, "w", 0, KVEventBatch(0.0, [stored(h, range(2), 1, "mamba"), BlockRemoved([h[0]], "GPU", group_idx=1)]))
-        assert st.counts == {("cleared", "ALL", "layout_reset"): 1, ("group_stored", "GPU", "new"): 2,
+        assert st.counts == {("layout", "ALL", "reset"): 1, ("group_stored", "GPU", "new"): 2,
                              ("group_removed", "GPU", "removed"): 1}
         assert row(ix, TOK[:8])[:3] == (0, 0, 0)
 

@@ -11,8 +11,9 @@ learned per worker and dp rank (`Layout`, on its `WorkerState`), from its own st
   scores all of them); the model's `GroupTable` holds them and drops one its last worker leaves.
 - A store that contradicts the worker's layout (another kind or window for a group it knows, a
   non-full store for its main group) is an engine restarted with another model configuration: the
-  worker is reset (every block of it cleared, its layout forgotten), counted as `layout_reset`,
-  and the store is learned afresh. Other workers are never touched.
+  worker is reset (every block of it cleared, its layout forgotten), counted as
+  `("layout", "ALL", "reset")` (not a "cleared" count: the engine sent no clear, and the service
+  reads those as a stream rebuilding itself), and the store is learned afresh. Other workers are never touched.
 - A worker id may use at most `GROUP_CAP` distinct groups over all its ranks (real hybrid models
   have a handful); a store that would open another is dropped and counted (`group_limit`), which
   bounds the cost one publisher adds to a score.
@@ -46,7 +47,7 @@ GROUP_CAP = 16  # distinct groups one worker id may use over its ranks
 
 DROP_UNKNOWN_GROUP = "unknown_group"
 DROP_GROUP_LIMIT = "group_limit"
-LAYOUT_RESET_KEY: tuple[str, str, str] = ("cleared", "ALL", "layout_reset")
+LAYOUT_RESET_KEY: tuple[str, str, str] = ("layout", "ALL", "reset")
 
 ClassKey = tuple[int, int, "int | None"]  # (group_idx, kind, window)
 
