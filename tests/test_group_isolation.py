@@ -208,3 +208,52 @@ def test_a_hostile_layout_costs_a_score_linear_work(monkeypatch) -> None:
         s = ix.score(M, toks).workers[0]
         assert (s.device_blocks, s.cached_blocks, s.kv_blocks) == (1, 1, n)
         assert calls[0] <= 2 * 17 * n + 4 * n, calls[0]  # two limits x (16 groups + the KV) x n, and the split
+
+
+def test_runs_of_a_hybrid_worker_apply_like_one_batch_at_a_time() -> None:
+    """apply_run (the live ingest's runs) takes a hybrid worker's steady group events in C and stops
+    where the layout changes or a clear comes (the pure core's), leaving the same state as applying
+    each batch with apply_payload."""
+    hs = list(range(1, 25))
+    toks = [1 + (i * 7) % 11 for i in range(24 * BS)]
+
+    def swa(a: int, b: int, window: int = 9) -> BlockStored:
+        return BlockStored(hs[a:b], hs[a - 1] if a else None, toks[a * BS:b * BS], BS, None, "GPU", group_idx=1,
+                           kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=window)
+
+    def kv(a: int, b: int) -> BlockStored:
+        return BlockStored(hs[a:b], hs[a - 1] if a else None, toks[a * BS:b * BS], BS, None, "GPU", group_idx=0,
+                           kv_cache_spec_kind="full_attention")
+
+    def mamba(i: int) -> BlockStored:
+        return BlockStored([hs[i]], hs[i - 1] if i else None, toks[i * BS:(i + 1) * BS], BS, None, "GPU", group_idx=2,
+                           kv_cache_spec_kind="mamba")
+
+    batches = [[kv(0, 4), swa(0, 4), mamba(3)]]
+    batches += [[kv(a, a + 4), swa(a, a + 4), mamba(a + 3), BlockRemoved(hs[a - 4:a - 2], "GPU", group_idx=1)]
+                for a in (4, 8, 12)]
+    batches += [[BlockStored(hs[:16], None, [], 0, None, "CPU_PINNED", group_idx=1, kv_cache_spec_kind="sliding_window",
+                             kv_cache_spec_sliding_window=9)]]
+    batches += [[AllBlocksCleared(), kv(0, 8), swa(0, 8), mamba(7)]]
+    batches += [[kv(8, 12), swa(8, 12, window=17)]]  # another window: a layout change, reset
+    batches += [[kv(0, 12), swa(0, 12, window=17), mamba(11)], [BlockRemoved(hs[:3], "GPU", group_idx=2)]]
+    payloads = [encode_batch(KVEventBatch(float(i + 1), b)) for i, b in enumerate(batches)]
+    one, run = _index("native"), _index("native")
+    for ix in (one, run):
+        ix.apply_payload(M, "w", 0, payloads[0], rank_from_batch=True)
+    for p in payloads[1:]:
+        one.apply_payload(M, "w", 0, p, rank_from_batch=True)
+    rest, applied = payloads[1:], 0
+    while rest:
+        k, _, extra = run.apply_run(M, "w", 0, 0, rest)
+        applied += k
+        if extra is not None:
+            k += 1
+        elif k == 0:
+            run.apply_payload(M, "w", 0, rest[0], rank_from_batch=True)
+            k = 1
+        rest = rest[k:]
+    assert applied >= 3  # the steady batches went through the C run
+    q = toks[: 12 * BS]
+    assert run.score(M, q) == one.score(M, q)
+    assert run.dump(M) == one.dump(M)
