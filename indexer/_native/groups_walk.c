@@ -210,7 +210,7 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
             if (c && dev_top < 0) dev_top = i;
             tier[i] = (unsigned char)c;
         }
-        for (Py_ssize_t i = 0; i < n; i++) if (h_code(&tabs[0], nm, i, s) == H_ABSENT) { kv = i; break; }
+        for (Py_ssize_t i = full; i < n; i++) if (h_code(&tabs[0], nm, i, s) == H_ABSENT) { kv = i; break; } /* below full the main tree holds every block */
         Py_ssize_t dev = h_usable(dev_top < 0 ? full : dev_top, tabs, parts, np, nm, s, 0, good);
         Py_ssize_t cached = h_usable(full, tabs, parts, np, nm, s, 3, good);
         for (Py_ssize_t q = 0; q < np && cached; q++) { /* the blocks a group needs at `cached` */
