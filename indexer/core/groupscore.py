@@ -39,10 +39,11 @@ def _usable(top: int, parts: list[tuple[int, int | None, list[int]]], sh: int, p
     """Largest L <= top (the full-attention prefix) at which every sliding-window / Mamba group
     validates an end with tiers <= limit (0: the GPU alone; 3: any tier). L = 0 always.
 
-    L only goes down, so each group reads each block at most once: a sliding-window group keeps the
-    lowest block `good[k]` of the run it verified below the current L, a Mamba group scans down to
-    its next state. Cost: O(blocks x groups) per worker whatever the residency pattern (a hostile
-    layout cannot make a score quadratic)."""
+    L only goes down, so each group judges each block at most once per value: a sliding-window group
+    keeps the lowest block `good[k]` of the run it verified below the current L (a window is judged
+    by its distinct residency values), a Mamba group scans down to its next state. Tier look-ups:
+    O(blocks x groups) per worker whatever the residency pattern (a hostile layout cannot make a
+    score quadratic in them)."""
     good: list[int] = [top] * len(parts)  # per SWA group: blocks [good[k], L) are known to qualify
     L = top
     moved = True
@@ -60,17 +61,24 @@ def _usable(top: int, parts: list[tuple[int, int | None, list[int]]], sh: int, p
                         return 0
                 continue
             lo = 0 if span is None else max(0, L - span)
-            j = min(good[k], L) - 1
-            while j >= lo and _code(vals[j], sh, pool_bits) <= limit:
+            hi = min(good[k], L)
+            if hi <= lo:
+                good[k] = hi
+                continue
+            seg = vals[lo:hi]  # judged by its distinct values (few: blocks are held in runs)
+            bad = {x for x in set(seg) if _code(x, sh, pool_bits) > limit}
+            if not bad:
+                good[k] = lo
+                continue
+            j = hi - 1
+            while seg[j - lo] not in bad:
                 j -= 1
-            if j >= lo:  # block j fails: no end in (j, j + span] can use it, and L is below j + span
-                L = j
-                good[k] = j
-                moved = True
-                if not L:
-                    return 0
-            else:
-                good[k] = j + 1
+            # block j fails: no end in (j, j + span] can use it, and L is below j + span
+            L = j
+            good[k] = j
+            moved = True
+            if not L:
+                return 0
     return L
 
 
