@@ -17,9 +17,11 @@ Semantics (design §4/§5; details decided here):
   goes; a block no worker holds is pruned.
 - EXTERNAL stores put the block in the model's shared pool (usable by every worker of the model) for
   as long as any worker's events still claim it; the claiming worker's ext mapping is per worker.
-- vLLM groups (`group_idx`): full-attention, sliding-window and Mamba groups each keep their own
-  residency; removes apply to their own group (a group never seen in a store: counted, ignored); a
-  model with more than one group scores usable prefixes (indexer/core/groups.py, docs/hybrid.md).
+- vLLM groups (`group_idx`): each worker (and dp rank) learns its own group layout from its own
+  stores, so one worker's events never change another's rows; full-attention, sliding-window and
+  Mamba groups each keep their own residency; removes apply to their own group (a group the worker
+  never stored in: counted, ignored); a layout change resets that worker (counted); a worker with
+  groups scores usable prefixes (indexer/core/groups.py, docs/hybrid.md).
   Stores of other kinds (and non-full stores without a group_idx) are skipped and counted; partial
   trailing blocks are ignored.
 - trust_engine_hashes (per model): engines whose hashes are content-deterministic (SGLang, vLLM with
@@ -253,7 +255,7 @@ class KVIndex:
         extra_keys: Sequence[Any] | None = None,
     ) -> ScoreResult:
         """Score a token sequence. `extra_keys`: per full block, that block's vLLM extra keys or None.
-        A model with more groups than its main tree (hybrid) scores usable prefixes on the pure core."""
+        Workers with groups beside their main tree (hybrid layouts) score usable prefixes."""
         return self.score_model(self._model(model), token_ids, lora_name, cache_salt, workers, extra_keys)
 
     def score_model(
