@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from indexer.core import native as _native
-from indexer.core.accel import Accelerator
+from indexer.core.accel import Accelerator, hybrid_args
 from indexer.core.apply import apply_events, decode_or_drop, finite_ts
 from indexer.core.dump import dump_model, load_model_dump
 from indexer.core.groupdump import dump_groups, load_groups
@@ -84,7 +84,7 @@ def _split(m: Any, wl: list[tuple[str, int]] | None) -> tuple[list[WorkerState],
 
 
 class KVIndex:
-    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "rank_limits", "_models", "_accel")
+    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "rank_limits", "_models", "_accel", "_plans")
 
     def __init__(
         self,
@@ -99,6 +99,9 @@ class KVIndex:
         self.trust_engine_hashes = trust_engine_hashes
         self.orphan_grace_batches = orphan_grace_batches
         self._models: dict[str, ModelState] = {}
+        # per model object scored without a worker list: its hybrid split and C arguments, kept while
+        # its membership (`ranked`) and layouts (groups' version) stay the same
+        self._plans: dict[int, tuple] = {}
         mod = _native.select(native)
         self._accel = Accelerator(mod) if mod is not None else None
 
@@ -266,13 +269,13 @@ class KVIndex:
         its shards' models (indexer/sharded.py)."""
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
         wl = list(workers) if workers is not None else None
-        hybrid, plain = _split(m, wl)
+        hybrid, plain, args = self._plan(m, wl)
         if hybrid:
             if extras is None and type(token_ids) in _SEQ_TYPES:
-                res = self._score_mixed(m, None, token_ids, m.seed(lora_name, cache_salt), hybrid, plain)
+                res = self._score_mixed(m, None, token_ids, m.seed(lora_name, cache_salt), hybrid, plain, args)
                 if res is not None:
                     return res
-            res = self._score_mixed(m, self._keys(m, token_ids, lora_name, cache_salt, extras), None, 0, hybrid, plain)
+            res = self._score_mixed(m, self._keys(m, token_ids, lora_name, cache_salt, extras), None, 0, hybrid, plain, args)
             assert res is not None
             return res
         if self._accel is not None and extras is None and type(token_ids) in _SEQ_TYPES:
@@ -282,16 +285,34 @@ class KVIndex:
         keys = self._keys(m, token_ids, lora_name, cache_salt, extras)
         return score_keys(m, keys, self.weights, wl)
 
+    def _plan(self, m: Any, wl: list[tuple[str, int]] | None) -> tuple[list[WorkerState], Any, tuple | None]:
+        """`_split` with the C arguments of its hybrid workers, kept per model object for scores of
+        every worker (the common case) until its membership or a layout changes."""
+        if wl is not None or m.groups is None or self._accel is None:
+            hybrid, plain = _split(m, wl)
+            return hybrid, plain, None
+        ranked = m.ranked()
+        version = getattr(m.groups, "version", 0)
+        hit = self._plans.get(id(m))
+        if hit is not None and hit[0] is m and hit[1] is ranked and hit[2] == version:
+            return hit[3], hit[4], hit[5]
+        hybrid, plain = _split(m, None)
+        args = hybrid_args(hybrid) if hybrid else None
+        if len(self._plans) > 256:  # models come and go: start afresh rather than grow
+            self._plans.clear()
+        self._plans[id(m)] = (m, ranked, version, hybrid, plain, args)
+        return hybrid, plain, args
+
     def _score_mixed(
         self, m: Any, keys: list[int] | None, tokens: object, seed: int, hybrid: list[WorkerState],
-        plain: list[tuple[str, int]] | None,
+        plain: list[tuple[str, int]] | None, args: tuple | None = None,
     ) -> ScoreResult | None:
         """Workers with groups score usable prefixes, the others as full-attention ones, in C where it
         serves (else the pure core): each row is what that worker's own events make of it. Keys come
         hashed from `tokens` when `keys` is None; then None when the C calls cannot judge them."""
         accel = self._accel
         if accel is not None:
-            got = accel.hybrid_rows(m, keys, tokens, seed, self.weights, hybrid)
+            got = accel.hybrid_rows(m, keys, tokens, seed, self.weights, hybrid, args)
             res = accel.score(m, keys, tokens, seed, self.weights, plain) if got is not None and plain else None
             if got is not None and (res is not None or not plain):
                 rows = got[1] + (res.workers if res is not None else [])

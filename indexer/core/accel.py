@@ -48,6 +48,24 @@ def _groups_arg(w: WorkerState) -> tuple | None:
     return tuple(out)
 
 
+def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list]:
+    """`hybrid_rows`' groups, layouts and slots for these workers: each group once, each layout as
+    the positions of its groups."""
+    groups: list[tuple[int, int, Any]] = []
+    at: dict[int, int] = {}
+    layouts = []
+    for w in ws:
+        idx = []
+        for g in w.layout.groups.values():
+            i = at.get(id(g))
+            if i is None:
+                i = at[id(g)] = len(groups)
+                groups.append((g.kind, -1 if g.span is None else g.span, g.nodes))
+            idx.append(i)
+        layouts.append(tuple(idx))
+    return groups, layouts, [w.slot for w in ws]
+
+
 class Accelerator:
     __slots__ = ("mod", "new_map")
 
@@ -189,25 +207,15 @@ class Accelerator:
 
     def hybrid_rows(
         self, m: ModelState, keys: list[int] | None, tokens: object, seed: int, weights: TierWeights,
-        ws: list[WorkerState],
+        ws: list[WorkerState], args: tuple | None = None,
     ) -> tuple[int, list[WorkerScore]] | None:
         """`groupscore.score_groups` in one C call (`hybrid_rows`, keys hashed from `tokens` when `keys`
         is None): (query blocks, the usable-prefix rows of workers with a hybrid layout, unranked);
-        None when the C call cannot judge the input (the pure core does)."""
-        groups: list[tuple[int, int, Any]] = []
-        at: dict[int, int] = {}
-        layouts = []
-        for w in ws:
-            idx = []
-            for g in w.layout.groups.values():
-                i = at.get(id(g))
-                if i is None:
-                    i = at[id(g)] = len(groups)
-                    groups.append((g.kind, -1 if g.span is None else g.span, g.nodes))
-                idx.append(i)
-            layouts.append(tuple(idx))
+        None when the C call cannot judge the input (the pure core does). `args`: `hybrid_args(ws)`,
+        when the caller keeps them."""
+        groups, layouts, slots = args if args is not None else hybrid_args(ws)
         bs = m.block_size
-        res = self.mod.hybrid_rows(m.nodes, keys, tokens, seed, bs, groups, layouts, [w.slot for w in ws])
+        res = self.mod.hybrid_rows(m.nodes, keys, tokens, seed, bs, groups, layouts, slots)
         if res is None:
             return None
         wg, wh, wd, wsh = weights.as_tuple()
