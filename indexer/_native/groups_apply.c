@@ -138,7 +138,13 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
          * by an earlier block of this event (a repeated hash): counted as mapped, and overwritten as
          * the pure core's `gext[h] = key` does. */
         int seen = had[j];
-        if (!seen) {
+        if (!seen && !hs[j].b && hs[j].k) { /* an int hash: found or inserted in one probe */
+            Py_ssize_t ei = find_or_insert(g->ext, hs[j].k, &seen);
+            if (ei < 0) goto out;
+            uint64_t *dst = VALS(g->ext, ei);
+            for (int w = 1; w < g->ext->width; w++) dst[w] = 0;
+            dst[0] = keys[j];
+        } else if (!seen) {
             uint64_t old;
             if ((seen = href_get(g->ext, hs + j, &old)) < 0 || href_set(g->ext, hs + j, keys[j]) < 0) goto out;
         }
@@ -153,6 +159,34 @@ out:
     return rc;
 }
 
+/* Take tier bit `shift + tier` off node `key` in one probe: returns whether it was set (-1 error),
+ * with the worker's nibble left and whether the node holds anything (an empty node is dropped). */
+static int node_unset(U64Map *m, uint64_t key, int shift, int tier, int *nib) {
+    if (key == 0) { /* rare: content key 0 lives in the side dict */
+        int was = node_bit(m, key, shift + tier, 2), any;
+        if (was < 0 || (*nib = node_nibble(m, key, shift, &any)) < 0) return -1;
+        return !any && node_drop(m, key) < 0 ? -1 : was;
+    }
+    int f;
+    Py_ssize_t i = find(m, key, &f);
+    int word = shift >> 6;
+    if (!f) { *nib = 0; return 0; }
+    uint64_t *v = VALS(m, i);
+    int was = 0;
+    if (word < m->width) {
+        uint64_t b = 1ULL << ((shift + tier) & 63);
+        was = (v[word] & b) != 0;
+        v[word] &= ~b;
+        *nib = (int)((v[word] >> (shift & 63)) & 0xF);
+    } else {
+        *nib = 0;
+    }
+    int any = 0;
+    for (int w = 0; w < m->width; w++) if (v[w]) { any = 1; break; }
+    if (!any) erase(m, i);
+    return was;
+}
+
 /* Twin of groups.route_remove for a group of the worker's layout (state.unset_tier per block). */
 static int gp_remove(FCtx *c, const GLay *g, const FEv *e, const HRef *hs) {
     for (Py_ssize_t j = 0; j < e->nh; j++) {
@@ -160,14 +194,10 @@ static int gp_remove(FCtx *c, const GLay *g, const FEv *e, const HRef *hs) {
         int r = href_get(g->ext, hs + j, &key);
         if (r < 0) return -1;
         if (!r) { c->gremoved[e->tier][1]++; continue; }
-        int was = node_bit(g->nodes, key, c->shift + e->tier, 2);
+        int nib, was = node_unset(g->nodes, key, c->shift, e->tier, &nib);
         if (was < 0) return -1;
         c->gremoved[e->tier][was ? 0 : 1]++;
-        int any;
-        int nib = node_nibble(g->nodes, key, c->shift, &any);
-        if (nib < 0) return -1;
         if (!nib && href_del(g->ext, hs + j) < 0) return -1;
-        if (!any && node_drop(g->nodes, key) < 0) return -1;
     }
     return 0;
 }
