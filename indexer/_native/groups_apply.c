@@ -116,9 +116,13 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
             if (!r && (r = href_get(c->ext, &e->parent, &state)) < 0) goto out;
             have = r;
         }
+        for (Py_ssize_t j = 0; j < nfull && j < 8; j++) if (!hs[j].b) { pf_slot(g->ext, hs[j].k); pf_slot(c->ext, hs[j].k); }
         for (Py_ssize_t j = 0; j < nfull; j++) {
             uint64_t key;
-            if (!hs[j].b) pf_slot(g->nodes, hs[j].k);
+            if (j + 8 < nfull && !hs[j + 8].b) { /* random probes: overlap their misses */
+                pf_slot(g->ext, hs[j + 8].k);
+                pf_slot(c->ext, hs[j + 8].k);
+            }
             if ((r = href_get(g->ext, hs + j, &key)) < 0) goto out;
             had[nk] = (unsigned char)r;
             if (!r && (r = href_get(c->ext, hs + j, &key)) < 0) goto out;
@@ -189,8 +193,10 @@ static int node_unset(U64Map *m, uint64_t key, int shift, int tier, int *nib) {
 
 /* Twin of groups.route_remove for a group of the worker's layout (state.unset_tier per block). */
 static int gp_remove(FCtx *c, const GLay *g, const FEv *e, const HRef *hs) {
+    for (Py_ssize_t j = 0; j < e->nh && j < 8; j++) if (!hs[j].b) pf_slot(g->ext, hs[j].k);
     for (Py_ssize_t j = 0; j < e->nh; j++) {
         uint64_t key;
+        if (j + 8 < e->nh && !hs[j + 8].b) pf_slot(g->ext, hs[j + 8].k);
         int r = href_get(g->ext, hs + j, &key);
         if (r < 0) return -1;
         if (!r) { c->gremoved[e->tier][1]++; continue; }
