@@ -14,7 +14,8 @@ setup(
     ext_modules=[
         Extension(
             "indexer._native._kvnative",
-            sources=["indexer/_native/kvnative.c"],
+            sources=["indexer/_native/kvnative.c"],  # includes wire_walk.c (payload reader), groups_walk.c (hybrid rows)
+            depends=["indexer/_native/wire_walk.c", "indexer/_native/groups_walk.c", "indexer/_native/wire_tables.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter", "-Wconversion", "-Wno-sign-conversion"],
             optional=True,
         ),

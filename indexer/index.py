@@ -17,9 +17,11 @@ Semantics (design §4/§5; details decided here):
   goes; a block no worker holds is pruned.
 - EXTERNAL stores put the block in the model's shared pool (usable by every worker of the model) for
   as long as any worker's events still claim it; the claiming worker's ext mapping is per worker.
-- vLLM groups (`group_idx`): full-attention, sliding-window and Mamba groups each keep their own
-  residency; removes apply to their own group (a group never seen in a store: counted, ignored); a
-  model with more than one group scores usable prefixes (indexer/core/groups.py, docs/hybrid.md).
+- vLLM groups (`group_idx`): each worker (and dp rank) learns its own group layout from its own
+  stores, so one worker's events never change another's rows; full-attention, sliding-window and
+  Mamba groups each keep their own residency; removes apply to their own group (a group the worker
+  never stored in: counted, ignored); a layout change resets that worker (counted); a worker with
+  groups scores usable prefixes (indexer/core/groups.py, docs/hybrid.md).
   Stores of other kinds (and non-full stores without a group_idx) are skipped and counted; partial
   trailing blocks are ignored.
 - trust_engine_hashes (per model): engines whose hashes are content-deterministic (SGLang, vLLM with
@@ -44,11 +46,13 @@ from typing import Any
 import numpy as np
 
 from indexer.core import native as _native
-from indexer.core.accel import Accelerator
+from indexer.core.accel import Accelerator, hybrid_args
 from indexer.core.apply import apply_events, decode_or_drop, finite_ts
 from indexer.core.dump import dump_model, load_model_dump
-from indexer.core.groups import dump_groups, load_groups
-from indexer.core.scoring import score_keys
+from indexer.core.groupdump import dump_groups, load_groups
+from indexer.core.groupscore import score_groups
+from indexer.core.scoring import rank_key, score_keys
+from indexer.core.state import WorkerState
 from indexer.core.state import ModelState
 from indexer.core.types import (
     TIER_NAMES, ApplyStats, BlockSizeConflict, RankLimits, ScoreResult, ScoreTable, TierWeights, WorkerScore,
@@ -67,8 +71,20 @@ __all__ = [
 _SEQ_TYPES = (list, tuple, np.ndarray)
 
 
+def _split(m: Any, wl: list[tuple[str, int]] | None) -> tuple[list[WorkerState], list[tuple[str, int]] | None]:
+    """The workers of a selection with groups (their rows are usable prefixes) and the others' ids;
+    ([], wl) when none has groups."""
+    if m.groups is None:
+        return [], wl
+    ws = list(m.by_id.values()) if wl is None else [w for w in (m.by_id.get((wid, int(r))) for wid, r in wl) if w is not None]
+    hybrid = [w for w in ws if w.layout is not None and w.layout.groups]
+    if not hybrid:
+        return [], wl
+    return hybrid, [(w.worker_id, w.dp_rank) for w in ws if w.layout is None or not w.layout.groups]
+
+
 class KVIndex:
-    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "rank_limits", "_models", "_accel")
+    __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "rank_limits", "_models", "_accel", "_plans")
 
     def __init__(
         self,
@@ -83,6 +99,9 @@ class KVIndex:
         self.trust_engine_hashes = trust_engine_hashes
         self.orphan_grace_batches = orphan_grace_batches
         self._models: dict[str, ModelState] = {}
+        # per model object scored without a worker list: its hybrid split and C arguments, kept while
+        # its membership (`ranked`) and layouts (groups' version) stay the same
+        self._plans: dict[int, tuple] = {}
         mod = _native.select(native)
         self._accel = Accelerator(mod) if mod is not None else None
 
@@ -155,9 +174,10 @@ class KVIndex:
         That is exactly `schemas.batchhead.read_head` + `apply_payload`, in one pass over the bytes."""
         m = self._models.get(model) or self._model(model)
         rank = int(dp_rank) if rank_from_batch else int(dp_rank or 0)
-        # Group stores are the pure core's (docs/hybrid.md). Above the decoder's size cap the pure path
-        # refuses the payload: the C walk must not take it.
-        if self._accel is not None and m.groups is None and len(payload) <= DEFAULT_MAX_PAYLOAD:
+        # Group stores are the pure core's (docs/hybrid.md; the C walk declines them, and the batches of
+        # a worker whose main tree is not group 0). Above the decoder's size cap the pure path refuses
+        # the payload: the C walk must not take it.
+        if self._accel is not None and len(payload) <= DEFAULT_MAX_PAYLOAD:
             stats = self._accel.apply_payload(
                 m, worker_id, rank, payload, self.orphan_grace_batches, rank_from_batch, self.rank_limits,
             )
@@ -180,7 +200,7 @@ class KVIndex:
         as apply_payload returns them. The caller applies the batch after the run one by one. k may
         be 0 (the pure core, a hybrid model, a worker not yet known or with orphans pending)."""
         m = self._models.get(model) or self._model(model)
-        if self._accel is None or m.groups is not None:
+        if self._accel is None:
             return 0, ApplyStats(), None
         return self._accel.apply_run(
             m, worker_id, int(rank), int(default_rank), payloads, self.orphan_grace_batches, DEFAULT_MAX_PAYLOAD,
@@ -256,7 +276,7 @@ class KVIndex:
         extra_keys: Sequence[Any] | None = None,
     ) -> ScoreResult:
         """Score a token sequence. `extra_keys`: per full block, that block's vLLM extra keys or None.
-        A model with more groups than its main tree (hybrid) scores usable prefixes on the pure core."""
+        Workers with groups beside their main tree (hybrid layouts) score usable prefixes."""
         return self.score_model(self._model(model), token_ids, lora_name, cache_salt, workers, extra_keys)
 
     def score_model(
@@ -267,13 +287,61 @@ class KVIndex:
         its shards' models (indexer/sharded.py)."""
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
         wl = list(workers) if workers is not None else None
-        native = self._accel is not None and (m.groups is None or not m.groups.hybrid)
-        if native and extras is None and type(token_ids) in _SEQ_TYPES:
+        hybrid, plain, args = self._plan(m, wl)
+        if hybrid:
+            if extras is None and type(token_ids) in _SEQ_TYPES:
+                res = self._score_mixed(m, None, token_ids, m.seed(lora_name, cache_salt), hybrid, plain, args)
+                if res is not None:
+                    return res
+            res = self._score_mixed(m, self._keys(m, token_ids, lora_name, cache_salt, extras), None, 0, hybrid, plain, args)
+            assert res is not None
+            return res
+        if self._accel is not None and extras is None and type(token_ids) in _SEQ_TYPES:
             res = self._accel.score(m, None, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
             if res is not None:
                 return res
         keys = self._keys(m, token_ids, lora_name, cache_salt, extras)
         return score_keys(m, keys, self.weights, wl)
+
+    def _plan(self, m: Any, wl: list[tuple[str, int]] | None) -> tuple[list[WorkerState], Any, tuple | None]:
+        """`_split` with the C arguments of its hybrid workers, kept per model object for scores of
+        every worker (the common case) until its membership or a layout changes."""
+        if wl is not None or m.groups is None or self._accel is None:
+            hybrid, plain = _split(m, wl)
+            return hybrid, plain, None
+        ranked = m.ranked()
+        version = getattr(m.groups, "version", 0)
+        hit = self._plans.get(id(m))
+        if hit is not None and hit[0] is m and hit[1] is ranked and hit[2] == version:
+            return hit[3], hit[4], hit[5]
+        hybrid, plain = _split(m, None)
+        args = hybrid_args(hybrid) if hybrid else None
+        if len(self._plans) > 256:  # models come and go: start afresh rather than grow
+            self._plans.clear()
+        self._plans[id(m)] = (m, ranked, version, hybrid, plain, args)
+        return hybrid, plain, args
+
+    def _score_mixed(
+        self, m: Any, keys: list[int] | None, tokens: object, seed: int, hybrid: list[WorkerState],
+        plain: list[tuple[str, int]] | None, args: tuple | None = None,
+    ) -> ScoreResult | None:
+        """Workers with groups score usable prefixes, the others as full-attention ones, in C where it
+        serves (else the pure core): each row is what that worker's own events make of it. Keys come
+        hashed from `tokens` when `keys` is None; then None when the C calls cannot judge them."""
+        accel = self._accel
+        if accel is not None:
+            got = accel.hybrid_rows(m, keys, tokens, seed, self.weights, hybrid, args)
+            res = accel.score(m, keys, tokens, seed, self.weights, plain) if got is not None and plain else None
+            if got is not None and (res is not None or not plain):
+                rows = got[1] + (res.workers if res is not None else [])
+                rows.sort(key=rank_key)
+                return ScoreResult(query_blocks=got[0], block_size=m.block_size, workers=rows)
+        if keys is None:
+            return None
+        rows = score_keys(m, keys, self.weights, plain).workers if plain else []
+        rows += score_groups(m, keys, self.weights, hybrid)
+        rows.sort(key=rank_key)
+        return ScoreResult(query_blocks=len(keys), block_size=m.block_size, workers=rows)
 
     def score_table(
         self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
@@ -292,9 +360,9 @@ class KVIndex:
         """`score_table` over a model object (see `score_model`)."""
         if self._accel is None or type(token_ids) not in _SEQ_TYPES:
             return None
-        if m.groups is not None and m.groups.hybrid:
-            return None
         wl = list(workers) if workers is not None else None
+        if _split(m, wl)[0]:
+            return None
         return self._accel.score_table(m, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
 
     def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
@@ -304,7 +372,12 @@ class KVIndex:
     def score_keys_model(self, m: Any, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
         """`score_keys` over a model object (see `score_model`)."""
         wl = list(workers) if workers is not None else None
-        if self._accel is not None and type(keys) is list and (m.groups is None or not m.groups.hybrid):
+        hybrid, plain = _split(m, wl)
+        if hybrid:
+            res = self._score_mixed(m, keys if type(keys) is list else list(keys), None, 0, hybrid, plain)
+            assert res is not None
+            return res
+        if self._accel is not None and type(keys) is list:
             res = self._accel.score(m, keys, None, 0, self.weights, wl)
             if res is not None:
                 return res

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from indexer.core.groups import group_heads, is_group_head
+from indexer.core.groups import Layout
 from indexer.core.state import ModelState, WorkerState
 from indexer.core.types import ApplyStats, ScoreResult, ScoreTable
 from indexer.index import KVIndex
@@ -68,7 +68,7 @@ class _MergedNodes(tuple):  # type: ignore[type-arg]
 
 
 class _MergedGroup:
-    """One group over the shards: what `score_groups` reads (kind, span, nodes)."""
+    """One group (group_idx, kind, window) over the shards: what the scoring reads (kind, span, nodes)."""
 
     __slots__ = ("kind", "span", "nodes")
 
@@ -78,21 +78,23 @@ class _MergedGroup:
 
 
 class _MergedGroups:
-    """The shards' group tables (hybrid models) as the scoring reads them."""
+    """The shards' group tables (hybrid layouts): one merged group per (group_idx, kind, window)."""
 
-    __slots__ = ("groups",)
+    __slots__ = ("classes",)
 
     def __init__(self, tables: list[Any]) -> None:
         """`tables`: each shard's GroupTable or None (position = shard)."""
-        self.groups: dict[int, _MergedGroup] = {}
-        for idx in sorted({i for t in tables if t is not None for i in t.groups}):
-            per_shard = [t.groups.get(idx) if t is not None else None for t in tables]
+        self.classes: dict[Any, _MergedGroup] = {}
+        for key in {k for t in tables if t is not None for k in t.classes}:
+            per_shard = [t.classes.get(key) if t is not None else None for t in tables]
             first = next(g for g in per_shard if g is not None)
-            self.groups[idx] = _MergedGroup(first, [g.nodes if g is not None else {} for g in per_shard])
+            self.classes[key] = _MergedGroup(first, [g.nodes if g is not None else {} for g in per_shard])
 
-    @property
-    def hybrid(self) -> bool:
-        return bool(self.groups)
+    def layout(self, lay: Any) -> Layout:
+        """A worker's layout over the merged groups."""
+        out = Layout(lay.primary)
+        out.groups = {gi: self.classes[g.key] for gi, g in lay.groups.items()}
+        return out
 
 
 class _Merged:
@@ -108,15 +110,17 @@ class _Merged:
         self.block_size = first.block_size
         n = len(models)
         self.nodes = _MergedNodes(m.nodes for m in models)
+        tables = [m.groups for m in models]
+        self.groups = _MergedGroups(tables) if any(t is not None for t in tables) else None
         self.by_id: dict[tuple[str, int], WorkerState] = {}
         self.slot_mask = 0
         for t, m in enumerate(models):
             for k, w in m.by_id.items():
-                self.by_id[k] = WorkerState(w.worker_id, w.dp_rank, w.slot * n + t, w.ext)
+                stand_in = self.by_id[k] = WorkerState(w.worker_id, w.dp_rank, w.slot * n + t, w.ext)
+                if w.layout is not None and self.groups is not None:
+                    stand_in.layout = self.groups.layout(w.layout)
             self.slot_mask |= _spread(m.slot_mask, n, t)
         self.workers = sorted(self.by_id.values(), key=lambda w: w.slot)
-        tables = [m.groups for m in models]
-        self.groups = _MergedGroups(tables) if any(t is not None for t in tables) else None
         ws = sorted(self.by_id.values(), key=lambda w: (w.worker_id, w.dp_rank))
         self._ranked = (ws, [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws])
 
@@ -222,9 +226,9 @@ class ShardedIndex:
         """The merged view of `model`, rebuilt when a shard's model, membership or groups changed."""
         ms = [s.model_state(model) for s in self.shards]
         # identities: the model objects (load_dump replaces them), their `ranked` caches (reset on every
-        # membership change) and groups (a table appears with a model's first group; a group with its
-        # first store)
-        sig = [(m, m.ranked(), m.groups, len(m.groups.groups) if m.groups is not None else 0) for m in ms]
+        # membership change) and group tables (a table appears with a model's first layout; its version
+        # moves with every layout change)
+        sig = [(m, m.ranked(), m.groups, m.groups.version if m.groups is not None else 0) for m in ms]
         hit = self._views.get(model)
         if hit is not None and all(a[0] is b[0] and a[1] is b[1] and a[2] is b[2] and a[3] == b[3]
                                    for a, b in zip(hit[0], sig)):
@@ -257,24 +261,8 @@ class ShardedIndex:
 
     # --- snapshots ----------------------------------------------------------------------------
     def dump(self, model: str) -> list[WorkerDump]:
-        """The shards' dumps together. One index writes its model's group heads (which groups exist,
-        their kinds) into every worker's entry; a shard knows only the groups its own workers brought,
-        so every entry gets the heads of all shards (a group whose only workers left would be lost)."""
-        out = [d for s in self.shards for d in s.dump(model)]
-        heads: dict[int | None, Any] = {}
-        for s in self.shards:  # the entries' heads come from these tables (and a shard's with no worker left)
-            t = s.model_state(model).groups
-            for e in group_heads(t) if t is not None else ():
-                heads.setdefault(e.group_idx, e)
-        if not heads:
-            return out
-        for i, (wid, rank, evs) in enumerate(out):
-            have = {e.group_idx for e in evs if is_group_head(e)}
-            missing = [e for gi, e in heads.items() if gi not in have]
-            if missing:  # before the entry's group events (after its main-tree events), where one index puts them
-                at = next((j for j, e in enumerate(evs) if is_group_head(e)), len(evs))
-                out[i] = (wid, rank, evs[:at] + missing + evs[at:])
-        return out
+        """The shards' dumps together (each worker's entry carries its own layout)."""
+        return [d for s in self.shards for d in s.dump(model)]
 
     def load_dump(self, model: str, block_size: int, dump: list[WorkerDump]) -> int:
         """Each worker's entry into its shard (every shard's model is replaced, as with one index)."""

@@ -412,6 +412,50 @@ def test_score_rows_refuses_bad_slots_and_names() -> None:
     assert _score(keys=[])[1][0].cached_blocks == 0
 
 
+def test_hybrid_rows_declines_odd_arguments() -> None:
+    """hybrid_rows (the C usable-prefix rows) answers None for any shape it does not take and raises
+    only for bad slots, like score_rows; it never reads out of its tables."""
+    main, g = N.U64Map(), N.U64Map()
+    for k in (5, 6, 7):
+        main[k] = 0b1
+        g[k] = 0b1
+    ok = N.hybrid_rows(main, [5, 6, 7], None, 0, 1, [(2, -1, g)], [(0,)], [0])[1]
+    assert ok == [(3, 3, 3, 3, 0, 0, 0)]
+    odd = [
+        (main, [5, 0], [(2, -1, g)], [(0,)], [0]),           # key 0: the pure core's
+        (main, [5, "x"], [(2, -1, g)], [(0,)], [0]),
+        (main, [5], [(2, -1, g)], [(1,)], [0]),              # no group 1
+        (main, [5], [(2, -1, g)], [(-1,)], [0]),
+        (main, [5], [(2, -1, g)], [(2**70,)], [0]),
+        (main, [5], [(2, -1, g)], [(0, 0)], [0]),            # more entries than groups
+        (main, [5], [(3, -1, g)], [(0,)], [0]),              # no such kind
+        (main, [5], [(1, -2, g)], [(0,)], [0]),
+        (main, [5], [(1, 2**70, g)], [(0,)], [0]),
+        (main, [5], [(1, 1, {1: 2})], [(0,)], [0]),          # not a U64Map
+        (main, [5], [(1, 1, (g, g))], [(0,)], [0]),          # shards do not match the main tree's
+        ((main, {}), [5], [(1, 1, g)], [(0,)], [0]),
+        ({}, [5], [(1, 1, g)], [(0,)], [0]),
+        (main, [5], [(1, 1, g)], [[0]], [0]),                # a layout that is not a tuple
+        (main, [5], [[1, 1, g]], [(0,)], [0]),
+        (main, (5,), [(1, 1, g)], [(0,)], [0]),
+        (main, [5], [(1, 1, g)], [(0,), (0,)], [0]),         # layouts and slots disagree
+    ]
+    for main_, keys, groups, layouts, slots in odd:
+        assert N.hybrid_rows(main_, keys, None, 0, 1, groups, layouts, slots) is None
+    for toks, seed, bs in (([1, 2], "s", 1), ([1, 2], 0, 0), (None, 0, 1), (["x"], 0, 1), ([1.5], 0, 1)):
+        assert N.hybrid_rows(main, None, toks, seed, bs, [(2, -1, g)], [(0,)], [0]) is None
+    for slots in ([-1], [2**62], [1 << 20]):
+        with pytest.raises((ValueError, OverflowError)):
+            N.hybrid_rows(main, [5], None, 0, 1, [(2, -1, g)], [(0,)], slots)
+    with pytest.raises(TypeError):
+        N.hybrid_rows(main, [5])
+    # shards: slot s is shard s % 2's worker s // 2; an empty dict stands for a shard without the group
+    other = N.U64Map()
+    other[5] = 0b10
+    assert N.hybrid_rows((main, other), [5, 6], None, 0, 1, [(0, -1, (g, {}))], [(0,), ()], [0, 1])[1] == [
+        (2, 2, 2, 2, 0, 0, 0), (0, 1, 1, 0, 1, 0, 0)]
+
+
 def test_apply_msgpack_refuses_bad_positions_and_aliased_maps() -> None:
     raw = enc([0.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1],
                       "block_size": 1}]])

@@ -132,9 +132,11 @@ def test_unknown_group_removes_are_counted() -> None:
         assert row(ix, TOK[:8]) == (2, 2, None, (2, 0, 0, 0))  # still full-attention-only: no kv_blocks
         st = ix.apply(M, "w", 0, KVEventBatch(0.0, [stored(h, range(2), 1, "sliding_window", window=3)]))
         assert st.counts == {("group_stored", "GPU", "new"): 2}
+        # group 1 changes kind: the worker's engine changed its layout, so its whole state goes (counted)
         st = ix.apply(M, "w", 0, KVEventBatch(0.0, [stored(h, range(2), 1, "mamba"), BlockRemoved([h[0]], "GPU", group_idx=1)]))
-        assert st.drops == {"group_kind_conflict": 2} and st.counts == {("group_removed", "GPU", "removed"): 1}
-        assert row(ix, TOK[:8])[:3] == (2, 2, 2)
+        assert st.counts == {("layout", "ALL", "reset"): 1, ("group_stored", "GPU", "new"): 2,
+                             ("group_removed", "GPU", "removed"): 1}
+        assert row(ix, TOK[:8])[:3] == (0, 0, 0)
 
 
 def test_mamba_first_stream_picks_the_full_group_as_main() -> None:
@@ -297,3 +299,42 @@ def test_group_residency_follows_a_worker_whose_slot_moves(ix, feed) -> None:
     assert row(ix, wid="w17") == want and row(ix, wid="w16") == want
     feed(ix, "w17", [BlockRemoved([h[5]], "GPU", group_idx=2)])  # its state at block 5 goes
     assert row(ix, wid="w17")[:2] == (0, 0) and row(ix, wid="w16") == want
+
+
+@pytest.mark.parametrize("shape", ["no_state", "window_gone", "second_full_group", "other_worker_full_group",
+                                   "kv_on_host_and_disk"])
+def test_kv_blocks_is_the_full_attention_match_whatever_the_usable_prefix(ix, feed, shape) -> None:
+    """kv_blocks is the worker's own full-attention (main tree) match over any tier, also when its
+    usable prefix is 0: the probe of issue 22 (usable prefix 0, full-attention match 6 -> kv_blocks 6)."""
+    h = ids("int")
+    kv = [stored(h, range(6), 0, "full_attention")]
+    if shape == "kv_on_host_and_disk":
+        kv = [stored(h, range(3), 0, "full_attention", medium="CPU_PINNED"),
+              stored(h, range(3, 6), 0, "full_attention", medium="DISK")]
+    groups = {
+        "no_state": [stored(h, [5], 1, "mamba"), BlockRemoved([h[5]], "GPU", group_idx=1)],
+        "window_gone": [stored(h, range(6), 1, "sliding_window", window=9), BlockRemoved(h, "GPU", group_idx=1)],
+        "second_full_group": [stored(h, [5], 1, "mamba"), BlockRemoved([h[5]], "GPU", group_idx=1),
+                              stored(h, [0], 3, "full_attention")],
+        "other_worker_full_group": [stored(h, [5], 1, "mamba"), BlockRemoved([h[5]], "GPU", group_idx=1)],
+        "kv_on_host_and_disk": [stored(h, [5], 1, "mamba"), BlockRemoved([h[5]], "GPU", group_idx=1)],
+    }[shape]
+    feed(ix, "w", kv + groups)
+    if shape == "other_worker_full_group":  # another worker's layout has a second full group: not w's
+        feed(ix, "x", [stored(h, [0], 0, "full_attention"), stored(h, [0], 3, "full_attention")])
+    assert row(ix)[:3] == (0, 0, 6)
+
+
+def test_native_index_scores_hybrid_workers_in_c(monkeypatch) -> None:
+    """With the accelerator, hybrid rows come from the C walk (hybrid_rows), not the pure core's."""
+    import indexer.index as index_mod
+
+    def boom(*a, **kw):
+        raise AssertionError("pure usable-prefix scoring used on the native index")
+
+    monkeypatch.setattr(index_mod, "score_groups", boom)
+    ix = make("native")
+    h = ids("int")
+    ix.apply(M, "w", 0, KVEventBatch(0.0, [stored(h, range(6), 0, "full_attention"), stored(h, [3], 1, "mamba")]))
+    ix.register_worker(M, "plain")
+    assert row(ix)[:3] == (4, 4, 6)

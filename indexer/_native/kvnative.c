@@ -1472,6 +1472,38 @@ static int u32_keys(PyObject *toks, uint64_t seed, Py_ssize_t bs, uint64_t **kou
     return 1;
 }
 
+/* The chained keys of a query's tokens (a u32 buffer hashed in place, else a list / tuple / int
+ * buffer): 0 ok (*kout owned by the caller), 1 a key is 0 or the tokens are not ints (the Python walk
+ * judges them), -1 error. */
+static int tokens_keys(PyObject *toks, PyObject *seedo, Py_ssize_t bs, uint64_t **kout, Py_ssize_t *nkout) {
+    uint64_t seed = PyLong_AsUnsignedLongLongMask(seedo);
+    if (seed == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    uint64_t *k = NULL;
+    Py_ssize_t nk = 0;
+    int zero = 0, rc = u32_keys(toks, seed, bs, &k, &nk, &zero);
+    if (rc < 0) return -1;
+    if (rc == 0) {
+        uint64_t *t = NULL;
+        Py_ssize_t n = tokens_u64(toks, &t);
+        if (n == -2) return -1;
+        if (n < 0) return 1;
+        nk = n / bs;
+        k = PyMem_RawMalloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+        uint64_t *cols = col_table(bs);
+        if (!k || !cols) { PyMem_RawFree(k); PyMem_RawFree(t); PyMem_RawFree(cols); PyErr_NoMemory(); return -1; }
+        for (Py_ssize_t j = 0; j < nk; j++) { seed = seed * P_MUL + block_digest(t + j * bs, bs, 0, cols); k[j] = seed; zero |= !seed; }
+        PyMem_RawFree(t);
+        PyMem_RawFree(cols);
+    }
+    if (zero) { PyMem_RawFree(k); return 1; } /* key 0: the Python walk judges it */
+    *kout = k;
+    *nkout = nk;
+    return 0;
+}
+
+/* Usable-prefix rows of hybrid workers (groupscore.py's twin): groups_walk.c. */
+#include "groups_walk.c"
+
 /* score_rows(nodes, keys|None, tokens|None, seed, block_size, slots, wids, ranks, weights, WorkerScore|None, names)
  *   -> (query_blocks, [WorkerScore best first]) | (query_blocks, packed rows: bytes) | None
  * With row type None the ranked rows come back packed (PRow, best first) for write_answer: no object per row.
@@ -1528,24 +1560,8 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
         if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } return out; }
         nk = PyList_GET_SIZE(keys);
     } else {
-        uint64_t seed = PyLong_AsUnsignedLongLongMask(seedo);
-        if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-        int zero = 0, rc = u32_keys(toks, seed, bs, &k, &nk, &zero);
-        if (rc < 0) return NULL;
-        if (rc == 0) {
-            uint64_t *t = NULL;
-            Py_ssize_t n = tokens_u64(toks, &t);
-            if (n == -2) return NULL;
-            if (n < 0) Py_RETURN_NONE;
-            nk = n / bs;
-            k = PyMem_RawMalloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
-            uint64_t *cols = col_table(bs);
-            if (!k || !cols) { PyMem_RawFree(t); PyMem_RawFree(cols); PyErr_NoMemory(); goto done; }
-            for (Py_ssize_t j = 0; j < nk; j++) { seed = seed * P_MUL + block_digest(t + j * bs, bs, 0, cols); k[j] = seed; zero |= !seed; }
-            PyMem_RawFree(t);
-            PyMem_RawFree(cols);
-        }
-        if (zero) { out = Py_None; Py_INCREF(out); goto done; } /* key 0: the Python walk judges it */
+        int rc = tokens_keys(toks, seedo, bs, &k, &nk);
+        if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
     }
     if (slots_of(slotso, &slot) < 0) goto done;
     rows = PyMem_RawMalloc(sizeof(WRow) * (size_t)(ns ? ns : 1));
@@ -1829,357 +1845,8 @@ done:
     return out;
 }
 
-/* ---------------------------------------------------------------- whole-batch fast path
- *
- * apply_msgpack walks the raw msgpack payload of one batch and applies the common case straight to
- * the maps: map-form BlockStored / BlockRemoved / AllBlocksCleared (tag first, known fields only),
- * int or bytes hashes, int tokens, known media, no LoRA name / cache salt / real extra keys.
- * Pass 1 validates the *whole* payload and touches nothing: anything outside that subset (which is
- * strictly narrower than what schemas.codec accepts) returns None and the caller takes the Python
- * path for the whole batch, so odd input is judged exactly as before. Pass 2 applies event by event
- * with the rules of indexer.core.apply; at a store whose parent is unknown (an orphan) it stops
- * *before* touching that event and reports its index, and the Python path applies the rest. */
-
-typedef struct { const unsigned char *p; Py_ssize_t pos, len; } Rd;
-
-/* 1 int read (two's complement in *v, *neg if negative), 0 next value is not an int, -1 truncated */
-static inline int rd_int(Rd *r, uint64_t *v, int *neg) {
-    if (r->pos >= r->len) return -1;
-    unsigned char c = r->p[r->pos];
-    if (c <= 0x7F) { *v = c; *neg = 0; r->pos++; return 1; }
-    if (c >= 0xE0) { *v = (uint64_t)(int64_t)(int8_t)c; *neg = 1; r->pos++; return 1; }
-    int nb, sgn;
-    switch (c) {
-        case 0xCC: nb = 1; sgn = 0; break;
-        case 0xCD: nb = 2; sgn = 0; break;
-        case 0xCE: nb = 4; sgn = 0; break;
-        case 0xCF: nb = 8; sgn = 0; break;
-        case 0xD0: nb = 1; sgn = 1; break;
-        case 0xD1: nb = 2; sgn = 1; break;
-        case 0xD2: nb = 4; sgn = 1; break;
-        case 0xD3: nb = 8; sgn = 1; break;
-        default: return 0;
-    }
-    if (r->pos + 1 + nb > r->len) return -1;
-    const unsigned char *q = r->p + r->pos + 1;
-    uint64_t x = 0;
-    if (nb == 8) { memcpy(&x, q, 8); x = __builtin_bswap64(x); } /* block hashes: the common 8-byte case */
-    else for (int k = 0; k < nb; k++) x = (x << 8) | q[k];
-    r->pos += 1 + nb;
-    if (sgn && nb < 8) { int sh = 64 - 8 * nb; x = (uint64_t)(((int64_t)(x << sh)) >> sh); }
-    *neg = sgn && (int64_t)x < 0;
-    *v = x;
-    return 1;
-}
-
-/* n msgpack ints into t (the bulk of a payload: the widths tokenizers produce are decoded inline). */
-static int rd_tokens(Rd *r, uint64_t *t, Py_ssize_t n) {
-    const unsigned char *p = r->p;
-    Py_ssize_t pos = r->pos, len = r->len;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        if (pos + 8 <= len) {
-            unsigned char c = p[pos];
-            if (c <= 0x7F) { t[j] = c; pos += 1; continue; }
-            unsigned idx = (unsigned)c - 0xCC; /* uint8/16/32: no data-dependent branch between widths */
-            if (idx <= 2) {
-                uint64_t x;
-                memcpy(&x, p + pos, 8);
-                x = __builtin_bswap64(x);
-                int nb = 1 << idx;
-                t[j] = (x << 8) >> (64 - 8 * nb);
-                pos += 1 + nb;
-                continue;
-            }
-        }
-        int neg;
-        r->pos = pos;
-        if (rd_int(r, &t[j], &neg) != 1) return -1;
-        pos = r->pos;
-    }
-    r->pos = pos;
-    return 0;
-}
-
-static inline int rd_nil(Rd *r) {
-    if (r->pos < r->len && r->p[r->pos] == 0xC0) { r->pos++; return 1; }
-    return 0;
-}
-
-static inline int rd_be_len(Rd *r, int nb, Py_ssize_t *n) {
-    if (r->pos + nb > r->len) return -1;
-    uint64_t x = 0;
-    for (int k = 0; k < nb; k++) x = (x << 8) | r->p[r->pos + k];
-    r->pos += nb;
-    *n = (Py_ssize_t)x;
-    return 0;
-}
-
-/* Container header (kind 0 array, 1 map): element count, or -1 when it is not one / cannot fit. */
-static Py_ssize_t rd_container(Rd *r, int kind) {
-    if (r->pos >= r->len) return -1;
-    unsigned char c = r->p[r->pos];
-    Py_ssize_t n;
-    unsigned char fix = kind ? 0x80 : 0x90, b16 = kind ? 0xDE : 0xDC, b32 = kind ? 0xDF : 0xDD;
-    if ((c & 0xF0) == fix) { r->pos++; n = c & 0x0F; }
-    else if (c == b16) { r->pos++; if (rd_be_len(r, 2, &n) < 0) return -1; }
-    else if (c == b32) { r->pos++; if (rd_be_len(r, 4, &n) < 0) return -1; }
-    else return -1;
-    if (n > r->len - r->pos) return -1; /* every element takes at least one byte */
-    return n;
-}
-
-/* str (kind 0) or bin (kind 1): pointer and length, or -1 when it is not one. */
-static int rd_bytes(Rd *r, int kind, const unsigned char **s, Py_ssize_t *n) {
-    if (r->pos >= r->len) return -1;
-    unsigned char c = r->p[r->pos];
-    if (kind == 0 && (c & 0xE0) == 0xA0) { r->pos++; *n = c & 0x1F; }
-    else if (c == (kind ? 0xC4 : 0xD9)) { r->pos++; if (rd_be_len(r, 1, n) < 0) return -1; }
-    else if (c == (kind ? 0xC5 : 0xDA)) { r->pos++; if (rd_be_len(r, 2, n) < 0) return -1; }
-    else if (c == (kind ? 0xC6 : 0xDB)) { r->pos++; if (rd_be_len(r, 4, n) < 0) return -1; }
-    else return -1;
-    if (*n > r->len - r->pos) return -1;
-    *s = r->p + r->pos;
-    r->pos += *n;
-    return 0;
-}
-
-/* An ASCII str (so valid UTF-8, and Python's case/strip rules are the ASCII ones), or nil (*s NULL). */
-static int rd_ascii_or_nil(Rd *r, const unsigned char **s, Py_ssize_t *n) {
-    *s = NULL; *n = 0;
-    if (rd_nil(r)) return 0;
-    if (rd_bytes(r, 0, s, n) < 0) return -1;
-    for (Py_ssize_t i = 0; i < *n; i++) if ((*s)[i] >= 0x80) return -1;
-    return 0;
-}
-
-static int rd_int_or_nil(Rd *r) {
-    if (rd_nil(r)) return 0;
-    uint64_t v; int neg;
-    return rd_int(r, &v, &neg) == 1 ? 0 : -1;
-}
-
-/* An engine hash: int (normalised to u64) or non-empty bytes (b points into the payload). */
-typedef struct { uint64_t k; const unsigned char *b; Py_ssize_t blen; } HRef;
-
-static int rd_hash(Rd *r, HRef *h) {
-    int neg;
-    h->b = NULL; h->blen = 0;
-    int t = rd_int(r, &h->k, &neg);
-    if (t == 1) return 0;
-    if (t < 0) return -1;
-    if (rd_bytes(r, 1, &h->b, &h->blen) < 0 || h->blen == 0) return -1; /* empty bytes: bad_hash */
-    return 0;
-}
-
-/* Canonical tier of a wire medium (schemas.media.parse_medium for ASCII, generated MEDIA table), -1 unknown. */
-static int medium_tier(const unsigned char *s, Py_ssize_t n) {
-    if (!s) return 0; /* None means GPU */
-    /* str.strip(): ASCII whitespace incl. the \x1c-\x1f separators */
-#define WS(c) ((c) == ' ' || ((c) >= 0x09 && (c) <= 0x0D) || ((c) >= 0x1C && (c) <= 0x1F))
-    while (n && WS(s[0])) { s++; n--; }
-    while (n && WS(s[n - 1])) n--;
-#undef WS
-    char up[64];
-    if (n == 0 || n >= (Py_ssize_t)sizeof(up)) return -1;
-    for (Py_ssize_t i = 0; i < n; i++) up[i] = (char)((s[i] >= 'a' && s[i] <= 'z') ? s[i] - 32 : s[i]);
-    for (int a = 0; a < N_MEDIA; a++)
-        if ((Py_ssize_t)strlen(MEDIA[a].name) == n && memcmp(MEDIA[a].name, up, (size_t)n) == 0) return MEDIA[a].tier;
-    return -1;
-}
-
-/* Does the ASCII-lowered `s` contain marker `m`? */
-static int has_marker(const char *s, Py_ssize_t n, const char *m) {
-    Py_ssize_t k = (Py_ssize_t)strlen(m);
-    for (Py_ssize_t i = 0; i + k <= n; i++) if (memcmp(s + i, m, (size_t)k) == 0) return 1;
-    return 0;
-}
-
-/* schemas.events.is_full_attention for an ASCII kind (None: full), on the generated marker tables. */
-static int full_attention(const unsigned char *s, Py_ssize_t n) {
-    if (!s) return 1;
-    char *low = PyMem_RawMalloc((size_t)(n ? n : 1));
-    if (!low) return 0; /* treated as not full: counted, never misapplied */
-    for (Py_ssize_t i = 0; i < n; i++) low[i] = (char)((s[i] >= 'A' && s[i] <= 'Z') ? s[i] + 32 : s[i]);
-    int full = 0;
-    for (int i = 0; i < N_FULL && !full; i++) full = has_marker(low, n, FULL_MARKERS[i]);
-    for (int i = 0; i < N_NOT_FULL && full; i++) full = !has_marker(low, n, NOT_FULL_MARKERS[i]);
-    PyMem_RawFree(low);
-    return full;
-}
-
-enum { EV_STORED, EV_REMOVED, EV_CLEARED };
-
-typedef struct {
-    int type, tier, full, has_parent;
-    int bsz; /* block_size: 0 zero, 1 equals the model's, 2 other */
-    Py_ssize_t h0, nh, t0, nt;
-    HRef parent;
-} FEv;
-
-typedef struct {
-    FEv *ev; Py_ssize_t nev, cev;
-    HRef *h; Py_ssize_t nh, ch;
-    uint64_t *t; Py_ssize_t nt, ct;
-} FBatch;
-
-static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
-    if (need <= *cap) return 0;
-    Py_ssize_t nc = *cap ? *cap : 64;
-    while (nc < need) nc *= 2;
-    void *p = PyMem_RawRealloc(*arr, (size_t)nc * item);
-    if (!p) { gil_need(); PyErr_NoMemory(); return -1; }
-    *arr = p; *cap = nc;
-    return 0;
-}
-
-/* field ids (F_*), FIELD_NAMES, ALLOWED and REQUIRED per event type: wire_tables.h. Bit i of `seen`
- * is set once field i was read. */
-
-/* Parse one event map into b. 0 ok, 1 outside the fast subset, -1 memory error. */
-static int parse_event(Rd *r, Py_ssize_t bs, FBatch *b) {
-    Py_ssize_t nkeys = rd_container(r, 1);
-    if (nkeys < 1) return 1;
-    const unsigned char *s;
-    Py_ssize_t n;
-    if (rd_bytes(r, 0, &s, &n) < 0 || n != 4 || memcmp(s, "type", 4) != 0) return 1; /* tag first */
-    if (rd_bytes(r, 0, &s, &n) < 0) return 1;
-    FEv e;
-    memset(&e, 0, sizeof(e));
-    e.type = -1;
-    for (int t = 0; t < 3; t++)
-        if ((Py_ssize_t)strlen(EVENT_TAGS[t]) == n && memcmp(EVENT_TAGS[t], s, (size_t)n) == 0) e.type = t;
-    if (e.type < 0) return 1;
-    unsigned seen = 0;
-    Py_ssize_t nextra = 0;
-    e.full = 1;
-    for (Py_ssize_t k = 1; k < nkeys; k++) {
-        if (rd_bytes(r, 0, &s, &n) < 0) return 1;
-        int f = 0;
-        while (f < F_N && !((Py_ssize_t)strlen(FIELD_NAMES[f]) == n && memcmp(FIELD_NAMES[f], s, (size_t)n) == 0)) f++;
-        if (f == F_N || !(ALLOWED[e.type] & FB(f)) || (seen & FB(f))) return 1; /* unknown or repeated key */
-        seen |= FB(f);
-        const unsigned char *str;
-        Py_ssize_t slen;
-        switch (f) {
-            case F_BLOCK_HASHES: {
-                Py_ssize_t nh = rd_container(r, 0);
-                if (nh < 0 || grow((void **)&b->h, &b->ch, b->nh + nh, sizeof(HRef)) < 0) return nh < 0 ? 1 : -1;
-                e.h0 = b->nh; e.nh = nh;
-                for (Py_ssize_t j = 0; j < nh; j++) if (rd_hash(r, b->h + b->nh + j) < 0) return 1; /* nh > 0: b->h set */
-                b->nh += nh;
-                break;
-            }
-            case F_PARENT_BLOCK_HASH:
-                if (rd_nil(r)) break;
-                if (rd_hash(r, &e.parent) < 0) return 1;
-                e.has_parent = 1;
-                break;
-            case F_TOKEN_IDS: {
-                Py_ssize_t nt = rd_container(r, 0);
-                if (nt < 0 || grow((void **)&b->t, &b->ct, b->nt + nt, sizeof(uint64_t)) < 0) return nt < 0 ? 1 : -1;
-                e.t0 = b->nt; e.nt = nt;
-                if (nt && rd_tokens(r, b->t + b->nt, nt) < 0) return 1; /* b->t may be NULL when nt == 0 */
-                b->nt += nt;
-                break;
-            }
-            case F_BLOCK_SIZE: {
-                uint64_t v; int neg;
-                if (rd_int(r, &v, &neg) != 1) return 1;
-                e.bsz = (!neg && v == 0) ? 0 : (!neg && v == (uint64_t)bs) ? 1 : 2;
-                break;
-            }
-            case F_MEDIUM:
-                if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
-                if ((e.tier = medium_tier(str, slen)) < 0) return 1; /* unknown medium: Python counts it */
-                break;
-            case F_LORA_NAME: case F_CACHE_SALT: /* their seeds are derived in Python */
-                if (!rd_nil(r)) return 1;
-                break;
-            case F_EXTRA_KEYS: {
-                if (rd_nil(r)) break;
-                Py_ssize_t nx = rd_container(r, 0);
-                if (nx < 0) return 1;
-                for (Py_ssize_t j = 0; j < nx; j++) if (!rd_nil(r)) return 1; /* [None]*n hashes like no extras */
-                nextra = nx;
-                break;
-            }
-            case F_KV_CACHE_SPEC_KIND:
-                if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
-                e.full = full_attention(str, slen);
-                if (!e.full) return 1; /* another group's kind: groups are the pure core's (docs/hybrid.md) */
-                break;
-            case F_GROUP_IDX: {
-                if (rd_nil(r)) break;
-                uint64_t v; int neg;
-                if (rd_int(r, &v, &neg) != 1 || v) return 1; /* a group other than 0: the pure core's */
-                break;
-            }
-            case F_SESSION_ID: case F_LOCALITY: case F_OWNERSHIP:
-                if (rd_ascii_or_nil(r, &str, &slen) < 0) return 1;
-                break;
-            default: /* lora_id, kv_cache_spec_sliding_window */
-                if (rd_int_or_nil(r) < 0) return 1;
-        }
-    }
-    if ((seen & REQUIRED[e.type]) != REQUIRED[e.type]) return 1;
-    if (nextra && nextra != e.nh) return 1; /* a list not per block is digested as a whole: Python */
-    if (grow((void **)&b->ev, &b->cev, b->nev + 1, sizeof(FEv)) < 0) return -1;
-    b->ev[b->nev++] = e;
-    return 0;
-}
-
-/* The batch's head as schemas.batchhead reads it: ts (any msgpack float or int, as a double) and
- * dp_rank (rank_kind 0 absent or nil, 1 a non-negative int in rank, 2 negative, 3 above INT64_MAX). */
-typedef struct { double ts; int rank_kind; int64_t rank; } FHead;
-
-static double be_double(const unsigned char *q) {
-    uint64_t x;
-    memcpy(&x, q, 8);
-    x = __builtin_bswap64(x);
-    double d;
-    memcpy(&d, &x, 8);
-    return d;
-}
-
-static double be_float(const unsigned char *q) {
-    uint32_t x;
-    memcpy(&x, q, 4);
-    x = __builtin_bswap32(x);
-    float f;
-    memcpy(&f, &x, 4);
-    return (double)f;
-}
-
-/* Whole payload: `[ts, [event maps], dp_rank?]`. 0 ok, 1 outside the subset, -1 error. */
-static int parse_batch(const unsigned char *p, Py_ssize_t len, Py_ssize_t bs, FBatch *b, FHead *hd) {
-    Rd r = {p, 0, len};
-    Py_ssize_t top = rd_container(&r, 0);
-    if (top != 2 && top != 3) return 1;
-    if (r.pos >= len) return 1;
-    unsigned char c = p[r.pos];
-    if (c == 0xCB) { if (r.pos + 9 > len) return 1; hd->ts = be_double(p + r.pos + 1); r.pos += 9; }
-    else if (c == 0xCA) { if (r.pos + 5 > len) return 1; hd->ts = be_float(p + r.pos + 1); r.pos += 5; }
-    else {
-        uint64_t v; int neg;
-        if (rd_int(&r, &v, &neg) != 1) return 1;
-        hd->ts = neg ? (double)(int64_t)v : (double)v;
-    }
-    Py_ssize_t nev = rd_container(&r, 0);
-    if (nev < 0) return 1;
-    for (Py_ssize_t i = 0; i < nev; i++) {
-        int rc = parse_event(&r, bs, b);
-        if (rc) return rc;
-    }
-    hd->rank_kind = 0;
-    hd->rank = 0;
-    if (top == 3 && !rd_nil(&r)) {
-        uint64_t v; int neg;
-        if (rd_int(&r, &v, &neg) != 1) return 1;
-        hd->rank_kind = neg ? 2 : v > (uint64_t)INT64_MAX ? 3 : 1;
-        hd->rank = (int64_t)v;
-    }
-    return r.pos == len ? 0 : 1; /* trailing bytes: the full decoder rejects them */
-}
+/* The payload reader of the whole-batch fast path (both event forms): wire_walk.c. */
+#include "wire_walk.c"
 
 /* Map access by engine hash: inline for non-zero ints, through an object otherwise. */
 static PyObject *href_obj(const HRef *h) {
@@ -2238,7 +1905,10 @@ typedef struct {
     Py_ssize_t bs, limit;
     uint64_t seed;
     const uint64_t *cols;
+    int layout; /* the worker has a group layout (main tree = group 0): its clears are the pure core's */
+    const struct GLay_ *gl; Py_ssize_t ngl; /* that layout's groups (groups_apply.c) */
     Py_ssize_t stored[4][3], removed[4][2], cleared, drops[N_DROPS];
+    Py_ssize_t gstored[4][3], gremoved[4][2];
 } FCtx;
 
 /* Twin of apply._attach (no cancellations: the fast path only runs with no pending orphans). */
@@ -2391,6 +2061,9 @@ static int fp_clear(FCtx *c) {
     return 0;
 }
 
+/* Group events of a known layout, and where the walk stops for the pure core: groups_apply.c. */
+#include "groups_apply.c"
+
 /* ApplyStats keys as Python objects (tuples / str), built once at import from wire_tables.h. */
 static PyObject *COUNT_KEY_OBJS, *DROP_KEY_OBJS;
 
@@ -2403,16 +2076,19 @@ static int add_count(PyObject *d, PyObject *key, Py_ssize_t n) {
     return r;
 }
 
-/* The parsed events of one batch applied in order; *stop = the first orphan event (nothing of it
- * applied), else -1. 0, or -1 on error. */
+/* The parsed events of one batch applied in order; *stop = the first orphan or group event (nothing
+ * of it applied; the pure core applies the batch from there), else -1. 0, or -1 on error. */
 static int walk_events(FCtx *c, const FBatch *b, Py_ssize_t *stop) {
     *stop = -1;
     for (Py_ssize_t i = 0; i < b->nev; i++) {
         const FEv *e = b->ev + i;
+        const GLay *g;
+        if (group_event(c, e, &g)) { *stop = i; break; }
         /* no arithmetic on NULL: an event (or a whole batch) without hashes or tokens passes NULL */
         const HRef *hs = e->nh ? b->h + e->h0 : NULL;
         const uint64_t *ts = e->nt ? b->t + e->t0 : NULL;
-        int r = e->type == EV_STORED ? fp_store(c, e, hs, ts)
+        int r = g ? (e->type == EV_STORED ? gp_store(c, g, e, hs, ts) : gp_remove(c, g, e, hs))
+              : e->type == EV_STORED ? fp_store(c, e, hs, ts)
               : e->type == EV_REMOVED ? fp_remove(c, e, hs) : fp_clear(c);
         if (r < 0) return -1;
         if (r > 0) { *stop = i; break; }
@@ -2429,6 +2105,12 @@ static int tally_dicts(const FCtx *c, PyObject *counts, PyObject *drops) {
             if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_REMOVED(t, o)), c->removed[t][o]) < 0) return -1;
     }
     if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_CLEARED), c->cleared) < 0) return -1;
+    for (int t = 0; t < 4; t++) {
+        for (int o = 0; o < 3; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_GSTORED(t, o)), c->gstored[t][o]) < 0) return -1;
+        for (int o = 0; o < 2; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_GREMOVED(t, o)), c->gremoved[t][o]) < 0) return -1;
+    }
     for (int d = 0; d < N_DROPS; d++) if (add_count(drops, PyTuple_GET_ITEM(DROP_KEY_OBJS, d), c->drops[d]) < 0) return -1;
     return 0;
 }
@@ -2437,6 +2119,8 @@ static void add_counters(FCtx *to, const FCtx *from) {
     for (int t = 0; t < 4; t++) {
         for (int o = 0; o < 3; o++) to->stored[t][o] += from->stored[t][o];
         for (int o = 0; o < 2; o++) to->removed[t][o] += from->removed[t][o];
+        for (int o = 0; o < 3; o++) to->gstored[t][o] += from->gstored[t][o];
+        for (int o = 0; o < 2; o++) to->gremoved[t][o] += from->gremoved[t][o];
     }
     to->cleared += from->cleared;
     for (int d = 0; d < N_DROPS; d++) to->drops[d] += from->drops[d];
@@ -2452,13 +2136,13 @@ static void add_counters(FCtx *to, const FCtx *from) {
  * the first event left to the Python core (an orphan: nothing of it was applied). */
 static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"payload", "ext", "nodes", "known", "shift", "block_size", "seed", "known_limit",
-                             "want_rank", "default_rank", NULL};
-    PyObject *payload, *knowno, *seedo, *wanto = Py_None;
+                             "want_rank", "default_rank", "groups", NULL};
+    PyObject *payload, *knowno, *seedo, *wanto = Py_None, *groupso = Py_None;
     U64Map *ext, *nodes;
     int shift;
     Py_ssize_t bs, limit, defrank = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|On", kwlist, &payload, &U64MapType, &ext, &U64MapType,
-                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|OnO", kwlist, &payload, &U64MapType, &ext, &U64MapType,
+                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank, &groupso))
         return NULL;
     int ranked = wanto != Py_None;
     long long want = 0;
@@ -2479,8 +2163,12 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
         PyErr_SetString(PyExc_ValueError, "apply_msgpack: ext, nodes and known must be distinct maps");
         return NULL;
     }
+    GLay *gl = NULL;
+    Py_ssize_t ngl = 0;
+    int grc = glay_parse(groupso, ext, nodes, known, &gl, &ngl);
+    if (grc) { if (grc < 0) return NULL; Py_RETURN_NONE; }
     Py_buffer view;
-    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); PyMem_RawFree(gl); Py_RETURN_NONE; }
     FBatch b;
     memset(&b, 0, sizeof(b));
     PyObject *out = NULL, *counts = PyDict_New(), *drops = PyDict_New();
@@ -2497,6 +2185,7 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
     if (ranked && (rank != want || b.nev == 0)) goto result; /* nothing to apply to these maps */
     if (!(cols = col_table(bs))) goto done;
     c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
+    c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl;
     if (walk_events(&c, &b, &stop) < 0 || tally_dicts(&c, counts, drops) < 0) goto done;
 result:
     out = Py_BuildValue("(nOOdLn)", stop, counts, drops, hd.ts, rank, b.nev);
@@ -2507,6 +2196,7 @@ done:
     PyMem_RawFree(b.ev);
     PyMem_RawFree(b.h);
     PyMem_RawFree(b.t);
+    PyMem_RawFree(gl);
     PyBuffer_Release(&view);
     return out;
 }
@@ -2532,7 +2222,8 @@ static int run_parse(PyObject *items, Py_ssize_t k, Py_ssize_t bs, Py_ssize_t ma
 }
 
 static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 positional arguments"); return NULL; }
+    if (nargs != 11 && nargs != 12) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 or 12 positional arguments"); return NULL; }
+    PyObject *groupso = nargs == 12 ? args[11] : Py_None;
     PyObject *payloads = args[0], *knowno = args[3];
     if (!PyList_Check(payloads)) { PyErr_SetString(PyExc_TypeError, "payloads must be a list"); return NULL; }
     if (!PyObject_TypeCheck(args[1], &U64MapType) || !PyObject_TypeCheck(args[2], &U64MapType)
@@ -2552,6 +2243,10 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
     long long want = PyLong_AsLongLong(args[8]), defrank = PyLong_AsLongLong(args[9]);
     Py_ssize_t max_payload = PyLong_AsSsize_t(args[10]);
     if (PyErr_Occurred()) return NULL;
+    GLay *gl = NULL;
+    Py_ssize_t ngl = 0;
+    int grc = glay_parse(groupso, ext, nodes, known, &gl, &ngl);
+    if (grc < 0) return NULL;
     PyObject *counts = PyDict_New(), *drops = PyDict_New(), *partial = NULL, *out = NULL, *items = NULL;
     uint64_t *cols = NULL;
     FBatch b;
@@ -2564,7 +2259,7 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
     if (!counts || !drops || !(items = PyList_AsTuple(payloads))) goto done;
     n = PyTuple_GET_SIZE(items);
     /* a slot position outside [0, MAX_SLOT) would shift past any word, or widen a map without bound */
-    if (bs <= 0 || shiftl < 0 || shiftl % 4 || shiftl / 4 >= MAX_SLOT || (int)shiftl != shiftl) n = 0;
+    if (bs <= 0 || shiftl < 0 || shiftl % 4 || shiftl / 4 >= MAX_SLOT || (int)shiftl != shiftl || grc) n = 0;
     if (n) {
         if (!(cols = col_table(bs))) goto done;
     }
@@ -2578,10 +2273,10 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
         if (rank != want || b.nev == 0) break;
         memset(&c, 0, sizeof(c));
         c.ext = ext; c.nodes = nodes; c.known = known; c.shift = (int)shiftl; c.bs = bs; c.limit = limit;
-        c.seed = seed; c.cols = cols;
+        c.seed = seed; c.cols = cols; c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl;
         Py_ssize_t stop;
         if (walk_events(&c, &b, &stop) < 0) goto done;
-        if (stop >= 0) { /* an orphan: this batch is the caller's to finish */
+        if (stop >= 0) { /* an orphan or a group event: this batch is the caller's to finish */
             gil_need();
             PyObject *pc = PyDict_New(), *pd = PyDict_New();
             if (pc && pd && tally_dicts(&c, pc, pd) == 0)
@@ -2608,6 +2303,7 @@ done:
     PyMem_RawFree(b.ev);
     PyMem_RawFree(b.h);
     PyMem_RawFree(b.t);
+    PyMem_RawFree(gl);
     return out;
 }
 
@@ -2651,6 +2347,17 @@ static PyObject *py_wire_tables(PyObject *self, PyObject *unused) {
         "hash_consts", (unsigned long long)P_MUL, (unsigned long long)K1, (unsigned long long)K2,
         (unsigned long long)K3, (unsigned long long)EXTRA_SALT,
         "count_keys", COUNT_KEY_OBJS, "drops", DROP_KEY_OBJS);
+}
+
+/* declines() -> {reason: payloads} the whole-batch walk declined since import (wire_walk.c) */
+static PyObject *py_declines(PyObject *self, PyObject *unused) {
+    PyObject *d = PyDict_New();
+    for (int i = 0; d && i < N_DECL; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(__atomic_load_n(&DECLINES[i], __ATOMIC_RELAXED));
+        if (!v || PyDict_SetItemString(d, DECL_NAMES[i], v) < 0) { Py_XDECREF(v); Py_CLEAR(d); break; }
+        Py_DECREF(v);
+    }
+    return d;
 }
 
 static int build_key_objs(void) {
@@ -2714,6 +2421,9 @@ static PyMethodDef module_methods[] = {
     {"msgpack_body_u32", py_msgpack_body_u32, METH_VARARGS, "u32 tokens and their span from a whole msgpack request body"},
     {"msgpack_u32_array", py_msgpack_u32_array, METH_VARARGS, "u32 tokens from a raw msgpack int array"},
     {"wire_tables", py_wire_tables, METH_NOARGS, "the generated wire tables this module was built with"},
+    {"hybrid_rows", (PyCFunction)(void (*)(void))py_hybrid_rows, METH_FASTCALL,
+     "usable-prefix rows (dev, cached, kv, gpu, host, disk, shared) of workers with a hybrid layout"},
+    {"declines", py_declines, METH_NOARGS, "payloads the whole-batch walk declined since import, per reason"},
     {NULL, NULL, 0, NULL},
 };
 

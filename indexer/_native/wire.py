@@ -38,6 +38,8 @@ def tables() -> dict[str, Any]:
         *(("stored", m, o) for m in T.MEDIUM_NAMES for o in T.STORE_OUTCOMES),
         *(("removed", m, o) for m in T.MEDIUM_NAMES for o in T.REMOVE_OUTCOMES),
         T.CLEARED_KEY,
+        *((T.GROUP_STORED, m, o) for m in T.MEDIUM_NAMES for o in T.STORE_OUTCOMES),
+        *((T.GROUP_REMOVED, m, o) for m in T.MEDIUM_NAMES for o in T.REMOVE_OUTCOMES),
     ]
     return {
         "tags": (E.BlockStored.__name__, E.BlockRemoved.__name__, E.AllBlocksCleared.__name__),
@@ -113,6 +115,8 @@ def render() -> str:
             f"#define CK_STORED(t, o) ({ns} * (t) + (o))",
             f"#define CK_REMOVED(t, o) ({ns * 4} + {nr} * (t) + (o))",
             f"#define CK_CLEARED {ns * 4 + nr * 4}",
+            f"#define CK_GSTORED(t, o) ({ns * 4 + nr * 4 + 1} + {ns} * (t) + (o))",
+            f"#define CK_GREMOVED(t, o) ({ns * 8 + nr * 4 + 1} + {nr} * (t) + (o))",
             "enum {"]
     out += [f"    D_{d.upper()}," for d in t["drops"]]
     out += ["};"]

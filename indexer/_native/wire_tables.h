@@ -67,7 +67,7 @@ static const char *const NOT_FULL_MARKERS[N_NOT_FULL] = {"sliding"};
 
 /* indexer/core/types.py: ApplyStats keys the walk fills (stored per tier x outcome,
  * removed per tier x outcome, cleared) and its drop reasons */
-#define N_COUNT_KEYS 21
+#define N_COUNT_KEYS 41
 static const char *const COUNT_KEYS[N_COUNT_KEYS][3] = {
     {"stored", "GPU", "new"},
     {"stored", "GPU", "duplicate"},
@@ -90,18 +90,41 @@ static const char *const COUNT_KEYS[N_COUNT_KEYS][3] = {
     {"removed", "EXTERNAL", "removed"},
     {"removed", "EXTERNAL", "absent"},
     {"cleared", "ALL", "cleared"},
+    {"group_stored", "GPU", "new"},
+    {"group_stored", "GPU", "duplicate"},
+    {"group_stored", "GPU", "tier_added"},
+    {"group_stored", "CPU_PINNED", "new"},
+    {"group_stored", "CPU_PINNED", "duplicate"},
+    {"group_stored", "CPU_PINNED", "tier_added"},
+    {"group_stored", "DISK", "new"},
+    {"group_stored", "DISK", "duplicate"},
+    {"group_stored", "DISK", "tier_added"},
+    {"group_stored", "EXTERNAL", "new"},
+    {"group_stored", "EXTERNAL", "duplicate"},
+    {"group_stored", "EXTERNAL", "tier_added"},
+    {"group_removed", "GPU", "removed"},
+    {"group_removed", "GPU", "absent"},
+    {"group_removed", "CPU_PINNED", "removed"},
+    {"group_removed", "CPU_PINNED", "absent"},
+    {"group_removed", "DISK", "removed"},
+    {"group_removed", "DISK", "absent"},
+    {"group_removed", "EXTERNAL", "removed"},
+    {"group_removed", "EXTERNAL", "absent"},
 };
 /* index into COUNT_KEYS: tier t, outcome o (STORE_OUTCOMES / REMOVE_OUTCOMES order) */
 #define CK_STORED(t, o) (3 * (t) + (o))
 #define CK_REMOVED(t, o) (12 + 2 * (t) + (o))
 #define CK_CLEARED 20
+#define CK_GSTORED(t, o) (21 + 3 * (t) + (o))
+#define CK_GREMOVED(t, o) (33 + 2 * (t) + (o))
 enum {
     D_NON_FULL_ATTENTION,
     D_PLACEHOLDER_UNKNOWN,
     D_BLOCK_SIZE_MISMATCH,
     D_PARTIAL_BLOCK,
+    D_GROUP_ORPHAN,
 };
-#define N_DROPS 4
-static const char *const DROP_NAMES[N_DROPS] = {"non_full_attention", "placeholder_unknown", "block_size_mismatch", "partial_block"};
+#define N_DROPS 5
+static const char *const DROP_NAMES[N_DROPS] = {"non_full_attention", "placeholder_unknown", "block_size_mismatch", "partial_block", "group_orphan"};
 
 #endif

@@ -24,6 +24,48 @@ from indexer.core.types import (
 )
 
 
+def _pure_only(w: WorkerState) -> bool:
+    """A worker whose layout's main tree is not group 0 (its group-0 events are another group's, or
+    would set its main group): its batches are the pure core's. The C walk applies the main-tree
+    events of the others and stops at the first group event (a worker with a layout: also at a
+    clear), which the pure core applies from there (docs/hybrid.md)."""
+    lay = w.layout
+    return lay is not None and lay.primary != 0
+
+
+def _groups_arg(w: WorkerState) -> tuple | None:
+    """The worker's layout for the C walk (groups_apply.c): per group (group_idx, kind, has_window,
+    window, nodes, the worker's map); a window outside [0, 2^63) makes its group never match there."""
+    lay = w.layout
+    if lay is None:
+        return None
+    out = []
+    for gi, g in lay.groups.items():
+        win = g.window
+        ok = win is None or (type(win) is int and 0 <= win < 2**63)
+        out.append((gi, g.kind if ok else -1, int(win is not None), win if ok and win is not None else 0, g.nodes,
+                    g.slot_map(w.slot)))
+    return tuple(out)
+
+
+def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list]:
+    """`hybrid_rows`' groups, layouts and slots for these workers: each group once, each layout as
+    the positions of its groups."""
+    groups: list[tuple[int, int, Any]] = []
+    at: dict[int, int] = {}
+    layouts = []
+    for w in ws:
+        idx = []
+        for g in w.layout.groups.values():
+            i = at.get(id(g))
+            if i is None:
+                i = at[id(g)] = len(groups)
+                groups.append((g.kind, -1 if g.span is None else g.span, g.nodes))
+            idx.append(i)
+        layouts.append(tuple(idx))
+    return groups, layouts, [w.slot for w in ws]
+
+
 class Accelerator:
     __slots__ = ("mod", "new_map")
 
@@ -44,13 +86,17 @@ class Accelerator:
         known = m.known_ext if m.trust else None
         if not rank_from_batch:  # the common case: one C call, nothing to compare afterwards
             w = m.by_id.get((worker_id, rank))
-            if w is not None and w.pending:
-                return None  # orphans wait on this worker: only the pure core resolves them
+            if w is not None and (w.pending or _pure_only(w)):
+                return None  # orphans wait on this worker, or its layout: only the pure core judges them
             fresh = w is None
             if fresh:
                 w = m.worker(worker_id, rank)
             # positional: keyword parsing costs more than the walk of a small batch (docs/index-core.md)
-            res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT)
+            if w.layout is None:
+                res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT)
+            else:
+                res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT,
+                                    None, 0, _groups_arg(w))
             if res is None:
                 if fresh:
                     m.remove(w)  # a payload the C walk does not take must not register its worker
@@ -62,13 +108,14 @@ class Accelerator:
         default = rank
         for _ in range(2):
             w = m.by_id.get((worker_id, rank))
-            if w is not None and w.pending:
-                return None  # orphans wait on this worker: only the pure core resolves them
+            if w is not None and (w.pending or _pure_only(w)):
+                return None  # orphans wait on this worker, or its layout: only the pure core judges them
             fresh = w is None
             if fresh:
                 w = m.worker(worker_id, rank)
             res = apply_msgpack(
                 payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT, rank, default,
+                _groups_arg(w),
             )
             if res is None:
                 if fresh:
@@ -99,11 +146,11 @@ class Accelerator:
         """`KVIndex.apply_run` on the C walk: whole batches of `rank` applied in one call while they
         are the common case; (0, empty stats, None) when the worker is unknown or has orphans."""
         w = m.by_id.get((worker_id, rank))
-        if w is None or w.pending:
+        if w is None or w.pending or _pure_only(w):
             return 0, ApplyStats(), None
         k, counts, drops, ts, n_events, partial = self.mod.apply_msgpack_run(
             payloads, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size, m.seed0,
-            KNOWN_EXT_LIMIT, rank, default, max_payload,
+            KNOWN_EXT_LIMIT, rank, default, max_payload, _groups_arg(w),
         )
         extra = None
         if partial is not None:  # payloads[k] stopped at an orphan: the pure core finishes it
@@ -157,6 +204,26 @@ class Accelerator:
         if res is None:
             return None
         return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
+
+    def hybrid_rows(
+        self, m: ModelState, keys: list[int] | None, tokens: object, seed: int, weights: TierWeights,
+        ws: list[WorkerState], args: tuple | None = None,
+    ) -> tuple[int, list[WorkerScore]] | None:
+        """`groupscore.score_groups` in one C call (`hybrid_rows`, keys hashed from `tokens` when `keys`
+        is None): (query blocks, the usable-prefix rows of workers with a hybrid layout, unranked);
+        None when the C call cannot judge the input (the pure core does). `args`: `hybrid_args(ws)`,
+        when the caller keeps them."""
+        groups, layouts, slots = args if args is not None else hybrid_args(ws)
+        bs = m.block_size
+        res = self.mod.hybrid_rows(m.nodes, keys, tokens, seed, bs, groups, layouts, slots)
+        if res is None:
+            return None
+        wg, wh, wd, wsh = weights.as_tuple()
+        return res[0], [
+            WorkerScore(w.worker_id, w.dp_rank, dev, cached, {"gpu": g, "host": h, "disk": d, "shared": sh},
+                        float(bs * (g * wg + h * wh + d * wd + sh * wsh)), kv)
+            for w, (dev, cached, kv, g, h, d, sh) in zip(ws, res[1])
+        ]
 
     def score_table(
         self, m: ModelState, tokens: object, seed: int, weights: TierWeights, workers: list[tuple[str, int]] | None,

@@ -186,7 +186,7 @@ def _store(m: ModelState, w: WorkerState, ev: BlockStored, digests: list[int] | 
         return
     mname = MEDIUM_NAMES[medium]
     gi = ev.group_idx  # another group than the main tree's goes to its own map (docs/hybrid.md)
-    if gi is not None and (gi or m.groups is not None or not is_full_attention(ev.kv_cache_spec_kind)):
+    if gi is not None and (gi or w.layout is not None or not is_full_attention(ev.kv_cache_spec_kind)):
         if route_store(m, w, ev, stats):
             return
     if not is_full_attention(ev.kv_cache_spec_kind):
@@ -239,7 +239,7 @@ def _count_store(stats: ApplyStats, mname: str, res: tuple[int, int, int]) -> No
 
 
 def _remove(m: ModelState, w: WorkerState, ev: BlockRemoved, stats: ApplyStats) -> None:
-    if (ev.group_idx or m.groups is not None) and route_remove(m, w, ev, stats):
+    if (ev.group_idx or w.layout is not None) and route_remove(m, w, ev, stats):
         return  # another group's remove: never the KV block with the same hash (docs/hybrid.md)
     hashes = ev.block_hashes
     if not _HASH_TYPES.issuperset(map(type, hashes)):

@@ -58,3 +58,9 @@ def select(native: bool | None) -> ModuleType | None:
         log.warning("kvatlas native index core not available (%s); using the pure-Python core (slower)", _IMPORT_ERROR)
         return None
     return _mod
+
+
+def declines() -> dict[str, int]:
+    """Payloads the accelerator's whole-batch walk declined (the pure core judged them) since import,
+    per reason (docs/index-core.md, "Every wire shape"); empty without the accelerator."""
+    return dict(_mod.declines()) if _mod is not None else {}

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from itertools import groupby
 
-from indexer.core.groups import score_groups
-from indexer.core.state import ModelState
+from indexer.core.groupscore import score_groups
+from indexer.core.state import ModelState, WorkerState
 from indexer.core.types import ScoreResult, TierWeights, WorkerScore
 
 _FIRST_CHUNK = 16
@@ -104,8 +104,11 @@ def score_keys(
         slots = [w for w in m.workers if w is not None]
     else:
         slots = [w for w in (m.by_id.get((wid, int(r))) for wid, r in workers) if w is not None]
-    if m.groups is not None and m.groups.hybrid:
-        return score_groups(m, keys, weights, slots)  # usable prefixes (docs/hybrid.md)
+    hybrid: list[WorkerState] = []
+    if m.groups is not None:  # workers with groups score usable prefixes (docs/hybrid.md), the others as before
+        hybrid = [w for w in slots if w.layout is not None and w.layout.groups]
+        if hybrid:
+            slots = [w for w in slots if w.layout is None or not w.layout.groups]
     live = 0
     for w in slots:
         live |= 1 << w.shift
@@ -119,6 +122,8 @@ def score_keys(
             w.worker_id, w.dp_rank, dev, cach, {"gpu": g, "host": h, "disk": d, "shared": sh},
             float(bs * (g * wg + h * wh + d * wd + sh * ws)),
         ))
+    if hybrid:
+        out += score_groups(m, keys, weights, hybrid)
     out.sort(key=rank_key)
     return ScoreResult(query_blocks=len(keys), block_size=bs, workers=out)
 

@@ -86,7 +86,7 @@ def move_bits(nodes: Any, keys: Iterable[Any], old: int, new: int) -> None:
 
 
 class WorkerState:
-    __slots__ = ("worker_id", "dp_rank", "slot", "shift", "ext", "pending")
+    __slots__ = ("worker_id", "dp_rank", "slot", "shift", "ext", "pending", "layout")
 
     def __init__(self, worker_id: str, dp_rank: int, slot: int, ext: Any) -> None:
         self.worker_id = worker_id
@@ -95,6 +95,7 @@ class WorkerState:
         self.shift = slot_shift(slot)
         self.ext: dict[Any, int] = ext
         self.pending: list[PendingOrphan] = []
+        self.layout: Any = None  # its groups (a groups.Layout) once one of its stores names a group
 
 
 class ModelState:
@@ -119,7 +120,7 @@ class ModelState:
         # trust mode: first-seen engine hash -> key, shared by all workers of the model
         self.known_ext: dict[Any, int] = self.new_map()
         self._ranked: tuple[list[WorkerState], list[int], list[str], list[int]] | None = None
-        self.groups: Any = None  # a GroupTable once a store names a group (indexer/core/groups.py)
+        self.groups: Any = None  # the groups of the workers' layouts, a GroupTable (indexer/core/groups.py)
         self.rank_count: dict[str, int] = {}  # worker_id -> how many ranks it has (RankLimits)
 
     def ranked(self) -> tuple[list[WorkerState], list[int], list[str], list[int]]:
@@ -157,10 +158,11 @@ class ModelState:
         return w
 
     def clear(self, w: WorkerState) -> int:
-        """Drop every block of one worker on every tier; returns how many mappings went."""
+        """Drop every block of one worker on every tier (its groups' too; its layout stays)."""
         clear_bits(self.nodes, set(w.ext.values()), w.shift)
-        if self.groups is not None:
-            self.groups.clear_slot(w.slot)
+        if w.layout is not None:
+            for g in w.layout.groups.values():
+                g.clear_slot(w.slot)
         n = len(w.ext)
         w.ext = self.new_map()
         w.pending = []
@@ -178,6 +180,8 @@ class ModelState:
 
     def remove(self, w: WorkerState) -> None:
         self.clear(w)
+        if w.layout is not None:
+            self.groups.leave(w)  # its layout goes with it (groups no other worker uses too)
         del self.by_id[(w.worker_id, w.dp_rank)]
         n = self.rank_count[w.worker_id] - 1
         if n:
@@ -212,8 +216,9 @@ class ModelState:
     def _move(self, w: WorkerState, slot: int) -> None:
         old, new = w.shift, slot_shift(slot)
         move_bits(self.nodes, set(w.ext.values()), old, new)
-        if self.groups is not None:
-            self.groups.move_slot(w.slot, slot)
+        if w.layout is not None:
+            for g in w.layout.groups.values():
+                g.move_slot(w.slot, slot)
         self.free_slots.remove(slot)
         self.free_slots.append(w.slot)
         self.workers[slot] = w

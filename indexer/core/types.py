@@ -19,7 +19,11 @@ DROP_NON_FULL = "non_full_attention"
 DROP_PLACEHOLDER = "placeholder_unknown"
 DROP_BLOCK_SIZE = "block_size_mismatch"
 DROP_PARTIAL = "partial_block"
-ACCEL_DROPS: tuple[str, str, str, str] = (DROP_NON_FULL, DROP_PLACEHOLDER, DROP_BLOCK_SIZE, DROP_PARTIAL)
+DROP_GROUP_ORPHAN = "group_orphan"  # a group's store whose blocks resolve neither by map nor by parent
+ACCEL_DROPS: tuple[str, ...] = (DROP_NON_FULL, DROP_PLACEHOLDER, DROP_BLOCK_SIZE, DROP_PARTIAL, DROP_GROUP_ORPHAN)
+# Per-group event counts of hybrid layouts (indexer/core/groups.py), by medium and outcome as above.
+GROUP_STORED = "group_stored"
+GROUP_REMOVED = "group_removed"
 
 
 # Drop reasons of a batch whose own dp_rank is refused (`RankLimits`): nothing of it is applied.

@@ -1,5 +1,6 @@
-"""Random raw event payloads, odd ones included, for the native whole-batch path against the pure
-core (test_index_fastpath, test_fuzz_native), and the index state both must agree on."""
+"""Random raw event payloads, odd ones included (array-form events, group fields), for the native
+whole-batch path against the pure core (test_index_fastpath, test_fuzz_native), and the index state
+both must agree on."""
 from __future__ import annotations
 
 import random
@@ -7,6 +8,7 @@ import random
 import msgspec
 
 from indexer.index import KVIndex
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 2
 MODEL = "m"
@@ -47,7 +49,7 @@ def random_stored(rng: random.Random, pool: list, blocks: list[list[int]]) -> di
     for key, choices in (("lora_id", [None, 3]), ("medium", MEDIA), ("lora_name", [None, "l"]),
                          ("cache_salt", [None, "s"]), ("session_id", [None, "sess"]),
                          ("extra_keys", [None, [], [None] * n, [None] * (n + 1), [["img", 1]] + [None] * (n - 1)]),
-                         ("group_idx", [None, 0, 1]), ("kv_cache_spec_kind", KINDS),
+                         ("group_idx", [None, 0, 1, 1, 2]), ("kv_cache_spec_kind", KINDS),
                          ("kv_cache_spec_sliding_window", [None, 128]), ("locality", [None, "node"]),
                          ("ownership", [None, "own"])):
         if rng.random() < 0.35:
@@ -63,8 +65,8 @@ def random_event(rng: random.Random, pool: list, blocks: list[list[int]]) -> obj
         ev = {"type": "BlockRemoved", "block_hashes": [random_hash(rng, pool) for _ in range(rng.randint(1, 3))]}
         if rng.random() < 0.7:
             ev["medium"] = rng.choice(MEDIA)
-        if rng.random() < 0.1:
-            ev["group_idx"] = 0
+        if rng.random() < 0.3:
+            ev["group_idx"] = rng.choice([0, 1, 1, 2])
     else:
         ev = {"type": "AllBlocksCleared"}
     odd = rng.random()
@@ -79,8 +81,29 @@ def random_event(rng: random.Random, pool: list, blocks: list[list[int]]) -> obj
     return ev
 
 
+FIELDS = {t: [f for f in cls.__struct_fields__] for t, cls in (
+    ("BlockStored", BlockStored), ("BlockRemoved", BlockRemoved), ("AllBlocksCleared", AllBlocksCleared))}
+
+
+def positional(rng: random.Random, ev: object) -> object:
+    """A map event in vLLM's array-like form: the tag, then the fields in declaration order (trailing
+    absent ones omitted, sometimes written as nil, sometimes followed by extra elements)."""
+    if not isinstance(ev, dict) or ev.get("type") not in FIELDS or set(ev) - {"type", *FIELDS[ev["type"]]}:
+        return ev
+    names = FIELDS[ev["type"]]
+    vals = [ev.get(f) for f in names]
+    last = max((i for i, f in enumerate(names) if f in ev), default=-1)
+    keep = len(names) if rng.random() < 0.2 else last + 1 + rng.randint(0, 1)
+    out = [ev["type"], *vals[:keep]]
+    if rng.random() < 0.1:
+        out += [rng.choice([None, 7, "x", [1, {"y": 2}]])]  # past the declared fields: ignored
+    return out
+
+
 def random_payload(rng: random.Random, pool: list, blocks: list[list[int]]) -> bytes:
     events = [random_event(rng, pool, blocks) for _ in range(rng.randint(0, 5))]
+    if rng.random() < 0.35:  # the whole batch in the array-like form (vLLM before maps, Dynamo)
+        events = [positional(rng, ev) for ev in events]
     r = rng.random()
     if r < 0.03:
         batch: list = [0, events]
@@ -105,4 +128,11 @@ def index_state(ix: KVIndex) -> tuple:
             [(p.hashes, p.parent, digests_of(p.digests), p.tier, p.age, p.cancelled) for p in w.pending])
         for k, w in m.by_id.items()
     }
-    return sorted(m.nodes.items(), key=repr), workers, sorted(m.known_ext.items(), key=repr)
+    layouts = {  # group layouts and residency (docs/hybrid.md): the C walk stops at group events
+        k: None if w.layout is None else (w.layout.primary, {
+            gi: (g.kind, g.window, sorted(g.ext.get(w.slot, {}).items(), key=repr),
+                 sorted(((key, (g.nodes.get(key, 0) >> w.shift) & 15) for key in g.ext.get(w.slot, {}).values()), key=repr))
+            for gi, g in w.layout.groups.items()})
+        for k, w in m.by_id.items()
+    }
+    return sorted(m.nodes.items(), key=repr), workers, sorted(m.known_ext.items(), key=repr), layouts

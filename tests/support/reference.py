@@ -9,9 +9,10 @@ tuple of (namespace, every block's tokens and extra keys from the root), kept pe
 (a store whose parent the worker does not hold is dropped at once) and has no trust mode; tests feed it
 histories in their true order.
 
-Groups (docs/hybrid.md, "The indexer"): stores naming a full-attention / sliding-window / Mamba
-`group_idx` other than the main tree's keep per-group tiers `(group, identity) -> tiers`; removes apply
-to their group only; with such groups `score` returns usable prefixes, checked per depth L by brute
+Groups (docs/hybrid.md, "The indexer"): each worker learns its own layout; stores naming a
+full-attention / sliding-window / Mamba `group_idx` other than its main tree's keep per-group tiers
+`(group, identity) -> tiers`; removes apply to their group only; a store contradicting the layout
+resets the worker; a worker with such groups scores usable prefixes, checked per depth L by brute
 force, and `kv_blocks`.
 """
 from __future__ import annotations
@@ -34,13 +35,17 @@ def _extra_id(x: Any) -> bytes | None:
 
 
 class _RefWorker:
-    __slots__ = ("ext", "tiers", "gext", "gtiers")
+    __slots__ = ("ext", "tiers", "gext", "gtiers", "has_groups", "primary", "groups")
 
     def __init__(self) -> None:
         self.ext: dict[Any, tuple] = {}
         self.tiers: dict[tuple, set[int]] = {}
         self.gext: dict[tuple[int, Any], tuple] = {}  # (group, hash) -> identity
         self.gtiers: dict[tuple[int, tuple], set[int]] = {}  # (group, identity) -> tiers
+        # its layout (docs/hybrid.md: learned per worker and dp rank)
+        self.has_groups = False
+        self.primary: int | None = None
+        self.groups: dict[int, tuple[int, int | None]] = {}  # non-primary group -> (kind, window)
 
     def clear(self) -> None:
         self.ext.clear()
@@ -48,16 +53,20 @@ class _RefWorker:
         self.gext.clear()
         self.gtiers.clear()
 
+    def reset(self) -> None:
+        """Its layout changed: every block and the layout go."""
+        self.clear()
+        self.has_groups = False
+        self.primary = None
+        self.groups = {}
+
 
 class _RefModel:
-    __slots__ = ("block_size", "workers", "has_groups", "primary", "groups")
+    __slots__ = ("block_size", "workers")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.workers: dict[tuple[str, int], _RefWorker] = {}
-        self.has_groups = False
-        self.primary: int | None = None
-        self.groups: dict[int, tuple[int, int | None]] = {}  # non-primary group -> (kind, window)
 
 
 class ReferenceIndex:
@@ -107,8 +116,8 @@ class ReferenceIndex:
                 self._store(m, w, ev)
             elif isinstance(ev, BlockRemoved):
                 gi = ev.group_idx
-                if (gi or m.has_groups) and not (gi is None or gi == m.primary):
-                    if gi in m.groups:
+                if (gi or w.has_groups) and not (gi is None or gi == w.primary):
+                    if gi in w.groups:
                         self._group_remove(w, gi, ev)
                     continue
                 medium = parse_medium(ev.medium)
@@ -140,25 +149,28 @@ class ReferenceIndex:
                 w.gtiers.pop((g, ident), None)
                 del w.gext[(g, h)]
 
-    def _route(self, m: _RefModel, ev: BlockStored) -> int | None:
-        """The group a store goes to: None for the main tree (or the main path's skip), -1 skipped."""
+    def _route(self, w: _RefWorker, ev: BlockStored) -> int | None:
+        """The group a store goes to: None for the main tree (or the main path's skip)."""
         gi = ev.group_idx
-        if gi is None or not (gi or m.has_groups or not is_full_attention(ev.kv_cache_spec_kind)):
+        if gi is None or not (gi or w.has_groups or not is_full_attention(ev.kv_cache_spec_kind)):
             return None
         kind = classify(ev.kv_cache_spec_kind)
         if kind is None or gi < 0:
             return None
-        if not m.has_groups:
+        spec = (kind, ev.kv_cache_spec_sliding_window if kind == SWA else None)
+        if w.has_groups and ((gi == w.primary and kind != FULL) or w.groups.get(gi, spec) != spec):
+            w.reset()
+        if not w.has_groups:
             if gi == 0 and kind == FULL:
                 return None
-            m.has_groups = True
-            m.primary = 0 if any(w.tiers for w in m.workers.values()) else None
-        if m.primary is None and kind == FULL and gi not in m.groups:
-            m.primary = gi
-        if gi == m.primary:
-            return None if kind == FULL else -1
-        spec = (kind, ev.kv_cache_spec_sliding_window if kind == SWA else None)
-        return gi if m.groups.setdefault(gi, spec) == spec else -1
+            w.has_groups = True
+            w.primary = 0 if w.tiers else None
+        if w.primary is None and kind == FULL and gi not in w.groups:
+            w.primary = gi
+        if gi == w.primary:
+            return None
+        w.groups.setdefault(gi, spec)
+        return gi
 
     def _group_store(self, m: _RefModel, w: _RefWorker, g: int, ev: BlockStored, tier: int) -> None:
         hashes = ev.block_hashes
@@ -201,10 +213,9 @@ class ReferenceIndex:
         medium = parse_medium(ev.medium)
         if medium is None:
             return
-        g = self._route(m, ev)
+        g = self._route(w, ev)
         if g is not None:
-            if g >= 0:
-                self._group_store(m, w, g, ev, int(medium))
+            self._group_store(m, w, g, ev, int(medium))
             return
         if not is_full_attention(ev.kv_cache_spec_kind):
             return
@@ -284,10 +295,10 @@ class ReferenceIndex:
                     pool.add(ident)
         wt = self.weights.as_tuple()
         out = []
-        if m.groups:
-            out = [self._score_groups(m, k, idents, pool, wt) for k in keys]
-            keys = []
+        out = [self._score_groups(m, k, idents, pool, wt) for k in keys if m.workers[k].groups]
         for k in keys:
+            if m.workers[k].groups:
+                continue
             w = m.workers[k]
             device = 0
             while device < nq and 0 in w.tiers.get(idents[device], ()):
@@ -318,10 +329,10 @@ class ReferenceIndex:
         """One worker's row for a model with groups: every depth L checked against the rule."""
         w = m.workers[k]
         bs = m.block_size
-        gpool: dict[int, set] = {g: set() for g in m.groups}
+        gpool: dict[int, set] = {g: set() for g in w.groups}  # a group's pool: claims of every worker with it
         for ww in m.workers.values():
             for (g, ident), ts in ww.gtiers.items():
-                if 3 in ts:
+                if 3 in ts and g in w.groups and ww.groups.get(g) == w.groups[g]:
                     gpool[g].add(ident)
 
         def tier(g: int | None, ident: tuple) -> int:  # cheapest tier holding it, 4 if none
@@ -331,11 +342,11 @@ class ReferenceIndex:
                 return own[0]
             return 3 if ident in (pool if g is None else gpool[g]) else 4
 
-        full = [None] + [g for g, (kind, _) in m.groups.items() if kind == FULL]
+        full = [None] + [g for g, (kind, _) in w.groups.items() if kind == FULL]
 
         def needs(L: int) -> list[tuple[int | None, int]]:  # (group, block) pairs a prefix of L needs
             out = [(g, i) for g in full for i in range(L)]
-            for g, (kind, window) in m.groups.items():
+            for g, (kind, window) in w.groups.items():
                 if kind == SWA:
                     span = L if window is None else min(L, window_blocks(window, bs))
                     out += [(g, i) for i in range(L - span, L)]
@@ -347,7 +358,7 @@ class ReferenceIndex:
             return max(L for L in range(len(idents) + 1) if all(tier(g, idents[i]) <= limit for g, i in needs(L)))
 
         kv = 0
-        while kv < len(idents) and all(tier(g, idents[kv]) < 4 for g in full):
+        while kv < len(idents) and tier(None, idents[kv]) < 4:  # the main tree alone
             kv += 1
         cached = usable(3)
         split = [0, 0, 0, 0]

@@ -1,0 +1,238 @@
+/* Usable-prefix rows of workers with a hybrid layout (twin of indexer/core/groupscore.py), included
+ * by kvnative.c. The rule, held to the pure core by the hybrid, isolation and sharded suites:
+ * for a depth L every full-attention group of the worker's layout (its main tree included) holds
+ * blocks [0, L), every sliding-window group the last `span` blocks before L (all of them without a
+ * window), every Mamba group a state at block L - 1; L = 0 always. device = usable on the GPU alone,
+ * cached = usable with any tier (the shared pool included); kv = the main tree's own match; each block
+ * of the cached prefix costs the most expensive of the cheapest tiers of the groups that need it.
+ *
+ * hybrid_rows(main, keys|None, tokens|None, seed, block_size, groups, layouts, slots)
+ *   -> (query blocks, [(dev, cached, kv, gpu, host, disk, shared), ...]), or None: the pure core judges
+ *   main: a U64Map or a tuple of them (a worker-sharded index: slot s is shard s % n's worker s / n);
+ *   keys: the query's chained keys (ints in [1, 2^64)), or None and the tokens hashed here from seed
+ *         as score_rows hashes them;
+ *   groups: [(kind 0 full / 1 sliding / 2 mamba, span or -1 for none, nodes as main: an empty dict
+ *           standing for a shard without the group)];
+ *   layouts: per worker a tuple of indices into groups; slots: per worker its slot.
+ * The tables are only read, with the GIL held throughout (nothing can change them meanwhile). */
+
+enum { HK_FULL = 0, HK_SWA = 1, HK_MAMBA = 2, H_ABSENT = 4 };
+
+typedef struct {
+    int kind;
+    Py_ssize_t span;               /* -1: every block before L */
+    const uint64_t **v;            /* [block * nm + shard]: that shard's value, or NULL */
+    int *width;                    /* [shard]: its table's width */
+    unsigned char *pool;           /* [block]: some shard's value holds a shared-pool bit */
+    U64Map **ms;                   /* [shard]: its table (NULL: the shard lacks the group) */
+    const uint64_t *keys;
+    Py_ssize_t nm, lo;             /* blocks [lo, n) are read: sliding-window and Mamba groups are read
+                                    * from the top down, a chunk at a time, as the search needs them */
+} HTab;
+
+enum { H_CHUNK = 128 };
+
+/* The tables of `o` (a U64Map, or a tuple of them / empty dicts) into ms; 0 ok, 1 not a shape we take. */
+static int h_tables(PyObject *o, Py_ssize_t nm, U64Map **ms) {
+    if (PyObject_TypeCheck(o, &U64MapType)) {
+        if (nm != 1) return 1;
+        ms[0] = (U64Map *)o;
+        return 0;
+    }
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != nm) return 1;
+    for (Py_ssize_t t = 0; t < nm; t++) {
+        PyObject *x = PyTuple_GET_ITEM(o, t);
+        if (PyObject_TypeCheck(x, &U64MapType)) ms[t] = (U64Map *)x;
+        else if (PyDict_CheckExact(x) && PyDict_GET_SIZE(x) == 0) ms[t] = NULL;
+        else return 1;
+    }
+    return 0;
+}
+
+/* Read a table's values for blocks [from, to); with `walk`, stop at the first block no shard holds
+ * (the main tree: no worker holds KV past it). Returns the end reached. */
+static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
+    Py_ssize_t nm = h->nm;
+    for (Py_ssize_t i = from; i < to; i++) {
+        int pool = 0, any = 0;
+        for (Py_ssize_t t = 0; t < nm; t++) {
+            const uint64_t *v = NULL;
+            U64Map *m = h->ms[t];
+            if (m) {
+                if (i + 4 < to) pf_slot(m, h->keys[i + 4]);
+                int f;
+                Py_ssize_t j = find(m, h->keys[i], &f);
+                if (f) {
+                    v = VALS(m, j);
+                    any = 1;
+                    for (int w = 0; w < m->width; w++) if (v[w] & POOL_BITS) pool = 1;
+                }
+            }
+            h->v[i * nm + t] = v;
+        }
+        if (walk && !any) return i;
+        h->pool[i] = (unsigned char)pool;
+    }
+    return to;
+}
+
+/* Make block i read (a chunk below what is read, at least down to i). */
+static void h_extend(HTab *h, Py_ssize_t i) {
+    Py_ssize_t lo = h->lo - H_CHUNK < i ? h->lo - H_CHUNK : i;
+    if (lo < 0) lo = 0;
+    h_fill(h, lo, h->lo, 0);
+    h->lo = lo;
+}
+
+/* The cheapest tier (0 gpu .. 3 shared pool) of block i for the worker at slot s, H_ABSENT if none. */
+static inline int h_code(HTab *h, Py_ssize_t nm, Py_ssize_t i, Py_ssize_t s) {
+    if (i < h->lo) h_extend(h, i);
+    Py_ssize_t t = s % nm, l = s / nm, word = l >> 4;
+    const uint64_t *v = h->v[i * nm + t];
+    int nib = v && word < h->width[t] ? (int)((v[word] >> (4 * (l & 15))) & 0x7) : 0;
+    if (nib) return (nib & 1) ? 0 : (nib & 2) ? 1 : 2;
+    return h->pool[i] ? 3 : H_ABSENT;
+}
+
+/* Largest L <= top at which every sliding-window / Mamba group of the layout validates an end with
+ * tiers <= limit (groupscore._usable: each group reads each block at most once; good[] is scratch). */
+static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, Py_ssize_t np,
+                           Py_ssize_t nm, Py_ssize_t s, int limit, Py_ssize_t *good) {
+    for (Py_ssize_t k = 0; k < np; k++) good[k] = top;
+    Py_ssize_t L = top;
+    int moved = 1;
+    while (moved && L > 0) {
+        moved = 0;
+        for (Py_ssize_t k = 0; k < np; k++) {
+            HTab *h = &tabs[parts[k]];
+            if (h->kind == HK_MAMBA) {
+                Py_ssize_t j = L - 1;
+                while (j >= 0 && h_code(h, nm, j, s) > limit) j--;
+                if (j + 1 < L) { L = j + 1; moved = 1; if (!L) return 0; }
+                continue;
+            }
+            Py_ssize_t lo = h->span < 0 ? 0 : (L - h->span > 0 ? L - h->span : 0);
+            Py_ssize_t j = (good[k] < L ? good[k] : L) - 1;
+            while (j >= lo && h_code(h, nm, j, s) <= limit) j--;
+            if (j >= lo) { L = j; good[k] = j; moved = 1; if (!L) return 0; }
+            else good[k] = j + 1;
+        }
+    }
+    return L;
+}
+
+static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) { PyErr_SetString(PyExc_TypeError, "hybrid_rows takes 8 positional arguments"); return NULL; }
+    PyObject *maino = args[0], *keys = args[1], *toks = args[2], *seedo = args[3], *groupso = args[5],
+             *layouts = args[6], *slotso = args[7];
+    Py_ssize_t bs = PyLong_CheckExact(args[4]) ? PyLong_AsSsize_t(args[4]) : -1;
+    if (bs == -1 && PyErr_Occurred()) PyErr_Clear();
+    if ((keys != Py_None && !PyList_Check(keys)) || (keys == Py_None && (toks == Py_None || bs <= 0 || !PyLong_Check(seedo))) ||
+        !PyList_Check(groupso) || !PyList_Check(layouts) || !PyList_Check(slotso) ||
+        PyList_GET_SIZE(layouts) != PyList_GET_SIZE(slotso))
+        Py_RETURN_NONE;
+    Py_ssize_t nm = PyTuple_Check(maino) ? PyTuple_GET_SIZE(maino) : 1;
+    Py_ssize_t ng = PyList_GET_SIZE(groupso) + 1, nw = PyList_GET_SIZE(slotso); /* table 0: the main tree */
+    if (nm < 1 || nm > MAX_SLOT) Py_RETURN_NONE;
+    PyObject *out = NULL;
+    uint64_t *k = NULL;
+    Py_ssize_t *slot = NULL, *good = NULL, *parts = NULL, *fulls = NULL;
+    unsigned char *tier = NULL;
+    U64Map **ms = PyMem_RawCalloc((size_t)nm, sizeof(U64Map *));
+    HTab *tabs = PyMem_RawCalloc((size_t)ng, sizeof(HTab));
+    if (!ms || !tabs) { PyErr_NoMemory(); goto done; }
+    Py_ssize_t nk = 0;
+    int rc = keys != Py_None ? keys_u64(keys, &k) : tokens_keys(toks, seedo, bs, &k, &nk);
+    if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
+    if (keys != Py_None) nk = PyList_GET_SIZE(keys);
+    if (slots_of(slotso, &slot) < 0) goto done;
+    if (h_tables(maino, nm, ms)) { out = Py_None; Py_INCREF(out); goto done; }
+    Py_ssize_t n = nk, cap = nk ? nk : 1; /* table 0 (the main tree) sets n: its walk's length */
+    for (Py_ssize_t g = 0; g < ng; g++) {
+        HTab *h = &tabs[g];
+        h->v = PyMem_RawMalloc((size_t)(cap * nm) * sizeof(uint64_t *));
+        h->width = PyMem_RawCalloc((size_t)nm, sizeof(int));
+        h->pool = PyMem_RawMalloc((size_t)cap);
+        h->ms = PyMem_RawCalloc((size_t)nm, sizeof(U64Map *));
+        if (!h->v || !h->width || !h->pool || !h->ms) { PyErr_NoMemory(); goto done; }
+        if (g) {
+            PyObject *e = PyList_GET_ITEM(groupso, g - 1);
+            if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3 || !PyLong_CheckExact(PyTuple_GET_ITEM(e, 0)) ||
+                !PyLong_CheckExact(PyTuple_GET_ITEM(e, 1)) || h_tables(PyTuple_GET_ITEM(e, 2), nm, ms)) {
+                out = Py_None; Py_INCREF(out); goto done;
+            }
+            long kind = PyLong_AsLong(PyTuple_GET_ITEM(e, 0));
+            Py_ssize_t span = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 1));
+            if (PyErr_Occurred()) { PyErr_Clear(); out = Py_None; Py_INCREF(out); goto done; }
+            if (kind < HK_FULL || kind > HK_MAMBA || span < -1) { out = Py_None; Py_INCREF(out); goto done; }
+            h->kind = (int)kind;
+            h->span = span;
+        } else {
+            h->kind = HK_FULL;
+            h->span = -1;
+        }
+        for (Py_ssize_t t = 0; t < nm; t++) { h->ms[t] = ms[t]; h->width[t] = ms[t] ? ms[t]->width : 0; }
+        h->keys = k;
+        h->nm = nm;
+        if (h->kind == HK_FULL) { /* read upwards in full: the main tree's read sets n */
+            Py_ssize_t got = h_fill(h, 0, n, g == 0);
+            if (g == 0) n = got;
+            h->lo = 0;
+        } else {
+            h->lo = n; /* read on demand, from the top down */
+        }
+    }
+    good = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
+    parts = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
+    fulls = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
+    tier = PyMem_RawMalloc((size_t)cap);
+    PyObject *lst = PyList_New(nw);
+    if (!good || !parts || !fulls || !tier || !lst) { Py_XDECREF(lst); if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t w = 0; w < nw; w++) {
+        PyObject *lay = PyList_GET_ITEM(layouts, w);
+        if (!PyTuple_Check(lay)) { Py_DECREF(lst); out = Py_None; Py_INCREF(out); goto done; }
+        Py_ssize_t nf = 1, np = 0, s = slot[w];
+        fulls[0] = 0;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(lay); j++) {
+            PyObject *gi = PyTuple_GET_ITEM(lay, j);
+            Py_ssize_t g = PyLong_CheckExact(gi) ? PyLong_AsSsize_t(gi) + 1 : -1;
+            if (g < 1 || g >= ng || nf + np >= ng) { PyErr_Clear(); Py_DECREF(lst); out = Py_None; Py_INCREF(out); goto done; }
+            if (tabs[g].kind == HK_FULL) fulls[nf++] = g;
+            else parts[np++] = g;
+        }
+        /* every full-attention group's tier per block (the most expensive of their cheapest), the
+         * full prefix, the first block not all on the GPU, and the main tree's own match */
+        Py_ssize_t full = n, dev_top = -1, kv = n;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int c = 0;
+            for (Py_ssize_t f = 0; f < nf; f++) { int x = h_code(&tabs[fulls[f]], nm, i, s); if (x > c) c = x; }
+            if (c == H_ABSENT) { full = i; break; }
+            if (c && dev_top < 0) dev_top = i;
+            tier[i] = (unsigned char)c;
+        }
+        for (Py_ssize_t i = full; i < n; i++) if (h_code(&tabs[0], nm, i, s) == H_ABSENT) { kv = i; break; } /* below full the main tree holds every block */
+        Py_ssize_t dev = h_usable(dev_top < 0 ? full : dev_top, tabs, parts, np, nm, s, 0, good);
+        Py_ssize_t cached = h_usable(full, tabs, parts, np, nm, s, 3, good);
+        for (Py_ssize_t q = 0; q < np && cached; q++) { /* the blocks a group needs at `cached` */
+            HTab *h = &tabs[parts[q]];
+            Py_ssize_t lo = h->kind == HK_MAMBA ? cached - 1 : h->span < 0 ? 0 : (cached - h->span > 0 ? cached - h->span : 0);
+            for (Py_ssize_t i = lo; i < cached; i++) {
+                int x = h_code(h, nm, i, s);
+                if (x > tier[i]) tier[i] = (unsigned char)x;
+            }
+        }
+        Py_ssize_t sp[4] = {0, 0, 0, 0};
+        for (Py_ssize_t i = 0; i < cached; i++) sp[tier[i]]++;
+        PyObject *row = Py_BuildValue("(nnnnnnn)", dev, cached, kv, sp[0], sp[1], sp[2], sp[3]);
+        if (!row) { Py_DECREF(lst); goto done; }
+        PyList_SET_ITEM(lst, w, row);
+    }
+    out = Py_BuildValue("(nN)", nk, lst);
+done:
+    if (tabs) for (Py_ssize_t g = 0; g < ng; g++) {
+        PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); PyMem_RawFree(tabs[g].ms);
+    }
+    PyMem_RawFree(tabs); PyMem_RawFree(ms); PyMem_RawFree(k); PyMem_RawFree(slot);
+    PyMem_RawFree(good); PyMem_RawFree(parts); PyMem_RawFree(fulls); PyMem_RawFree(tier);
+    return out;
+}
