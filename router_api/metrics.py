@@ -218,7 +218,7 @@ class ServiceMetrics:
     __slots__ = (
         "events", "drops", "batches", "gaps", "replays", "resyncs", "restarts", "worker_lag",
         "worker_blocks", "request_latency", "http_rejects", "snapshots", "snapshot_requests",
-        "recent_score", "index_core", "visibility", "_all",
+        "recent_score", "index_core", "native_declines", "visibility", "_all",
     )
 
     def __init__(self) -> None:
@@ -246,8 +246,11 @@ class ServiceMetrics:
         self.visibility = RecentWindow(4096)  # batch publish -> applied (visible to /score), seconds
         self.index_core = Gauge(p + "index_core", "1 for the index core in use: native (the C accelerator) "
                                 "or python (the pure-Python reference core, several times slower)", ("core",))
+        self.native_declines = Gauge(
+            p + "native_declines", "Raw batches the C accelerator's whole-batch walk handed to the pure core "
+            "since start, by reason (the answers are the same; the pure core is slower)", ("reason",))
         self._all: tuple[_Metric, ...] = (
-            self.index_core,
+            self.index_core, self.native_declines,
             self.events, self.drops, self.batches, self.gaps, self.replays, self.resyncs,
             self.restarts, self.worker_lag, self.worker_blocks, self.request_latency,
             self.http_rejects, self.snapshots, self.snapshot_requests,

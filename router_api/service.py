@@ -735,6 +735,8 @@ class IndexerService:
 
     def metrics_text(self) -> str:
         self.worker_gauges.update(self.workers().workers)  # refresh per-worker block / status gauges
+        for reason, n in native_core.declines().items():
+            self.metrics.native_declines.set(reason, value=float(n))
         with self.lock:
             pending = self.routes.metrics_text()
         fan = "" if self.route_fanout is None else self.route_fanout.metrics_text()

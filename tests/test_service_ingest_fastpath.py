@@ -7,6 +7,7 @@ import copy
 from typing import Any
 
 import zmq
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -190,3 +191,27 @@ def test_a_stray_copy_is_not_a_restart_and_a_restart_still_is() -> None:
         sub.close()
         raw.close(0)
         ctx.term()
+
+
+def test_batches_the_accelerator_declines_are_counted_by_reason_in_metrics() -> None:
+    """A raw batch the C walk hands to the pure core (here: a LoRA-named store) is answered the same,
+    and /metrics says why it was not on the fast path (kvatlas_native_declines{reason})."""
+    from indexer.core import native as native_core
+
+    if not native_core.available():
+        pytest.skip("native accelerator not built")
+
+    def declined(text: str) -> float:
+        line = next((ln for ln in text.splitlines() if ln.startswith('kvatlas_native_declines{reason="lora_or_salt"}')), None)
+        return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+    with service_with_publisher(BS) as (svc, pub):
+        before = declined(svc.metrics_text())
+        toks = list(range(1, 2 * BS + 1))
+        ids = page_ids(toks, BS)
+        pub.publish([BlockStored(ids, None, toks, BS, None, "GPU", lora_name="adapter")])
+        assert pub.flush(10)
+        last = pub.next_seq - 1
+        wait_until(lambda: svc.registry.get("w0").last_seq == last, timeout=20)
+        assert declined(svc.metrics_text()) >= before + 1
+        assert svc.score("default", toks, lora_name="adapter").workers[0].cached_blocks == 2
