@@ -38,6 +38,7 @@ clean:
 # ASan + UBSan build of the C accelerator, in its own directory (the in-tree build is untouched),
 # running the fuzz and differential tests in their short mode, and the HTTP body parsers (docs/index-core.md);
 # the subscriber's receive loop and the producer's page-hash / event batch module likewise.
+# kvnative.c #includes its parts (hashing.c, u64map.c, ...): one translation unit, as in setup.py.
 SAN_SO    := build/sanitize/_kvnative.so
 SAN_TESTS := tests/test_fuzz_native.py tests/test_index_fastpath.py tests/test_index_native.py \
              tests/test_index_conformance.py tests/test_native_built.py tests/test_service_bodies.py \

@@ -7,6 +7,9 @@ package falls back to its pure-Python path (the index core says so in a warning 
 """
 from setuptools import Extension, setup
 
+# The parts kvnative.c includes (one translation unit, so their functions stay static).
+KVNATIVE_PARTS = ("hashing.c", "bodies.c", "u64map.c", "node_maps.c", "score_walk.c", "groups_walk.c", "answer.c",
+                  "wire_walk.c", "groups_apply.c", "batch_apply.c")
 # The producer helper's C files (also the Makefile's sanitize build: keep the two lists alike).
 PAGEHASH_SOURCES = ("module", "chains", "pages", "msgpack", "batch")
 
@@ -14,8 +17,9 @@ setup(
     ext_modules=[
         Extension(
             "indexer._native._kvnative",
-            sources=["indexer/_native/kvnative.c"],  # includes wire_walk.c (payload reader), groups_walk.c (hybrid rows)
-            depends=["indexer/_native/wire_walk.c", "indexer/_native/groups_walk.c", "indexer/_native/wire_tables.h"],
+            # One translation unit: kvnative.c (module glue) includes the parts below in order.
+            sources=["indexer/_native/kvnative.c"],
+            depends=[f"indexer/_native/{f}" for f in KVNATIVE_PARTS] + ["indexer/_native/wire_tables.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter", "-Wconversion", "-Wno-sign-conversion"],
             optional=True,
         ),

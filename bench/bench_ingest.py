@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_service import BS, RawPublisher, Stream, send_interleaved  # noqa: E402
 from zmtp_pub import encode  # noqa: E402
-from router_api.service import IndexerService, ServiceConfig  # noqa: E402
+from router_api.config import ServiceConfig  # noqa: E402
+from router_api.service import IndexerService  # noqa: E402
 from schemas.api import RegisterWorker  # noqa: E402
 
 

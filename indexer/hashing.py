@@ -15,7 +15,7 @@ finaliser), so distinct blocks give independent-looking digests. This is a routi
 cryptographic one: a collision costs a mis-scored block, never wrong KV, because engines verify
 their own hashes.
 
-`chain_keys_py` is the scalar pure-Python twin; the C accelerator (`indexer/_native/kvnative.c`)
+`chain_keys_py` is the scalar pure-Python twin; the C accelerator (`indexer/_native/hashing.c`)
 implements the same digest and chain; tests check all of them agree bit for bit.
 """
 from __future__ import annotations

@@ -37,7 +37,7 @@ from nats.js.errors import NotFoundError
 
 from indexer.jetstream_sequencing import StepKind, StreamCursor
 from schemas.natsio import NatsThread, ensure_stream
-from indexer.subscriber import Batch, Delivery, Gap, Restart
+from indexer.deliveries import Batch, Delivery, Gap, Restart
 from schemas.codec import DEFAULT_MAX_PAYLOAD as MAX_BATCH_BYTES
 from schemas.jetstream import StreamSettings, control_subject, endpoint_subject, parse_headers, split_subject
 

@@ -18,7 +18,7 @@ from indexer.core.types import ApplyStats, ScoreResult, ScoreTable
 from schemas.events import KVEvent, KVEventBatch
 
 if TYPE_CHECKING:  # the deliveries are the ZeroMQ module's structs; importing it here would pull in zmq
-    from indexer.subscriber import Delivery
+    from indexer.deliveries import Delivery
 
 # One worker's dump: (worker_id, dp_rank, events), the snapshot format (`Index.dump`).
 WorkerDump = tuple[str, int, list[KVEvent]]

@@ -9,7 +9,7 @@ from schemas.jetstream import is_jetstream_endpoint
 
 if TYPE_CHECKING:
     from indexer.protocol import Subscriber
-    from indexer.subscriber import Delivery
+    from indexer.deliveries import Delivery
 
 
 class RoutedSubscriber:

@@ -24,55 +24,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Union
 
 import msgspec
 import zmq
 
+from indexer.deliveries import Batch, Delivery, Gap, Restart, Run
 from indexer.sequencing import DeliverStep, GapStep, SeqTracker, on_live
+from indexer.zmq_replay import Replay, gap_of, parse_replay_reply
 from indexer.zmqdrain import recv_run as _recv_run
 from schemas.codec import DEFAULT_MAX_PAYLOAD
-from schemas.frames import END_SEQ, SEQ_BYTES, SNAPSHOT_REQUEST, seq_bytes, seq_of
+from schemas.frames import SEQ_BYTES, SNAPSHOT_REQUEST, seq_bytes, seq_of
 
 log = logging.getLogger(__name__)
 
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int: the flag enum costs a conversion per recv
-
-
-class Batch(msgspec.Struct, frozen=True):
-    worker_id: str
-    seq: int
-    payload: bytes
-    recv_ts: float
-    replayed: bool = False
-
-
-class Run(msgspec.Struct, frozen=True):
-    """Live batches `first_seq`, `first_seq + 1`, ... of one worker, in order, none replayed."""
-    worker_id: str
-    first_seq: int
-    payloads: list[bytes]
-    recv_ts: float
-
-    @property
-    def last_seq(self) -> int:
-        return self.first_seq + len(self.payloads) - 1
-
-
-class Gap(msgspec.Struct, frozen=True):
-    worker_id: str
-    first: int
-    last: int
-    recovered: bool
-
-
-class Restart(msgspec.Struct, frozen=True):
-    worker_id: str
-    old_seq: int
-    new_seq: int
-
-
-Delivery = Union[Batch, Run, Gap, Restart]
 
 
 class SubscriberStats(msgspec.Struct):
@@ -95,24 +60,6 @@ class SubscriberStats(msgspec.Struct):
     frame_drops: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-class _Replay:
-    """One replay in flight: what was asked, what came back, the limits it runs under."""
-
-    __slots__ = ("sock", "seq", "payload", "first", "last", "deadline", "quiet_until", "got", "nbytes")
-
-    def __init__(self, sock: zmq.Socket, seq: int, payload: bytes, first: int, last: int,
-                 deadline: float, quiet_until: float) -> None:
-        self.sock = sock
-        self.seq = seq  # the live message that revealed the gap, delivered after the replay
-        self.payload = payload
-        self.first = first
-        self.last = last
-        self.deadline = deadline
-        self.quiet_until = quiet_until
-        self.got: list[tuple[int, bytes]] = []
-        self.nbytes = 0
-
-
 _U64_MAX = (1 << 64) - 1
 
 
@@ -128,24 +75,8 @@ class _Source:
         self.sock = sock
         self.addr = int(sock.underlying)  # libzmq's socket, for the C receive loop
         self.tracker = tracker
-        self.replay: _Replay | None = None
+        self.replay: Replay | None = None
         self.last_rx = time.monotonic()  # last time anything arrived (or the last reconnect)
-
-
-def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None | str:
-    """One DEALER-side replay reply -> `(seq, payload)`, `None` for the end marker, or a str
-    describing why the frames are malformed."""
-    if len(frames) == 4 and frames[0] == b"":
-        seq_b, payload = frames[2], frames[3]
-    elif len(frames) == 3 and frames[0] == b"":
-        seq_b, payload = frames[1], frames[2]
-    else:
-        return f"unexpected replay reply shape ({len(frames)} frames)"
-    if seq_b == END_SEQ:
-        return None
-    if len(seq_b) != SEQ_BYTES:
-        return f"replay seq frame of {len(seq_b)} bytes"
-    return seq_of(seq_b), payload
 
 
 class Subscriber:
@@ -492,7 +423,7 @@ class Subscriber:
             self.stats.duplicates += 1  # a late copy of a delivered batch: no restart, no replay
             return False
         if replayed is None and src.replay_endpoint is not None:
-            gap = _gap_of(src.tracker, seq)
+            gap = gap_of(src.tracker, seq)
             if gap is not None and self._start_replay(src, seq, payload, *gap):
                 return True
         now = time.time()
@@ -545,7 +476,7 @@ class Subscriber:
             sock.close(linger=0)
             return False
         now = time.monotonic()
-        src.replay = _Replay(sock, seq, payload, first, last, now + self.replay_deadline,
+        src.replay = Replay(sock, seq, payload, first, last, now + self.replay_deadline,
                              now + self.replay_timeout)
         self._poller.unregister(src.sock)
         self._poller.register(sock, zmq.POLLIN)
@@ -593,7 +524,7 @@ class Subscriber:
             self._finish_replay(src, out)
         return n
 
-    def _end_replay(self, src: _Source) -> _Replay | None:
+    def _end_replay(self, src: _Source) -> Replay | None:
         rp = src.replay
         if rp is None:
             return None
@@ -617,16 +548,6 @@ class Subscriber:
         n = self.stats.bad_frames
         if n & (n - 1) == 0:  # log the 1st, 2nd, 4th, 8th ... so a flood cannot flood the log
             log.warning("dropped malformed message (%d so far): %s", n, why)
-
-
-def _gap_of(tracker: SeqTracker, seq: int) -> tuple[int, int] | None:
-    """The range a replay must fill if live `seq` arrived now, else None: the pure core is run on
-    a copy of the tracker with a fetch that only records what it was asked for."""
-    probe = SeqTracker()
-    probe.last, probe.live_last = tracker.last, tracker.live_last
-    asked: list[tuple[int, int]] = []
-    on_live(probe, seq, None, lambda first, last: asked.append((first, last)) or ())
-    return asked[0] if asked else None
 
 
 def set_socket_limit(ctx: zmq.Context, wanted: int) -> int:

@@ -1,4 +1,4 @@
-"""The `/score` answer bytes written in C (`write_answer` in indexer/_native/kvnative.c) from the index's
+"""The `/score` answer bytes written in C (`write_answer` in indexer/_native/answer.c) from the index's
 packed rows (`KVIndex.score_table`), instead of a `WorkerScoreOut` per row encoded by msgspec
 (docs/service.md, "Answer bytes").
 

@@ -174,7 +174,7 @@ class JsonLogFormatter(logging.Formatter):
 
 
 def build_config(args: argparse.Namespace) -> Any:
-    from router_api.service import ServiceConfig
+    from router_api.config import ServiceConfig
     from schemas.api import RegisterWorker
     import msgspec
 

@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from indexer.eventlog import EventLogWriter
-    from indexer.subscriber import Batch, Gap, Restart, Subscriber
+    from indexer.deliveries import Batch, Gap, Restart
+    from indexer.subscriber import Subscriber
 
     connects = dict(args.connect)
     if len(connects) != len(args.connect):

@@ -22,7 +22,8 @@ import msgspec
 
 from router_api import score_text
 from indexer.pending import DEFAULT_TTL_S, PendingRoutes
-from router_api.service import IndexerService, ServiceConfig
+from router_api.config import ServiceConfig
+from router_api.service import IndexerService
 from schemas.api import QueryResponse, RegisterWorker, ScoreResponse, WorkersResponse, WorkerStatus
 
 WorkerSpec = RegisterWorker | Mapping[str, Any]

@@ -29,7 +29,9 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from router_api.app import ApiError, Answer, Route, ScoreFront, bearer_ok
+from router_api.app import bearer_ok
+from router_api.bodies import ApiError
+from router_api.score_front import Answer, Route, ScoreFront
 
 HEALTH: Route = ("health", type(None), lambda *a: None)  # marks a GET /health in flight
 _NEEDED = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete",

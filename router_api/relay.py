@@ -28,7 +28,8 @@ from nats.js.errors import NotFoundError
 
 from schemas.natsio import NatsThread, ensure_stream
 from indexer.shared_registry import SharedRegistry
-from indexer.subscriber import Batch, Gap, Restart, Subscriber
+from indexer.deliveries import Batch, Gap, Restart
+from indexer.subscriber import Subscriber
 from producer.jetstream_publisher import JetStreamEventPublisher, new_epoch
 from schemas.api import RegisterWorker
 from schemas.names import worker_id_problem

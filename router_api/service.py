@@ -1,6 +1,8 @@
 """The indexer service: wires the KVIndex, the ingestion thread, the worker registry, metrics and
 snapshots together, and offers the operations the HTTP app exposes. start()/stop() own every
-thread; nothing here is global, so tests can run several services in one process.
+thread; nothing here is global, so tests can run several services in one process. Its configuration is
+router_api/config.py, its snapshots router_api/service_snapshot.py, what `score` keeps of the registry
+router_api/score_plan.py.
 
 `ingest_shards` N > 1: a worker-sharded index and N ingest pipelines (`router_api.ingest.IngestSet`),
 each with its own thread, subscriber and shard lock; `self.lock` is then a `ShardedLock`, and every
@@ -11,30 +13,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from operator import attrgetter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import msgspec
 
-from indexer.snapshot import (
-    SNAPSHOT_VERSION,
-    ModelSnapshot,
-    Snapshot,
-    SnapshotError,
-    SnapshotStore,
-    WorkerSnapshot,
-    decode_snapshot,
-    encode_snapshot,
-    make_snapshot_store,
-)
+from indexer.snapshot import Snapshot, SnapshotStore, make_snapshot_store
 from indexer.core import native as native_core
-from indexer.core.types import ScoreTable, WorkerScore
-from schemas.codec import DEFAULT_MAX_PAYLOAD
-from schemas.rules import TIER_NAMES
-from router_api import answer
+from indexer.core.types import WorkerScore
+from router_api import answer, service_snapshot
+from router_api.config import TIER_KEYS, ServiceConfig, check_ingest_shards, default_index, default_subscriber
 from router_api.ingest import IngestLoop, IngestSet
-from router_api.locks import MAX_SHARDS, ShardedLock
+from router_api.locks import ShardedLock
 from router_api.metrics import ServiceMetrics
+from router_api.score_plan import ScorePlan, by_score, dp_ranks_of, tiers_of
 from router_api.worker_metrics import WorkerGauges
 from router_api.routes import RouteBook, UnknownRouteWorker
 from indexer.pending import PendingRoutes
@@ -48,7 +39,6 @@ from router_api.registry import (
     RegistryFull,
     SubscribeFailed,
     UnknownWorker,
-    WorkerState,
 )
 from schemas.api import (
     BestWorker,
@@ -68,8 +58,6 @@ log = logging.getLogger("kvatlas.service")
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
 
-TIER_KEYS = TIER_NAMES  # the tiers' API names, in Medium order
-
 
 class ServiceHealth(HealthResponse):
     """`GET /health`: the shared HealthResponse plus which index core serves (docs/service.md)."""
@@ -84,184 +72,6 @@ def core_name(index: Index) -> str:
 
 class UnknownModel(Exception):
     """Scored a model no worker is registered for (HTTP 404)."""
-
-
-class ServiceConfig:
-    __slots__ = (
-        "host", "port", "model", "block_size", "static_workers", "snapshot_target", "snapshot_key",
-        "snapshot_interval_s", "auth_token", "tier_weights", "stale_after_s", "remove_after_s",
-        "silent_engine_factor", "resync_hold_s", "max_body_bytes", "replay_timeout_s", "poll_ms",
-        "trust_engine_hashes", "stats_ttl_s", "max_workers", "max_msg_bytes", "replay_deadline_s",
-        "replay_max_bytes", "snapshot_load_timeout_s", "subscribe_timeout_s", "ingest_shards",
-        "tokenizers", "max_models",
-    )
-
-    def __init__(
-        self,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 8700,
-        model: str = "default",
-        block_size: int = 16,
-        static_workers: Sequence[RegisterWorker] = (),
-        snapshot_target: str | None = None,
-        snapshot_key: str = "kvatlas:snapshot",
-        snapshot_interval_s: float = 30.0,
-        auth_token: str | None = None,
-        tier_weights: dict[str, float] | None = None,
-        stale_after_s: float = 10.0,
-        remove_after_s: float = 300.0,
-        silent_engine_factor: float = 6.0,
-        resync_hold_s: float = 30.0,
-        max_body_bytes: int = 8 * 1024 * 1024,
-        replay_timeout_s: float = 2.0,
-        poll_ms: int = 20,
-        trust_engine_hashes: bool = False,
-        stats_ttl_s: float = 1.0,
-        max_workers: int = 1024,
-        max_msg_bytes: int = DEFAULT_MAX_PAYLOAD,
-        replay_deadline_s: float | None = None,
-        replay_max_bytes: int = 256 * 1024 * 1024,
-        snapshot_load_timeout_s: float = 10.0,
-        subscribe_timeout_s: float = 5.0,
-        ingest_shards: int = 1,
-        tokenizers: Any = None,
-        max_models: int = 256,
-    ) -> None:
-        check_ingest_shards(ingest_shards, trust_engine_hashes)
-        if block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        if snapshot_interval_s <= 0:
-            raise ValueError("snapshot_interval_s must be > 0")
-        if max_workers < 1 or max_msg_bytes < 1 or replay_max_bytes < 1 or max_models < 1:
-            raise ValueError("max_workers, max_models, max_msg_bytes and replay_max_bytes must be >= 1")
-        if replay_timeout_s <= 0 or snapshot_load_timeout_s < 0 or subscribe_timeout_s <= 0:
-            raise ValueError("replay_timeout_s and subscribe_timeout_s must be > 0, "
-                             "snapshot_load_timeout_s >= 0")
-        if tier_weights:
-            bad = set(tier_weights) - set(TIER_KEYS)
-            if bad:
-                raise ValueError(f"unknown tier weight(s) {sorted(bad)}; tiers are {TIER_KEYS}")
-        self.host = host
-        self.port = port
-        self.model = model
-        self.block_size = block_size
-        self.static_workers = list(static_workers)
-        self.snapshot_target = snapshot_target
-        self.snapshot_key = snapshot_key
-        self.snapshot_interval_s = snapshot_interval_s
-        self.auth_token = auth_token or None
-        self.tier_weights = dict(tier_weights) if tier_weights else None
-        self.stale_after_s = stale_after_s
-        self.remove_after_s = remove_after_s
-        self.silent_engine_factor = silent_engine_factor
-        self.resync_hold_s = resync_hold_s
-        self.max_body_bytes = max_body_bytes
-        self.replay_timeout_s = replay_timeout_s
-        self.poll_ms = poll_ms
-        self.trust_engine_hashes = trust_engine_hashes
-        self.stats_ttl_s = stats_ttl_s  # how stale /workers block counts may be (they cost O(blocks))
-        self.max_workers = max_workers
-        self.max_msg_bytes = max_msg_bytes  # one cap for every inbound ZMQ message (ZMQ_MAXMSGSIZE)
-        self.replay_deadline_s = replay_deadline_s  # None: 5 x replay_timeout_s
-        self.replay_max_bytes = replay_max_bytes
-        self.snapshot_load_timeout_s = snapshot_load_timeout_s  # retry an unreachable store this long
-        self.subscribe_timeout_s = subscribe_timeout_s
-        # Ingest pipelines (thread + sockets + index shard each); 1: one IngestLoop over one KVIndex.
-        self.ingest_shards = ingest_shards
-        # Models at once (a model lives while a worker of it is registered, the configured one always).
-        self.max_models = max_models
-        # Per-model tokenizers for /score's prompt / messages (router_api/tokenization.py): a TokenizerSet,
-        # or {model: directory or ChatTokenizer}; None: token ids only.
-        self.tokenizers = _tokenizer_set(tokenizers)
-
-
-def _tokenizer_set(value: Any) -> Any:
-    if value is None:
-        return None
-    from router_api.tokenization import ChatTokenizer, TokenizerSet
-
-    if isinstance(value, TokenizerSet):
-        return value
-    return TokenizerSet({m: t if isinstance(t, ChatTokenizer) else ChatTokenizer.from_dir(t, name=m)
-                         for m, t in dict(value).items()})
-
-
-def check_ingest_shards(n: object, trust_engine_hashes: bool) -> None:
-    """ValueError unless `n` is a valid `ingest_shards` for this trust mode."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SHARDS:
-        raise ValueError(f"ingest_shards must be an integer from 1 to {MAX_SHARDS}, got {n!r}")
-    if n > 1 and trust_engine_hashes:
-        raise ValueError(f"ingest_shards={n} cannot be combined with trust_engine_hashes: trust mode keeps one "
-                         "first-seen engine-hash map for all the workers of a model, which shards would split "
-                         "(use ingest_shards=1)")
-
-
-def _default_index(config: ServiceConfig) -> ScoringIndex:
-    from indexer.index import KVIndex
-
-    weights = None
-    if config.tier_weights:
-        from indexer.index import TierWeights
-
-        weights = TierWeights(**config.tier_weights)
-    if config.ingest_shards > 1:
-        from indexer.sharded import ShardedIndex
-
-        return ShardedIndex(config.ingest_shards, weights=weights, trust_engine_hashes=config.trust_engine_hashes)
-    return KVIndex(weights=weights, trust_engine_hashes=config.trust_engine_hashes)
-
-
-def _default_subscriber(config: ServiceConfig) -> Callable[[], Subscriber]:
-    def factory() -> Subscriber:
-        from indexer.subscriber import ZmqSubscriber
-
-        # Bounded per poll: fewer payloads alive at once, and commands/ticks are served between chunks.
-        return ZmqSubscriber(replay_timeout=config.replay_timeout_s, max_per_poll=1024,
-                          replay_deadline=config.replay_deadline_s, replay_max_bytes=config.replay_max_bytes,
-                          max_msg_bytes=config.max_msg_bytes, runs=True,
-                          # a SUB per worker plus replay / snapshot-request DEALERs in flight
-                          max_sockets=2 * config.max_workers + 64)
-
-    return factory
-
-
-def _tiers(d: dict[str, int] | None) -> TierBlocks:
-    if not d:
-        return TierBlocks()
-    return TierBlocks(gpu=int(d.get("gpu", 0)), host=int(d.get("host", 0)),
-                      disk=int(d.get("disk", 0)), shared=int(d.get("shared", 0)))
-
-
-_by_score = attrgetter("score")
-_dp_ranks = attrgetter("dp_ranks")
-
-
-class _ScorePlan:
-    """What `score` needs of the registry, kept between queries: the model's worker states, their
-    (worker_id, dp_rank) pairs, and the rank counts it was built from (its validity check); and the
-    C answer writer's per-row pieces for the index order last seen (`answer_rows`)."""
-
-    __slots__ = ("states", "nranks", "key", "pairs", "pairset", "by_id", "rows")
-
-    def __init__(self, states: list[WorkerState], nranks: list[int], key: tuple[int, int]) -> None:
-        self.states = states
-        self.key = key
-        self.nranks = nranks
-        self.by_id = {w.worker_id: w for w in states}
-        self.pairs = [(w.worker_id, rank) for w in states for rank in sorted(w.dp_ranks)]
-        self.pairset = frozenset(self.pairs)
-        self.rows: answer.AnswerRows | None = None
-
-    def answer_rows(self, table: ScoreTable, same: bool) -> answer.AnswerRows:
-        rows = self.rows
-        # The index keeps its (worker_id, dp_rank) order in one list until its membership changes.
-        if rows is not None and rows.worker_ids is table.worker_ids:
-            return rows
-        rows = answer.AnswerRows.build(self.states, self.pairs, table.worker_ids, table.ranks)
-        if same:  # a per-query selection is a new list each time: not worth keeping
-            self.rows = rows
-        return rows
 
 
 class IndexerService:
@@ -279,7 +89,7 @@ class IndexerService:
         self.clock = clock
         shards = config.ingest_shards
         check_ingest_shards(shards, config.trust_engine_hashes)  # the config's fields may be set after it was made
-        self.index: ScoringIndex = index if index is not None else _default_index(config)
+        self.index: ScoringIndex = index if index is not None else default_index(config)
         if shards > 1 and self.index.shard_count != shards:
             raise ValueError(f"ingest_shards={shards} needs an index of {shards} worker shards "
                              f"(indexer.sharded.ShardedIndex), got {type(self.index).__name__}")
@@ -295,7 +105,7 @@ class IndexerService:
         self.metrics.index_core.set(self.core, value=1.0)
         self.store = snapshot_store if snapshot_store is not None else make_snapshot_store(
             config.snapshot_target, key=config.snapshot_key)
-        factory = subscriber_factory or _default_subscriber(config)
+        factory = subscriber_factory or default_subscriber(config)
         # Guards the index and the registry together; every `with self.lock` here is exclusive (with
         # ingest shards: all the shards' locks, router_api/locks.py).
         self.lock: threading.Lock | ShardedLock
@@ -333,7 +143,7 @@ class IndexerService:
         self._saved_mark: tuple[int, int] | None = None
         self.plane: Any = None  # router_api.nats_plane.NatsPlane under `kvatlas indexer --nats` (docs/jetstream.md)
         self.route_fanout: Any = None  # router_api.route_plane.RouteFanout under `--nats`: routes reach every replica
-        self._plans: dict[str, _ScorePlan] = {}  # per model, see _plan
+        self._plans: dict[str, ScorePlan] = {}  # per model, see _plan
         self._plan_epoch = 0  # bumped under the lock with each registry membership change (_plan's check)
         # The C answer writer (`score_answer`): with the native module and the schema it writes (the
         # index packs rows for it, `score_table`, where it can).
@@ -487,7 +297,7 @@ class IndexerService:
             block_size=r.block_size, dp_rank=r.dp_rank, topic=r.topic,
             status=w.status(now, self.registry.policy), last_seq=w.last_seq, lag=w.lag,
             silent_s=None if w.last_msg_at is None else max(0.0, now - w.last_msg_at),
-            blocks=_tiers(totals), dp_ranks=sorted(w.dp_ranks), batches=w.batches, gaps=w.gaps,
+            blocks=tiers_of(totals), dp_ranks=sorted(w.dp_ranks), batches=w.batches, gaps=w.gaps,
             replays=w.replays, resyncs=w.resyncs, restarts=w.restarts, exact=w.clean,
         )
 
@@ -515,16 +325,16 @@ class IndexerService:
         self.metrics.worker_blocks.replace(gauge)
         return WorkersResponse(workers=rows)
 
-    def _plan(self, model: str) -> "_ScorePlan":
+    def _plan(self, model: str) -> "ScorePlan":
         """The model's registered (worker, rank) pairs, rebuilt only when membership or a worker's
         ranks changed (ranks only grow while a worker is registered). Call under the lock.
         Membership is checked by an epoch every registry change under the lock bumps (and the
         registry's size, for a registry changed from outside the service): no pass over the registry."""
         key = (self._plan_epoch, len(self.registry))
         plan = self._plans.get(model)
-        if plan is None or plan.key != key or plan.nranks != list(map(len, map(_dp_ranks, plan.states))):
+        if plan is None or plan.key != key or plan.nranks != list(map(len, map(dp_ranks_of, plan.states))):
             states = self.registry.of_model(model)
-            plan = self._plans[model] = _ScorePlan(states, [len(w.dp_ranks) for w in states], key)
+            plan = self._plans[model] = ScorePlan(states, [len(w.dp_ranks) for w in states], key)
         return plan
 
     def score(self, model: str, token_ids: Any, lora_name: str | None = None,
@@ -557,7 +367,7 @@ class IndexerService:
                     continue
                 status = w.status(now, policy)
                 t = ws.tiers
-                tiers = TierBlocks(t["gpu"], t["host"], t["disk"], t["shared"]) if len(t) == 4 else _tiers(t)
+                tiers = TierBlocks(t["gpu"], t["host"], t["disk"], t["shared"]) if len(t) == 4 else tiers_of(t)
                 is_stale = status == "stale"
                 (stale if is_stale else fresh).append(WorkerScoreOut(
                     ws.worker_id, ws.dp_rank, ws.device_blocks, ws.cached_blocks, tiers, float(ws.score),
@@ -571,8 +381,8 @@ class IndexerService:
                     log.error("event=pending_rows_failed model=%s error=%r", model, exc)
         # Best first; a stale worker may be gone, so it sorts after every fresh one (stable: the
         # index's tie-break order is kept; reverse=True keeps sort stability).
-        fresh.sort(key=_by_score, reverse=True)
-        stale.sort(key=_by_score, reverse=True)
+        fresh.sort(key=by_score, reverse=True)
+        stale.sort(key=by_score, reverse=True)
         best = next((BestWorker(s.worker_id, s.dp_rank) for s in fresh if s.score > 0), None)
         return ScoreResponse(model, block_size, query_blocks, fresh + stale if stale else fresh, best)
 
@@ -743,117 +553,19 @@ class IndexerService:
         return (self.metrics.render() + self.worker_gauges.render() + pending + fan
                 + ("" if self.plane is None else self.plane.metrics_text()))
 
-    # -- snapshots ---------------------------------------------------------------------------
+    # -- snapshots (router_api/service_snapshot.py) -----------------------------------------
     def build_snapshot(self) -> Snapshot:
-        with self.lock:  # index state and watermarks from the same instant (between two batches)
-            models = [ModelSnapshot(m, bs, list(self.index.dump(m))) for m, bs in self.index.models().items()]
-            workers = [WorkerSnapshot(w.reg, w.last_seq, sorted(w.dp_ranks), w.clean) for w in self.registry]
-        self.generation += 1
-        return Snapshot(SNAPSHOT_VERSION, self.generation, time.time(), workers, models)
+        return service_snapshot.build_snapshot(self)
 
     def snapshot_now(self, only_if_changed: bool = False) -> bool:
-        if self.store is None:
-            return False
-        with self._snap_lock:
-            t0 = self.clock()
-            # Every state change comes through a delivered batch or a (un)registration.
-            mark = (self.ingest.deliveries, self._membership)
-            if only_if_changed and mark == self._saved_mark:
-                return False
-            try:
-                snap = self.build_snapshot()
-                data = encode_snapshot(snap)
-                self.store.save(data)
-            except (SnapshotError, Exception) as exc:  # never let a snapshot failure kill the service
-                self.metrics.snapshots.inc("save_failed")
-                log.error("event=snapshot_failed target=%s error=%s", self.store.description, exc)
-                return False
-            self._saved_mark = mark
-            self.metrics.snapshots.inc("saved")
-            log.info("event=snapshot_saved generation=%d workers=%d bytes=%d ms=%.1f",
-                     snap.generation, len(snap.workers), len(data), (self.clock() - t0) * 1e3)
-            return True
+        return service_snapshot.snapshot_now(self, only_if_changed)
 
     def _snapshot_loop(self) -> None:
         while not self._snap_stop.wait(self.config.snapshot_interval_s):
             self.snapshot_now(only_if_changed=True)
 
     def _load_snapshot_bytes(self) -> bytes | None:
-        """The stored snapshot (None: there is none). An unreachable store is retried for
-        `snapshot_load_timeout_s`, then SnapshotError: starting empty would later overwrite the
-        good snapshot with an emptier state (docs/service.md, "Snapshots")."""
-        assert self.store is not None
-        deadline = self.clock() + self.config.snapshot_load_timeout_s
-        delay = 0.05
-        while True:
-            try:
-                return self.store.load()
-            except SnapshotError as exc:
-                self.metrics.snapshots.inc("load_failed")
-                if self.clock() >= deadline:
-                    raise SnapshotError(
-                        f"{exc}; still unreadable after {self.config.snapshot_load_timeout_s:g}s. Not "
-                        "starting: an indexer started empty would overwrite that snapshot. Bring the "
-                        "store back, or point --snapshot elsewhere to start empty on purpose") from exc
-                log.warning("event=snapshot_load_retry target=%s error=%s", self.store.description, exc)
-                self._snap_stop.wait(delay)  # back-off between attempts, not a synchronisation
-                delay = min(delay * 2, 1.0)
+        return service_snapshot.load_snapshot_bytes(self)
 
     def _restore(self) -> None:
-        """Load the snapshot. A worker's watermark comes back only with its model's state; a
-        worker whose model could not be loaded is registered with no watermark, so its stream is
-        replayed from seq 0 (or resynced when the replay cannot cover it)."""
-        if self.store is None:
-            return
-        data = self._load_snapshot_bytes()
-        if data is None:
-            log.info("event=snapshot_absent target=%s", self.store.description)
-            return
-        try:
-            snap = decode_snapshot(data)
-        except SnapshotError as exc:
-            self.metrics.snapshots.inc("load_failed")
-            raise SnapshotError(
-                f"snapshot at {self.store.description} cannot be read: {exc}. Not starting: it would be "
-                "overwritten by an emptier state. Move it aside (or delete it) to start empty") from exc
-        loaded: set[str] = set()
-        for ms in snap.models:
-            try:
-                self.index.ensure_model(ms.model, ms.block_size)
-                self.index.load_dump(ms.model, ms.block_size, list(ms.workers))
-            except Exception as exc:
-                self.metrics.snapshots.inc("load_failed")
-                log.error("event=snapshot_model_failed model=%s error=%r (its workers replay from seq 0)",
-                          ms.model, exc)
-                for wid in {w for w, _rank, _events in ms.workers}:  # drop whatever got in part-way
-                    try:
-                        self.index.clear_worker(ms.model, wid)
-                    except Exception:
-                        pass
-                continue
-            loaded.add(ms.model)
-        for ws in snap.workers:
-            restored = ws.reg.model in loaded
-            try:
-                self.register(ws.reg, last_seq=ws.last_seq if restored else None)
-            except RegistryError as exc:
-                log.error("event=snapshot_worker_rejected worker=%s error=%s", ws.reg.worker_id, exc)
-                continue
-            if not restored:
-                self.metrics.snapshots.inc("worker_not_restored")
-                log.warning("event=snapshot_worker_not_restored worker=%s model=%s replay_from=0",
-                            ws.reg.worker_id, ws.reg.model)
-                continue
-            w = self.registry.get(ws.reg.worker_id)
-            if w is not None:
-                w.clean = ws.clean  # a loss not yet answered stays one across the restart
-                w.dp_ranks.update(ws.dp_ranks)
-                for rank in ws.dp_ranks:
-                    self.index.register_worker(ws.reg.model, ws.reg.worker_id, rank)
-        for model in list(self.index.models()):  # a snapshot's model whose workers all went
-            self._drop_model_if_unused(model)
-        self.generation = snap.generation
-        self.restored_from = snap.generation
-        self.metrics.snapshots.inc("loaded")
-        log.info("event=snapshot_loaded generation=%d workers=%d models=%d models_failed=%d", snap.generation,
-                 len(snap.workers), len(snap.models), len(snap.models) - len(loaded))
+        service_snapshot.restore(self)

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from support.net import free_port
-from router_api.service import ServiceConfig
+from router_api.config import ServiceConfig
 from support.fleet import BS, Fleet
 from support.service import LiveIndexer
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from support.net import free_port
 from indexer.index import KVIndex
-from indexer.subscriber import Batch, Gap, Restart, Subscriber
+from indexer.deliveries import Batch, Gap, Restart
+from indexer.subscriber import Subscriber
 from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.publisher import ZmqEventPublisher

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from support.net import free_port
 from router_api.app import create_app
-from router_api.service import IndexerService, ServiceConfig
+from router_api.config import ServiceConfig
+from router_api.service import IndexerService
 
 _json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=8),

@@ -11,10 +11,11 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from indexer.subscriber import Batch, Run
+from indexer.deliveries import Batch, Run
 from producer.page_hash import page_ids
 from router_api import ingest as ingest_mod
-from router_api.service import IndexerService, ServiceConfig
+from router_api.config import ServiceConfig
+from router_api.service import IndexerService
 from schemas.api import RegisterWorker
 from schemas.codec import encode_batch
 from schemas.events import BlockStored, KVEventBatch

@@ -13,7 +13,8 @@ import pytest
 import pytest_asyncio
 
 from router_api.app import create_app
-from router_api.service import IndexerService, ServiceConfig
+from router_api.config import ServiceConfig
+from router_api.service import IndexerService
 from schemas.api import RegisterWorker
 
 

@@ -11,7 +11,7 @@ from router_api import cli
 from router_api.cmd_indexer import DEFAULTS, build_config
 from router_api.embedded import EmbeddedIndexer
 from router_api.registry import ConflictingBlockSize
-from router_api.service import ServiceConfig
+from router_api.config import ServiceConfig
 from support.net import free_port, wait_until
 from support.service import LiveIndexer
 

@@ -23,7 +23,8 @@ from indexer.hashing import namespace_seed, query_keys
 from indexer.index import KVIndex
 from indexer.pending import PendingRoutes
 from indexer.sharded import ShardedIndex
-from router_api.service import IndexerService, ServiceConfig
+from router_api.config import ServiceConfig
+from router_api.service import IndexerService
 from router_api.routes import UnknownRouteWorker
 from schemas.api import RegisterWorker
 from schemas.events import KVEventBatch

@@ -121,7 +121,7 @@ def test_no_worker_up_is_a_503_naming_why() -> None:
 def test_indexer_token_is_sent_and_a_refusal_is_unscored_not_failed() -> None:
     import numpy as np
 
-    from router_api.service import ServiceConfig
+    from router_api.config import ServiceConfig
     from support.service import LiveIndexer
 
     with LiveIndexer(ServiceConfig(port=free_port(), block_size=4, auth_token="sekret")) as idx:

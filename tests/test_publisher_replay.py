@@ -10,7 +10,10 @@ import msgspec
 import pytest
 import zmq
 
-from indexer.subscriber import END_SEQ, Batch, Delivery, Gap, Restart, Subscriber, parse_replay_reply
+from indexer.deliveries import Batch, Delivery, Gap, Restart
+from indexer.subscriber import Subscriber
+from indexer.zmq_replay import parse_replay_reply
+from schemas.frames import END_SEQ
 from producer.publisher import ZmqEventPublisher
 from schemas.codec import decode_batch
 from schemas.events import BlockStored, KVEventBatch

@@ -25,10 +25,12 @@ from indexer.replay import (
     LogReplayer, QueryFileError, frame_nbytes, pace_delay, parse_queries, plan_publishers, republish_steps,
     resolve_query_times,
 )
-from indexer.subscriber import Batch, Gap, Subscriber
+from indexer.deliveries import Batch, Gap
+from indexer.subscriber import Subscriber
 from producer.publisher import ZmqEventPublisher
 from router_api.cli import main as cli_main
-from router_api.service import IndexerService, ServiceConfig
+from router_api.config import ServiceConfig
+from router_api.service import IndexerService
 from schemas.api import RegisterWorker
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredArr, KVEventBatch
 from support.service import WorkerSim, make_prompts

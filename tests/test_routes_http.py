@@ -14,7 +14,7 @@ from producer.publisher import ZmqEventPublisher
 from producer.sim.api import SimModel
 from router_api.router.forwarder import RouterCore
 from router_api.router.policies import make_policy
-from router_api.service import ServiceConfig
+from router_api.config import ServiceConfig
 from support.net import free_port
 from support.service import LiveIndexer
 

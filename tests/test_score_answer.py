@@ -20,7 +20,8 @@ from indexer.core import native as native_core
 from indexer.index import KVIndex, TierWeights
 from router_api import answer
 from router_api.app import create_app
-from router_api.service import IndexerService, ServiceConfig
+from router_api.config import ServiceConfig
+from router_api.service import IndexerService
 from schemas.api import WORKER_STATUSES, BestWorker, RegisterWorker, ScoreResponse, TierBlocks, WorkerScoreOut
 from schemas.codec import encode_batch
 from schemas.events import BlockStored, KVEventBatch
@@ -28,7 +29,7 @@ from schemas.events import BlockStored, KVEventBatch
 pytestmark = pytest.mark.skipif(not native_core.available(), reason="native module not built")
 
 N = native_core.select(True)
-PROW = struct.Struct("<7qd")  # kvnative.c PRow: slot, dev, cached, gpu, host, disk, shared, score
+PROW = struct.Struct("<7qd")  # score_walk.c PRow: slot, dev, cached, gpu, host, disk, shared, score
 I64 = st.integers(-(2**63), 2**63 - 1)
 COUNT = st.integers(0, 2**40)
 ODD_FLOATS = st.sampled_from([0.0, -0.0, 1e16, 1e15, 9999999999999998.0, 1e-5, 1e-4, 9.99e-5, 1.25e-7, 5e-324,

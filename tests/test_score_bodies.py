@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indexer.core import native as native_core
-from router_api.app import ApiError, TokenBodies
+from router_api.bodies import ApiError, TokenBodies
 from schemas.api import QueryRequest, ScoreRequest
 
 pytestmark = pytest.mark.skipif(not native_core.available(), reason="native module not built")

@@ -12,7 +12,7 @@ from producer.page_hash import page_ids
 from producer.publisher import ZmqEventPublisher
 from router_api.embedded import EmbeddedIndexer
 from router_api.score_text import TextInputError
-from router_api.service import ServiceConfig
+from router_api.config import ServiceConfig
 from router_api.tokenization import ChatTokenizer
 from schemas.api import TextScoreResponse
 from schemas.events import BlockStored

@@ -13,7 +13,7 @@ import pytest
 
 from support.net import free_port, wait_until
 from producer.publisher import ZmqEventPublisher
-from router_api.service import ServiceConfig
+from router_api.config import ServiceConfig
 from support.service import LiveIndexer, WorkerSim, make_prompts, wait_applied
 
 BS = 4

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from support.net import free_port, wait_until
 from indexer.core import native as native_core
 from producer.publisher import ZmqEventPublisher
-from router_api.app import TokenBodies, create_app
-from router_api.service import ServiceConfig
+from router_api.app import create_app
+from router_api.bodies import TokenBodies
+from router_api.config import ServiceConfig
 from schemas.api import MAX_QUERY_TOKENS, QueryRequest, ScoreRequest
 from support.service import LiveIndexer, WorkerSim, make_prompts, wait_applied
 
@@ -270,7 +271,7 @@ def test_pure_python_switch_selects_the_typed_decoder(monkeypatch: pytest.Monkey
 
 
 def _judged(tb: TokenBodies, body: bytes, typ: type) -> object:
-    from router_api.app import ApiError
+    from router_api.bodies import ApiError
 
     try:
         req, toks = tb.decode("json", body, typ)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from producer.publisher import ZmqEventPublisher
-from router_api.service import ServiceConfig
+from router_api.config import ServiceConfig
 from schemas.events import BlockStored
 from support.net import free_port, wait_until
 from support.service import LiveIndexer

@@ -17,7 +17,8 @@ from support.net import free_port, wait_until
 from router_api import fasthttp
 from router_api.app import create_app
 from router_api.cmd_indexer import server_settings
-from router_api.service import IndexerService, ServiceConfig
+from router_api.config import ServiceConfig
+from router_api.service import IndexerService
 from schemas.api import RegisterWorker
 
 TOKEN = "s3cret"

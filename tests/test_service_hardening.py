@@ -25,12 +25,14 @@ from indexer.snapshot import (
     WorkerSnapshot,
     encode_snapshot,
 )
-from indexer.subscriber import Batch, Gap, Subscriber
+from indexer.deliveries import Batch, Gap
+from indexer.subscriber import Subscriber
 from producer.publisher import ZmqEventPublisher
-from router_api.app import RateLimitedLog
+from router_api.http_log import RateLimitedLog
 from router_api.cmd_indexer import SafeTextFormatter, add_arguments, build_config
 from router_api.registry import DuplicateWorker, InvalidRegistration, Registry, RegistryFull
-from router_api.service import IndexerService, ServiceConfig
+from router_api.config import ServiceConfig
+from router_api.service import IndexerService
 from schemas.api import RegisterWorker
 from schemas.events import BlockStored
 from schemas.frames import seq_bytes

@@ -13,7 +13,7 @@ import pytest
 from support.net import free_port, wait_until
 from indexer.subscriber import Subscriber
 from producer.publisher import ZmqEventPublisher
-from router_api.service import ServiceConfig
+from router_api.config import ServiceConfig
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from support.service import LiveIndexer, WorkerSim, check_scores, make_prompts
 from support.fleet import BS, Fleet

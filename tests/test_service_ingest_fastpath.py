@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from support.net import wait_until
 from support.service import service_with_publisher
 from indexer.sequencing import DeliverStep, SeqTracker, on_live
-from indexer.subscriber import Batch, Gap, Subscriber
+from indexer.deliveries import Batch, Gap
+from indexer.subscriber import Subscriber
 from producer.page_hash import page_ids
-from router_api.ingest import Tally, record_apply_stats
+from router_api.ingest_stats import Tally, record_apply_stats
 from router_api.metrics import Counter, ServiceMetrics
 from schemas.events import BlockStored
 

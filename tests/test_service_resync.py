@@ -13,7 +13,7 @@ from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_strea
 from producer.events import EventRecorder
 from producer.publisher import ZmqEventPublisher
 from producer.sinks import ZmqSink
-from router_api.service import ServiceConfig
+from router_api.config import ServiceConfig
 from support.service import LiveIndexer, wait_applied
 
 PAGE = 4

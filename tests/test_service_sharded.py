@@ -24,7 +24,8 @@ from router_api import cmd_indexer
 from router_api.cli import build_parser
 from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import ShardedLock
-from router_api.service import IndexerService, ServiceConfig
+from router_api.config import ServiceConfig
+from router_api.service import IndexerService
 from schemas.api import RegisterWorker
 from support.fleet import BS, Fleet
 from support.service import LiveIndexer, WorkerSim, check_scores, make_prompts, wait_applied

@@ -22,7 +22,7 @@ from indexer.snapshot import (
     decode_snapshot,
     make_snapshot_store,
 )
-from router_api.service import ServiceConfig
+from router_api.config import ServiceConfig
 from support.fleet import BS, Fleet
 from support.service import KVIndexerProcess, LiveIndexer, check_scores, dump_state, wait_applied
 

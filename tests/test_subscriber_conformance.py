@@ -14,7 +14,8 @@ import pytest
 from indexer.jetstream_subscriber import JetStreamSubscriber
 from indexer.protocol import Subscriber
 from indexer.routed_subscriber import RoutedSubscriber
-from indexer.subscriber import Batch, ZmqSubscriber
+from indexer.deliveries import Batch
+from indexer.subscriber import ZmqSubscriber
 from producer.jetstream_publisher import JetStreamEventPublisher
 from producer.publisher import ZmqEventPublisher
 from schemas.codec import decode_batch

@@ -10,7 +10,9 @@ import time
 import msgspec
 import zmq
 
-from indexer.subscriber import END_SEQ, Batch, Delivery, Gap, Restart, Subscriber
+from indexer.deliveries import Batch, Delivery, Gap, Restart
+from indexer.subscriber import Subscriber
+from schemas.frames import END_SEQ
 
 LOOP = "tcp://127.0.0.1:*"
 

@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indexer.sequencing import fingerprint
-from indexer.subscriber import Batch, Run, Subscriber
+from indexer.deliveries import Batch, Run
+from indexer.subscriber import Subscriber
 from schemas.frames import seq_bytes
 
 

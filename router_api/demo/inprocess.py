@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from indexer.index import KVIndex
-from indexer.subscriber import Batch, Gap, Restart, Subscriber
+from indexer.deliveries import Batch, Gap, Restart
+from indexer.subscriber import Subscriber
 from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.cache import TieredCache

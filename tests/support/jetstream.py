@@ -8,7 +8,7 @@ from typing import Any
 from support.net import wait_until
 from indexer.index import KVIndex
 from indexer.jetstream_subscriber import JetStreamSubscriber
-from indexer.subscriber import Batch, Gap, Restart
+from indexer.deliveries import Batch, Gap, Restart
 from schemas.jetstream import StreamSettings, jetstream_endpoint
 
 MODEL = "default"

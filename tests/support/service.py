@@ -308,7 +308,8 @@ def service_with_publisher(block_size: int) -> Iterator[tuple[object, object]]:
     """A started `IndexerService` (no HTTP) and a real ZmqEventPublisher registered to it as "w0",
     once the subscription delivers; both closed afterwards. Yields (service, publisher)."""
     from producer.publisher import ZmqEventPublisher
-    from router_api.service import IndexerService, ServiceConfig
+    from router_api.config import ServiceConfig
+    from router_api.service import IndexerService
     from schemas.api import RegisterWorker
 
     svc = IndexerService(ServiceConfig(port=0, block_size=block_size, stale_after_s=600, remove_after_s=3600))

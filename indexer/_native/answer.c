@@ -1,0 +1,257 @@
+/* The /score answer writer (write_answer), included by kvnative.c (one translation unit), after
+ * score_walk.c (it reads the packed PRow rows). */
+
+/* ---------------------------------------------------------------- /score answer bytes
+ * write_answer(msgpack, layout, prefix, query_blocks, rows, heads, wix, statuses, seqs, status_map) -> bytes | None
+ * The body `POST /score` answers, byte for byte what msgspec encodes for the ScoreResponse the Python
+ * path builds (router_api/answer.py passes the pieces; tests/test_score_answer.py holds the two equal):
+ *  - rows: packed PRow (score_rows with row type None), best first; heads[s] / wix[s] belong to the row
+ *    of slot s; heads past the rows are registered pairs the index does not hold (zero rows, appended);
+ *  - heads: the pre-encoded `worker_id` / `dp_rank` pairs (None or wix < 0: not registered, skipped);
+ *  - wix: int32 per head, the row's worker in statuses / seqs (its liveness status and last_seq);
+ *  - status_map: status str -> (encoded status, is stale); layout: the pre-encoded keys and punctuation.
+ * Rows are ordered like the Python path: fresh before stale, each by score descending, stable.
+ * None (the caller encodes with msgspec): a non-finite score, a status or last_seq it does not know. */
+enum { L_ROW_OPEN, L_DEV, L_CACH, L_TIERS, L_HOST, L_DISK, L_SHARED, L_SCORE, L_STALE, L_SEQ, L_STATUS,
+       L_ROW_CLOSE, L_WORKERS, L_AFTER, L_END, L_BEST_OPEN, L_BEST_CLOSE, L_SEP, L_NULL, L_TRUE, L_FALSE, L_COUNT };
+
+/* Writers into a buffer the caller sized for the worst case (answer_bound): no checks per piece. */
+static inline char *put(char *q, const char *s, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) q[i] = s[i]; /* pieces are a few bytes: cheaper than a memcpy call */
+    return q + n;
+}
+
+static inline char *put_obj(char *q, PyObject *o) { return put(q, PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o)); }
+
+#define INT_MAX_CHARS 20 /* "-9223372036854775808"; msgpack ints take at most 9 bytes */
+#define DBL_MAX_CHARS 32 /* msgspec's longest spelling is 25 ("-1.2345678901234567e-308"); msgpack 9 */
+
+static char *json_int(char *q, int64_t v) {
+    char tmp[24], *e = tmp + sizeof tmp, *t = e;
+    uint64_t u = v < 0 ? (uint64_t)0 - (uint64_t)v : (uint64_t)v;
+    do { *--t = (char)('0' + u % 10); u /= 10; } while (u);
+    if (v < 0) *--t = '-';
+    return put(q, t, e - t);
+}
+
+static char *mp_int(char *q, int64_t v) { /* the smallest form, as msgspec writes it */
+    int n;
+    uint64_t u = (uint64_t)v;
+    if (v >= 0) {
+        if (v < 128) { *q++ = (char)v; return q; }
+        if (v < 256) { *q++ = (char)0xCC; n = 1; }
+        else if (v < 65536) { *q++ = (char)0xCD; n = 2; }
+        else if (v <= 0xFFFFFFFFLL) { *q++ = (char)0xCE; n = 4; }
+        else { *q++ = (char)0xCF; n = 8; }
+    } else {
+        if (v >= -32) { *q++ = (char)(u & 0xFF); return q; }
+        if (v >= -128) { *q++ = (char)0xD0; n = 1; }
+        else if (v >= -32768) { *q++ = (char)0xD1; n = 2; }
+        else if (v >= -2147483648LL) { *q++ = (char)0xD2; n = 4; }
+        else { *q++ = (char)0xD3; n = 8; }
+    }
+    for (int k = n - 1; k >= 0; k--) *q++ = (char)(u >> (8 * k));
+    return q;
+}
+
+/* msgspec's JSON spelling of a finite double: the shortest round-trip digits (Python's repr finds the
+ * same ones) laid out as msgspec does — plain decimals for 1e-5 <= |x| < 1e16 ("16.0", "0.00001"),
+ * else d[.ddd]e[-]x ("1e16", "1.25e-7"). NULL on a memory error. */
+static char *json_double(char *q, double x) {
+    if (x == 0.0) return signbit(x) ? put(q, "-0.0", 4) : put(q, "0.0", 3);
+    if (fabs(x) < 1e15 && x == (double)(int64_t)x) /* integral: the common case, no digit search */
+        return put(json_int(q, (int64_t)x), ".0", 2);
+    char *r = PyOS_double_to_string(x, 'r', 0, 0, NULL);
+    if (!r) return NULL;
+    const char *c = r;
+    char dig[40];
+    int neg = 0, nd = 0, point = -1;
+    if (*c == '-') { neg = 1; c++; }
+    for (; *c && *c != 'e' && *c != 'E'; c++) {
+        if (*c == '.') point = nd;
+        else if (nd < (int)sizeof dig) dig[nd++] = *c;
+    }
+    long ex = (*c == 'e' || *c == 'E') ? strtol(c + 1, NULL, 10) : 0;
+    PyMem_Free(r); /* PyOS_double_to_string allocates with PyMem_Malloc */
+    if (point < 0) point = nd;
+    int kk = point + (int)ex, st = 0, en = nd; /* value = 0.D x 10^kk */
+    while (st < nd && dig[st] == '0') { st++; kk--; }
+    while (en > st && dig[en - 1] == '0') en--;
+    int L = en - st, k = kk - L;
+    const char *D = dig + st;
+    if (L < 1 || L > 17) { PyErr_SetString(PyExc_ValueError, "unexpected float repr"); return NULL; }
+    if (neg) *q++ = '-';
+    if (0 <= k && kk <= 16) {
+        q = put(q, D, L);
+        for (int i = 0; i < kk - L; i++) *q++ = '0';
+        q = put(q, ".0", 2);
+    } else if (0 < kk && kk <= 16) {
+        q = put(q, D, kk);
+        *q++ = '.';
+        q = put(q, D + kk, L - kk);
+    } else if (-5 < kk && kk <= 0) {
+        q = put(q, "0.", 2);
+        for (int i = 0; i < -kk; i++) *q++ = '0';
+        q = put(q, D, L);
+    } else {
+        *q++ = D[0];
+        if (L > 1) { *q++ = '.'; q = put(q, D + 1, L - 1); }
+        *q++ = 'e';
+        q = json_int(q, kk - 1);
+    }
+    return q;
+}
+
+static char *mp_double(char *q, double x) {
+    uint64_t u;
+    memcpy(&u, &x, 8);
+    *q++ = (char)0xCB;
+    for (int k = 7; k >= 0; k--) *q++ = (char)(u >> (8 * k));
+    return q;
+}
+
+typedef struct { const PRow *p; Py_ssize_t h, w; double score; int stale; } ARow;
+
+static PyObject *py_write_answer(PyObject *self, PyObject *args) {
+    int mp;
+    PyObject *layout, *prefix, *heads, *statuses, *seqs, *smap;
+    Py_ssize_t qb;
+    Py_buffer rows, wixb;
+    if (!PyArg_ParseTuple(args, "pO!O!ny*O!y*O!O!O!", &mp, &PyTuple_Type, &layout, &PyBytes_Type, &prefix, &qb, &rows,
+                          &PyTuple_Type, &heads, &wixb, &PyList_Type, &statuses, &PyList_Type, &seqs, &PyDict_Type, &smap))
+        return NULL;
+    PyObject *out = NULL;
+    ARow *ar = NULL;
+    int64_t *seq = NULL;
+    PyObject **senc = NULL;
+    char *stl = NULL;
+    Py_ssize_t nrows = rows.len / (Py_ssize_t)sizeof(PRow), nh = PyTuple_GET_SIZE(heads);
+    Py_ssize_t nw = PyList_GET_SIZE(statuses), na = 0;
+    const int32_t *wix = wixb.buf;
+    int ok = rows.len % (Py_ssize_t)sizeof(PRow) == 0 && PyTuple_GET_SIZE(layout) == L_COUNT && nh >= nrows &&
+             wixb.len == nh * 4 && PyList_GET_SIZE(seqs) == nw && qb >= 0;
+    for (Py_ssize_t i = 0; ok && i < L_COUNT; i++) ok = PyBytes_CheckExact(PyTuple_GET_ITEM(layout, i));
+    if (!ok) goto none;
+    ar = PyMem_RawMalloc(sizeof(ARow) * (size_t)(nh ? nh : 1));
+    seq = PyMem_RawMalloc(sizeof(int64_t) * (size_t)(nw ? nw : 1));
+    senc = PyMem_RawMalloc(sizeof(PyObject *) * (size_t)(nw ? nw : 1));
+    stl = PyMem_RawMalloc((size_t)(nw ? nw : 1));
+    if (!ar || !seq || !senc || !stl) { PyErr_NoMemory(); goto done; }
+    /* per worker: its encoded status, stale flag and last_seq (-1 in stl[]: None). Exact str keys only,
+     * so the dict lookup runs no Python code; nothing below does, so the borrowed bytes stay valid. */
+    for (Py_ssize_t i = 0; i < nw; i++) {
+        PyObject *st = PyList_GET_ITEM(statuses, i), *sq = PyList_GET_ITEM(seqs, i);
+        if (!PyUnicode_CheckExact(st)) goto none;
+        PyObject *v = PyDict_GetItemWithError(smap, st);
+        if (!v) { if (PyErr_Occurred()) goto done; goto none; }
+        if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 2 || !PyBytes_CheckExact(PyTuple_GET_ITEM(v, 0))) goto none;
+        senc[i] = PyTuple_GET_ITEM(v, 0);
+        stl[i] = (char)(PyTuple_GET_ITEM(v, 1) == Py_True);
+        if (sq == Py_None) { stl[i] |= 2; seq[i] = 0; continue; }
+        if (!PyLong_CheckExact(sq)) goto none;
+        int ovf = 0;
+        long long x = PyLong_AsLongLongAndOverflow(sq, &ovf);
+        if (ovf) goto none;
+        if (x == -1 && PyErr_Occurred()) goto done;
+        seq[i] = x;
+    }
+    const PRow *pr = rows.buf;
+    for (Py_ssize_t r = 0; r < nh; r++) { /* the index's rows best first, then the pairs it does not hold */
+        Py_ssize_t h = r;
+        const PRow *p = NULL;
+        if (r < nrows) {
+            p = pr + r;
+            if (p->s < 0 || p->s >= nrows) goto none;
+            h = (Py_ssize_t)p->s;
+        }
+        int32_t w = wix[h];
+        if (w < 0) continue;
+        if (w >= nw || !PyBytes_CheckExact(PyTuple_GET_ITEM(heads, h))) goto none;
+        double sc = p ? p->score : 0.0;
+        if (!isfinite(sc)) goto none;
+        ARow a = {p, h, w, sc, stl[w] & 1};
+        /* stable insertion: fresh before stale, score descending (the rows come nearly in order) */
+        Py_ssize_t j = na;
+        while (j > 0 && (ar[j - 1].stale > a.stale || (ar[j - 1].stale == a.stale && ar[j - 1].score < a.score))) {
+            ar[j] = ar[j - 1];
+            j--;
+        }
+        ar[j] = a;
+        na++;
+    }
+#define LY(i) PyTuple_GET_ITEM(layout, i)
+#define LEN(i) PyBytes_GET_SIZE(LY(i))
+    /* the worst case, so the writers below need no checks: every piece at its longest */
+    Py_ssize_t maxhead = 0, row = 0, bound;
+    for (Py_ssize_t i = 0; i < na; i++) {
+        Py_ssize_t hl = PyBytes_GET_SIZE(PyTuple_GET_ITEM(heads, ar[i].h));
+        if (hl > maxhead) maxhead = hl;
+        row += hl + PyBytes_GET_SIZE(senc[ar[i].w]);
+    }
+    Py_ssize_t fixed = LEN(L_SEP) + LEN(L_ROW_OPEN) + LEN(L_DEV) + LEN(L_CACH) + LEN(L_TIERS) + LEN(L_HOST) +
+                       LEN(L_DISK) + LEN(L_SHARED) + LEN(L_SCORE) + LEN(L_STALE) + LEN(L_TRUE) + LEN(L_FALSE) +
+                       LEN(L_SEQ) + LEN(L_NULL) + LEN(L_STATUS) + LEN(L_ROW_CLOSE) + 7 * INT_MAX_CHARS + DBL_MAX_CHARS;
+    bound = PyBytes_GET_SIZE(prefix) + INT_MAX_CHARS + LEN(L_WORKERS) + 5 + row + na * fixed + LEN(L_AFTER) +
+            LEN(L_NULL) + LEN(L_BEST_OPEN) + maxhead + LEN(L_BEST_CLOSE) + LEN(L_END);
+    char *buf = PyMem_RawMalloc((size_t)bound), *q = buf;
+    if (!buf) { PyErr_NoMemory(); goto done; }
+#define INT(v) (q = mp ? mp_int(q, (int64_t)(v)) : json_int(q, (int64_t)(v)))
+    q = put_obj(q, prefix);
+    INT(qb);
+    q = put_obj(q, LY(L_WORKERS));
+    if (mp) { /* the workers array header */
+        if (na < 16) *q++ = (char)(0x90 | na);
+        else if (na < 65536) { *q++ = (char)0xDC; *q++ = (char)(na >> 8); *q++ = (char)na; }
+        else { *q++ = (char)0xDD; for (int k = 3; k >= 0; k--) *q++ = (char)((uint64_t)na >> (8 * k)); }
+    }
+    Py_ssize_t best = -1;
+    for (Py_ssize_t i = 0; i < na; i++) {
+        const ARow *a = ar + i;
+        const PRow *p = a->p;
+        if (best < 0 && !a->stale && a->score > 0) best = i;
+        if (i) q = put_obj(q, LY(L_SEP));
+        q = put_obj(q, LY(L_ROW_OPEN));
+        q = put_obj(q, PyTuple_GET_ITEM(heads, a->h));
+        q = put_obj(q, LY(L_DEV)); INT(p ? p->dev : 0);
+        q = put_obj(q, LY(L_CACH)); INT(p ? p->cach : 0);
+        q = put_obj(q, LY(L_TIERS)); INT(p ? p->sp[0] : 0);
+        q = put_obj(q, LY(L_HOST)); INT(p ? p->sp[1] : 0);
+        q = put_obj(q, LY(L_DISK)); INT(p ? p->sp[2] : 0);
+        q = put_obj(q, LY(L_SHARED)); INT(p ? p->sp[3] : 0);
+        q = put_obj(q, LY(L_SCORE));
+        q = mp ? mp_double(q, a->score) : json_double(q, a->score);
+        if (!q) { PyMem_RawFree(buf); goto done; }
+        q = put_obj(q, LY(L_STALE));
+        q = put_obj(q, LY(a->stale ? L_TRUE : L_FALSE));
+        q = put_obj(q, LY(L_SEQ));
+        if (stl[a->w] & 2) q = put_obj(q, LY(L_NULL)); else INT(seq[a->w]);
+        q = put_obj(q, LY(L_STATUS));
+        q = put_obj(q, senc[a->w]);
+        q = put_obj(q, LY(L_ROW_CLOSE));
+    }
+    q = put_obj(q, LY(L_AFTER));
+    if (best < 0) q = put_obj(q, LY(L_NULL));
+    else {
+        q = put_obj(q, LY(L_BEST_OPEN));
+        q = put_obj(q, PyTuple_GET_ITEM(heads, ar[best].h));
+        q = put_obj(q, LY(L_BEST_CLOSE));
+    }
+    q = put_obj(q, LY(L_END));
+#undef LY
+#undef LEN
+#undef INT
+    out = PyBytes_FromStringAndSize(buf, q - buf);
+    PyMem_RawFree(buf);
+    goto done;
+none:
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    PyMem_RawFree(ar);
+    PyMem_RawFree(seq);
+    PyMem_RawFree(senc);
+    PyMem_RawFree(stl);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&wixb);
+    return out;
+}

@@ -1,0 +1,464 @@
+/* apply_msgpack / apply_msgpack_run: whole raw batches applied to the maps (twins of indexer/core/apply.py),
+ * included by kvnative.c (one translation unit), after u64map.c and node_maps.c. */
+
+/* The payload reader of the whole-batch fast path (both event forms): wire_walk.c. */
+#include "wire_walk.c"
+
+/* Map access by engine hash: inline for non-zero ints, through an object otherwise. */
+static PyObject *href_obj(const HRef *h) {
+    return h->b ? PyBytes_FromStringAndSize((const char *)h->b, h->blen) : PyLong_FromUnsignedLongLong(h->k);
+}
+
+static int href_get(U64Map *m, const HRef *h, uint64_t *out) {
+    if (!h->b && h->k) {
+        int f;
+        Py_ssize_t i = find(m, h->k, &f);
+        if (f) *out = VALS(m, i)[0];
+        return f;
+    }
+    if (!PyDict_GET_SIZE(m->other)) return 0;
+    gil_need();
+    PyObject *o = href_obj(h);
+    if (!o) return -1;
+    int r = get_u64(m, o, out);
+    Py_DECREF(o);
+    return r;
+}
+
+static int href_set(U64Map *m, const HRef *h, uint64_t val) {
+    if (h->b || !h->k) gil_need();
+    PyObject *o = (!h->b && h->k) ? NULL : href_obj(h);
+    if (!o && (h->b || !h->k)) return -1;
+    int r;
+    if (o) { r = set_u64(m, o, val); Py_DECREF(o); return r; }
+    int f;
+    Py_ssize_t i = find_or_insert(m, h->k, &f);
+    if (i < 0) return -1;
+    uint64_t *dst = VALS(m, i);
+    for (int w = 1; w < m->width; w++) dst[w] = 0;
+    dst[0] = val;
+    return 0;
+}
+
+static int href_del(U64Map *m, const HRef *h) {
+    if (!h->b && h->k) {
+        int f;
+        Py_ssize_t i = find(m, h->k, &f);
+        if (f) erase(m, i);
+        return 0;
+    }
+    gil_need();
+    PyObject *o = href_obj(h);
+    if (!o) return -1;
+    int r = PyDict_DelItem(m->other, o);
+    Py_DECREF(o);
+    return r;
+}
+
+typedef struct {
+    U64Map *ext, *nodes, *known;
+    int shift;
+    Py_ssize_t bs, limit;
+    uint64_t seed;
+    const uint64_t *cols;
+    int layout; /* the worker has a group layout (main tree = group 0): its clears are the pure core's */
+    const struct GLay_ *gl; Py_ssize_t ngl; /* that layout's groups (groups_apply.c) */
+    Py_ssize_t stored[4][3], removed[4][2], cleared, drops[N_DROPS];
+    Py_ssize_t gstored[4][3], gremoved[4][2];
+} FCtx;
+
+/* Twin of apply._attach (no cancellations: the fast path only runs with no pending orphans). */
+static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *toks, int tier) {
+    int pos = c->shift + tier;
+    uint64_t stackbuf[128], *dg = NULL;
+    if (toks) {
+        /* digests up front; the chain they give is every node key when the blocks are new */
+        dg = n <= 128 ? stackbuf : PyMem_RawMalloc((size_t)n * sizeof(uint64_t));
+        if (!dg) { gil_need(); PyErr_NoMemory(); return -1; }
+        uint64_t s = state;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            if (!hs[j].b) pf_slot(c->ext, hs[j].k);
+            dg[j] = block_digest(toks + j * c->bs, c->bs, 0, c->cols);
+            s = s * P_MUL + dg[j];
+            pf_slot(c->nodes, s);
+        }
+    }
+    int rc = -1;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const HRef *h = hs + j;
+        uint64_t key;
+        int r;
+        Py_ssize_t ei = -1; /* an int hash's empty ext slot (one probe for get-else-insert) */
+        if (!h->b && h->k) {
+            ei = find(c->ext, h->k, &r);
+            if (r) key = VALS(c->ext, ei)[0];
+        } else if ((r = href_get(c->ext, h, &key)) < 0) goto out;
+        int is_new = !r;
+        if (is_new) {
+            r = c->known ? href_get(c->known, h, &key) : 0;
+            if (r < 0) goto out;
+            if (!r) {
+                if (!dg) { gil_need(); PyErr_SetString(PyExc_RuntimeError, "apply_msgpack: placeholder block without a mapping"); goto out; }
+                key = state * P_MUL + dg[j];
+                if (c->known) {
+                    if (U64Map_len(c->known) >= c->limit) { /* bounded trust cache: start afresh */
+                        gil_need();
+                        PyObject *cr = U64Map_clear(c->known, NULL);
+                        if (!cr) goto out;
+                        Py_DECREF(cr);
+                    }
+                    if (href_set(c->known, h, key) < 0) goto out;
+                }
+            }
+        }
+        state = key;
+        if (is_new) {
+            if (ei >= 0) { /* nothing touched ext since its probe: its empty slot is still the one */
+                if ((ei = insert_at(c->ext, ei, h->k)) < 0) goto out;
+                VALS(c->ext, ei)[0] = key;
+            } else if (href_set(c->ext, h, key) < 0) goto out;
+        }
+        int was = node_bit(c->nodes, key, pos, 1);
+        if (was < 0) goto out;
+        c->stored[tier][was ? 1 : is_new ? 0 : 2]++;
+    }
+    rc = 0;
+out:
+    if (dg && dg != stackbuf) PyMem_RawFree(dg);
+    return rc;
+}
+
+/* Twin of apply._store. 0 done, 1 orphan (nothing of this event applied), -1 error. */
+static int fp_store(FCtx *c, const FEv *e, const HRef *hs, const uint64_t *toks) {
+    Py_ssize_t n = e->nh;
+    if (!e->full) { c->drops[D_NON_FULL_ATTENTION] += n; return 0; }
+    if (e->bsz == 0 || e->nt == 0) { /* placeholder: a new tier on blocks this worker already maps */
+        for (Py_ssize_t j = 0; j < n; j++) if (!hs[j].b) pf_slot(c->ext, hs[j].k);
+        for (Py_ssize_t j = 0; j < n; j++) {
+            uint64_t k;
+            int r = href_get(c->ext, hs + j, &k);
+            if (r < 0) return -1;
+            if (!r) { c->drops[D_PLACEHOLDER_UNKNOWN] += n; return 0; }
+            pf_slot(c->nodes, k);
+        }
+        return fp_attach(c, hs, n, 0, NULL, e->tier);
+    }
+    if (e->bsz != 1) { c->drops[D_BLOCK_SIZE_MISMATCH] += n; return 0; }
+    Py_ssize_t nfull = e->nt / c->bs < n ? e->nt / c->bs : n;
+    if (nfull == 0) { c->drops[D_PARTIAL_BLOCK] += n; return 0; }
+    uint64_t state = c->seed;
+    if (e->has_parent) {
+        int r = href_get(c->ext, &e->parent, &state);
+        if (r < 0) return -1;
+        if (!r) {
+            r = href_get(c->ext, hs, &state);
+            if (r < 0) return -1;
+            if (!r) return 1; /* orphan: the Python path holds it */
+            state = 0; /* the first block is already mapped: its key, not the parent, starts the chain */
+        }
+    }
+    c->drops[D_PARTIAL_BLOCK] += n - nfull;
+    return fp_attach(c, hs, nfull, state, toks, e->tier);
+}
+
+/* Twin of the no-pending part of apply._remove. */
+static int fp_remove(FCtx *c, const FEv *e, const HRef *hs) {
+    for (Py_ssize_t j = 0; j < e->nh; j++) if (!hs[j].b) pf_slot(c->ext, hs[j].k);
+    for (Py_ssize_t j = 0; j < e->nh; j++) { /* read-only: warm the node slots */
+        uint64_t key;
+        if (!hs[j].b && hs[j].k) {
+            int f;
+            Py_ssize_t i = find(c->ext, hs[j].k, &f);
+            if (f) { key = VALS(c->ext, i)[0]; pf_slot(c->nodes, key); }
+        }
+    }
+    for (Py_ssize_t j = 0; j < e->nh; j++) {
+        uint64_t key;
+        int r = href_get(c->ext, hs + j, &key);
+        if (r < 0) return -1;
+        if (!r) { c->removed[e->tier][1]++; continue; }
+        int was = node_bit(c->nodes, key, c->shift + e->tier, 2);
+        if (was < 0) return -1;
+        c->removed[e->tier][was ? 0 : 1]++;
+        int any;
+        int nib = node_nibble(c->nodes, key, c->shift, &any);
+        if (nib < 0) return -1;
+        if (!nib && href_del(c->ext, hs + j) < 0) return -1;
+        if (!any && node_drop(c->nodes, key) < 0) return -1;
+    }
+    return 0;
+}
+
+/* Drop the worker's nibble from one node (deleting the node when nothing is left). */
+static int clear_nibble(U64Map *nodes, uint64_t key, int shift) {
+    for (int t = 0; t < 4; t++) if (node_bit(nodes, key, shift + t, 2) < 0) return -1;
+    int any;
+    if (node_nibble(nodes, key, shift, &any) < 0) return -1;
+    return any ? 0 : node_drop(nodes, key);
+}
+
+/* Twin of ModelState.clear for the maps (the caller's pending list is already empty). */
+static int fp_clear(FCtx *c) {
+    gil_need(); /* rare (AllBlocksCleared): the side dicts may be walked */
+    U64Map *ext = c->ext;
+    for (Py_ssize_t i = 0; i < ext->cap; i++)
+        if (KEY(ext, i) && clear_nibble(c->nodes, VALS(ext, i)[0], c->shift) < 0) return -1;
+    Py_ssize_t it = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(ext->other, &it, &k, &v)) {
+        uint64_t key = PyLong_AsUnsignedLongLongMask(v);
+        if (key == (uint64_t)-1 && PyErr_Occurred()) return -1;
+        if (clear_nibble(c->nodes, key, c->shift) < 0) return -1;
+    }
+    PyObject *r = U64Map_clear(ext, NULL);
+    if (!r) return -1;
+    Py_DECREF(r);
+    c->cleared++;
+    return 0;
+}
+
+/* Group events of a known layout, and where the walk stops for the pure core: groups_apply.c. */
+#include "groups_apply.c"
+
+/* ApplyStats keys as Python objects (tuples / str), built once at import from wire_tables.h. */
+static PyObject *COUNT_KEY_OBJS, *DROP_KEY_OBJS;
+
+static int add_count(PyObject *d, PyObject *key, Py_ssize_t n) {
+    if (!n) return 0;
+    PyObject *v = PyLong_FromSsize_t(n);
+    if (!v) return -1;
+    int r = PyDict_SetItem(d, key, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* The parsed events of one batch applied in order; *stop = the first orphan or group event (nothing
+ * of it applied; the pure core applies the batch from there), else -1. 0, or -1 on error. */
+static int walk_events(FCtx *c, const FBatch *b, Py_ssize_t *stop) {
+    *stop = -1;
+    for (Py_ssize_t i = 0; i < b->nev; i++) {
+        const FEv *e = b->ev + i;
+        const GLay *g;
+        if (group_event(c, e, &g)) { *stop = i; break; }
+        /* no arithmetic on NULL: an event (or a whole batch) without hashes or tokens passes NULL */
+        const HRef *hs = e->nh ? b->h + e->h0 : NULL;
+        const uint64_t *ts = e->nt ? b->t + e->t0 : NULL;
+        int r = g ? (e->type == EV_STORED ? gp_store(c, g, e, hs, ts) : gp_remove(c, g, e, hs))
+              : e->type == EV_STORED ? fp_store(c, e, hs, ts)
+              : e->type == EV_REMOVED ? fp_remove(c, e, hs) : fp_clear(c);
+        if (r < 0) return -1;
+        if (r > 0) { *stop = i; break; }
+    }
+    return 0;
+}
+
+/* The counters of c as ApplyStats' counts and drops dicts (zeros left out). */
+static int tally_dicts(const FCtx *c, PyObject *counts, PyObject *drops) {
+    for (int t = 0; t < 4; t++) {
+        for (int o = 0; o < 3; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_STORED(t, o)), c->stored[t][o]) < 0) return -1;
+        for (int o = 0; o < 2; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_REMOVED(t, o)), c->removed[t][o]) < 0) return -1;
+    }
+    if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_CLEARED), c->cleared) < 0) return -1;
+    for (int t = 0; t < 4; t++) {
+        for (int o = 0; o < 3; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_GSTORED(t, o)), c->gstored[t][o]) < 0) return -1;
+        for (int o = 0; o < 2; o++)
+            if (add_count(counts, PyTuple_GET_ITEM(COUNT_KEY_OBJS, CK_GREMOVED(t, o)), c->gremoved[t][o]) < 0) return -1;
+    }
+    for (int d = 0; d < N_DROPS; d++) if (add_count(drops, PyTuple_GET_ITEM(DROP_KEY_OBJS, d), c->drops[d]) < 0) return -1;
+    return 0;
+}
+
+static void add_counters(FCtx *to, const FCtx *from) {
+    for (int t = 0; t < 4; t++) {
+        for (int o = 0; o < 3; o++) to->stored[t][o] += from->stored[t][o];
+        for (int o = 0; o < 2; o++) to->removed[t][o] += from->removed[t][o];
+        for (int o = 0; o < 3; o++) to->gstored[t][o] += from->gstored[t][o];
+        for (int o = 0; o < 2; o++) to->gremoved[t][o] += from->gremoved[t][o];
+    }
+    to->cleared += from->cleared;
+    for (int d = 0; d < N_DROPS; d++) to->drops[d] += from->drops[d];
+}
+
+/* apply_msgpack(payload, *, ext, nodes, known, shift, block_size, seed, known_limit, want_rank=None,
+ *               default_rank=0) -> None | (stop, counts, drops, ts, rank, n_events)
+ * One raw batch of one worker, applied straight to its maps (see the section comment above).
+ * None: outside the fast subset, nothing was touched. Otherwise `rank` is the batch's dp_rank when
+ * a non-negative int, else `default_rank`. With `want_rank` (the rank whose maps were passed) a batch
+ * of another rank, or one without events, touches nothing (stop -1, empty counts); the caller
+ * compares `rank` with what it passed. stop = -1 when the whole batch was applied, else the index of
+ * the first event left to the Python core (an orphan: nothing of it was applied). */
+static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"payload", "ext", "nodes", "known", "shift", "block_size", "seed", "known_limit",
+                             "want_rank", "default_rank", "groups", NULL};
+    PyObject *payload, *knowno, *seedo, *wanto = Py_None, *groupso = Py_None;
+    U64Map *ext, *nodes;
+    int shift;
+    Py_ssize_t bs, limit, defrank = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|OnO", kwlist, &payload, &U64MapType, &ext, &U64MapType,
+                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank, &groupso))
+        return NULL;
+    int ranked = wanto != Py_None;
+    long long want = 0;
+    if (ranked) {
+        want = PyLong_AsLongLong(wanto);
+        if (want == -1 && PyErr_Occurred()) return NULL;
+    }
+    U64Map *known = NULL;
+    if (knowno != Py_None) {
+        if (!PyObject_TypeCheck(knowno, &U64MapType)) { PyErr_SetString(PyExc_TypeError, "known must be U64Map"); return NULL; }
+        known = (U64Map *)knowno;
+    }
+    uint64_t seed = PyLong_AsUnsignedLongLongMask(seedo);
+    if (seed == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    /* a slot position outside [0, MAX_SLOT) would shift past any word, or widen a map without bound */
+    if (bs <= 0 || shift < 0 || shift % 4 || shift / 4 >= MAX_SLOT) Py_RETURN_NONE;
+    if ((PyObject *)ext == (PyObject *)nodes || (known && (known == ext || known == nodes))) {
+        PyErr_SetString(PyExc_ValueError, "apply_msgpack: ext, nodes and known must be distinct maps");
+        return NULL;
+    }
+    GLay *gl = NULL;
+    Py_ssize_t ngl = 0;
+    int grc = glay_parse(groupso, ext, nodes, known, &gl, &ngl);
+    if (grc) { if (grc < 0) return NULL; Py_RETURN_NONE; }
+    Py_buffer view;
+    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); PyMem_RawFree(gl); Py_RETURN_NONE; }
+    FBatch b;
+    memset(&b, 0, sizeof(b));
+    PyObject *out = NULL, *counts = PyDict_New(), *drops = PyDict_New();
+    uint64_t *cols = NULL;
+    FHead hd;
+    FCtx c;
+    memset(&c, 0, sizeof(c));
+    Py_ssize_t stop = -1;
+    if (!counts || !drops) goto done;
+    int rc = parse_batch(view.buf, view.len, bs, &b, &hd);
+    if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
+    if (ranked && hd.rank_kind == 3) { out = Py_None; Py_INCREF(out); goto done; } /* Python keeps big ints exact */
+    long long rank = hd.rank_kind == 1 ? (long long)hd.rank : (long long)defrank;
+    if (ranked && (rank != want || b.nev == 0)) goto result; /* nothing to apply to these maps */
+    if (!(cols = col_table(bs))) goto done;
+    c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
+    c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl;
+    if (walk_events(&c, &b, &stop) < 0 || tally_dicts(&c, counts, drops) < 0) goto done;
+result:
+    out = Py_BuildValue("(nOOdLn)", stop, counts, drops, hd.ts, rank, b.nev);
+done:
+    Py_XDECREF(counts);
+    Py_XDECREF(drops);
+    PyMem_RawFree(cols);
+    PyMem_RawFree(b.ev);
+    PyMem_RawFree(b.h);
+    PyMem_RawFree(b.t);
+    PyMem_RawFree(gl);
+    PyBuffer_Release(&view);
+    return out;
+}
+
+/* apply_msgpack_run(payloads, ext, nodes, known, shift, block_size, seed, known_limit, rank, default_rank,
+ *                   max_payload) -> (k, counts, drops, ts, n_events, partial)
+ * Consecutive batches of one worker (a list of raw payloads) applied in order to the maps of `rank`,
+ * each exactly as apply_msgpack(payload, ..., want_rank=rank, default_rank=default_rank) would, with
+ * their counts and drops summed. It stops before the first batch apply_msgpack would not apply
+ * whole: one outside the fast subset or above max_payload bytes, of another rank, without events (a heartbeat), with a rank
+ * Python must read; the caller takes payloads[k] the usual way. A batch whose walk stops at an
+ * orphan was partly applied: `partial` is then apply_msgpack's own (stop, counts, drops, ts, rank,
+ * n_events) for payloads[k] (the caller finishes it), else None. `ts` is the last finite ts > 0 of
+ * the k whole batches (0.0 if none): the lag the batch-by-batch path would end with. Why: one call
+ * per run instead of a call, two dicts and a tuple per batch (docs/index-core.md). */
+/* Parse run item k into b (its arrays kept from batch to batch): parse_batch's 0 / 1 / -1, and 1 for an
+ * item the one-by-one path judges (not bytes, or over the size limit). Reads only the bytes object. */
+static int run_parse(PyObject *items, Py_ssize_t k, Py_ssize_t bs, Py_ssize_t max_payload, FBatch *b, FHead *hd) {
+    PyObject *p = PyTuple_GET_ITEM(items, k);
+    if (!PyBytes_Check(p) || PyBytes_GET_SIZE(p) > max_payload) return 1;
+    b->nev = b->nh = b->nt = 0;
+    return parse_batch((const unsigned char *)PyBytes_AS_STRING(p), PyBytes_GET_SIZE(p), bs, b, hd);
+}
+
+static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11 && nargs != 12) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 or 12 positional arguments"); return NULL; }
+    PyObject *groupso = nargs == 12 ? args[11] : Py_None;
+    PyObject *payloads = args[0], *knowno = args[3];
+    if (!PyList_Check(payloads)) { PyErr_SetString(PyExc_TypeError, "payloads must be a list"); return NULL; }
+    if (!PyObject_TypeCheck(args[1], &U64MapType) || !PyObject_TypeCheck(args[2], &U64MapType)
+        || (knowno != Py_None && !PyObject_TypeCheck(knowno, &U64MapType))) {
+        PyErr_SetString(PyExc_TypeError, "apply_msgpack_run: ext, nodes and known must be U64Map (known may be None)");
+        return NULL;
+    }
+    U64Map *ext = (U64Map *)args[1], *nodes = (U64Map *)args[2], *known = knowno == Py_None ? NULL : (U64Map *)knowno;
+    if (ext == nodes || (known && (known == ext || known == nodes))) {
+        PyErr_SetString(PyExc_ValueError, "apply_msgpack_run: ext, nodes and known must be distinct maps");
+        return NULL;
+    }
+    long shiftl = PyLong_AsLong(args[4]);
+    Py_ssize_t bs = PyLong_AsSsize_t(args[5]);
+    uint64_t seed = PyLong_AsUnsignedLongLongMask(args[6]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[7]);
+    long long want = PyLong_AsLongLong(args[8]), defrank = PyLong_AsLongLong(args[9]);
+    Py_ssize_t max_payload = PyLong_AsSsize_t(args[10]);
+    if (PyErr_Occurred()) return NULL;
+    GLay *gl = NULL;
+    Py_ssize_t ngl = 0;
+    int grc = glay_parse(groupso, ext, nodes, known, &gl, &ngl);
+    if (grc < 0) return NULL;
+    PyObject *counts = PyDict_New(), *drops = PyDict_New(), *partial = NULL, *out = NULL, *items = NULL;
+    uint64_t *cols = NULL;
+    FBatch b;
+    memset(&b, 0, sizeof(b));
+    FCtx run, c;
+    memset(&run, 0, sizeof(run));
+    double last_ts = 0.0;
+    Py_ssize_t k = 0, n = 0, nev = 0;
+    /* a tuple: nobody can change what the walk reads while it runs without the GIL */
+    if (!counts || !drops || !(items = PyList_AsTuple(payloads))) goto done;
+    n = PyTuple_GET_SIZE(items);
+    /* a slot position outside [0, MAX_SLOT) would shift past any word, or widen a map without bound */
+    if (bs <= 0 || shiftl < 0 || shiftl % 4 || shiftl / 4 >= MAX_SLOT || (int)shiftl != shiftl || grc) n = 0;
+    if (n) {
+        if (!(cols = col_table(bs))) goto done;
+    }
+    if (n) NOGIL = PyEval_SaveThread(); /* until the end, or until a path needs Python (gil_need) */
+    for (; k < n; k++) {
+        FHead hd;
+        int rc = run_parse(items, k, bs, max_payload, &b, &hd);
+        if (rc < 0) goto done;
+        if (rc > 0 || hd.rank_kind == 3) break;
+        long long rank = hd.rank_kind == 1 ? (long long)hd.rank : defrank;
+        if (rank != want || b.nev == 0) break;
+        memset(&c, 0, sizeof(c));
+        c.ext = ext; c.nodes = nodes; c.known = known; c.shift = (int)shiftl; c.bs = bs; c.limit = limit;
+        c.seed = seed; c.cols = cols; c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl;
+        Py_ssize_t stop;
+        if (walk_events(&c, &b, &stop) < 0) goto done;
+        if (stop >= 0) { /* an orphan or a group event: this batch is the caller's to finish */
+            gil_need();
+            PyObject *pc = PyDict_New(), *pd = PyDict_New();
+            if (pc && pd && tally_dicts(&c, pc, pd) == 0)
+                partial = Py_BuildValue("(nOOdLn)", stop, pc, pd, hd.ts, rank, b.nev);
+            Py_XDECREF(pc);
+            Py_XDECREF(pd);
+            if (!partial) goto done;
+            break;
+        }
+        add_counters(&run, &c);
+        nev += b.nev;
+        if (isfinite(hd.ts) && hd.ts > 0) last_ts = hd.ts;
+    }
+    gil_need();
+    if (tally_dicts(&run, counts, drops) < 0) goto done;
+    out = Py_BuildValue("(nOOdnO)", k, counts, drops, last_ts, nev, partial ? partial : Py_None);
+done:
+    gil_need();
+    Py_XDECREF(items);
+    Py_XDECREF(counts);
+    Py_XDECREF(drops);
+    Py_XDECREF(partial);
+    PyMem_RawFree(cols);
+    PyMem_RawFree(b.ev);
+    PyMem_RawFree(b.h);
+    PyMem_RawFree(b.t);
+    PyMem_RawFree(gl);
+    return out;
+}

@@ -1,0 +1,343 @@
+/* The HTTP body codec: request bodies (JSON or msgpack) -> little-endian u32 tokens, included by
+ * kvnative.c (one translation unit). The service's twin is router_api's typed msgspec decoding. */
+
+/* ---------------------------------------------------------------- request bodies -> u32 tokens
+ * json_u32_array / msgpack_u32_array(raw, max_tokens) -> bytes of little-endian u32 | None.
+ * `raw` is the msgspec.Raw of a request's `token_ids`. Only the plain valid case is answered: an
+ * array of non-negative integers < 2^32, at most max_tokens of them. Anything else (floats, `1e3`,
+ * booleans, negatives, `-0`, leading zeros, big ints, too many, not an array) gives None and the
+ * caller decodes the body with the typed msgspec decoder, so every reject is judged, and worded,
+ * exactly as before. */
+
+static PyObject *u32_bytes(const uint64_t *t, Py_ssize_t n) {
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (!out) return NULL;
+    uint32_t *o = (uint32_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) o[i] = (uint32_t)t[i];
+    return out;
+}
+
+static inline int json_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+/* The JSON array at q (whitespace before it skipped): its u32 tokens into o (at most cap of them).
+ * Returns the position just past ']' with *n set, or NULL when undecided (not exactly an array of
+ * plain u32 integers, or more than cap). */
+static const unsigned char *json_u32_scan(const unsigned char *q, const unsigned char *end, uint32_t *o,
+                                          Py_ssize_t cap, Py_ssize_t *nout) {
+    Py_ssize_t n = 0;
+    while (q < end && json_ws(*q)) q++;
+    if (q >= end || *q != '[') return NULL;
+    q++;
+    while (q < end && json_ws(*q)) q++;
+    if (q < end && *q == ']') { *nout = 0; return q + 1; }
+    for (;;) {
+        unsigned d;
+        if (q >= end || (d = (unsigned)*q - '0') > 9) return NULL;
+        q++;
+        if (d == 0 && q < end && (unsigned)*q - '0' <= 9) return NULL; /* leading zero */
+        uint64_t v = d;
+        /* at most 10 digits fit below 2^32; a leading 0 must stand alone */
+        const unsigned char *lim = end - q > 9 ? q + 9 : end;
+        while (q < lim && (d = (unsigned)*q - '0') <= 9) { v = v * 10 + d; q++; }
+        if (v > 0xFFFFFFFFULL || (q < end && (unsigned)*q - '0' <= 9)) return NULL; /* the typed decoder words it */
+        if (n >= cap) return NULL; /* more than max tokens */
+        o[n++] = (uint32_t)v;
+        if (q < end && *q == ',') { /* the common case first */
+            q++;
+            while (q < end && json_ws(*q)) q++;
+            continue;
+        }
+        while (q < end && json_ws(*q)) q++;
+        if (q >= end) return NULL;
+        if (*q == ']') { *nout = n; return q + 1; }
+        if (*q != ',') return NULL; /* '.', 'e', 'E' land here: a float is not a token */
+        q++;
+        while (q < end && json_ws(*q)) q++;
+    }
+}
+
+/* Exactly-sized bytes of the first n u32 of `out` (a fresh object: no in-place resize in the public API). */
+static PyObject *u32_exact(PyObject *out, Py_ssize_t n, Py_ssize_t cap) {
+    if (n == cap) return out;
+    PyObject *exact = PyBytes_FromStringAndSize(PyBytes_AS_STRING(out), n * 4);
+    Py_DECREF(out);
+    return exact;
+}
+
+static PyObject *py_json_u32_array(PyObject *self, PyObject *args) {
+    PyObject *raw;
+    Py_ssize_t maxn;
+    if (!PyArg_ParseTuple(args, "On", &raw, &maxn)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    const unsigned char *q = view.buf, *end = q + view.len;
+    /* every token but the last takes >= 2 bytes ("1,"): len / 2 + 1 bounds the count */
+    Py_ssize_t cap = view.len / 2 + 1, n = 0;
+    if (cap > maxn) cap = maxn < 0 ? 0 : maxn;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, cap * 4);
+    if (!out) { PyBuffer_Release(&view); return NULL; }
+    q = json_u32_scan(q, end, (uint32_t *)PyBytes_AS_STRING(out), cap, &n);
+    if (q) while (q < end && json_ws(*q)) q++;
+    PyBuffer_Release(&view);
+    if (q != end) { Py_DECREF(out); Py_RETURN_NONE; }
+    return u32_exact(out, n, cap);
+}
+
+/* Past the JSON string opening at q ('"'), or NULL if unterminated; *esc set if it holds a backslash. */
+static const unsigned char *json_skip_string(const unsigned char *q, const unsigned char *end, int *esc) {
+    *esc = 0;
+    for (q++; q < end; q++) {
+        if (*q == '"') return q + 1;
+        if (*q == '\\') { *esc = 1; q++; }
+    }
+    return NULL;
+}
+
+/* Past the JSON value at q, judged only as far as finding its end (msgspec judges it afterwards). */
+static const unsigned char *json_skip_value(const unsigned char *q, const unsigned char *end) {
+    int esc, depth = 0;
+    if (q >= end) return NULL;
+    if (*q == '"') return json_skip_string(q, end, &esc);
+    if (*q != '[' && *q != '{') { /* a scalar: up to a delimiter */
+        while (q < end && !json_ws(*q) && *q != ',' && *q != '}' && *q != ']' && *q != '"') q++;
+        return q;
+    }
+    while (q < end) {
+        unsigned char c = *q;
+        if (c == '"') { q = json_skip_string(q, end, &esc); if (!q) return NULL; continue; }
+        if (c == '[' || c == '{') depth++;
+        else if (c == ']' || c == '}') { if (--depth == 0) return q + 1; }
+        q++;
+    }
+    return NULL;
+}
+
+/* json_body_u32(body, max_tokens) -> (u32 bytes, start, end) | None
+ * One pass over a whole JSON /score or /query body: the top-level object's "token_ids" array is parsed
+ * into u32 (as json_u32_array), and [start, end) is its span in the body. The caller decodes the body
+ * with that span replaced by [] with its typed decoder, which judges every other field: the text outside
+ * the span is unchanged, and the span held a well-formed array, so that body is valid iff this one is.
+ * None when undecided: not an object, any escaped key (it could alias "token_ids"), the key absent or
+ * repeated, or the array not plain u32s. */
+static PyObject *py_json_body_u32(PyObject *self, PyObject *args) {
+    PyObject *body;
+    Py_ssize_t maxn;
+    if (!PyArg_ParseTuple(args, "On", &body, &maxn)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    const unsigned char *base = view.buf, *q = base, *end = q + view.len, *a0 = NULL, *a1 = NULL;
+    Py_ssize_t cap = view.len / 2 + 1, n = 0;
+    if (cap > maxn) cap = maxn < 0 ? 0 : maxn;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, cap * 4);
+    if (!out) { PyBuffer_Release(&view); return NULL; }
+    while (q < end && json_ws(*q)) q++;
+    if (q >= end || *q != '{') goto undecided;
+    q++;
+    for (;;) {
+        while (q < end && json_ws(*q)) q++;
+        if (q >= end || *q != '"') goto undecided; /* incl. '}' of an empty object: token_ids is required */
+        int esc;
+        const unsigned char *k0 = q + 1, *k1 = json_skip_string(q, end, &esc);
+        if (!k1 || esc) goto undecided; /* an escaped key could alias "token_ids": the typed decoder judges */
+        int is_tokens = k1 - 1 - k0 == 9 && memcmp(k0, "token_ids", 9) == 0;
+        q = k1;
+        while (q < end && json_ws(*q)) q++;
+        if (q >= end || *q != ':') goto undecided;
+        q++;
+        while (q < end && json_ws(*q)) q++;
+        if (is_tokens) {
+            if (a0) goto undecided; /* repeated: the typed decoder says what that means */
+            a0 = q;
+            q = json_u32_scan(q, end, (uint32_t *)PyBytes_AS_STRING(out), cap, &n);
+            if (!q) goto undecided;
+            a1 = q;
+        } else if (!(q = json_skip_value(q, end))) goto undecided;
+        while (q < end && json_ws(*q)) q++;
+        if (q < end && *q == ',') { q++; continue; }
+        if (q < end && *q == '}') { q++; break; }
+        goto undecided;
+    }
+    while (q < end && json_ws(*q)) q++;
+    if (q != end || !a0) goto undecided;
+    PyBuffer_Release(&view);
+    out = u32_exact(out, n, cap);
+    return out ? Py_BuildValue("(Nnn)", out, (Py_ssize_t)(a0 - base), (Py_ssize_t)(a1 - base)) : NULL;
+undecided:
+    PyBuffer_Release(&view);
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_msgpack_u32_array(PyObject *self, PyObject *args) {
+    PyObject *raw;
+    Py_ssize_t maxn;
+    if (!PyArg_ParseTuple(args, "On", &raw, &maxn)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    uint64_t *t = NULL;
+    Py_ssize_t n = msgpack_int_array(view.buf, view.len, &t);
+    PyBuffer_Release(&view);
+    if (n == -2) return NULL;
+    if (n < 0) Py_RETURN_NONE;
+    int ok = n <= maxn;
+    /* negatives come back sign-extended (>= 2^63), so one bound rejects both */
+    for (Py_ssize_t i = 0; i < n && ok; i++) ok = t[i] <= 0xFFFFFFFFULL;
+    PyObject *out = ok ? u32_bytes(t, n) : (Py_INCREF(Py_None), Py_None);
+    PyMem_RawFree(t);
+    return out;
+}
+
+/* msgpack_body_u32(body, max_tokens) -> (u32 bytes, start, end) | None
+ * The msgpack twin of json_body_u32: one pass over a whole msgpack /score or /query body (a map with
+ * str keys), its "token_ids" array parsed into u32 and [start, end) its span, so the caller decodes
+ * the body with that span replaced by an empty array (0x90) with its typed decoder, which judges every
+ * other field. None when undecided: not a map of str keys, the key absent or repeated, an element
+ * that is not an int in [0, 2^32), more than max_tokens, trailing bytes, or anything malformed or
+ * nested too deeply (the typed decoder words it). Saves msgspec's Raw pass, which walks every token. */
+static inline uint64_t be_uint(const unsigned char *p, int nb) {
+    uint64_t v = 0;
+    for (int k = 0; k < nb; k++) v = (v << 8) | p[k];
+    return v;
+}
+
+/* The end of the msgpack value at p, or NULL (malformed, truncated, or nested deeper than depth). */
+static const unsigned char *mp_skip(const unsigned char *p, const unsigned char *end, int depth) {
+    if (p >= end || depth <= 0) return NULL;
+    unsigned char c = *p++;
+    uint64_t n;
+    if (c <= 0x7F || c >= 0xE0 || c == 0xC0 || c == 0xC2 || c == 0xC3) return p;
+    if ((c & 0xE0) == 0xA0) { n = c & 0x1F; goto bytes; }
+    if ((c & 0xF0) == 0x90) { n = c & 0x0F; goto values; }
+    if ((c & 0xF0) == 0x80) { n = 2 * (uint64_t)(c & 0x0F); goto values; }
+    int nb; /* width of a length / count field */
+    switch (c) {
+        case 0xCC: case 0xD0: n = 1; goto bytes;
+        case 0xCD: case 0xD1: n = 2; goto bytes;
+        case 0xCE: case 0xD2: case 0xCA: n = 4; goto bytes;
+        case 0xCF: case 0xD3: case 0xCB: n = 8; goto bytes;
+        case 0xD4: n = 2; goto bytes; /* fixext: type byte + data */
+        case 0xD5: n = 3; goto bytes;
+        case 0xD6: n = 5; goto bytes;
+        case 0xD7: n = 9; goto bytes;
+        case 0xD8: n = 17; goto bytes;
+        case 0xD9: case 0xC4: nb = 1; break;
+        case 0xDA: case 0xC5: nb = 2; break;
+        case 0xDB: case 0xC6: nb = 4; break;
+        case 0xC7: case 0xC8: case 0xC9: { /* ext: length, type byte, data */
+            nb = c == 0xC7 ? 1 : c == 0xC8 ? 2 : 4;
+            if (end - p < nb) return NULL;
+            n = be_uint(p, nb) + 1;
+            p += nb;
+            goto bytes;
+        }
+        case 0xDC: case 0xDD: case 0xDE: case 0xDF: {
+            nb = (c == 0xDC || c == 0xDE) ? 2 : 4;
+            if (end - p < nb) return NULL;
+            n = be_uint(p, nb) * (c >= 0xDE ? 2 : 1);
+            p += nb;
+            goto values;
+        }
+        default: return NULL; /* 0xC1: never used */
+    }
+    if (end - p < nb) return NULL; /* str / bin with a length field */
+    n = be_uint(p, nb);
+    p += nb;
+bytes:
+    if ((uint64_t)(end - p) < n) return NULL;
+    return p + n;
+values:
+    if ((uint64_t)(end - p) < n) return NULL; /* every value takes a byte at least */
+    for (uint64_t i = 0; i < n; i++) if (!(p = mp_skip(p, end, depth - 1))) return NULL;
+    return p;
+}
+
+/* A msgpack str at p: its bytes in [*s, *s + *n), the end returned; NULL if p is not a str. */
+static const unsigned char *mp_str(const unsigned char *p, const unsigned char *end, const unsigned char **s,
+                                   Py_ssize_t *n) {
+    if (p >= end) return NULL;
+    unsigned char c = *p++;
+    uint64_t len;
+    int nb = 0;
+    if ((c & 0xE0) == 0xA0) len = c & 0x1F;
+    else if (c == 0xD9 || c == 0xDA || c == 0xDB) {
+        nb = c == 0xD9 ? 1 : c == 0xDA ? 2 : 4;
+        if (end - p < nb) return NULL;
+        len = be_uint(p, nb);
+        p += nb;
+    } else return NULL;
+    if ((uint64_t)(end - p) < len) return NULL;
+    *s = p;
+    *n = (Py_ssize_t)len;
+    return p + len;
+}
+
+static PyObject *py_msgpack_body_u32(PyObject *self, PyObject *args) {
+    PyObject *body, *out = NULL;
+    Py_ssize_t maxn;
+    if (!PyArg_ParseTuple(args, "On", &body, &maxn)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    const unsigned char *base = view.buf, *p = base, *end = p + view.len, *a0 = NULL, *a1 = NULL;
+    uint64_t npairs;
+    if (p >= end) goto undecided;
+    if ((*p & 0xF0) == 0x80) npairs = *p++ & 0x0F;
+    else if (*p == 0xDE || *p == 0xDF) {
+        int nb = *p == 0xDE ? 2 : 4;
+        if (end - p < 1 + nb) goto undecided;
+        npairs = be_uint(p + 1, nb);
+        p += 1 + nb;
+    } else goto undecided;
+    if (npairs > (uint64_t)(end - p)) goto undecided;
+    for (uint64_t k = 0; k < npairs; k++) {
+        const unsigned char *ks;
+        Py_ssize_t kn;
+        if (!(p = mp_str(p, end, &ks, &kn))) goto undecided;
+        if (!(kn == 9 && memcmp(ks, "token_ids", 9) == 0)) {
+            if (!(p = mp_skip(p, end, 64))) goto undecided;
+            continue;
+        }
+        if (a0 || p >= end) goto undecided; /* repeated: the typed decoder says what that means */
+        a0 = p;
+        uint64_t n;
+        unsigned char c = *p++;
+        if ((c & 0xF0) == 0x90) n = c & 0x0F;
+        else if (c == 0xDC || c == 0xDD) {
+            int nb = c == 0xDC ? 2 : 4;
+            if (end - p < nb) goto undecided;
+            n = be_uint(p, nb);
+            p += nb;
+        } else goto undecided;
+        if (n > (uint64_t)(end - p) || n > (uint64_t)(maxn < 0 ? 0 : maxn)) goto undecided;
+        out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 4);
+        if (!out) { PyBuffer_Release(&view); return NULL; }
+        uint32_t *o = (uint32_t *)PyBytes_AS_STRING(out);
+        for (uint64_t i = 0; i < n; i++) {
+            if (p >= end) goto undecided;
+            unsigned char t = *p++;
+            uint64_t v;
+            int nb;
+            if (t <= 0x7F) { o[i] = t; continue; }
+            switch (t) {
+                case 0xCC: case 0xD0: nb = 1; break;
+                case 0xCD: case 0xD1: nb = 2; break;
+                case 0xCE: case 0xD2: nb = 4; break;
+                case 0xCF: case 0xD3: nb = 8; break;
+                default: goto undecided; /* negative fixint, not an int: the typed decoder judges it */
+            }
+            if (end - p < nb) goto undecided;
+            v = be_uint(p, nb);
+            p += nb;
+            if (t >= 0xD0 && (v >> (8 * nb - 1)) & 1) goto undecided; /* a negative signed int */
+            if (v > 0xFFFFFFFFULL) goto undecided;
+            o[i] = (uint32_t)v;
+        }
+        a1 = p;
+    }
+    if (p != end || !a0) goto undecided;
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(Nnn)", out, (Py_ssize_t)(a0 - base), (Py_ssize_t)(a1 - base));
+undecided:
+    PyBuffer_Release(&view);
+    Py_XDECREF(out);
+    Py_RETURN_NONE;
+}

@@ -1,0 +1,179 @@
+/* Event loops over the maps: ext-style u64 access, residency bits and nibbles of nodes,
+ * tier_counts, node_drop; included by kvnative.c (one translation unit). */
+
+/* ---------------------------------------------------------------- event loops over maps */
+
+/* ext-style lookup (values fit u64): 1 found, 0 absent, -1 error */
+static int get_u64(U64Map *m, PyObject *key, uint64_t *out) {
+    uint64_t k;
+    int kind = key_u64(key, &k);
+    if (kind < 0) return -1;
+    if (kind) {
+        int f;
+        Py_ssize_t i = find(m, k, &f);
+        if (f) *out = VALS(m, i)[0];
+        return f;
+    }
+    PyObject *v = PyDict_GetItemWithError(m->other, key);
+    if (!v) return PyErr_Occurred() ? -1 : 0;
+    *out = PyLong_AsUnsignedLongLongMask(v);
+    return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 1;
+}
+
+static int set_u64(U64Map *m, PyObject *key, uint64_t val) {
+    uint64_t k;
+    int kind = key_u64(key, &k);
+    if (kind < 0) return -1;
+    if (kind) return set_word(m, k, val); /* inline: no int object */
+    PyObject *v = PyLong_FromUnsignedLongLong(val);
+    if (!v) return -1;
+    int r = U64Map_ass(m, key, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* Residency bit `pos` of node `key`: read (op 0), set (op 1), clear (op 2). Returns the bit before
+ * the op, -1 on error. Clearing may leave a node all-zero; `node_zero` / `node_drop` handle that. */
+static int node_bit(U64Map *m, uint64_t key, int pos, int op) {
+    int word = pos >> 6;
+    uint64_t b = 1ULL << (pos & 63);
+    if (key == 0) { /* rare: content key 0 lives in the side dict */
+        gil_need();
+        PyObject *ko = PyLong_FromUnsignedLongLong(0), *bit = NULL, *cur = NULL, *nv = NULL;
+        int was = -1;
+        if (!ko) return -1;
+        cur = PyDict_GetItemWithError(m->other, ko);
+        if (!cur && PyErr_Occurred()) goto out0;
+        {
+            PyObject *one = PyLong_FromLong(1), *po = PyLong_FromLong(pos);
+            bit = (one && po) ? PyNumber_Lshift(one, po) : NULL;
+            Py_XDECREF(one); Py_XDECREF(po);
+        }
+        if (!bit) goto out0;
+        PyObject *andv = cur ? PyNumber_And(cur, bit) : PyLong_FromLong(0);
+        if (!andv) goto out0;
+        was = PyObject_IsTrue(andv);
+        Py_DECREF(andv);
+        if (op == 1 && !was) { nv = cur ? PyNumber_Or(cur, bit) : (Py_INCREF(bit), bit); if (!nv || PyDict_SetItem(m->other, ko, nv) < 0) was = -1; }
+        if (op == 2 && was == 1) { nv = PyNumber_Xor(cur, bit); if (!nv || PyDict_SetItem(m->other, ko, nv) < 0) was = -1; }
+    out0:
+        Py_XDECREF(nv); Py_XDECREF(bit); Py_DECREF(ko);
+        return was;
+    }
+    int f;
+    Py_ssize_t i;
+    if (op == 1) {
+        if (word >= m->width && widen(m, word + 1) < 0) return -1;
+        i = find_or_insert(m, key, &f);
+        if (i < 0) return -1;
+    } else {
+        i = find(m, key, &f);
+        if (!f || word >= m->width) return 0;
+    }
+    uint64_t *v = VALS(m, i) + word;
+    int was = (*v & b) != 0;
+    if (op == 1) { *v |= b; if ((pos & 3) == 3) m->pool = 1; }
+    else if (op == 2) *v &= ~b;
+    return was;
+}
+
+/* Worker nibble (4 bits at `shift`) of a node, and whether the node has any bit left. */
+static int node_nibble(U64Map *m, uint64_t key, int shift, int *any) {
+    if (key == 0) {
+        gil_need();
+        PyObject *ko = PyLong_FromUnsignedLongLong(0);
+        if (!ko) return -1;
+        PyObject *cur = PyDict_GetItemWithError(m->other, ko);
+        Py_DECREF(ko);
+        if (!cur) { *any = 0; return PyErr_Occurred() ? -1 : 0; }
+        *any = PyObject_IsTrue(cur);
+        PyObject *s = PyLong_FromLong(shift);
+        PyObject *r = s ? PyNumber_Rshift(cur, s) : NULL;
+        Py_XDECREF(s);
+        if (!r) return -1;
+        long nib = (long)(PyLong_AsUnsignedLongLongMask(r) & 0xF);
+        Py_DECREF(r);
+        return (int)nib;
+    }
+    int f;
+    Py_ssize_t i = find(m, key, &f);
+    if (!f) { *any = 0; return 0; }
+    uint64_t *v = VALS(m, i);
+    *any = 0;
+    for (int w = 0; w < m->width; w++) if (v[w]) { *any = 1; break; }
+    int word = shift >> 6;
+    return word < m->width ? (int)((v[word] >> (shift & 63)) & 0xF) : 0;
+}
+
+/* tier_counts(ext, nodes, shift) -> (gpu, host, disk, shared) | None
+ * Twin of ModelState.tier_counts: over the distinct content keys one worker maps (ext's values),
+ * how many hold each of the 4 tier bits at `shift` in nodes. None when the maps hold what only the
+ * Python core reads (multi-word ext values, a non-int value, content key 0 in nodes' side dict).
+ * Why: /workers, /stats and /metrics count every worker's blocks under the index lock — ~100 ms
+ * for 180k blocks in Python, a stall of ingestion and /score (docs/service.md). */
+static PyObject *py_tier_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyObject_TypeCheck(args[0], &U64MapType) || !PyObject_TypeCheck(args[1], &U64MapType)) {
+        PyErr_SetString(PyExc_TypeError, "tier_counts(ext: U64Map, nodes: U64Map, shift: int)");
+        return NULL;
+    }
+    U64Map *ext = (U64Map *)args[0], *nodes = (U64Map *)args[1];
+    long shift = PyLong_AsLong(args[2]);
+    if (shift == -1 && PyErr_Occurred()) return NULL;
+    if (shift < 0 || shift % 4 || ext->width != 1 || PyDict_GET_SIZE(nodes->other)) Py_RETURN_NONE;
+    Py_ssize_t n = ext->used + PyDict_GET_SIZE(ext->other), k = 0;
+    uint64_t *keys = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    if (!keys) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < ext->cap; i++)
+        if (KEY(ext, i)) keys[k++] = VALS(ext, i)[0];
+    Py_ssize_t pos = 0;
+    PyObject *dk, *dv;
+    while (PyDict_Next(ext->other, &pos, &dk, &dv)) {
+        uint64_t v;
+        int r = int_u64(dv, &v);
+        if (r < 0) { PyMem_RawFree(keys); return NULL; }
+        if (!r || k >= n) { PyMem_RawFree(keys); Py_RETURN_NONE; } /* 0 or not a u64: the Python core counts it */
+        keys[k++] = v;
+    }
+    /* distinct keys (two engine hashes may name one block): a set at load <= 1/2, then compacted */
+    size_t scap = 16;
+    while (scap < 2 * (size_t)k) scap <<= 1;
+    uint64_t *seen = PyMem_RawCalloc(scap, sizeof(uint64_t));
+    if (!seen) { PyMem_RawFree(keys); return PyErr_NoMemory(); }
+    Py_ssize_t u = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        uint64_t key = keys[j];
+        if (!key) continue; /* content key 0 would live in nodes' side dict, which is empty here */
+        size_t s = (size_t)((key * P_MUL) >> 32) & (scap - 1);
+        while (seen[s] && seen[s] != key) s = (s + 1) & (scap - 1);
+        if (!seen[s]) { seen[s] = key; keys[u++] = key; }
+    }
+    PyMem_RawFree(seen);
+    Py_ssize_t counts[4] = {0, 0, 0, 0};
+    int word = (int)(shift >> 6), bit = (int)(shift & 63);
+    for (Py_ssize_t j = 0; j < u && word < nodes->width; j++) {
+        if (j + 8 < u) pf_slot(nodes, keys[j + 8]); /* random probes: overlap their misses */
+        int f;
+        Py_ssize_t i = find(nodes, keys[j], &f);
+        if (!f) continue;
+        uint64_t nib = (VALS(nodes, i)[word] >> bit) & 0xF;
+        for (int t = 0; t < 4; t++) counts[t] += (nib >> t) & 1;
+    }
+    PyMem_RawFree(keys);
+    return Py_BuildValue("(nnnn)", counts[0], counts[1], counts[2], counts[3]);
+}
+
+static int node_drop(U64Map *m, uint64_t key) {
+    if (key == 0) {
+        gil_need();
+        PyObject *ko = PyLong_FromUnsignedLongLong(0);
+        if (!ko) return -1;
+        int r = PyDict_Contains(m->other, ko);
+        if (r == 1) r = PyDict_DelItem(m->other, ko);
+        Py_DECREF(ko);
+        return r < 0 ? -1 : 0;
+    }
+    int f;
+    Py_ssize_t i = find(m, key, &f);
+    if (f) erase(m, i);
+    return 0;
+}

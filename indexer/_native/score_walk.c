@@ -1,0 +1,337 @@
+/* The prefix walk (twin of indexer.core.scoring.walk) and the whole native score down to ranked rows
+ * (score_rows); included by kvnative.c (one translation unit), after hashing.c and node_maps.c. */
+
+/* Per-slot prefix match of chained keys (twin of indexer.core.scoring.walk). `slot[s]` are the worker
+ * slots to score; fills per slot device / cached depth and the per-tier split of the cached blocks.
+ * Returns 0, or -1 on memory error. */
+typedef struct { Py_ssize_t dev, cach, sp[4]; } WRow;
+
+/* The end of a walk: the last run counted for the workers still in it, whose depths it reached. */
+static inline void finish_rows(WRow *rows, Py_ssize_t ns, const unsigned char *ac, const unsigned char *ad,
+                               const unsigned char *ct, Py_ssize_t run, Py_ssize_t depth) {
+    for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
+    depth += run;
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        if (ad[s]) rows[s].dev = depth;
+        if (ac[s]) rows[s].cach = depth;
+    }
+}
+
+static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ssize_t *slot, Py_ssize_t ns, WRow *rows) {
+    /* per slot: alive_c, alive_d, current tier */
+    unsigned char *st = PyMem_RawCalloc((size_t)(ns ? ns : 1), 3);
+    uint64_t *prev = PyMem_RawCalloc((size_t)m->width, sizeof(uint64_t));
+    if (!st || !prev) { PyMem_RawFree(st); PyMem_RawFree(prev); PyErr_NoMemory(); return -1; }
+    unsigned char *ac = st, *ad = st + ns, *ct = st + 2 * ns;
+    memset(rows, 0, sizeof(WRow) * (size_t)ns);
+    for (Py_ssize_t s = 0; s < ns; s++) ac[s] = ad[s] = 1;
+    Py_ssize_t nalive = ns, depth = 0, run = 0;
+    int W = m->width, have_prev = 0;
+    enum { PF_AHEAD = 4 }; /* 8, 16, 24 measured no better (docs/index-core.md) */
+    for (Py_ssize_t j = 0; j < nk && nalive; j++) {
+        if (j + PF_AHEAD < nk) pf_slot(m, keys[j + PF_AHEAD]);
+        uint64_t k = keys[j];
+        int f = 0;
+        Py_ssize_t i = k ? find(m, k, &f) : 0;
+        if (!f) break; /* callers never pass key 0 (it lives in the side dict): Python walks those */
+        const uint64_t *v = VALS(m, i);
+        int same = have_prev;
+        for (int w = 0; w < W && same; w++) same = v[w] == prev[w]; /* a word or two: no memcmp call */
+        if (same) { run++; continue; }
+        for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
+        depth += run;
+        run = 0;
+        int pool = 0;
+        for (int w = 0; w < W; w++) if (v[w] & 0x8888888888888888ULL) { pool = 1; break; }
+        for (Py_ssize_t s = 0; s < ns; s++) {
+            if (!ac[s]) continue;
+            Py_ssize_t word = slot[s] >> 4;
+            int nib = word < W ? (int)((v[word] >> (4 * (slot[s] & 15))) & 0xF) : 0;
+            if (ad[s] && !(nib & 1)) { rows[s].dev = depth; ad[s] = 0; }
+            if (!(nib & 7) && !pool) { rows[s].cach = depth; ac[s] = 0; nalive--; continue; }
+            ct[s] = (nib & 1) ? 0 : (nib & 2) ? 1 : (nib & 4) ? 2 : 3;
+        }
+        memcpy(prev, v, sizeof(uint64_t) * W);
+        have_prev = 1;
+        run = 1;
+    }
+    finish_rows(rows, ns, ac, ad, ct, run, depth);
+    PyMem_RawFree(st);
+    PyMem_RawFree(prev);
+    return 0;
+}
+
+/* A list of ints as u64 keys; 1 when a key is not an int in [1, 2^64) (the Python walk judges it). */
+/* walk_core over the node tables of a worker-sharded index (indexer/sharded.py). Shard t of nm numbers
+ * its workers 0, 1, ... in its own table; the walk's slot s stands for shard s % nm's worker s / nm.
+ * A key's residency for the walk is every shard's value for it (missing: all zero), a worker's nibble
+ * read from its own shard's, the shared pool any shard's claim — the one-index walk over the same
+ * residency. Kept apart from walk_core so the one-table walk stays as it is. */
+static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py_ssize_t nk, const Py_ssize_t *slot,
+                      Py_ssize_t ns, WRow *rows) {
+    int W = 1;
+    for (Py_ssize_t t = 0; t < nm; t++) if (ms[t]->width > W) W = ms[t]->width;
+    unsigned char *st = PyMem_RawCalloc((size_t)(ns ? ns : 1), 3);
+    /* per shard: this key's value (or NULL) and the previous run's (copied, found flag in pf) */
+    const uint64_t **cur = PyMem_RawCalloc((size_t)nm, sizeof(uint64_t *));
+    uint64_t *prev = PyMem_RawCalloc((size_t)(nm * W), sizeof(uint64_t));
+    unsigned char *pf = PyMem_RawCalloc((size_t)nm, 1);
+    /* A shard none of whose scored workers is still in the walk, and whose table never held a pool
+     * bit, cannot change the outcome for the rest (a key only it holds ends the walk for them either
+     * way): it is not probed. For one worker's document that is about one probe per key. */
+    Py_ssize_t *talive = PyMem_RawCalloc((size_t)nm, sizeof(Py_ssize_t));
+    if (!st || !cur || !prev || !pf || !talive) {
+        PyMem_RawFree(st); PyMem_RawFree(cur); PyMem_RawFree(prev); PyMem_RawFree(pf); PyMem_RawFree(talive);
+        PyErr_NoMemory();
+        return -1;
+    }
+    unsigned char *ac = st, *ad = st + ns, *ct = st + 2 * ns;
+    memset(rows, 0, sizeof(WRow) * (size_t)ns);
+    for (Py_ssize_t s = 0; s < ns; s++) { ac[s] = ad[s] = 1; talive[slot[s] % nm]++; }
+    Py_ssize_t nalive = ns, depth = 0, run = 0;
+    int have_prev = 0;
+    enum { PF_AHEAD = 4 };
+    for (Py_ssize_t j = 0; j < nk && nalive; j++) {
+        if (j + PF_AHEAD < nk)
+            for (Py_ssize_t t = 0; t < nm; t++) if (talive[t] || ms[t]->pool) pf_slot(ms[t], keys[j + PF_AHEAD]);
+        uint64_t k = keys[j];
+        int any = 0;
+        for (Py_ssize_t t = 0; t < nm; t++) {
+            cur[t] = NULL;
+            if (!k || (!talive[t] && !ms[t]->pool)) continue;
+            int f = 0;
+            Py_ssize_t i = find(ms[t], k, &f);
+            if (f) { cur[t] = VALS(ms[t], i); any = 1; }
+        }
+        if (!any) break; /* no shard holds it (callers never pass key 0: Python walks those) */
+        int same = have_prev;
+        for (Py_ssize_t t = 0; t < nm && same; t++) {
+            if ((cur[t] != NULL) != pf[t]) { same = 0; break; }
+            if (cur[t]) for (int w = 0; w < ms[t]->width && same; w++) same = cur[t][w] == prev[t * W + w];
+        }
+        if (same) { run++; continue; }
+        for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
+        depth += run;
+        run = 0;
+        int pool = 0;
+        for (Py_ssize_t t = 0; t < nm && !pool; t++)
+            if (cur[t]) for (int w = 0; w < ms[t]->width; w++) if (cur[t][w] & POOL_BITS) { pool = 1; break; }
+        for (Py_ssize_t s = 0; s < ns; s++) {
+            if (!ac[s]) continue;
+            Py_ssize_t t = slot[s] % nm, l = slot[s] / nm, word = l >> 4;
+            int nib = cur[t] && word < ms[t]->width ? (int)((cur[t][word] >> (4 * (l & 15))) & 0xF) : 0;
+            if (ad[s] && !(nib & 1)) { rows[s].dev = depth; ad[s] = 0; }
+            if (!(nib & 7) && !pool) { rows[s].cach = depth; ac[s] = 0; nalive--; talive[t]--; continue; }
+            ct[s] = (nib & 1) ? 0 : (nib & 2) ? 1 : (nib & 4) ? 2 : 3;
+        }
+        for (Py_ssize_t t = 0; t < nm; t++) {
+            pf[t] = cur[t] != NULL;
+            if (cur[t]) memcpy(prev + t * W, cur[t], sizeof(uint64_t) * (size_t)ms[t]->width);
+        }
+        have_prev = 1;
+        run = 1;
+    }
+    finish_rows(rows, ns, ac, ad, ct, run, depth);
+    PyMem_RawFree(st); PyMem_RawFree(cur); PyMem_RawFree(prev); PyMem_RawFree(pf); PyMem_RawFree(talive);
+    return 0;
+}
+
+static int keys_u64(PyObject *keys, uint64_t **out) {
+    Py_ssize_t nk = PyList_GET_SIZE(keys);
+    uint64_t *k = PyMem_RawMalloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
+    if (!k) { PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t j = 0; j < nk; j++) {
+        PyObject *o = PyList_GET_ITEM(keys, j);
+        /* not an int in [1, 2^64) (0 lives in the side dict): the Python walk judges it */
+        if (!PyLong_Check(o) || !int_u64(o, &k[j])) { PyMem_RawFree(k); return 1; }
+    }
+    *out = k;
+    return 0;
+}
+
+static int slots_of(PyObject *slotso, Py_ssize_t **out) {
+    Py_ssize_t ns = PyList_GET_SIZE(slotso);
+    Py_ssize_t *slot = PyMem_RawMalloc((size_t)(ns ? ns : 1) * sizeof(Py_ssize_t));
+    if (!slot) { PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        PyObject *o = PyList_GET_ITEM(slotso, s);
+        /* ints only: __index__ of anything else could run Python code and change the list */
+        slot[s] = PyLong_Check(o) ? PyLong_AsSsize_t(o) : -1;
+        if (slot[s] < 0 || slot[s] >= MAX_SLOT) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad slot");
+            PyMem_RawFree(slot);
+            return -1;
+        }
+    }
+    *out = slot;
+    return 0;
+}
+
+/* Ranked result rows: score like scoring.score_keys, sort best first by (-score, -cached, rank) where
+ * rank = position in the caller's (worker_id, dp_rank)-sorted list, and build the WorkerScore objects. */
+typedef struct { double score; Py_ssize_t idx; } Ranked;
+
+static int ranked_cmp(const void *a, const void *b) {
+    const Ranked *x = a, *y = b;
+    if (x->score != y->score) return x->score > y->score ? -1 : 1;
+    return x->idx < y->idx ? -1 : x->idx > y->idx; /* cached desc is folded into idx order below */
+}
+
+/* idx sorts by (-cached, rank): cached <= query blocks, so one integer key holds both */
+static void rank_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssize_t bs, Ranked *rk) {
+    Py_ssize_t maxc = 0;
+    for (Py_ssize_t s = 0; s < ns; s++) if (rows[s].cach > maxc) maxc = rows[s].cach;
+    for (Py_ssize_t s = 0; s < ns; s++) {
+        const Py_ssize_t *sp = rows[s].sp;
+        double x = (double)sp[0] * wt[0] + (double)sp[1] * wt[1] + (double)sp[2] * wt[2] + (double)sp[3] * wt[3];
+        rk[s].score = (double)bs * x;
+        rk[s].idx = (maxc - rows[s].cach) * ns + s;
+    }
+    qsort(rk, (size_t)ns, sizeof(Ranked), ranked_cmp);
+}
+
+static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyObject *ranks, const double *wt,
+                            Py_ssize_t bs, PyObject *cls, PyObject *names) {
+    Ranked *rk = PyMem_RawMalloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
+    if (!rk) return PyErr_NoMemory();
+    rank_rows(rows, ns, wt, bs, rk);
+    PyObject *out = PyList_New(ns);
+    if (!out) { PyMem_RawFree(rk); return NULL; }
+    for (Py_ssize_t r = 0; r < ns; r++) {
+        Py_ssize_t s = rk[r].idx % ns;
+        const WRow *w = rows + s;
+        PyObject *tiers = PyDict_New(), *args[6] = {NULL};
+        if (!tiers) goto fail;
+        for (int t = 0; t < 4; t++) {
+            PyObject *v = PyLong_FromSsize_t(w->sp[t]);
+            if (!v || PyDict_SetItem(tiers, PyTuple_GET_ITEM(names, t), v) < 0) { Py_XDECREF(v); Py_DECREF(tiers); goto fail; }
+            Py_DECREF(v);
+        }
+        args[0] = PyTuple_GET_ITEM(wids, s); /* our own tuples: the constructor cannot change them */
+        args[1] = PyTuple_GET_ITEM(ranks, s);
+        args[2] = PyLong_FromSsize_t(w->dev);
+        args[3] = PyLong_FromSsize_t(w->cach);
+        args[4] = tiers;
+        args[5] = PyFloat_FromDouble(rk[r].score);
+        PyObject *o = (args[2] && args[3] && args[5]) ? PyObject_Vectorcall(cls, args, 6, NULL) : NULL;
+        Py_XDECREF(args[2]); Py_XDECREF(args[3]); Py_XDECREF(args[5]); Py_DECREF(tiers);
+        if (!o) goto fail;
+        PyList_SET_ITEM(out, r, o);
+    }
+    PyMem_RawFree(rk);
+    return out;
+fail:
+    PyMem_RawFree(rk);
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* The ranked rows as packed PRow records (best first), read by write_answer. */
+typedef struct { int64_t s, dev, cach, sp[4]; double score; } PRow;
+
+static PyObject *pack_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssize_t bs) {
+    Ranked *rk = PyMem_RawMalloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
+    if (!rk) return PyErr_NoMemory();
+    rank_rows(rows, ns, wt, bs, rk);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, ns * (Py_ssize_t)sizeof(PRow));
+    if (out) {
+        PRow *o = (PRow *)PyBytes_AS_STRING(out);
+        for (Py_ssize_t r = 0; r < ns; r++) {
+            Py_ssize_t s = rk[r].idx % ns;
+            const WRow *w = rows + s;
+            PRow p = {s, w->dev, w->cach, {w->sp[0], w->sp[1], w->sp[2], w->sp[3]}, rk[r].score};
+            memcpy(o + r, &p, sizeof p);
+        }
+    }
+    PyMem_RawFree(rk);
+    return out;
+}
+
+/* Usable-prefix rows of hybrid workers (groupscore.py's twin): groups_walk.c. */
+#include "groups_walk.c"
+
+/* score_rows(nodes, keys|None, tokens|None, seed, block_size, slots, wids, ranks, weights, WorkerScore|None, names)
+ *   -> (query_blocks, [WorkerScore best first]) | (query_blocks, packed rows: bytes) | None
+ * With row type None the ranked rows come back packed (PRow, best first) for write_answer: no object per row.
+ * The whole native score: chained keys (from `keys`, or hashed from `tokens` without extra keys), the
+ * walk, weights, ranking and result objects. Lists are in (worker_id, dp_rank) order. None: odd input
+ * (the Python path judges it). */
+static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"nodes", "keys", "tokens", "seed", "block_size", "slots", "worker_ids", "ranks",
+                             "weights", "row_type", "tier_names", NULL};
+    U64Map *m = NULL;
+    PyObject *nodeso, *keys, *toks, *seedo, *slotso, *wids, *ranks, *wto, *cls, *names;
+    Py_ssize_t bs;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOnO!O!O!O!OO!", kwlist, &nodeso, &keys, &toks, &seedo, &bs,
+                                     &PyList_Type, &slotso, &PyList_Type, &wids, &PyList_Type, &ranks, &PyTuple_Type,
+                                     &wto, &cls, &PyTuple_Type, &names))
+        return NULL;
+    /* nodes: one U64Map, or a tuple of them: the shards of a worker-sharded index (indexer/sharded.py),
+     * slot s then standing for shard s % n's worker s / n (walk_multi) */
+    U64Map *const *ms = NULL;
+    Py_ssize_t nm = 1;
+    if (PyObject_TypeCheck(nodeso, &U64MapType)) m = (U64Map *)nodeso;
+    else if (PyTuple_Check(nodeso) && PyTuple_GET_SIZE(nodeso) > 0) {
+        nm = PyTuple_GET_SIZE(nodeso);
+        for (Py_ssize_t t = 0; t < nm; t++)
+            if (!PyObject_TypeCheck(PyTuple_GET_ITEM(nodeso, t), &U64MapType)) {
+                PyErr_SetString(PyExc_TypeError, "score_rows: nodes must be a U64Map or a tuple of them");
+                return NULL;
+            }
+        ms = (U64Map *const *)&PyTuple_GET_ITEM(nodeso, 0); /* the tuple's items, kept alive by the caller */
+        if (nm == 1) m = ms[0];
+    } else {
+        PyErr_SetString(PyExc_TypeError, "score_rows: nodes must be a U64Map or a tuple of them");
+        return NULL;
+    }
+    Py_ssize_t ns = PyList_GET_SIZE(slotso);
+    if (bs <= 0 || PyList_GET_SIZE(wids) != ns || PyList_GET_SIZE(ranks) != ns || PyTuple_GET_SIZE(wto) != 4 ||
+        PyTuple_GET_SIZE(names) != 4)
+        Py_RETURN_NONE;
+    for (int t = 0; t < 4; t++) /* exact str keys: building the tiers dict runs no Python code */
+        if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(names, t))) Py_RETURN_NONE;
+    double wt[4];
+    for (int t = 0; t < 4; t++) {
+        PyObject *o = PyTuple_GET_ITEM(wto, t);
+        if (!PyFloat_CheckExact(o) || !isfinite(PyFloat_AS_DOUBLE(o))) Py_RETURN_NONE; /* NaN has no order */
+        wt[t] = PyFloat_AS_DOUBLE(o);
+    }
+    uint64_t *k = NULL;
+    Py_ssize_t nk = 0, *slot = NULL;
+    WRow *rows = NULL;
+    PyObject *out = NULL, *lst = NULL, *widt = NULL, *rankt = NULL;
+    if (keys != Py_None) {
+        if (!PyList_Check(keys)) Py_RETURN_NONE;
+        int rc = keys_u64(keys, &k);
+        if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } return out; }
+        nk = PyList_GET_SIZE(keys);
+    } else {
+        int rc = tokens_keys(toks, seedo, bs, &k, &nk);
+        if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
+    }
+    if (slots_of(slotso, &slot) < 0) goto done;
+    rows = PyMem_RawMalloc(sizeof(WRow) * (size_t)(ns ? ns : 1));
+    if (!rows) { PyErr_NoMemory(); goto done; }
+    if (nk && ns) { if ((m ? walk_core(m, k, nk, slot, ns, rows) : walk_multi(ms, nm, k, nk, slot, ns, rows)) < 0) goto done; }
+    else memset(rows, 0, sizeof(WRow) * (size_t)(ns ? ns : 1));
+    if (cls == Py_None) { /* packed: no Python code runs, ids and ranks are not read */
+        lst = pack_rows(rows, ns, wt, bs);
+        if (lst) out = Py_BuildValue("(nN)", nk, lst);
+        goto done;
+    }
+    /* the row type's constructor is Python code: the rows read ids and ranks from tuples of our own,
+     * never from the caller's lists (which that code could change), and ns is checked against them */
+    widt = PyList_AsTuple(wids);
+    rankt = widt ? PyList_AsTuple(ranks) : NULL;
+    if (!rankt) goto done;
+    if (PyTuple_GET_SIZE(widt) != ns || PyTuple_GET_SIZE(rankt) != ns) { out = Py_None; Py_INCREF(out); goto done; }
+    lst = build_rows(rows, ns, widt, rankt, wt, bs, cls, names);
+    if (lst) out = Py_BuildValue("(nN)", nk, lst);
+done:
+    Py_XDECREF(widt);
+    Py_XDECREF(rankt);
+    PyMem_RawFree(k);
+    PyMem_RawFree(slot);
+    PyMem_RawFree(rows);
+    return out;
+}

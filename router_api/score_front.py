@@ -1,0 +1,185 @@
+"""The score front: a pure ASGI app serving `POST /score` and `POST /query` ahead of FastAPI (`ScoreFront`).
+It reads the raw body, decodes it (router_api/bodies.py) and answers with the bytes the service writes
+(`/score`: in C, router_api/answer.py) — no routing, dependency solving or Request/Response objects per
+query. `prepare` + `answer` are also what the uvicorn protocol fast path (router_api/fasthttp.py) and the
+FastAPI routes that document the two endpoints call (docs/service.md, "HTTP stack")."""
+from __future__ import annotations
+
+import time
+from typing import Any, Awaitable, Callable
+from urllib.parse import parse_qsl
+
+import msgspec
+
+from router_api import score_text
+from router_api.bodies import ApiError, TokenBodies, check_length, content_kind, octet_tokens
+from router_api.http_log import RateLimitedLog
+from router_api.service import IndexerService, UnknownModel
+from schemas.api import ErrorResponse, QueryRequest, ScoreRequest
+
+_json = msgspec.json.Encoder()
+_msgpack = msgspec.msgpack.Encoder()
+
+
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+_JSON_HEADERS = (b"content-type", b"application/json")
+_MSGPACK_HEADERS = (b"content-type", b"application/msgpack")
+# (endpoint label, request type, handler): handler(model, tokens, lora_name, cache_salt, msgpack) -> answer bytes
+Route = tuple[str, type, Callable[..., bytes]]
+Answer = tuple[int, bytes, tuple[bytes, bytes]]  # (status, body, content-type header)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before sending its whole body: nothing to answer."""
+
+
+class ScoreFront:
+    """Pure ASGI front serving `/score` and `/query` without the framework; every other request
+    goes to `app` (FastAPI). `prepare` + `answer` are the one validation / negotiation path of the
+    two endpoints: this front, the uvicorn protocol fast path (`router_api.fasthttp`) and the
+    FastAPI routes that document them in OpenAPI all call them (docs/service.md, "HTTP stack")."""
+
+    __slots__ = ("app", "service", "metrics", "max_body", "default_model", "routes", "fastapi", "bodies",
+                 "limiter", "token", "_kinds")
+
+    def __init__(self, app: ASGIApp, service: IndexerService, native: bool | None = None,
+                 limiter: RateLimitedLog | None = None) -> None:
+        self.app = app
+        self.limiter = limiter if limiter is not None else RateLimitedLog()
+        self.bodies = TokenBodies(native)
+        self.fastapi = app
+        self.service = service
+        self.metrics = service.metrics
+        self.max_body = service.config.max_body_bytes
+        self.default_model = service.config.model
+        self.token: bytes | None = None  # set by BearerAuth: the fast path checks it too
+        self._kinds: dict[bytes | None, str] = {}  # Content-Type value -> body kind (content_kind), accepted ones
+        self.routes: dict[str, Route] = {
+            "/score": ("score", ScoreRequest, service.score_answer),  # answer bytes written in C when it can
+            "/query": ("query", QueryRequest, _encoded(service.query_compat))}
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] != "POST":
+            await _send(send, 405, _json.encode(ErrorResponse(error="method not allowed: use POST")),
+                        _JSON_HEADERS, ((b"allow", b"POST"),))
+            return
+        t0 = time.perf_counter()
+        ctype = accept = clen = None
+        for k, v in scope["headers"]:
+            if k == b"content-type":
+                ctype = v
+            elif k == b"accept":
+                accept = v
+            elif k == b"content-length":
+                clen = v
+        try:
+            kind = self.prepare(ctype, clen)
+            body = await self._read(receive)
+        except _ClientGone:
+            return
+        except ApiError as exc:
+            await _send(send, *self.rejected(route[0], exc))
+            return
+        await _send(send, *self.answer(route, kind, accept, scope["query_string"], body, t0))
+
+    def prepare(self, ctype: bytes | None, clen: bytes | None) -> str:
+        """Before any body byte: the body kind from Content-Type; 413 for a declared length over the limit."""
+        kind = self._kinds.get(ctype)
+        if kind is None:
+            kind = content_kind("application/json" if ctype is None else ctype.decode("latin-1"))
+            if len(self._kinds) < 32:  # a client's few spellings; bounded against a spray of them
+                self._kinds[ctype] = kind
+        check_length(clen, self.max_body)
+        return kind
+
+    def health(self) -> Answer:
+        """`GET /health`, the same bytes the FastAPI route answers (for the protocol fast path)."""
+        return 200, _json.encode(self.service.health()), _JSON_HEADERS
+
+    def rejected(self, endpoint: str, exc: ApiError) -> Answer:
+        self.metrics.http_rejects.inc(endpoint, exc.reason)
+        if exc.loud:
+            self.limiter.warning(exc.reason, "event=rejected endpoint=%s reason=%s status=%d",
+                                 endpoint, exc.reason, exc.status)
+        return exc.status, _json.encode(ErrorResponse(error=exc.message)), _JSON_HEADERS
+
+    def answer(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes,
+               t0: float) -> Answer:
+        """(status, body, content-type header) for a whole request body; never raises."""
+        endpoint, typ, handler = route
+        mp = accept is not None and b"msgpack" in accept
+        try:
+            if kind == "octet":
+                qp = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)) if query_string else {}
+                model = qp.get("model") or qp.get("model_name") or self.default_model
+                out = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None, mp)
+            else:
+                req, tokens = self.bodies.decode(kind, body, typ)
+                if typ is QueryRequest:
+                    model = req.model_name or req.model or self.default_model
+                    out = handler(model, tokens, req.lora_name, req.cache_salt, mp)
+                elif score_text.is_text(tokens, req.prompt, req.messages):  # prompt / messages: tokenized here
+                    out = score_text.text_answer(self.service, req.model, req, mp)
+                else:
+                    out = handler(req.model, tokens, req.lora_name, req.cache_salt, mp)
+        except ApiError as exc:
+            return self.rejected(endpoint, exc)
+        except score_text.TextInputError as exc:
+            return self.rejected(endpoint, ApiError(exc.status, exc.message, exc.reason))
+        except UnknownModel as exc:
+            self.metrics.http_rejects.inc(endpoint, "unknown_model")
+            return 404, _json.encode(ErrorResponse(error=str(exc))), _JSON_HEADERS
+        except Exception as exc:  # a bug must answer 500 and be counted, never kill the connection
+            path = "/" + endpoint
+            self.metrics.http_rejects.inc(path, "internal_error")
+            self.limiter.error(f"internal:{path}:{type(exc).__name__}", "event=internal_error path=%s", path,
+                               exc_info=exc)
+            return 500, _json.encode(ErrorResponse(error=f"internal error: {type(exc).__name__}: {exc}")), \
+                _JSON_HEADERS
+        dt = time.perf_counter() - t0
+        self.metrics.request_latency.observe(dt, endpoint)
+        if endpoint == "score":
+            self.metrics.recent_score.add(dt)
+        return 200, out, _MSGPACK_HEADERS if mp else _JSON_HEADERS
+
+    async def _read(self, receive: Callable) -> bytes:
+        """The whole body; 413 as soon as it passes the limit (whatever Content-Length said)."""
+        msg = await receive()
+        if msg["type"] != "http.request":
+            raise _ClientGone
+        body = msg.get("body", b"")
+        if not msg.get("more_body", False):  # the common case: one message, no copy
+            if len(body) > self.max_body:
+                raise ApiError(413, f"body exceeds the {self.max_body}-byte limit", "too_large")
+            return body
+        buf = bytearray(body)
+        while True:
+            if len(buf) > self.max_body:
+                raise ApiError(413, f"body exceeds the {self.max_body}-byte limit", "too_large")
+            msg = await receive()
+            if msg["type"] != "http.request":
+                raise _ClientGone
+            buf += msg.get("body", b"")
+            if not msg.get("more_body", False):
+                break
+        if len(buf) > self.max_body:
+            raise ApiError(413, f"body exceeds the {self.max_body}-byte limit", "too_large")
+        return bytes(buf)
+
+
+def _encoded(handler: Callable[..., Any]) -> Callable[..., bytes]:
+    """A service handler answering a Struct, as a route handler answering its JSON or msgpack bytes."""
+    def answer(model: str, tokens: Any, lora_name: str | None, cache_salt: str | None, mp: bool) -> bytes:
+        return (_msgpack if mp else _json).encode(handler(model, tokens, lora_name, cache_salt))
+    return answer
+
+
+async def _send(send: Callable, status: int, body: bytes, ctype: tuple[bytes, bytes],
+                extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [ctype, (b"content-length", str(len(body)).encode()), *extra]})
+    await send({"type": "http.response.body", "body": body})
