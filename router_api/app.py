@@ -31,6 +31,7 @@ from indexer.core import native as native_core
 from router_api.metrics import CONTENT_TYPE_LATEST
 from router_api import score_text
 from router_api.registry import RegistryError
+from router_api.routes import UnknownRouteWorker
 from router_api.service import IndexerService, UnknownModel
 from schemas.api import (
     MAX_QUERY_TOKENS,
@@ -39,6 +40,8 @@ from schemas.api import (
     QueryRequestRaw,
     QueryResponse,
     RegisterWorker,
+    RouteRelease,
+    RouteReport,
     ScoreRequest,
     ScoreRequestRaw,
     ScoreResponse,
@@ -56,6 +59,8 @@ _dec_json: dict[type, msgspec.json.Decoder[Any]] = {
 _dec_msgpack: dict[type, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(t) for t in (ScoreRequest, QueryRequest, RegisterWorker)
 }
+_dec_json[RouteReport] = msgspec.json.Decoder(RouteReport)
+_dec_msgpack[RouteReport] = msgspec.msgpack.Decoder(RouteReport)
 _RAW_TWIN: dict[type, type] = {ScoreRequest: ScoreRequestRaw, QueryRequest: QueryRequestRaw}
 _dec_raw: dict[tuple[str, type], Any] = {
     ("json", t): msgspec.json.Decoder(r) for t, r in _RAW_TWIN.items()} | {
@@ -501,6 +506,28 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
             metrics.http_rejects.inc("unregister", "unknown_worker")
             return _error(exc.status, str(exc))
         return Response(_json.encode({"removed": worker_id}), media_type="application/json")
+
+    @app.post("/routes")
+    async def report_route(request: Request) -> Response:
+        """A router's decision: the request's blocks count as pending on that worker (docs/CONTRACTS.md)."""
+        t0 = time.perf_counter()
+        try:
+            kind = content_kind(request.headers.get("content-type", "application/json"))
+            if kind == "octet":
+                raise ApiError(415, "report a route with a JSON or msgpack body", "bad_content_type")
+            r = decode_body(kind, await read_body(request), RouteReport)
+            answer = service.report_route(r.model, r.request_id, r.worker_id, r.token_ids, r.dp_rank,
+                                          r.lora_name, r.cache_salt)
+        except ApiError as exc:
+            return reject("routes", exc)
+        except (UnknownModel, UnknownRouteWorker) as exc:
+            return reject("routes", ApiError(404, str(exc).strip("'\""), "unknown_worker"))
+        observe("routes", t0)
+        return encode_for(request, answer)
+
+    @app.delete("/routes/{request_id:path}")
+    async def release_route(request: Request, request_id: str, model: str = "default") -> Response:
+        return encode_for(request, RouteRelease(service.release_route(model, request_id)))
 
     @app.get("/workers")
     async def workers(request: Request) -> Response:

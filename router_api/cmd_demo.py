@@ -9,7 +9,9 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=None, help="Mooncake JSONL trace (default: the bundled synthetic trace)")
+    p.add_argument("--trace", default=None,
+                   help="Mooncake JSONL trace (default: the bundled synthetic trace), or 'builtin-chat': a "
+                        "bursty chat workload, one system prompt shared by every conversation (seeded by --seed)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests in the slice (default 300; in-process: 400 synthetic requests)")
     p.add_argument("--speed", type=float, default=12.0, help="replay speed, virtual s per wall s (default 12)")
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     s = DemoSettings(trace=args.trace, requests=args.requests or 300, speed=args.speed, routers=args.routers,
                      workers=args.workers, gpu_pages=args.gpu_pages, host_pages=args.host_pages, seed=args.seed,
                      **kw)
-    if args.trace:
+    if args.trace and args.trace not in ("builtin", "builtin-chat"):
         from router_api.router.trace import TraceError, load_trace
         try:
             load_trace(args.trace)

@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remove-after", type=float, help="seconds of silence before it is removed (default 300)")
     p.add_argument("--silent-factor", type=float,
                    help="engines that never heartbeat are stale after stale-after × this, never removed (default 6)")
+    p.add_argument("--pending-ttl", type=float, default=None,
+                   help="seconds an in-flight route (POST /routes) counts as pending_blocks when neither the "
+                        "worker's events nor a release end it first (default 10)")
     p.add_argument("--resync-hold", type=float, help="seconds a resynced worker is reported 'resyncing' (default 30)")
     p.add_argument("--max-body-mb", type=float, help="request body limit in MiB; larger bodies get 413 (default 8)")
     p.add_argument("--replay-timeout", type=float, help="seconds to wait for a publisher's replay (default 2)")
@@ -320,8 +323,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvatlas indexer: {exc}", file=sys.stderr)
             return 2
     try:
+        from indexer.pending import PendingRoutes
+
+        ttl = getattr(args, "pending_ttl", None)
         service = IndexerService(config, subscriber_factory=None if plane is None else
-                                 plane.subscriber_factory(config.replay_timeout_s))
+                                 plane.subscriber_factory(config.replay_timeout_s),
+                                 pending=None if ttl is None else PendingRoutes(ttl_s=ttl))
     except ValueError as exc:  # e.g. stale-after > remove-after, bad snapshot target
         print(f"kvatlas indexer: bad configuration: {exc}", file=sys.stderr)
         if plane is not None:
@@ -346,6 +353,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if plane is not None:
         plane.attach(service)  # follow the shared registry
+        from router_api.route_plane import RouteFanout
+
+        service.route_fanout = RouteFanout(plane.nats, service)  # pending routes reach every replica
     app = create_app(service)
     # Everything imported and built so far lives as long as the process: keep it out of the
     # collector's full passes, which would otherwise walk it during /score requests (p99).
@@ -362,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         log.info("event=shutting_down served_s=%.1f", time.monotonic() - t0)
         service.stop()
+        if service.route_fanout is not None:
+            service.route_fanout.close()
         if plane is not None:
             plane.close()
     return 0

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import msgspec
 
 from router_api import score_text
+from indexer.pending import DEFAULT_TTL_S, PendingRoutes
 from router_api.service import IndexerService, ServiceConfig
 from schemas.api import QueryResponse, RegisterWorker, ScoreResponse, WorkersResponse, WorkerStatus
 
@@ -37,11 +38,12 @@ class EmbeddedIndexer:
     __slots__ = ("service", "model", "_closed")
 
     def __init__(self, workers: Iterable[WorkerSpec] = (), *, block_size: int = 16, model: str = "default",
-                 **config: Any) -> None:
+                 pending_ttl_s: float = DEFAULT_TTL_S, **config: Any) -> None:
         regs = [self._reg(w, model, block_size) for w in workers]
         self.model = model
         self.service = IndexerService(ServiceConfig(model=model, block_size=block_size, static_workers=regs,
-                                                    **config))
+                                                    **config),
+                                      pending=PendingRoutes(ttl_s=pending_ttl_s))
         self.service.index.ensure_model(model, block_size)  # scoring before start() sees an empty index
         self._closed = False
 
@@ -111,6 +113,21 @@ class EmbeddedIndexer:
                 raise TimeoutError(f"workers not live after {timeout_s}s: "
                                    + ", ".join(f"{w} ({st})" for w, st in waiting))
             time.sleep(poll_s)  # readiness poll against the deadline
+
+    # -- in-flight routes --------------------------------------------------------------------
+    def report_route(self, model: str | None, request_id: str, worker_id: str, token_ids: Sequence[int] | Any,
+                     dp_rank: int = 0, lora_name: str | None = None, cache_salt: str | None = None) -> int:
+        """The router chose `worker_id` for this request (like `POST /routes`): its full blocks count
+        as `pending_blocks` there until the worker's events cover them, `release_route`, or the TTL.
+        Returns `pending_blocks`: the request's leading blocks past the worker's exact match that earlier
+        routes there hold (what `/score` showed for it, at this instant). Raises UnknownModel /
+        `router_api.routes.UnknownRouteWorker`."""
+        return self.service.report_route(model or self.model, request_id, worker_id, token_ids, dp_rank,
+                                         lora_name, cache_salt).pending_blocks
+
+    def release_route(self, model: str | None, request_id: str) -> int:
+        """The request finished or failed (like `DELETE /routes/{id}`); idempotent, unknown id: 0."""
+        return self.service.release_route(model or self.model, request_id)
 
     # -- membership --------------------------------------------------------------------------
     def add_worker(self, worker: WorkerSpec) -> WorkerStatus:

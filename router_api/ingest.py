@@ -425,6 +425,7 @@ class IngestLoop:
                         lag = self._wall() - stats.ts
                         state.lag = lag = lag if lag > 0.0 else 0.0
                         tally.lag[(wid,)] = lag
+                        self.metrics.visibility.add(lag)
             if k:
                 self.applied_batches += k
                 key = (wid, "live")
@@ -483,7 +484,9 @@ class IngestLoop:
         key = (wid, "replayed" if replayed else ("heartbeat" if heartbeat else "live"))
         tally.batches[key] = tally.batches.get(key, 0) + 1
         if lag is not None:
-            tally.lag[(wid,)] = lag if lag > 0.0 else 0.0
+            tally.lag[(wid,)] = lag = lag if lag > 0.0 else 0.0
+            if not replayed and not heartbeat:
+                self.metrics.visibility.add(lag)
         if decision is not reconcile.NOTHING:
             self._carry_out(decision, wid, f"seq={seq}")
 

@@ -213,7 +213,7 @@ class ServiceMetrics:
     __slots__ = (
         "events", "drops", "batches", "gaps", "replays", "resyncs", "restarts", "worker_lag",
         "worker_blocks", "request_latency", "http_rejects", "snapshots", "snapshot_requests",
-        "recent_score", "index_core", "_all",
+        "recent_score", "index_core", "visibility", "_all",
     )
 
     def __init__(self) -> None:
@@ -238,6 +238,7 @@ class ServiceMetrics:
             "Resyncs that asked the worker's publisher to re-publish its state in-stream, by outcome "
             "(sent; not_sent: no replay endpoint or the send failed; error)", ("worker", "outcome"))
         self.recent_score = RecentWindow(2048)
+        self.visibility = RecentWindow(4096)  # batch publish -> applied (visible to /score), seconds
         self.index_core = Gauge(p + "index_core", "1 for the index core in use: native (the C accelerator) "
                                 "or python (the pure-Python reference core, several times slower)", ("core",))
         self._all: tuple[_Metric, ...] = (

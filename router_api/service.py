@@ -36,6 +36,8 @@ from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import MAX_SHARDS, ShardedLock
 from router_api.metrics import ServiceMetrics
 from router_api.worker_metrics import WorkerGauges
+from router_api.routes import RouteBook, UnknownRouteWorker
+from indexer.pending import PendingRoutes
 from indexer.protocol import Index, ScoringIndex, Subscriber
 from indexer.reconcile import LivenessPolicy
 from router_api.registry import (
@@ -53,6 +55,7 @@ from schemas.api import (
     QueryInstance,
     QueryResponse,
     RegisterWorker,
+    RouteAnswer,
     ScoreResponse,
     TierBlocks,
     WorkerScoreOut,
@@ -266,6 +269,7 @@ class IndexerService:
         subscriber_factory: Callable[[], Subscriber] | None = None,
         snapshot_store: SnapshotStore | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pending: PendingRoutes | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -281,6 +285,8 @@ class IndexerService:
         ), max_workers=config.max_workers)
         self.metrics = ServiceMetrics()
         self.worker_gauges = WorkerGauges()  # per-worker status / silence / refusals (router_api/worker_metrics.py)
+        # In-flight routes routers report (`report_route`); `/score` rows' pending_blocks (router_api/routes.py).
+        self.routes = RouteBook(pending, self.metrics.visibility)
         self.core = core_name(self.index)
         self.metrics.index_core.set(self.core, value=1.0)
         self.store = snapshot_store if snapshot_store is not None else make_snapshot_store(
@@ -322,6 +328,7 @@ class IndexerService:
         self._membership = 0  # bumped on (un)registration: a snapshot with nothing new is skipped
         self._saved_mark: tuple[int, int] | None = None
         self.plane: Any = None  # router_api.nats_plane.NatsPlane under `kvatlas indexer --nats` (docs/jetstream.md)
+        self.route_fanout: Any = None  # router_api.route_plane.RouteFanout under `--nats`: routes reach every replica
         self._plans: dict[str, _ScorePlan] = {}  # per model, see _plan
         self._plan_epoch = 0  # bumped under the lock with each registry membership change (_plan's check)
         # The C answer writer (`score_answer`): with the native module and the schema it writes (the
@@ -406,6 +413,7 @@ class IndexerService:
             state = self.registry.remove(worker_id)
             self._plan_epoch += 1
             self.index.remove_worker(state.reg.model, worker_id)
+            self.routes.forget_worker(state.reg.model, worker_id)
         self._membership += 1
         self.ingest.unsubscribe(worker_id)
         self.metrics.worker_lag.replace({k: v for k, v in self.metrics.worker_lag.items() if k[0] != worker_id})
@@ -524,6 +532,8 @@ class IndexerService:
                     ws.worker_id, ws.dp_rank, ws.device_blocks, ws.cached_blocks, tiers, float(ws.score),
                     is_stale, w.last_seq, status, ws.kv_blocks))
             query_blocks = result.query_blocks
+            if self.routes.pending.has(model):
+                self._add_pending(model, block_size, token_ids, lora_name, cache_salt, fresh, stale, now)
         # Best first; a stale worker may be gone, so it sorts after every fresh one (stable: the
         # index's tie-break order is kept; reverse=True keeps sort stability).
         fresh.sort(key=_by_score, reverse=True)
@@ -537,7 +547,7 @@ class IndexerService:
         core the rows never become objects: the index packs them and C writes the bytes (router_api/answer.py);
         anything that path does not take (pure core, hybrid models, odd tokens or scores) is `score` + msgspec."""
         writer = self._writer
-        if writer is not None:
+        if writer is not None and not self.routes.pending.has(model):  # pending rows: `score` writes them
             now = self.clock()
             index = self.index
             with self.lock:
@@ -571,6 +581,57 @@ class IndexerService:
                         return out
         res = self.score(model, token_ids, lora_name, cache_salt)
         return (_msgpack if msgpack else _json).encode(res)
+
+    def _add_pending(self, model: str, block_size: int, token_ids: Any, lora_name: str | None,
+                     cache_salt: str | None, fresh: list[WorkerScoreOut], stale: list[WorkerScoreOut],
+                     now: float) -> None:
+        """Rows' `pending_blocks` (under the lock): the query's leading blocks past each row's exact
+        match that routes reported to that worker still hold (docs/CONTRACTS.md, "Pending routes")."""
+        book = self.routes
+        book.sweep(self.index, self.registry, model, now)
+        if not book.pending.has(model):
+            return
+        keys = book.keys(self.index, model, block_size, token_ids, lora_name, cache_salt)
+        for rows in (fresh, stale):
+            for row in rows:
+                row.pending_blocks = book.pending_run(model, row.worker_id, row.dp_rank, keys, row.cached_blocks)
+
+    # -- in-flight routes --------------------------------------------------------------------
+    def report_route(self, model: str, request_id: str, worker_id: str, token_ids: Any, dp_rank: int = 0,
+                     lora_name: str | None = None, cache_salt: str | None = None) -> RouteAnswer:
+        """A router chose `worker_id` for this request: its full blocks count as pending there until
+        the worker's events cover them, `release_route`, or the TTL. Answers what the worker will
+        serve from cache as the index sees it now (schemas.api.RouteAnswer).
+        Raises UnknownModel / UnknownRouteWorker."""
+        with self.lock:
+            block_size = self.index.models().get(model)
+        if block_size is None:
+            raise UnknownModel(f"unknown model {model!r}")
+        keys = self.routes.keys(self.index, model, block_size, token_ids, lora_name, cache_salt)
+        with self.lock:
+            cached, pend, n = self.routes.report(self.index, self.registry, model, request_id, worker_id, dp_rank,
+                                                 keys, self.clock())
+        if self.route_fanout is not None:
+            self.route_fanout.added(model, request_id, worker_id, dp_rank, keys)
+        return RouteAnswer(request_id, pend, cached, n)
+
+    def apply_route(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: list[int]) -> bool:
+        """A route another indexer replica took (already hashed); False if the worker is unknown here."""
+        with self.lock:
+            try:
+                self.routes.report(self.index, self.registry, model, request_id, worker_id, dp_rank, keys,
+                                   self.clock())
+            except UnknownRouteWorker:
+                return False
+        return True
+
+    def release_route(self, model: str, request_id: str, fanout: bool = True) -> int:
+        """The request finished or failed: forget its route (idempotent; unknown id: 0)."""
+        with self.lock:
+            n = self.routes.release(model, request_id, self.clock())
+        if fanout and self.route_fanout is not None:
+            self.route_fanout.released(model, request_id)
+        return n
 
     def query_compat(self, model: str, token_ids: Any, lora_name: str | None,
                      cache_salt: str | None) -> QueryResponse:
@@ -631,13 +692,17 @@ class IndexerService:
                       "p99_ms": None if p99 is None else p99 * 1e3},
             "snapshot_generation": self.generation,
             "core": self.core,  # native | python (the dashboard's "core" card)
+            "pending": self.routes.stats(),
             "workers": self.workers().workers,
         }
 
     def metrics_text(self) -> str:
         self.worker_gauges.update(self.workers().workers)  # refresh per-worker block / status gauges
-        return self.metrics.render() + self.worker_gauges.render() + \
-            ("" if self.plane is None else self.plane.metrics_text())
+        with self.lock:
+            pending = self.routes.metrics_text()
+        fan = "" if self.route_fanout is None else self.route_fanout.metrics_text()
+        return (self.metrics.render() + self.worker_gauges.render() + pending + fan
+                + ("" if self.plane is None else self.plane.metrics_text()))
 
     # -- snapshots ---------------------------------------------------------------------------
     def build_snapshot(self) -> Snapshot:

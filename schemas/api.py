@@ -126,6 +126,9 @@ class WorkerScoreOut(Struct, omit_defaults=True, gc=False):
     last_seq: Optional[int]
     status: str
     kv_blocks: Optional[int] = None
+    # Leading query blocks past this row's exact match that in-flight routes to this worker hold
+    # (`POST /routes`; docs/CONTRACTS.md, "Pending routes"). Never part of the exact fields above.
+    pending_blocks: int = 0
 
 
 class BestWorker(Struct, gc=False):
@@ -146,6 +149,33 @@ class TextScoreResponse(ScoreResponse):
     tokens the text became."""
 
     prompt_tokens: int
+
+
+class RouteReport(Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """`POST /routes`: a router chose `worker_id` (and `dp_rank`) for request `request_id`."""
+
+    request_id: Name
+    worker_id: Name
+    token_ids: TokenList
+    model: Name = "default"
+    dp_rank: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    lora_name: OptName = None
+    cache_salt: OptName = None
+
+
+class RouteAnswer(Struct):
+    """What the chosen worker will serve this request from cache, as the index sees it at the report
+    (before this route is added): `cached_blocks` exactly held (any tier) + `pending_blocks` past them
+    held by earlier in-flight routes to that worker; `blocks`: the request's full blocks now pending."""
+
+    request_id: str
+    pending_blocks: int
+    cached_blocks: int = 0
+    blocks: int = 0
+
+
+class RouteRelease(Struct):
+    released: int  # blocks the route held (0: unknown or already released / confirmed / expired)
 
 
 class QueryRequest(Struct):

@@ -212,3 +212,30 @@ def test_indexer_refuses_an_unreachable_nats(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "router_api.cli", "indexer", "--port", "0", "--nats",
                           f"nats://127.0.0.1:{port}"], cwd=REPO_ROOT, capture_output=True, timeout=60)
     assert out.returncode == 2 and f"nats://127.0.0.1:{port}".encode() in out.stderr
+
+
+def test_pending_routes_reach_every_replica(nats: NatsServer, tmp_path: Path) -> None:
+    """A route reported to one `--nats` replica shows as pending_blocks on the other; released on the
+    other, it is gone from both (router_api/route_plane.py)."""
+    a = _replica(nats.url, tmp_path, "a")
+    b = _replica(nats.url, tmp_path, "b")
+    try:
+        _register(a, "w0")
+        wait_until(lambda: "w0" in _rows(b), timeout=20)
+        toks = list(range(1, 3 * BS + 2))
+
+        def pending(r: KVIndexerProcess) -> int:
+            rows = r.client.post("/score", json={"token_ids": toks}).json()["workers"]
+            return next(w.get("pending_blocks", 0) for w in rows if w["worker_id"] == "w0")
+
+        got = a.client.post("/routes", json={"request_id": "q1", "worker_id": "w0", "token_ids": toks})
+        assert got.status_code == 200 and got.json()["blocks"] == 3, got.text
+        wait_until(lambda: pending(b) == 3, timeout=20)
+        assert pending(a) == 3
+        assert b.client.delete("/routes/q1").json() == {"released": 3}
+        wait_until(lambda: pending(a) == 0, timeout=20)
+        assert pending(b) == 0
+        assert 'kvatlas_route_fanout_total{direction="in",outcome="add"} 1' in b.client.get("/metrics").text
+    finally:
+        a.terminate()
+        b.terminate()

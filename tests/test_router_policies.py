@@ -5,7 +5,7 @@ import pytest
 
 from producer.sim.schedule import QueueFull, Schedule
 from router_api.router.policies import POLICIES, RouteInput, ScoreRow, make_policy
-from router_api.router.report import format_table, quantile, summarize
+from router_api.router.report import format_table, mismatch_cause, quantile, summarize
 from producer.sim.api import RequestRecord, SimModel, Tokens
 
 W = ["a", "b", "c"]
@@ -65,6 +65,37 @@ def test_unknown_policy_and_empty_fleet_are_errors() -> None:
         make_policy("round_robin", [], SIM)
 
 
+def test_mismatch_causes_are_measured() -> None:
+    # predicted 1024 of which 512 from a pending route; held only the exact 512 on arrival: unlanded
+    r = RequestRecord(0, "a", 2000, 1024, 512, Tokens(gpu=512, computed=1488), 1.0, predicted_pending=512)
+    assert mismatch_cause(r) == "unlanded"
+    r.predicted_pending = 0
+    assert mismatch_cause(r) == "evicted"
+    # held on arrival what was predicted, served less: lost before it ran
+    assert mismatch_cause(RequestRecord(0, "a", 2000, 1024, 1024, Tokens(gpu=512, computed=1488), 1.0)) == "lost"
+    assert mismatch_cause(RequestRecord(0, "a", 2000, 512, 1024, Tokens(gpu=1024, computed=976), 1.0)) == "unseen"
+    assert mismatch_cause(RequestRecord(0, "a", 2000, 512, 512, Tokens(gpu=512, computed=1488), 1.0)) is None
+    assert mismatch_cause(RequestRecord(0, "a", 2000, None, 512, Tokens(gpu=512, computed=1488), 1.0)) is None
+
+
+def test_pending_blocks_count_as_cached_for_precise_policies() -> None:
+    # 'a' has the first 2 blocks exact and 2 more pending (an in-flight request routed there);
+    # 'b' holds 3 blocks exactly. Pending makes 'a' the cheaper choice, and the prediction says so.
+    scores = {"a": ScoreRow(2, 2, pending=2), "b": ScoreRow(3, 3), "c": ScoreRow()}
+    for name in ("precise_tiered", "precise_gpu"):
+        d = make_policy(name, W, SIM).choose(inp(tokens=2048, scores=scores))
+        assert d.worker_id == "a" and d.predicted_cached == 2048 and d.predicted_pending == 1024
+    # ...unless its queue outweighs the recompute
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=2048, scores=scores, backlog={"a": 1.0}))
+    assert d.worker_id == "b" and d.predicted_cached == 1536 and d.predicted_pending == 0
+
+
+def test_precise_ties_spread_new_work() -> None:
+    # nothing cached anywhere, no load: not always the first worker
+    p = make_policy("precise_tiered", W, SIM)
+    assert [p.choose(inp(scores={})).worker_id for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+
+
 def test_summary_counts_prediction_mismatches_by_direction() -> None:
     recs = [RequestRecord(0, "a", 1000, 512, 512, Tokens(gpu=512, computed=488), 1.0),
             RequestRecord(1, "a", 1000, 0, 512, Tokens(host=512, computed=488), 2.0),
@@ -78,7 +109,8 @@ def test_summary_counts_prediction_mismatches_by_direction() -> None:
     assert summarize("round_robin", 1, [RequestRecord(0, "a", 10, None, 0, Tokens(computed=10), 1.0)]
                      ).prediction_accuracy is None
     table = format_table([row])
-    assert "precise_tiered" in table and "50.0%" in table and "1 held more" in table
+    assert "precise_tiered" in table and "50.0%" in table and "1 worker held more than predicted" in table
+    assert row.causes == {"unseen": 1, "evicted": 1} and row.held_accuracy == 0.5
     assert quantile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 0.9) == 9.0
 
 
@@ -90,6 +122,7 @@ def test_schedule_fcfs_serial_prefill_batch_slots_and_late_arrivals() -> None:
     c = s.admit(2.0, 0.0, 1.0, 0)         # both slots busy until 15
     assert c.start == 15.0 and s.queued_at(3.0) == 2 and s.running_at(3.0) == 1
     assert s.backlog_at(3.0) == 13.0  # the engine is committed until c is prefilled at 16
+    assert s.free_at() == 16.0 and s.backlog_at(20.0) == 0.0  # free_at does not move with the clock
     late = Schedule(SimModel())
     x = late.admit(0.0, 0.0, 2.0, 0)
     y = late.admit(10.0, 0.0, 2.0, 0)
@@ -100,3 +133,17 @@ def test_schedule_fcfs_serial_prefill_batch_slots_and_late_arrivals() -> None:
     full.admit(0.0, 0.0, 10.0, 0)
     with pytest.raises(QueueFull):
         full.admit(0.0, 0.0, 10.0, 0)
+
+
+def test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix() -> None:
+    # 'a' and 'b' hold the system prompt (8 of 24 blocks) and are busy; 'c' has never seen it and is
+    # idle: its extra prefill costs less than their queues, so it takes the new conversation.
+    scores = {"a": ScoreRow(8, 8), "b": ScoreRow(8, 8), "c": ScoreRow()}
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=24 * 512, scores=scores,
+                                                        backlog={"a": 1.0, "b": 1.2, "c": 0.0}))
+    assert d.worker_id == "c" and d.predicted_cached == 0
+    # a conversation whose cache is on a busy worker stays there while a recompute elsewhere costs more
+    scores = {"a": ScoreRow(22, 22), "b": ScoreRow(8, 8), "c": ScoreRow(8, 8)}
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=24 * 512, scores=scores,
+                                                        backlog={"a": 0.5, "b": 0.3, "c": 0.3}))
+    assert d.worker_id == "a" and d.predicted_cached == 22 * 512

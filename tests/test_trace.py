@@ -81,3 +81,31 @@ def test_builtin_multi_turn_generator_extends_prefixes() -> None:
         by_conv[r.hash_ids] = 1
     extended = sum(1 for r in reqs if any(r.hash_ids[:len(k)] == k and len(k) < len(r.hash_ids) for k in by_conv))
     assert extended == 10
+
+
+def test_builtin_chat_is_bursty_shared_prefix_multi_turn_and_seeded() -> None:
+    from router_api.router.trace import bursty_chat, requests_for
+
+    for seed in (0, 1, 7):
+        reqs = bursty_chat(300, seed=seed)
+        assert reqs == bursty_chat(300, seed=seed) and reqs != bursty_chat(300, seed=seed + 1)
+        assert len(reqs) == 300 and [r.index for r in reqs] == list(range(300))
+        assert all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:]))
+        system = reqs[0].hash_ids[:8]
+        assert all(r.hash_ids[:8] == system for r in reqs)  # one system prompt, every conversation
+        assert sum(r.input_length for r in reqs) / len(reqs) >= 10_000
+        # multi-turn: a later turn's blocks extend an earlier request's (the same conversation)
+        by_doc: dict[int, list] = {}
+        for r in reqs:
+            by_doc.setdefault(r.hash_ids[8], []).append(r)
+        multi = [turns for turns in by_doc.values() if len(turns) > 1]
+        assert len(multi) >= len(by_doc) // 2
+        for turns in multi:
+            for a, b in zip(turns, turns[1:]):
+                assert b.hash_ids[:len(a.hash_ids)] == a.hash_ids and len(b.hash_ids) > len(a.hash_ids)
+        # bursty: half the gaps are under 0.2 s, yet the trace spans tens of seconds
+        gaps = sorted(b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:]))
+        assert gaps[len(gaps) // 2] < 0.2 and reqs[-1].arrival_s > 30
+    assert requests_for("builtin-chat", 50, seed=3) == bursty_chat(50, seed=3)
+    with pytest.raises(ValueError):
+        bursty_chat(0)

@@ -78,6 +78,9 @@ class LoadResponse(Struct):
     backlog_s: float           # virtual seconds before a new request's prefill could start
     free_pages: dict[str, int]
     total_pages: dict[str, int]
+    # Virtual time the committed work ends (`at_s + backlog_s` unless at_s is past it): what a router
+    # whose clock runs behind its trace (a loaded machine) must compare its requests' arrivals with.
+    free_at_s: Optional[float] = None
 
 
 class WorkerHealth(Struct):
@@ -97,12 +100,13 @@ class RequestRecord(Struct, omit_defaults=True):
     index: int
     worker_id: str
     input_tokens: int
-    predicted_cached: Optional[int] = None   # what the policy expected (index or own guess)
+    predicted_cached: Optional[int] = None   # tokens the policy expected served from cache (index or own guess)
     arrival_cached: Optional[int] = None     # the worker's truth at arrival
     served: Optional[Tokens] = None
     ttft_s: Optional[float] = None
     queue_s: Optional[float] = None
     error: Optional[str] = None
+    predicted_pending: Optional[int] = None  # of predicted_cached: tokens of in-flight routes (pending_blocks)
 
 
 class RouterReport(Struct, omit_defaults=True):
@@ -125,8 +129,11 @@ class PolicyRow(Struct):
     ttft_p90_s: float
     prediction_accuracy: Optional[float]
     errors: int = 0
-    index_behind: int = 0     # mismatches where the worker held more than predicted
-    index_ahead: int = 0      # mismatches where it held less (evicted between score and arrival)
+    index_behind: int = 0     # mismatches where the worker served more from cache than predicted
+    index_ahead: int = 0      # mismatches where it served less
+    # Measured causes of the mismatches (report.mismatch_cause): cause -> requests
+    causes: dict[str, int] = msgspec.field(default_factory=dict)
+    held_accuracy: Optional[float] = None  # predicted == what the worker held at arrival (second figure)
 
 
 json_encoder = msgspec.json.Encoder()

@@ -75,10 +75,10 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
 
     @app.get("/load")
     async def load(at: float | None = None) -> Response:
-        t, queued, running, backlog = engine.load(at)
+        t, queued, running, backlog, free_at = engine.load(at)
         free, total = engine.pages()
         return _json(LoadResponse(worker_id=wid, at_s=t, queued=queued, running=running,
-                                  backlog_s=backlog, free_pages=free, total_pages=total))
+                                  backlog_s=backlog, free_pages=free, total_pages=total, free_at_s=free_at))
 
     @app.get("/health")
     async def health_() -> Response:

@@ -67,11 +67,11 @@ class Engine:
         self._jobs.put((list(tokens), max_tokens, arrival_s, fut))
         return fut
 
-    def load(self, at: float | None) -> tuple[float, int, int, float]:
+    def load(self, at: float | None) -> tuple[float, int, int, float, float]:
         with self.lock:
             s = self.schedule
             t = s.last_arrival if at is None else at
-            return t, s.queued_at(t), s.running_at(t), s.backlog_at(t)
+            return t, s.queued_at(t), s.running_at(t), s.backlog_at(t), s.free_at()
 
     def pages(self) -> tuple[dict[str, int], dict[str, int]]:
         c = self.cache

@@ -57,6 +57,10 @@ class Schedule:
         and batch slots): what a router's load term should see."""
         return self._slot_free(max(t, self.prefill_free)) - t
 
+    def free_at(self) -> float:
+        """Virtual time the committed work ends (prefill engine, then a batch slot), whatever the clock."""
+        return self._slot_free(self.prefill_free)
+
     def _engine_free(self, t: float, d: float) -> float:
         """First time >= t from which the prefill engine is idle for `d` seconds."""
         i = bisect.bisect_left(self.busy, (t, t)) - 1

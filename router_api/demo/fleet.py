@@ -129,6 +129,24 @@ class Run:
                 pass
 
 
+def _trace_name(trace: str | None) -> str:
+    if trace == "builtin-chat":
+        return "builtin-chat (bursty, one shared system prompt, multi-turn; seeded)"
+    return trace or "bundled Mooncake synthetic"
+
+
+def visibility(indexer: str) -> str:
+    """The indexer's event visibility (batch publish -> applied, i.e. visible to /score), recent batches."""
+    try:
+        v = http_json(f"{indexer}/stats")["pending"]["visibility"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "event visibility: not reported"
+    if not v.get("count"):
+        return "event visibility: no batches"
+    return (f"event visibility (worker publish -> applied in the index, visible to /score), last {v['count']} "
+            f"batches: p50 {v['p50_ms']:.1f} ms, p99 {v['p99_ms']:.1f} ms (wall clock)")
+
+
 def plan(s: DemoSettings) -> list[tuple[str, int]]:
     runs = [(p, 1) for p in s.policies]
     if s.routers > 1:
@@ -147,6 +165,7 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
                                            "--model", "demo", "--stale-after", "30"), tmp)
         runs: list[Run] = []
         rows: list[PolicyRow] = []
+        vis = ""
         try:
             wait_healthy([(idx, indexer)])
             runs = [Run(i, pol, k, s, indexer, tmp) for i, (pol, k) in enumerate(runs_plan)]
@@ -158,8 +177,9 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
             p(f"simulated model {sim['sim']['name']}: " + ", ".join(f"{k}={v}" for k, v in sim["sim"].items()
                                                                     if k != "name"))
             p(f"per worker: GPU {s.gpu_pages} + host {s.host_pages} pages of {MODEL_BLOCK} tokens, "
-              f"L3 on a local directory (DISK); trace: {s.trace or 'bundled Mooncake synthetic'}, "
-              f"{s.requests} requests (whole conversations), speed x{s.speed:g}")
+              f"L3 on a local directory (DISK); trace: {_trace_name(s.trace)}, "
+              f"{s.requests} requests ({'the first by arrival' if s.trace == 'builtin-chat' else 'whole conversations'}), "
+              f"speed x{s.speed:g}")
             p(f"runs: {', '.join(f'{pol} x{k}' for pol, k in runs_plan)}\n")
             for i, run in enumerate(runs):
                 if i:
@@ -175,15 +195,18 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
                 r = rows[-1]
                 acc = "-" if r.prediction_accuracy is None else f"{100 * r.prediction_accuracy:.1f}%"
                 print(f"[{i + 1}/{len(runs)}] {run.policy} x{run.routers}: hit {r.hit_ratio:.3f}, "
-                      f"p90 TTFT {r.ttft_p90_s:.2f}s, prediction {acc}", file=err, flush=True)
+                      f"prefill {r.prefill_tokens:,}, p90 TTFT {r.ttft_p90_s:.2f}s, prediction {acc}",
+                      file=err, flush=True)
+            vis = visibility(indexer)
         finally:
             for run in runs:
                 run.stop()
             idx.stop()
     p(format_table(rows))
+    p(f"\n{vis}")
     p("\nhit ratio: prompt tokens served from any tier / all prompt tokens. prefill tokens: tokens computed.")
     p("TTFT: queue + load-back + prefill on the simulated model's clock. prediction: share of requests")
-    p("whose predicted cached tokens equal what the worker held at arrival (see docs/end-to-end.md).")
+    p("whose predicted cached tokens equal what the worker served from cache (see docs/end-to-end.md).")
     return rows
 
 

@@ -27,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="model namespace at the indexer (default 'default')")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8800, help="HTTP port (default 8800; 0 = no HTTP server)")
-    p.add_argument("--trace", default=None, help="Mooncake JSONL trace to replay ('builtin' = multi-turn generator)")
+    p.add_argument("--trace", default=None,
+                   help="Mooncake JSONL trace to replay ('builtin' = multi-turn generator, 'builtin-chat' = "
+                        "bursty shared-system-prompt chat generator)")
     p.add_argument("--requests", type=int, default=0, help="bounded conversation-preserving slice (0 = all)")
     p.add_argument("--speed", type=float, default=1.0, help="replay speed: virtual seconds per wall second")
     p.add_argument("--replicas", type=int, default=1, help="router replicas sharing the trace (default 1)")
@@ -70,11 +72,9 @@ def parse_workers(specs: list[str]) -> dict[str, str]:
 
 
 def select_requests(args: argparse.Namespace) -> list[Any]:
-    from router_api.router.trace import load_trace, multi_turn, slice_conversations
+    from router_api.router.trace import requests_for
 
-    reqs = multi_turn(seed=args.seed) if args.trace == "builtin" else load_trace(args.trace)
-    if args.requests:
-        reqs = slice_conversations(reqs, args.requests, seed=args.seed)
+    reqs = requests_for(args.trace, args.requests, args.seed)
     return [r for r in reqs if r.index % args.replicas == args.replica_index]
 
 

@@ -8,8 +8,10 @@ shared index and the workers' own load reports.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -27,6 +29,8 @@ _gen_dec = msgspec.json.Decoder(GenerateResponse)
 _load_dec = msgspec.json.Decoder(LoadResponse)
 _health_dec = msgspec.json.Decoder(WorkerHealth)
 _enc = msgspec.json.Encoder()
+_mp_enc = msgspec.msgpack.Encoder()
+_NO_LOCK = contextlib.nullcontext()
 
 
 def block_keys(tokens: np.ndarray, block: int) -> list[bytes]:
@@ -47,7 +51,7 @@ class RouterCore:
 
     def __init__(self, policy: Policy, workers: dict[str, str], indexer: str | None, model: str,
                  block_size: int, sim: SimModel, *, speed: float = 1.0, load_poll_s: float = 0.05,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, serial: bool = True) -> None:
         self.policy = policy
         self.workers = workers  # worker id -> base URL
         self.indexer = indexer.rstrip("/") if indexer else None
@@ -61,6 +65,10 @@ class RouterCore:
         self.polled_end: dict[str, float] = {w: 0.0 for w in workers}  # virtual time the worker frees up
         self.busy_until: dict[str, float] = {w: 0.0 for w in workers}  # our own overlay of what we sent
         self.records: list[RequestRecord] = []
+        self.route_errors = 0
+        self._deciding = asyncio.Lock()
+        self.serial = serial
+        self.route_prefix = os.urandom(4).hex()  # request ids unique across router replicas
         self.t0 = time.monotonic()
         self._poller: asyncio.Task[None] | None = None
 
@@ -82,7 +90,10 @@ class RouterCore:
                 r = await self.client.get(f"{url}/load", params={"at": f"{at:.6f}"}, timeout=5.0)
                 if r.status_code == 200:
                     ld = _load_dec.decode(r.content)
-                    self.polled_end[w] = ld.at_s + ld.backlog_s
+                    # The absolute end of the worker's committed work: `at_s + backlog_s` would never be
+                    # below `at` (now on this router's clock) and flatten every worker's backlog to the
+                    # router's lag when it runs behind its trace.
+                    self.polled_end[w] = ld.free_at_s if ld.free_at_s is not None else ld.at_s + ld.backlog_s
             except (httpx.HTTPError, msgspec.DecodeError) as exc:
                 log.debug("load poll of %s failed: %s", w, exc)
 
@@ -113,8 +124,37 @@ class RouterCore:
         for row in _score_dec.decode(r.content)["workers"]:
             t = row["tiers"]
             out[row["worker_id"]] = ScoreRow(row["device_blocks"], row["cached_blocks"], t.get("host", 0),
-                                             t.get("disk", 0), t.get("shared", 0))
+                                             t.get("disk", 0), t.get("shared", 0), row.get("pending_blocks", 0))
         return out
+
+    # -- in-flight routes (docs/CONTRACTS.md, "Pending routes") ----------------------------
+    async def report_route(self, request_id: str, worker_id: str, tokens: np.ndarray) -> dict | None:
+        """Tell the indexer where this request goes, so every router replica counts its blocks as
+        pending on that worker until the worker's own events land."""
+        assert self.indexer is not None
+        body = _mp_enc.encode({"model": self.model, "request_id": request_id, "worker_id": worker_id,
+                               "token_ids": tokens.tolist()})
+        try:
+            r = await self.client.post(f"{self.indexer}/routes", content=body,
+                                       headers={"Content-Type": "application/msgpack"}, timeout=30.0)
+        except httpx.HTTPError as exc:  # routing goes on; other routers just do not see this one
+            self.route_errors += 1
+            log.debug("route report %s -> %s failed: %s", request_id, worker_id, exc)
+            return None
+        if r.status_code != 200:
+            self.route_errors += 1
+            log.debug("route report %s -> %s: HTTP %d %s", request_id, worker_id, r.status_code, r.text[:200])
+            return None
+        return _score_dec.decode(r.content)
+
+    async def release_route(self, request_id: str) -> None:
+        assert self.indexer is not None
+        try:
+            await self.client.delete(f"{self.indexer}/routes/{request_id}", params={"model": self.model},
+                                     timeout=30.0)
+        except httpx.HTTPError as exc:  # the indexer's TTL forgets it anyway
+            self.route_errors += 1
+            log.debug("route release %s failed: %s", request_id, exc)
 
     # -- one request -----------------------------------------------------------------------
     async def handle(self, index: int, tokens: np.ndarray, max_tokens: int, arrival_s: float | None = None,
@@ -122,21 +162,37 @@ class RouterCore:
         now = self.now() if arrival_s is None else arrival_s
         pol = self.policy
         rec = RequestRecord(index=index, worker_id="", input_tokens=len(tokens))
+        rid = request_id or str(index)
+        route_id = f"{self.route_prefix}-{rid}" if pol.uses_index else None
         try:
-            scores = await self.score(tokens) if pol.uses_index else None
-            keys = block_keys(tokens, self.block_size) if pol.name == "approximate" else []
-            d = pol.choose(RouteInput(len(tokens), keys, self.block_size, scores, self.backlog(now), self.inflight))
+            # One decision at a time per replica (score -> choose -> report): each sees the routes this
+            # replica reported before it, and requests reach the workers in trace order even when the
+            # router runs behind its trace (its decisions then do not depend on the machine's load).
+            async with self._deciding if pol.uses_index and self.serial else _NO_LOCK:
+                scores = await self.score(tokens) if pol.uses_index else None
+                keys = block_keys(tokens, self.block_size) if pol.name == "approximate" else []
+                d = pol.choose(RouteInput(len(tokens), keys, self.block_size, scores, self.backlog(now),
+                                          self.inflight))
+                w = d.worker_id
+                rec.worker_id = w
+                rec.predicted_cached = d.predicted_cached
+                self.busy_until[w] = max(self.busy_until[w], self.polled_end[w], now) + d.est_cost_s
+                self.inflight[w] += 1
+                if route_id is not None:
+                    rec.predicted_pending = d.predicted_pending
+                    got = await self.report_route(route_id, w, tokens)
+                    if got is not None:  # the index's view at the report, fresher than at the score
+                        b = self.block_size
+                        rec.predicted_cached = min(len(tokens), (got["cached_blocks"] + got["pending_blocks"]) * b)
+                        rec.predicted_pending = got["pending_blocks"] * b
         except (httpx.HTTPError, msgspec.DecodeError, KeyError, TypeError) as exc:
             rec.error = f"route: {exc}"
             self.records.append(rec)
+            if rec.worker_id:
+                self.inflight[rec.worker_id] -= 1
             return rec, None
-        w = d.worker_id
-        rec.worker_id = w
-        rec.predicted_cached = d.predicted_cached
-        self.busy_until[w] = max(self.busy_until[w], self.polled_end[w], now) + d.est_cost_s
-        self.inflight[w] += 1
         body = _enc.encode({"token_ids": tokens.tolist(), "max_tokens": max_tokens, "arrival_s": now,
-                            "request_id": request_id or str(index)})
+                            "request_id": rid})
         resp = None
         try:
             r = await self.client.post(f"{self.workers[w]}/generate", content=body,
@@ -153,6 +209,8 @@ class RouterCore:
             rec.error = f"worker {w}: {type(exc).__name__}: {exc}"
         finally:
             self.inflight[w] -= 1
+            if route_id is not None:
+                await self.release_route(route_id)
         self.records.append(rec)
         return rec, resp
 

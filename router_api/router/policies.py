@@ -5,8 +5,15 @@
 - least_loaded: smallest prefill backlog.
 - approximate: the router's own guess of each worker's cache from its past routing decisions
   (no events), thresholded the way SGLang's cache-aware router is.
-- precise_gpu: the index's device blocks + load; host/disk/shared copies count as misses.
-- precise_tiered: the index's tier split + load, costing each tier's load-back like the engine.
+- precise_gpu: the index's device blocks + pending blocks + load; host/disk/shared copies count as misses.
+- precise_tiered: the index's tier split + pending blocks + load, costing each tier's load-back like
+  the engine.
+
+The precise policies cost a request on each worker as the engine will see it when it runs:
+backlog (virtual seconds of work queued ahead of it) + load-back of the blocks the worker holds
+exactly below the GPU + prefill of the rest, where blocks *pending* on that worker (in-flight
+requests routed there, reported to the index with `POST /routes`) count as cached: a worker runs
+its requests in order, so they will have been computed by the time this one runs.
 """
 from __future__ import annotations
 
@@ -23,14 +30,16 @@ PRECISE = ("precise_gpu", "precise_tiered")
 class ScoreRow:
     """One worker's `/score` answer, in blocks."""
 
-    __slots__ = ("device", "cached", "host", "disk", "shared")
+    __slots__ = ("device", "cached", "host", "disk", "shared", "pending")
 
-    def __init__(self, device: int = 0, cached: int = 0, host: int = 0, disk: int = 0, shared: int = 0) -> None:
+    def __init__(self, device: int = 0, cached: int = 0, host: int = 0, disk: int = 0, shared: int = 0,
+                 pending: int = 0) -> None:
         self.device = device
         self.cached = cached
         self.host = host
         self.disk = disk
         self.shared = shared
+        self.pending = pending  # leading blocks past `cached` that in-flight routes to this worker hold
 
 
 class RouteInput:
@@ -50,12 +59,14 @@ class RouteInput:
 
 
 class Decision:
-    __slots__ = ("worker_id", "predicted_cached", "est_cost_s")
+    __slots__ = ("worker_id", "predicted_cached", "est_cost_s", "predicted_pending")
 
-    def __init__(self, worker_id: str, predicted_cached: int | None, est_cost_s: float) -> None:
+    def __init__(self, worker_id: str, predicted_cached: int | None, est_cost_s: float,
+                 predicted_pending: int = 0) -> None:
         self.worker_id = worker_id
-        self.predicted_cached = predicted_cached  # tokens; None = the policy makes no prediction
+        self.predicted_cached = predicted_cached  # tokens served from cache; None = the policy makes no prediction
         self.est_cost_s = est_cost_s              # its own estimate of the prefill work it adds
+        self.predicted_pending = predicted_pending  # of which: tokens in-flight requests will have stored
 
 
 class Policy:
@@ -160,30 +171,59 @@ class Approximate(Policy):
 
 
 class PreciseGpu(Policy):
-    """Exact device blocks from the index; everything not on the GPU is costed as a recompute."""
+    """Exact device blocks (+ pending) from the index; everything not on the GPU is costed as a recompute."""
 
     name = "precise_gpu"
     uses_index = True
 
+    def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0, *, work_weight: float = 3.0,
+                 busy_s: float = 1.0, min_share: float = 0.5) -> None:
+        super().__init__(workers, sim, seed)
+        self.work_weight = work_weight
+        self.busy_s = busy_s
+        self.min_share = min_share
+        self.assigned = {w: 0.0 for w in self.workers}  # virtual seconds of work this policy has sent
+
     def cost(self, inp: RouteInput, row: ScoreRow) -> float:
-        return self.sim.prefill_s(max(0, inp.tokens - row.device * inp.block_size))
+        """Virtual seconds of load-back + prefill this request adds on that worker."""
+        return self.sim.prefill_s(max(0, inp.tokens - (row.device + row.pending) * inp.block_size))
+
+    def key(self, backlog: float, work: float) -> float:
+        """Expected TTFT on a worker (its queue, then this request's own work), plus the delay that work
+        imposes on the requests that will queue behind it: `work_weight - 1` more times the work on a
+        busy worker (backlog >= `busy_s`), less on a quieter one, down to `min_share` of that on an idle
+        one (requests still arrive while it works). On a busy worker a recompute is paid several times,
+        so conversations stay where their cache is; a cold worker (one that has not seen a shared prefix
+        yet) is still cheaper than a queue, so it is never locked out."""
+        share = max(self.min_share, min(1.0, backlog / self.busy_s))
+        return backlog + work * (1.0 + (self.work_weight - 1.0) * share)
 
     def choose(self, inp: RouteInput) -> Decision:
         scores = inp.scores or {}
         empty = ScoreRow()
         costs = {w: self.cost(inp, scores.get(w, empty)) for w in self.workers}
-        w = min(self.workers, key=lambda w: (inp.backlog.get(w, 0.0) + costs[w], inp.inflight.get(w, 0), w))
-        return Decision(w, scores.get(w, empty).cached * inp.block_size, costs[w])
+        key = {w: self.key(inp.backlog.get(w, 0.0), costs[w]) for w in self.workers}
+        best = min(key.values())
+        # Ties (e.g. an idle fleet and no cache anywhere) go to the worker sent the least work so far,
+        # not always to the first: new conversations spread, and their later turns follow them.
+        w = min((w for w in self.workers if key[w] <= best),
+                key=lambda w: (self.assigned[w], inp.inflight.get(w, 0), w))
+        self.assigned[w] += costs[w]
+        row = scores.get(w, empty)
+        b = inp.block_size
+        # What the worker will serve from cache: everything it holds (any tier; the engine loads lower
+        # tiers back) and what the in-flight requests ahead of this one will have stored.
+        return Decision(w, min(inp.tokens, (row.cached + row.pending) * b), costs[w], row.pending * b)
 
 
 class PreciseTiered(PreciseGpu):
-    """Exact tier split from the index: host / disk / shared blocks cost their load-back time."""
+    """Exact tier split (+ pending) from the index: host / disk / shared blocks cost their load-back time."""
 
     name = "precise_tiered"
 
     def cost(self, inp: RouteInput, row: ScoreRow) -> float:
         b = inp.block_size
-        cached = row.cached * b
+        cached = (row.cached + row.pending) * b
         return (self.sim.load_s(row.host * b, row.disk * b, row.shared * b)
                 + self.sim.prefill_s(max(0, inp.tokens - cached)))
 

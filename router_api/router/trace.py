@@ -160,3 +160,62 @@ def multi_turn(conversations: int = 40, turns: int = 4, system_blocks: int = 4, 
         out.append(TraceRequest(len(out), t, len(ids) * TRACE_BLOCK_TOKENS - rng.randrange(TRACE_BLOCK_TOKENS),
                                 output_length, tuple(ids)))
     return out
+
+
+def bursty_chat(requests: int = 400, seed: int = 0, system_blocks: int = 8, first_blocks: tuple[int, int] = (6, 28),
+                turn_blocks: tuple[int, int] = (1, 4), turns: tuple[int, int] = (2, 7),
+                burst_every_s: float = 8.0, burst_size: tuple[int, int] = (3, 12), burst_gap_s: float = 0.04,
+                think_s: tuple[float, float] = (3.0, 15.0), output_length: int = 64) -> list[TraceRequest]:
+    """`builtin-chat`: a bursty shared-prefix chat workload, deterministic for a seed.
+
+    Every conversation starts with one system prompt (`system_blocks` blocks of 512 tokens, shared by
+    all). Conversations open in bursts (a burst every ~`burst_every_s`, exponential; each opens
+    `burst_size` conversations `burst_gap_s` apart); the first user turn is long (a pasted document,
+    `first_blocks`), each later turn is the previous prompt plus a reply and a new message
+    (`turn_blocks`), sent a think time (`think_s`, uniform) after the previous turn. Mean prompt
+    ~13k tokens with the defaults. The first `requests` requests by arrival are kept."""
+    if requests <= 0:
+        raise ValueError("requests must be positive")
+    rng = random.Random(seed)
+    next_id = 1 << 30  # apart from the bundled trace's ids
+
+    def fresh(k: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + k))
+        next_id += k
+        return ids
+
+    system = fresh(system_blocks)
+    events: list[tuple[float, int, list[int]]] = []  # (arrival, conversation, hash ids)
+    t = 0.0
+    convo = 0
+    # Later bursts start at or after `t`: once `requests` events precede it, the first ones are final.
+    while sum(1 for e in events if e[0] < t) < requests:
+        for j in range(rng.randint(*burst_size)):
+            at = t + j * burst_gap_s * rng.uniform(0.5, 1.5)
+            prompt = system + fresh(rng.randint(*first_blocks))
+            for k in range(rng.randint(*turns)):
+                if k:
+                    at += rng.uniform(*think_s)
+                    prompt = prompt + fresh(rng.randint(*turn_blocks))
+                events.append((at, convo, list(prompt)))
+            convo += 1
+        t += rng.expovariate(1.0 / burst_every_s)
+    events.sort(key=lambda e: (e[0], e[1]))
+    out = []
+    for i, (at, _, ids) in enumerate(events[:requests]):
+        length = len(ids) * TRACE_BLOCK_TOKENS - rng.randrange(TRACE_BLOCK_TOKENS)
+        out.append(TraceRequest(i, round(at - events[0][0], 6), length, output_length, tuple(ids)))
+    return out
+
+
+BUILTIN_TRACES = ("builtin", "builtin-chat")
+
+
+def requests_for(trace: str | None, n: int = 0, seed: int = 0) -> list[TraceRequest]:
+    """A replay's requests: `builtin` (multi_turn), `builtin-chat` (bursty_chat, `n` requests, 400 if
+    0), or a Mooncake JSONL file (None: the bundled one), sliced to `n` whole conversations if n > 0."""
+    if trace == "builtin-chat":
+        return bursty_chat(n or 400, seed=seed)
+    reqs = multi_turn(seed=seed) if trace == "builtin" else load_trace(trace)
+    return slice_conversations(reqs, n, seed=seed) if n else reqs

@@ -1,0 +1,206 @@
+"""In-flight ("pending") routes: blocks a router has sent to a worker that the worker has not yet
+reported storing (docs/CONTRACTS.md, "Pending routes").
+
+A router that chose worker W for a request reports it; until W's own store events cover the
+request's blocks (exact residency takes over), the route is released, or its TTL passes, those
+blocks count as *pending* on W. Scoring asks `run` how many of a query's leading blocks, past the
+exact match, are pending on a worker. Pending state never touches the exact index: it is a
+separate structure the scoring path consults.
+
+A plain data structure: no clock (callers pass `now`), no threads, no I/O. Keys are the index's own
+node keys (`indexer.hashing.query_keys`), so a pending block and a stored block of the same content
+and namespace are the same key.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+
+DEFAULT_TTL_S = 10.0          # a route not released or confirmed by then is forgotten
+DEFAULT_MAX_ROUTES = 65_536   # entries over all models; the oldest are dropped beyond it
+DEFAULT_MAX_BLOCKS = 4 << 20  # block keys over all entries; the oldest are dropped beyond it
+
+Pair = tuple[str, int]  # (worker_id, dp_rank)
+
+
+class PendingRoute:
+    __slots__ = ("model", "request_id", "pair", "keys", "expires_at", "gen")
+
+    def __init__(self, model: str, request_id: str, pair: Pair, keys: tuple[int, ...], expires_at: float,
+                 gen: int) -> None:
+        self.model = model
+        self.request_id = request_id
+        self.pair = pair
+        self.keys = keys
+        self.expires_at = expires_at
+        self.gen = gen  # distinguishes a re-reported id from its earlier entry in the expiry heap
+
+
+class PendingCounts:
+    """Monotone totals, by outcome (the service exports them as a counter)."""
+
+    __slots__ = ("added", "released", "confirmed", "expired", "dropped", "cleared")
+
+    def __init__(self) -> None:
+        self.added = self.released = self.confirmed = self.expired = self.dropped = self.cleared = 0
+
+    def items(self) -> list[tuple[str, int]]:
+        return [(k, getattr(self, k)) for k in self.__slots__]
+
+
+class PendingRoutes:
+    """Per model, per (worker, dp_rank): request_id -> the request's full-block keys, with an expiry.
+
+    `run(model, pair, keys, start)` is the number of consecutive `keys[start:]` pending on `pair`.
+    Keys are chained (a key names its whole prefix), and every route holds all its blocks, so a
+    pending key implies its prefix is pending on that worker too."""
+
+    __slots__ = ("ttl_s", "max_routes", "max_blocks", "counts", "_routes", "_held", "_heap", "_gen", "_blocks")
+
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_routes: int = DEFAULT_MAX_ROUTES,
+                 max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+        if ttl_s <= 0 or max_routes < 1 or max_blocks < 1:
+            raise ValueError("pending routes need ttl_s > 0, max_routes >= 1 and max_blocks >= 1")
+        self.ttl_s = ttl_s
+        self.max_routes = max_routes
+        self.max_blocks = max_blocks
+        self.counts = PendingCounts()
+        self._routes: dict[str, dict[str, PendingRoute]] = {}              # model -> request_id -> route
+        self._held: dict[str, dict[Pair, dict[int, int]]] = {}             # model -> pair -> key -> refs
+        self._heap: list[tuple[float, int, str, str]] = []                 # (expires_at, gen, model, id)
+        self._gen = 0
+        self._blocks = 0
+
+    # -- size ----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return sum(len(r) for r in self._routes.values())
+
+    @property
+    def blocks(self) -> int:
+        return self._blocks
+
+    def has(self, model: str) -> bool:
+        return bool(self._routes.get(model))
+
+    def routes(self, model: str) -> Iterator[PendingRoute]:
+        return iter(list(self._routes.get(model, {}).values()))
+
+    def pairs(self, model: str) -> list[Pair]:
+        return [p for p, held in self._held.get(model, {}).items() if held]
+
+    # -- changes -------------------------------------------------------------------------------
+    def add(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: Sequence[int],
+            now: float, ttl_s: float | None = None) -> int:
+        """Record a route (replacing an earlier one with the same id); returns the blocks it holds.
+        Beyond the caps the oldest routes are dropped (counted)."""
+        self._remove(model, request_id)
+        keys = tuple(keys)
+        if len(keys) > self.max_blocks:
+            self.counts.dropped += 1
+            return 0
+        self._gen += 1
+        expires = now + (self.ttl_s if ttl_s is None else ttl_s)
+        r = PendingRoute(model, request_id, (worker_id, dp_rank), keys, expires, self._gen)
+        self._routes.setdefault(model, {})[request_id] = r
+        held = self._held.setdefault(model, {}).setdefault(r.pair, {})
+        for k in keys:
+            held[k] = held.get(k, 0) + 1
+        self._blocks += len(keys)
+        heapq.heappush(self._heap, (expires, r.gen, model, request_id))
+        self.counts.added += 1
+        self._enforce_caps()
+        return len(keys) if request_id in self._routes.get(model, {}) else 0
+
+    def release(self, model: str, request_id: str) -> int:
+        """Forget a finished (or failed) request's route; returns the blocks it held (0: unknown)."""
+        r = self._remove(model, request_id)
+        if r is None:
+            return 0
+        self.counts.released += 1
+        return len(r.keys)
+
+    def confirm(self, model: str, request_id: str) -> int:
+        """The worker's store events cover the route: exact residency takes over."""
+        r = self._remove(model, request_id)
+        if r is None:
+            return 0
+        self.counts.confirmed += 1
+        return len(r.keys)
+
+    def expire(self, now: float) -> int:
+        """Drop every route whose expiry is at or before `now`; returns how many."""
+        n = 0
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _, gen, model, rid = heapq.heappop(heap)
+            r = self._routes.get(model, {}).get(rid)
+            if r is not None and r.gen == gen:
+                self._remove(model, rid)
+                n += 1
+        self.counts.expired += n
+        return n
+
+    def clear_worker(self, model: str, worker_id: str, dp_rank: int | None = None) -> int:
+        """Forget a worker's routes (removed, cleared, resynced, restarted); returns how many."""
+        gone = [r.request_id for r in self._routes.get(model, {}).values()
+                if r.pair[0] == worker_id and (dp_rank is None or r.pair[1] == dp_rank)]
+        for rid in gone:
+            self._remove(model, rid)
+        self.counts.cleared += len(gone)
+        return len(gone)
+
+    def clear_model(self, model: str) -> int:
+        gone = list(self._routes.get(model, {}))
+        for rid in gone:
+            self._remove(model, rid)
+        self.counts.cleared += len(gone)
+        return len(gone)
+
+    # -- queries -------------------------------------------------------------------------------
+    def run(self, model: str, worker_id: str, dp_rank: int, keys: Sequence[int], start: int = 0) -> int:
+        """Consecutive `keys[start:]` pending on (worker_id, dp_rank)."""
+        held = self._held.get(model, {}).get((worker_id, dp_rank))
+        if not held:
+            return 0
+        n = 0
+        for i in range(start, len(keys)):
+            if keys[i] not in held:
+                break
+            n += 1
+        return n
+
+    # -- internals -----------------------------------------------------------------------------
+    def _remove(self, model: str, request_id: str) -> PendingRoute | None:
+        routes = self._routes.get(model)
+        r = routes.pop(request_id, None) if routes else None
+        if r is None:
+            return None
+        by_pair = self._held[model]
+        held = by_pair[r.pair]
+        for k in r.keys:
+            c = held[k] - 1
+            if c:
+                held[k] = c
+            else:
+                del held[k]
+        if not held:
+            del by_pair[r.pair]
+        if not routes:
+            del self._routes[model]
+            if not by_pair:
+                del self._held[model]
+        self._blocks -= len(r.keys)
+        return r
+
+    def _enforce_caps(self) -> None:
+        heap = self._heap
+        while (len(self) > self.max_routes or self._blocks > self.max_blocks) and heap:
+            _, gen, model, rid = heapq.heappop(heap)
+            r = self._routes.get(model, {}).get(rid)
+            if r is not None and r.gen == gen:
+                self._remove(model, rid)
+                self.counts.dropped += 1
+        if len(heap) > 4 * max(64, len(self)):  # stale heap entries of released routes: rebuild
+            self._heap = [(r.expires_at, r.gen, r.model, r.request_id)
+                          for routes in self._routes.values() for r in routes.values()]
+            heapq.heapify(self._heap)

@@ -1,0 +1,149 @@
+"""The service's side of pending routes (indexer/pending.py): hashing a reported request into the
+index's keys, confirming routes once the worker's own events cover them, forgetting routes of
+workers that restarted, resynced or left, and the `pending_blocks` of `/score` rows
+(docs/CONTRACTS.md, "Pending routes").
+
+Every method but `keys` runs under the service's lock (it reads the index and the registry);
+`now` is the service clock's value. No threads of its own: work happens when routes are reported
+or released and when `/score` asks.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from indexer.hashing import namespace_seed, query_keys
+from indexer.pending import PendingRoutes
+from router_api.metrics import RecentWindow
+
+
+class UnknownRouteWorker(LookupError):
+    """A route names a worker (or model) the registry does not know."""
+
+
+class _Mark:
+    """What a worker's stream looked like at the last sweep: a changed seq means new events to check
+    routes against; a changed epoch (restart, resync, re-registration) means its routes are void."""
+
+    __slots__ = ("seq", "epoch")
+
+    def __init__(self, seq: Any, epoch: tuple[int, int, float]) -> None:
+        self.seq = seq
+        self.epoch = epoch
+
+
+def _epoch(w: Any) -> tuple[int, int, float]:
+    return (w.restarts, w.resyncs, w.registered_at)
+
+
+class RouteBook:
+    __slots__ = ("pending", "visibility", "_marks")
+
+    def __init__(self, pending: PendingRoutes | None = None, visibility: RecentWindow | None = None) -> None:
+        self.pending = pending if pending is not None else PendingRoutes()
+        # Publish time -> applied in the index (visible to /score), per batch with a timestamp (seconds;
+        # the ingest loop adds them): what a route's pending entry bridges.
+        self.visibility = visibility if visibility is not None else RecentWindow(4096)
+        self._marks: dict[tuple[str, str], _Mark] = {}
+
+    @staticmethod
+    def keys(index: Any, model: str, block_size: int, token_ids: Any, lora_name: str | None,
+             cache_salt: str | None) -> list[int]:
+        """The index's node keys of the request's full blocks (the same keys its stores get)."""
+        qk = getattr(index, "query_keys", None)
+        if qk is not None:
+            return list(qk(model, token_ids, lora_name, cache_salt))
+        return query_keys(token_ids, block_size, namespace_seed(block_size, lora_name, cache_salt))
+
+    # -- changes -------------------------------------------------------------------------------
+    def report(self, index: Any, registry: Any, model: str, request_id: str, worker_id: str, dp_rank: int,
+               keys: Sequence[int], now: float) -> tuple[int, int, int]:
+        """Add the route; returns (cached, pending, blocks): the worker's exact match of the request
+        and the pending blocks past it before this route, and the blocks the route holds."""
+        w = registry.get(worker_id)
+        if w is None or w.reg.model != model:
+            raise UnknownRouteWorker(f"worker {worker_id!r} is not registered for model {model!r}")
+        self.pending.expire(now)
+        mark = self._marks.get((model, worker_id))
+        if mark is not None and mark.epoch != _epoch(w):  # restarted or resynced since: old routes are void
+            self.forget_worker(model, worker_id)
+            mark = None
+        if mark is None:
+            self._marks[(model, worker_id)] = _Mark(w.last_seq, _epoch(w))
+        cached = self._held(index, model, keys, (worker_id, dp_rank))
+        pend = self.pending.run(model, worker_id, dp_rank, keys, cached)
+        return cached, pend, self.pending.add(model, request_id, worker_id, dp_rank, keys, now)
+
+    @staticmethod
+    def _held(index: Any, model: str, keys: Sequence[int], pair: tuple[str, int]) -> int:
+        """The exact match (any tier) of `keys` on one worker (0 where the index cannot tell)."""
+        score_keys = getattr(index, "score_keys", None)
+        if score_keys is None or not keys:
+            return 0
+        res = score_keys(model, list(keys), [pair])
+        return next((s.cached_blocks for s in res.workers if s.worker_id == pair[0] and s.dp_rank == pair[1]), 0)
+
+    def release(self, model: str, request_id: str, now: float) -> int:
+        self.pending.expire(now)
+        return self.pending.release(model, request_id)
+
+    def forget_worker(self, model: str, worker_id: str) -> None:
+        self.pending.clear_worker(model, worker_id)
+        self._marks.pop((model, worker_id), None)
+
+    # -- scoring -------------------------------------------------------------------------------
+    def sweep(self, index: Any, registry: Any, model: str, now: float) -> None:
+        """Expire; forget routes of workers gone or restarted/resynced; confirm routes whose blocks
+        the worker's events now cover (checked only for workers with new events since last time)."""
+        pend = self.pending
+        pend.expire(now)
+        if not pend.has(model):
+            return
+        by_worker: dict[str, list[Any]] = {}
+        for r in pend.routes(model):
+            by_worker.setdefault(r.pair[0], []).append(r)
+        for wid, routes in by_worker.items():
+            w = registry.get(wid)
+            mark = self._marks.get((model, wid))
+            if w is None or w.reg.model != model or (mark is not None and mark.epoch != _epoch(w)):
+                self.forget_worker(model, wid)
+                continue
+            if mark is None:
+                mark = self._marks[(model, wid)] = _Mark(None, _epoch(w))
+            if mark.seq == w.last_seq:
+                continue
+            mark.seq = w.last_seq
+            for r in routes:
+                if r.keys and self._held(index, model, r.keys, r.pair) >= len(r.keys):
+                    pend.confirm(model, r.request_id)
+
+    def pending_run(self, model: str, worker_id: str, dp_rank: int, keys: Sequence[int], exact: int) -> int:
+        """`pending_blocks` of one row: leading query blocks past the exact match `exact` that are
+        pending on that worker."""
+        return self.pending.run(model, worker_id, dp_rank, keys, exact)
+
+    # -- metrics -------------------------------------------------------------------------------
+    def metrics_text(self) -> str:
+        p = "kvatlas_pending_"
+        lines = [f"# HELP {p}routes_total In-flight routes by outcome (added, released, confirmed by the "
+                 "worker's events, expired by TTL, dropped over the cap, cleared with their worker)",
+                 f"# TYPE {p}routes_total counter"]
+        lines += [f'{p}routes_total{{outcome="{k}"}} {v}' for k, v in self.pending.counts.items()]
+        lines += [f"# HELP {p}routes In-flight routes held now", f"# TYPE {p}routes gauge",
+                  f"{p}routes {len(self.pending)}",
+                  f"# HELP {p}blocks Block keys held by in-flight routes now", f"# TYPE {p}blocks gauge",
+                  f"{p}blocks {self.pending.blocks}"]
+        q = self.visibility.quantiles((0.5, 0.99))
+        name = "kvatlas_event_visibility_seconds"
+        lines += [f"# HELP {name} Publish to applied-in-the-index time of recent batches (quantiles)",
+                  f"# TYPE {name} gauge"]
+        lines += [f'{name}{{quantile="{k}"}} {v:.6f}' for k, v in zip(("0.5", "0.99"), q) if v is not None]
+        return "\n".join(lines) + "\n"
+
+    def stats(self) -> dict[str, Any]:
+        p50, p99 = self.visibility.quantiles((0.5, 0.99))
+        return {"routes": len(self.pending), "blocks": self.pending.blocks,
+                "outcomes": dict(self.pending.counts.items()),
+                "visibility": {"count": len(self.visibility),
+                               "p50_ms": None if p50 is None else p50 * 1e3,
+                               "p99_ms": None if p99 is None else p99 * 1e3}}

@@ -1,0 +1,273 @@
+"""In-flight ("pending") routes (indexer/pending.py, router_api/routes.py; docs/CONTRACTS.md, "Pending routes").
+
+- The structure alone: add / release / expiry by the caller's clock / caps with counted drops /
+  clearing a worker / `run` over chained keys.
+- Exactness is untouched (hypothesis): a service that also takes random route reports, releases,
+  clock jumps and worker removals answers every query with exactly the exact fields of a twin that
+  never saw a route, on the pure core, the native core and a sharded index; its `pending_blocks`
+  equal a brute-force model of the routes alive at that instant.
+- Confirmation: once the worker's own events (over real ZeroMQ) cover a route, the route is
+  confirmed and stops counting; a worker's restart or removal forgets its routes.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from indexer.core import native as native_core
+from indexer.hashing import namespace_seed, query_keys
+from indexer.index import KVIndex
+from indexer.pending import PendingRoutes
+from indexer.sharded import ShardedIndex
+from router_api.service import IndexerService, ServiceConfig
+from router_api.routes import UnknownRouteWorker
+from schemas.api import RegisterWorker
+from schemas.events import KVEventBatch
+from support.net import wait_until
+from support.service import WorkerSim, make_prompts, service_with_publisher
+
+BS = 4
+MODEL = "default"
+HAVE_NATIVE = native_core.select(None) is not None
+
+
+# -- the structure ----------------------------------------------------------------------------
+
+def test_add_release_run_and_counts() -> None:
+    p = PendingRoutes(ttl_s=5.0)
+    assert p.add("m", "r1", "w0", 0, [1, 2, 3], now=0.0) == 3
+    assert p.add("m", "r2", "w0", 0, [1, 2, 3, 4, 5], now=0.0) == 5
+    assert p.run("m", "w0", 0, [1, 2, 3, 4, 5, 6]) == 5
+    assert p.run("m", "w0", 0, [1, 2, 3, 4, 5, 6], start=2) == 3
+    assert p.run("m", "w0", 1, [1, 2]) == 0 and p.run("m", "w1", 0, [1, 2]) == 0 and p.run("x", "w0", 0, [1]) == 0
+    assert p.release("m", "r2") == 5 and p.release("m", "r2") == 0  # idempotent
+    assert p.run("m", "w0", 0, [1, 2, 3, 4, 5]) == 3  # r1 still holds its blocks (refcounted)
+    assert p.confirm("m", "r1") == 3 and not p.has("m") and p.blocks == 0 and len(p) == 0
+    assert dict(p.counts.items()) == {"added": 2, "released": 1, "confirmed": 1, "expired": 0, "dropped": 0,
+                                      "cleared": 0}
+
+
+def test_expiry_follows_the_callers_clock_and_re_reports() -> None:
+    p = PendingRoutes(ttl_s=2.0)
+    p.add("m", "a", "w0", 0, [1], now=0.0)
+    p.add("m", "b", "w0", 0, [2], now=1.0)
+    p.add("m", "a", "w1", 0, [3], now=1.5)  # re-reported: replaces the first, expires later
+    assert p.expire(1.99) == 0
+    assert p.expire(3.0) == 1 and p.run("m", "w0", 0, [2]) == 0  # b expired at 3.0
+    assert p.run("m", "w1", 0, [3]) == 1 and p.run("m", "w0", 0, [1]) == 0
+    assert p.expire(3.5) == 1 and len(p) == 0 and p.counts.expired == 2
+
+
+def test_caps_drop_the_oldest_and_count() -> None:
+    p = PendingRoutes(ttl_s=10.0, max_routes=3, max_blocks=10)
+    for i in range(5):
+        p.add("m", f"r{i}", "w0", 0, [100 * i + 1], now=float(i))
+    assert len(p) == 3 and p.counts.dropped == 2
+    assert p.run("m", "w0", 0, [1]) == 0 and p.run("m", "w0", 0, [401]) == 1
+    assert p.add("m", "big", "w0", 0, list(range(11)), now=9.0) == 0  # larger than the whole cap
+    p.add("m", "nine", "w1", 0, list(range(1000, 1009)), now=9.0)  # 9 blocks: pushes older ones out
+    assert p.blocks <= 10 and p.run("m", "w1", 0, list(range(1000, 1009))) == 9
+
+
+def test_clear_worker_and_model() -> None:
+    p = PendingRoutes()
+    p.add("m", "a", "w0", 0, [1], now=0.0)
+    p.add("m", "b", "w0", 1, [1], now=0.0)
+    p.add("m", "c", "w1", 0, [1], now=0.0)
+    assert p.clear_worker("m", "w0", 1) == 1 and p.run("m", "w0", 0, [1]) == 1
+    assert p.clear_worker("m", "w0") == 1 and sorted(p.pairs("m")) == [("w1", 0)]
+    assert p.clear_model("m") == 1 and p.counts.cleared == 3 and not p.has("m")
+    with pytest.raises(ValueError):
+        PendingRoutes(ttl_s=0)
+
+
+# -- exactness is untouched (hypothesis) ------------------------------------------------------
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _index(kind: str) -> Any:
+    if kind == "sharded":
+        return ShardedIndex(2, native=HAVE_NATIVE or None)
+    return KVIndex(native=kind == "native")
+
+
+def _service(kind: str, clock: _Clock) -> IndexerService:
+    svc = IndexerService(ServiceConfig(block_size=BS, stale_after_s=1e6, remove_after_s=2e6), index=_index(kind),
+                         clock=clock, pending=PendingRoutes(ttl_s=5.0, max_routes=6))
+    svc.index.ensure_model(MODEL, BS)
+    return svc
+
+
+def _register(svc: IndexerService, wid: str) -> None:
+    svc.register(RegisterWorker(worker_id=wid, endpoint=f"tcp://127.0.0.1:{1000 + int(wid[1:])}", block_size=BS))
+
+
+EXACT = ("worker_id", "dp_rank", "device_blocks", "cached_blocks", "tiers", "score", "stale", "last_seq", "status",
+         "kv_blocks")
+
+
+def _exact(svc: IndexerService, q: list[int]) -> list[tuple[Any, ...]]:
+    return [tuple(getattr(r, f) for f in EXACT) for r in svc.score(MODEL, q).workers]
+
+
+KINDS = ["python", "sharded"] + (["native"] if HAVE_NATIVE else [])
+
+op = st.one_of(
+    st.tuples(st.just("events"), st.integers(0, 2), st.integers(1, 3)),
+    st.tuples(st.just("report"), st.integers(0, 2), st.integers(0, 40)),
+    st.tuples(st.just("release"), st.integers(0, 40)),
+    st.tuples(st.just("clock"), st.floats(0.0, 4.0)),
+    st.tuples(st.just("rejoin"), st.integers(0, 2)),
+)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=30), seed=st.integers(0, 1 << 16))
+def test_pending_never_changes_the_exact_view(kind: str, ops: list[tuple], seed: int) -> None:
+    clock = _Clock()
+    plain, routed = _service(kind, clock), _service(kind, clock)
+    wids = ["w0", "w1", "w2"]
+    for svc in (plain, routed):
+        for w in wids:
+            _register(svc, w)
+    prompts = make_prompts(seed, BS, n=4, blocks=3)
+    sims = {w: WorkerSim(seed + i, BS, prompts) for i, w in enumerate(wids)}
+    rng = random.Random(seed)
+    model: dict[str, tuple[str, list[int], float]] = {}  # request id -> (worker, keys, expires_at)
+    seed0 = namespace_seed(BS)
+
+    def queries() -> list[list[int]]:
+        qs = [q for s in sims.values() for q in s.sample_queries(2)]
+        return qs + [list(p) + [7] * BS for p in prompts]
+
+    for o in ops:
+        if o[0] == "events":
+            w = wids[o[1]]
+            events = [e for _ in range(o[2]) for e in sims[w].step()]
+            for svc in (plain, routed):
+                with svc.lock:
+                    svc.index.apply(MODEL, w, 0, KVEventBatch(1.0, list(events), 0))
+        elif o[0] == "report":
+            w = wids[o[1]]
+            q = rng.choice(queries())
+            rid = f"r{o[2]}"
+            ans = routed.report_route(MODEL, rid, w, q)
+            assert ans.blocks == len(q) // BS
+            model.pop(rid, None)  # a re-reported id replaces its route
+            model[rid] = (w, query_keys(q, BS, seed0), clock.t + 5.0)
+            while len(model) > 6:  # the cap drops the oldest (earliest expiry)
+                del model[min(model, key=lambda k: model[k][2])]
+        elif o[0] == "release":
+            got = routed.release_route(MODEL, f"r{o[1]}")
+            entry = model.pop(f"r{o[1]}", None)
+            assert got == (0 if entry is None or entry[2] <= clock.t else len(entry[1]))
+        elif o[0] == "clock":
+            clock.t += o[1]
+        else:  # the worker leaves and comes back empty: the index and its routes forget it
+            w = wids[o[1]]
+            for svc in (plain, routed):
+                svc.unregister(w)
+                _register(svc, w)
+            sims[w].clear()
+            model = {k: v for k, v in model.items() if v[0] != w}
+        model = {k: v for k, v in model.items() if v[2] > clock.t}
+        for q in queries():
+            assert _exact(routed, q) == _exact(plain, q)
+            keys = query_keys(q, BS, seed0)
+            for row in routed.score(MODEL, q).workers:
+                held = {k for w, ks, _ in model.values() if w == row.worker_id for k in ks}
+                n = 0
+                for k in keys[row.cached_blocks:]:
+                    if k not in held:
+                        break
+                    n += 1
+                assert row.pending_blocks == n, (row.worker_id, row.cached_blocks, keys, model)
+            assert plain.score_answer(MODEL, q) == routed.score_answer(MODEL, q) or routed.routes.pending.has(MODEL)
+
+
+def test_report_needs_a_registered_worker_of_that_model() -> None:
+    svc = _service("python", _Clock())
+    _register(svc, "w0")
+    with pytest.raises(UnknownRouteWorker):
+        svc.report_route(MODEL, "r", "w9", list(range(8)))
+    from router_api.service import UnknownModel
+    with pytest.raises(UnknownModel):
+        svc.report_route("nope", "r", "w0", list(range(8)))
+
+
+# -- confirmation by the worker's own events, restart ------------------------------------------
+
+def test_routes_are_confirmed_by_the_workers_events_and_forgotten_on_restart() -> None:
+    from schemas.events import BlockStored
+    from producer.page_hash import page_ids
+
+    with service_with_publisher(BS) as (svc, pub):
+        toks = list(range(1, 4 * BS + 3))
+        assert svc.report_route("default", "r1", "w0", toks).blocks == 4
+        row = svc.score("default", toks).workers[0]
+        assert (row.cached_blocks, row.pending_blocks) == (0, 4)
+        # the worker stores the first two blocks: they are exact now, the rest still pending
+        ids = [h & ((1 << 64) - 1) for h in page_ids(toks, BS)]
+        pub.publish([BlockStored(block_hashes=ids[:2], parent_block_hash=None, token_ids=toks[:2 * BS],
+                                 block_size=BS, medium="GPU")])
+        wait_until(lambda: svc.score("default", toks).workers[0].cached_blocks == 2, timeout=10)
+        row = svc.score("default", toks).workers[0]
+        assert (row.device_blocks, row.cached_blocks, row.pending_blocks) == (2, 2, 2)
+        assert svc.routes.pending.counts.confirmed == 0
+        pub.publish([BlockStored(block_hashes=ids[2:4], parent_block_hash=ids[1], token_ids=toks[2 * BS:4 * BS],
+                                 block_size=BS, medium="GPU")])
+        wait_until(lambda: svc.score("default", toks).workers[0].cached_blocks == 4, timeout=10)
+        row = svc.score("default", toks).workers[0]
+        assert row.pending_blocks == 0 and svc.routes.pending.counts.confirmed == 1 and len(svc.routes.pending) == 0
+        assert svc.release_route("default", "r1") == 0  # already confirmed
+        # a publisher restart (as the ingest loop counts it) voids the worker's routes
+        longer = toks + list(range(100, 100 + 2 * BS))
+        svc.report_route("default", "r2", "w0", longer)
+        assert svc.score("default", longer).workers[0].pending_blocks == 2
+        with svc.lock:
+            svc.registry.get("w0").restarts += 1
+        assert svc.score("default", longer).workers[0].pending_blocks == 0
+        assert svc.routes.pending.counts.cleared == 1
+        # a new route, then the worker is removed: its routes go with it
+        svc.report_route("default", "r3", "w0", longer)
+        assert svc.score("default", longer).workers[0].pending_blocks == 2
+        svc.unregister("w0")
+        assert len(svc.routes.pending) == 0 and svc.routes.pending.counts.cleared == 2
+        text = svc.metrics_text()
+        assert 'kvatlas_pending_routes_total{outcome="confirmed"} 1' in text
+        assert "kvatlas_event_visibility_seconds" in text
+
+
+def test_embedded_indexer_reports_and_releases_routes() -> None:
+    from producer.publisher import ZmqEventPublisher
+    from router_api.embedded import EmbeddedIndexer
+
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*")
+    try:
+        with EmbeddedIndexer(workers=[{"worker_id": "e0", "endpoint": pub.endpoint},
+                                      {"worker_id": "e1", "endpoint": "tcp://127.0.0.1:9"}],
+                             block_size=BS, pending_ttl_s=30.0) as idx:
+            toks = list(range(1, 5 * BS))  # 4 full blocks
+            assert idx.report_route(None, "a", "e1", toks) == 0  # nothing pending there before it
+            assert idx.report_route(None, "b", "e1", toks[:3 * BS]) == 3  # the first route's blocks
+            rows = {r.worker_id: r for r in idx.score(toks).workers}
+            assert (rows["e1"].pending_blocks, rows["e0"].pending_blocks) == (4, 0)
+            assert (rows["e1"].cached_blocks, rows["e1"].score, idx.score(toks).best) == (0, 0.0, None)
+            assert idx.release_route(None, "a") == 4 and idx.release_route("default", "b") == 3
+            assert idx.release_route(None, "a") == 0
+            assert all(r.pending_blocks == 0 for r in idx.score(toks).workers)
+            with pytest.raises(UnknownRouteWorker):
+                idx.report_route(None, "c", "nobody", toks)
+    finally:
+        pub.close()

@@ -1,0 +1,115 @@
+"""`POST /routes` / `DELETE /routes/{id}` and `/score`'s `pending_blocks` over real HTTP (uvicorn), and
+two router replicas (`RouterCore`, real httpx) sharing one indexer: each sees the other's reported
+routes as pending, and its precise policy follows them (docs/CONTRACTS.md, "Pending routes")."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+
+from producer.publisher import ZmqEventPublisher
+from producer.sim.api import SimModel
+from router_api.router.forwarder import RouterCore
+from router_api.router.policies import make_policy
+from router_api.service import ServiceConfig
+from support.net import free_port
+from support.service import LiveIndexer
+
+BS = 16
+WIDS = ["rw0", "rw1", "rw2"]
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveIndexer]:
+    li = LiveIndexer(ServiceConfig(port=free_port(), block_size=BS, stats_ttl_s=0.0)).start()
+    pubs = []
+    try:
+        for wid in WIDS:
+            pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+            pubs.append(pub)
+            r = li.client.post("/workers", json={"worker_id": wid, "endpoint": pub.endpoint,
+                                                  "replay_endpoint": pub.replay_endpoint, "block_size": BS})
+            assert r.status_code == 201, r.text
+        yield li
+    finally:
+        for p in pubs:
+            p.close()
+        li.stop()
+
+
+def _rows(li: LiveIndexer, tokens: list[int]) -> dict[str, dict]:
+    r = li.client.post("/score", json={"token_ids": tokens})
+    assert r.status_code == 200, r.text
+    return {w["worker_id"]: w for w in r.json()["workers"]}
+
+
+def test_report_score_release_over_http(live: LiveIndexer) -> None:
+    toks = list(range(1, 3 * BS + 5))  # 3 full blocks
+    assert all(w.get("pending_blocks", 0) == 0 for w in _rows(live, toks).values())
+    r = live.client.post("/routes", json={"request_id": "h1", "worker_id": "rw1", "token_ids": toks})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"request_id": "h1", "pending_blocks": 0, "cached_blocks": 0, "blocks": 3}
+    rows = _rows(live, toks + [9] * BS)
+    assert rows["rw1"]["pending_blocks"] == 3 and rows["rw1"]["cached_blocks"] == 0
+    assert rows["rw1"]["device_blocks"] == 0 and rows["rw1"]["tiers"] == {"gpu": 0, "host": 0, "disk": 0, "shared": 0}
+    assert "pending_blocks" not in rows["rw0"]  # zero: omitted, like the C writer's rows
+    # a second route to the same worker sees the first one's blocks as pending there (msgpack body)
+    body = msgspec.msgpack.encode({"request_id": "h2", "worker_id": "rw1", "token_ids": toks[:2 * BS]})
+    r = live.client.post("/routes", content=body, headers={"Content-Type": "application/msgpack"})
+    assert r.json() == {"request_id": "h2", "pending_blocks": 2, "cached_blocks": 0, "blocks": 2}
+    assert live.client.delete("/routes/h1").json() == {"released": 3}
+    assert live.client.delete("/routes/h1").json() == {"released": 0}  # idempotent
+    assert _rows(live, toks)["rw1"]["pending_blocks"] == 2
+    assert live.client.delete("/routes/h2", params={"model": "default"}).json() == {"released": 2}
+    assert all(w.get("pending_blocks", 0) == 0 for w in _rows(live, toks).values())
+    metrics = live.client.get("/metrics").text
+    assert 'kvatlas_pending_routes_total{outcome="added"} 2' in metrics
+    assert 'kvatlas_pending_routes_total{outcome="released"} 2' in metrics
+    assert live.client.get("/stats").json()["pending"]["routes"] == 0
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"request_id": "x", "worker_id": "nope", "token_ids": [1, 2]}, 404),
+    ({"request_id": "x", "worker_id": "rw0", "token_ids": [1, 2], "model": "other"}, 404),
+    ({"request_id": "x", "worker_id": "rw0", "token_ids": [-1]}, 422),
+    ({"request_id": "x", "worker_id": "rw0"}, 422),
+    ({"request_id": "x", "worker_id": "rw0", "token_ids": [1], "surprise": 1}, 422),
+])
+def test_bad_route_reports_are_clear_errors(live: LiveIndexer, body: dict, status: int) -> None:
+    r = live.client.post("/routes", json=body)
+    assert r.status_code == status and r.json()["error"], r.text
+    assert live.client.post("/routes", content=b"{not json", headers={"Content-Type": "application/json"}
+                            ).status_code == 400
+
+
+def test_two_router_replicas_see_each_others_routes(live: LiveIndexer) -> None:
+    sim = SimModel()
+    workers = {w: "http://127.0.0.1:9" for w in WIDS}  # never called: only the indexer is
+
+    async def main() -> None:
+        a = RouterCore(make_policy("precise_tiered", WIDS, sim), workers, live.url, "default", BS, sim)
+        b = RouterCore(make_policy("precise_tiered", WIDS, sim, seed=1), workers, live.url, "default", BS, sim)
+        try:
+            system = np.arange(100, 100 + 4 * BS, dtype=np.uint32)
+            first = np.concatenate([system, np.arange(1000, 1000 + 2 * BS, dtype=np.uint32)])
+            got = await a.report_route("a-1", "rw2", first)
+            assert got is not None and got["blocks"] == 6
+            # replica b has not routed anything, yet sees a's in-flight request on rw2
+            second = np.concatenate([system, np.arange(5000, 5000 + 3 * BS, dtype=np.uint32)])
+            rows = await b.score(second)
+            assert rows["rw2"].pending == 4 and rows["rw2"].cached == 0 and rows["rw0"].pending == 0
+            # and its precise policy sends the request sharing the system prompt there
+            from router_api.router.policies import RouteInput
+            d = b.policy.choose(RouteInput(len(second), [], BS, rows, {w: 0.0 for w in WIDS},
+                                           {w: 0 for w in WIDS}))
+            assert d.worker_id == "rw2" and d.predicted_cached == 4 * BS and d.predicted_pending == 4 * BS
+            await a.release_route("a-1")
+            assert (await b.score(second))["rw2"].pending == 0
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())
