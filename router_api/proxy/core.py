@@ -166,7 +166,7 @@ class ProxyCore:
             t = row.get("tiers") or {}
             prev = out.get(row["worker_id"])
             cur = ScoreRow(row["device_blocks"], row["cached_blocks"], t.get("host", 0), t.get("disk", 0),
-                           t.get("shared", 0))
+                           t.get("shared", 0), row.get("pending_blocks", 0))
             if prev is None or cur.cached > prev.cached:  # per worker, its best dp rank
                 out[row["worker_id"]] = cur
                 if ranks is not None:
