@@ -122,9 +122,7 @@ class RouterCore:
         r.raise_for_status()
         out: dict[str, ScoreRow] = {}
         for row in _score_dec.decode(r.content)["workers"]:
-            t = row["tiers"]
-            out[row["worker_id"]] = ScoreRow(row["device_blocks"], row["cached_blocks"], t.get("host", 0),
-                                             t.get("disk", 0), t.get("shared", 0), row.get("pending_blocks", 0))
+            out[row["worker_id"]] = ScoreRow.from_answer(row)
         return out
 
     # -- in-flight routes (docs/CONTRACTS.md, "Pending routes") ----------------------------
