@@ -117,10 +117,11 @@ class RouteBook:
                 if r.keys and self._held(index, model, r.keys, r.pair) >= len(r.keys):
                     pend.confirm(model, r.request_id)
 
-    def pending_run(self, model: str, worker_id: str, dp_rank: int, keys: Sequence[int], exact: int) -> int:
+    def pending_run(self, model: str, worker_id: str, dp_rank: int, keys: Sequence[int], exact: int,
+                    hybrid: bool = False) -> int:
         """`pending_blocks` of one row: leading query blocks past the exact match `exact` that are
-        pending on that worker."""
-        return self.pending.run(model, worker_id, dp_rank, keys, exact)
+        pending on that worker (a hybrid model's: up to where a route ends, indexer/pending.py)."""
+        return self.pending.run(model, worker_id, dp_rank, keys, exact, ends_only=hybrid)
 
     # -- metrics -------------------------------------------------------------------------------
     def metrics_text(self) -> str:
