@@ -3,6 +3,8 @@
 served from cache — the family's usable prefix, never the full-attention run alone."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from producer.components.families import FamilySizes, build_family_cache
@@ -103,3 +105,39 @@ def test_hybrid_load_back_costs_the_state_and_the_window() -> None:
     assert sim.load_bytes_s(25_000_000, "host") == pytest.approx(25e6 / sim.h2d_bytes_per_s)
     assert sim.load_bytes_s(4e9, "disk") == pytest.approx(4e9 / sim.h2d_bytes_per_s + 1.0)
     assert SimModel().mamba_state_bytes == 0 and SimModel().window_bytes_per_token == 0  # full attention unchanged
+
+
+def test_pending_routes_on_a_hybrid_worker_count_to_where_a_route_ends() -> None:
+    """An in-flight request on a hybrid worker leaves its prefix usable at its end only (for sure):
+    a query sharing part of it gets no pending blocks, one extending it gets them all."""
+    from producer.publisher import ZmqEventPublisher
+    from producer.sinks import ZmqSink
+    from router_api.embedded import EmbeddedIndexer
+    from support.net import wait_until
+
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    try:
+        rec = EventRecorder(ZmqSink(pub), heartbeat_interval_s=0.2)
+        sizes = FamilySizes(page_size=P, device_pages=128, kv_shape=(2,), mamba_states=32, conv_shape=(2,),
+                            temporal_shape=(2,))
+        cache = build_family_cache("mamba", sizes, device="cpu", recorder=rec, component_events=True)
+        with EmbeddedIndexer(workers=[{"worker_id": "w0", "endpoint": pub.endpoint,
+                                       "replay_endpoint": pub.replay_endpoint}], block_size=P,
+                             pending_ttl_s=60.0) as idx:
+            Driver(cache, lookahead=0, chunk_pages=CHUNK).run([A])  # states at 4, 8, 12, 16, 20
+
+            def indexed() -> bool:
+                cache.step(time.monotonic())  # heartbeats: a subscriber that joined late replays the gap
+                return idx.score(A).workers[0].cached_blocks == 20
+
+            wait_until(indexed, 60.0)
+            row = idx.score(SHARED10).workers[0]
+            assert (row.cached_blocks, row.kv_blocks) == (8, 10)
+            longer = A + _tokens(5000, 10)            # 30 full pages, in flight (not served yet)
+            assert idx.report_route(None, "r", "w0", longer) == 0
+            part = longer[:25 * P] + _tokens(6000, 4)  # shares 25 of its 30 pages
+            assert idx.score(part).workers[0].pending_blocks == 0
+            assert idx.report_route(None, "r2", "w0", part) == 0  # the route's answer says the same
+            assert idx.score(longer + [1, 2, 3] * P).workers[0].pending_blocks == 10
+    finally:
+        pub.close()
