@@ -181,7 +181,9 @@ class RouterCore:
                     got = await self.report_route(route_id, w, tokens)
                     if got is not None:  # the index's view at the report, fresher than at the score
                         b = self.block_size
-                        rec.predicted_cached = min(len(tokens), (got["cached_blocks"] + got["pending_blocks"]) * b)
+                        blocks = pol.predicted_at_report(  # type: ignore[attr-defined]
+                            (scores or {}).get(w), got["cached_blocks"], got["pending_blocks"])
+                        rec.predicted_cached = min(len(tokens), blocks * b)
                         rec.predicted_pending = got["pending_blocks"] * b
         except (httpx.HTTPError, msgspec.DecodeError, KeyError, TypeError) as exc:
             rec.error = f"route: {exc}"

@@ -208,6 +208,11 @@ class PreciseGpu(Policy):
         """Virtual seconds of load-back + prefill this request adds on that worker."""
         return self.sim.prefill_s(max(0, inp.tokens - (row.device + row.pending) * inp.block_size))
 
+    def predicted_at_report(self, scored: ScoreRow | None, cached: int, pending: int) -> int:
+        """Blocks the worker will serve from cache, read from the route report's answer (`cached`,
+        `pending`: fresher than the score the decision used)."""
+        return cached + pending
+
     def key(self, backlog: float, work: float) -> float:
         """Expected TTFT on a worker (its queue, then this request's own work), plus the delay that work
         imposes on the requests that will queue behind it: `work_weight - 1` more times the work on a
@@ -257,6 +262,9 @@ class PreciseKvOnly(PreciseTiered):
 
     def cached_blocks(self, row: ScoreRow) -> int:
         return max(row.kv, row.cached + row.pending)
+
+    def predicted_at_report(self, scored: ScoreRow | None, cached: int, pending: int) -> int:
+        return max(0 if scored is None else scored.kv, cached + pending)
 
 
 _CLASSES: dict[str, type[Policy]] = {c.name: c for c in (RoundRobin, Random, LeastLoaded, Approximate,
