@@ -21,10 +21,10 @@ CHUNK = 4                   # pages per Mamba chunk
 WINDOW = 2 * P              # sliding window: cdiv(31, 16) = 2 pages before a match end
 
 
-def _cache(family: str, host_pages: int = 0, sink: ListSink | None = None, swa_pages: int = 0):  # noqa: ANN202
+def _cache(family: str, host_pages: int = 0, sink: ListSink | None = None):  # noqa: ANN202
     sizes = FamilySizes(page_size=P, device_pages=128, host_pages=host_pages, kv_shape=(2,), mamba_states=32,
                         host_mamba_states=32, conv_shape=(2,), temporal_shape=(2,), window=WINDOW, swa_shape=(2,),
-                        dsa_shape=(2,), swa_device_pages=swa_pages)
+                        dsa_shape=(2,))
     return build_family_cache(family, sizes, device="cpu", transfer="thread" if host_pages else None,
                               recorder=EventRecorder(sink) if sink is not None else None, component_events=True)
 
@@ -33,9 +33,9 @@ def _tokens(base: int, pages: int, tail: int = 3) -> list[int]:
     return [base + i for i in range(pages * P + tail)]
 
 
-def _serve(family: str, prompts: list[list[int]], swa_pages: int = 0) -> list[tuple[int, int, int]]:
+def _serve(family: str, prompts: list[list[int]]) -> list[tuple[int, int, int]]:
     """(arrival_cached, served from cache, computed) per prompt, served in order by the engine."""
-    engine = Engine(_cache(family, swa_pages=swa_pages), SimModel(), chunk_pages=CHUNK)
+    engine = Engine(_cache(family), SimModel(), chunk_pages=CHUNK)
     try:
         out = []
         for i, t in enumerate(prompts):
@@ -56,7 +56,7 @@ LONGER = A[:20 * P] + _tokens(7000, 2)     # the next turn: A's 20 pages and mor
     ("full", 10, 20),
     ("dsa", 10, 20),     # DSA's indexer keys ride on the KV pages: the KV rule
     ("mamba", 8, 20),    # states at chunk ends 4, 8, 12, 16 and the prompt's end 20: resume from 8
-    ("swa", 10, 20),     # the window layers' pages of every computed page (nothing tombstoned yet)
+    ("swa", 0, 20),      # the window's pages are kept at A's end only (pages 18-19)
 ])
 def test_served_from_cache_is_the_family_usable_prefix(family: str, shared10: int, longer: int) -> None:
     res = _serve(family, [A, SHARED10, LONGER])
@@ -66,28 +66,18 @@ def test_served_from_cache_is_the_family_usable_prefix(family: str, shared10: in
     assert res[2][:2] == (longer * P, longer * P), res
 
 
-def test_a_short_window_pool_tombstones_the_least_recent_pages_first() -> None:
-    """24 window-layer pages: a second prompt of 10 pages takes A's window pages; A's KV stays, but a
-    prompt sharing it can resume from none of it (and the worker says so in `served`)."""
-    other = _tokens(50_000, 10)
-    res = _serve("swa", [A, other, SHARED10, LONGER], swa_pages=24)
-    # SHARED10 recomputes A's first 10 pages, which gives them window pages again: LONGER resumes there
-    assert [r[1] for r in res] == [0, 0, 0, 10 * P], res
-
-
 def test_the_full_attention_match_promises_more_than_a_hybrid_can_use() -> None:
     """The KV run a group-blind index sees (match.kv_len) against the usable prefix (best_len)."""
-    for family, usable, swa_pages in (("mamba", 8, 0), ("swa", 0, 24)):
-        cache = _cache(family, swa_pages=swa_pages)
-        Driver(cache, lookahead=0, chunk_pages=CHUNK).run([A, _tokens(50_000, 10)])
+    for family, usable in (("mamba", 8), ("swa", 0)):
+        cache = _cache(family)
+        Driver(cache, lookahead=0, chunk_pages=CHUNK).run([A])
         m = cache.match_prefix(SHARED10)
         assert (m.kv_len, m.best_len) == (10 * P, usable * P), family
 
 
 def test_hybrid_workers_publish_group_events() -> None:
-    """component events on: a Mamba store per kept state, window stores for the computed pages."""
-    for family, kind, blocks in (("mamba", "mamba", [4, 8, 12, 16, 20]),
-                                 ("swa", "sliding_window", list(range(1, 21)))):
+    """component events on: a Mamba store per kept state, a window store for the window's pages."""
+    for family, kind, blocks in (("mamba", "mamba", [4, 8, 12, 16, 20]), ("swa", "sliding_window", [19, 20])):
         sink = ListSink()
         cache = _cache(family, sink=sink)
         Driver(cache, lookahead=0, chunk_pages=CHUNK).run([A])

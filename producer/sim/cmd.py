@@ -49,9 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mamba: prefill chunk; a state is kept at every chunk's end (default 4096)")
     p.add_argument("--mamba-states", type=int, default=0,
                    help="mamba: GPU Mamba state slots (default: a quarter of --gpu-pages)")
-    p.add_argument("--swa-pages", type=int, default=0,
-                   help="swa: GPU pages of the window layers' pool (default: half of --gpu-pages; host: half "
-                        "of --host-pages); its least recently used pages are tombstoned first")
     p.add_argument("--speed", type=float, default=1.0,
                    help="virtual seconds per wall second of the simulated model (default 1 = real time)")
     p.add_argument("--sim", default=None,
@@ -81,8 +78,6 @@ def _make_cache(args: argparse.Namespace, storage: Any, recorder: Any) -> Any:
     sizes = FamilySizes(page_size=args.block_size, device_pages=args.gpu_pages, host_pages=args.host_pages,
                         kv_shape=(2, 4), mamba_states=states, host_mamba_states=max(1, args.host_pages // 4),
                         conv_shape=(2, 4), temporal_shape=(2, 4), window=args.window, swa_shape=(2, 4),
-                        swa_device_pages=args.swa_pages or max(1, args.gpu_pages // 2),
-                        swa_host_pages=max(1, args.host_pages // 2) if args.host_pages else 0,
                         dsa_shape=(4,))
     return build_family_cache(args.family, sizes, transfer=transfer, storage=storage, recorder=recorder,
                               component_events=True, write_policy=args.write_policy)
@@ -141,9 +136,9 @@ def run(args: argparse.Namespace) -> int:
     if args.host_pages < 0 or args.speed <= 0:
         print("kvatlas worker: --host-pages must be >= 0 and --speed positive", file=sys.stderr)
         return 2
-    if args.window <= 0 or args.chunk_tokens < args.block_size or args.mamba_states < 0 or args.swa_pages < 0:
+    if args.window <= 0 or args.chunk_tokens < args.block_size or args.mamba_states < 0:
         print("kvatlas worker: --window must be positive, --chunk-tokens at least --block-size, "
-              "--mamba-states and --swa-pages >= 0", file=sys.stderr)
+              "--mamba-states >= 0", file=sys.stderr)
         return 2
     try:
         over = msgspec.json.decode(args.sim or "{}")

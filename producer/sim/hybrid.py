@@ -4,10 +4,8 @@ pages (docs/hybrid.md, "Hybrid workers"). One home for the rule, used by the eng
 - Mamba: a state at the end of every prefill chunk (`chunk_pages` pages, counted from where the
   computation started) and at the prompt's last full page: vLLM's prefix caching keeps the state
   at each scheduled chunk's end, so a later prompt may resume only from one of those.
-- Sliding window: the window layers' KV of every computed page. vLLM frees the pages that slid out
-  of the window while prefill ran but they stay cached until their memory is reused; here the
-  window layers' pool is the smaller one, so its least recently used pages are tombstoned first
-  (the KV stays: a prefix then matches in full attention but cannot be resumed from).
+- Sliding window: the window's pages at the prompt's end only; the pages that slid out of the
+  window while prefill ran are freed, as vLLM's sliding-window manager does.
 - Full attention and DSA (its extra pool rides on the KV pages): the KV alone.
 
 The usable-prefix rule itself is the cache's (`TieredCache.match_prefix` of a hybrid cache): what
@@ -19,6 +17,7 @@ from collections.abc import Sequence
 
 from producer.allocator import PoolExhausted
 from producer.cache import TieredCache
+from producer.components.base import SLIDING_WINDOW
 
 
 def mamba_ends(start: int, npages: int, chunk_pages: int) -> list[int]:
@@ -43,12 +42,14 @@ def insert_request(cache: TieredCache, tokens: Sequence[int], pages: Sequence[in
         cache.insert(tokens, pages)
         return True
     given: dict[str, object] = {}
+    split_at = 0
     try:
         for c in comps:
-            if c.per_page:
-                new = max(0, npages - cached_pages)
-                given[c.name] = [None] * cached_pages + cache.alloc_component(c.name, new)
-            else:
+            if c.kind == SLIDING_WINDOW:
+                need = min(npages, getattr(c, "need", npages))
+                split_at = npages - need
+                given[c.name] = [None] * split_at + cache.alloc_component(c.name, need)
+            elif not c.per_page:
                 ends = mamba_ends(cached_pages, npages, chunk_pages)
                 given[c.name] = dict(zip(ends, cache.alloc_component(c.name, len(ends)))) if ends else {}
     except PoolExhausted:
@@ -59,5 +60,13 @@ def insert_request(cache: TieredCache, tokens: Sequence[int], pages: Sequence[in
                 c.device.free(slots)
         cache.insert(tokens, pages)
         return False
+    if split_at:
+        # The window's first page must start a node (the cache attaches per-page state to whole
+        # nodes): insert the part before it first, then the whole prompt on the pages the tree kept
+        # for that part (it freed ours where it already held the KV).
+        head = tokens[:split_at * p]
+        cache.insert(head, pages[:split_at])
+        path, _ = cache.tree.insert_path(cache.tree.page_key(head), cache.tick)
+        pages = [pg for node, _ in path for pg in node.value or ()] + list(pages[split_at:])
     cache.insert(tokens, pages, component_pages=given)
     return True

@@ -138,8 +138,7 @@ class Run:
 _FAMILY_NOTE = {
     "mamba": "full-attention KV + a Mamba state at every 4096-token prefill chunk's end and at the prompt's "
              "end (GPU states: a quarter of the pages)",
-    "swa": "full-attention KV + a 1024-token sliding window; the window layers' pool holds half as many "
-           "pages as the KV pool, least recently used pages tombstoned first",
+    "swa": "full-attention KV + a 1024-token sliding window whose pages are kept at the prompt's end only",
     "dsa": "MLA KV + DSA indexer keys on the same pages",
 }
 
