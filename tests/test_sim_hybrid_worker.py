@@ -141,3 +141,21 @@ def test_pending_routes_on_a_hybrid_worker_count_to_where_a_route_ends() -> None
             assert idx.score(longer + [1, 2, 3] * P).workers[0].pending_blocks == 10
     finally:
         pub.close()
+
+
+def test_load_back_of_a_hybrid_prefix_moves_its_state_or_window_too() -> None:
+    """A prefix served from below the GPU also brings its Mamba state / its window's pages, from
+    the deepest tier it used; a GPU-served one brings nothing more."""
+    from producer.sim.api import Tokens
+
+    sim = SimModel(mamba_state_bytes=64 << 20, window_bytes_per_token=1000)
+    for family, nbytes in (("mamba", 64 << 20), ("swa", 2 * P * 1000), ("full", 0), ("dsa", 0)):
+        engine = Engine(_cache(family), sim)
+        try:
+            assert engine._component_load_s(Tokens(gpu=10 * P, computed=5)) == 0.0
+            host = engine._component_load_s(Tokens(gpu=P, host=4 * P, computed=5))
+            disk = engine._component_load_s(Tokens(host=P, disk=4 * P, computed=5))
+            assert host == pytest.approx(sim.load_bytes_s(nbytes, "host")), family
+            assert disk == pytest.approx(sim.load_bytes_s(nbytes, "disk")), family
+        finally:
+            engine.close()

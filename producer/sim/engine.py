@@ -20,7 +20,7 @@ from producer.allocator import PoolExhausted
 from producer.sim.driver import write_pattern
 from producer.sim.hybrid import insert_request
 from producer.cache import TieredCache
-from producer.components.base import SLIDING_WINDOW
+from producer.components.swa import SlidingWindowComponent
 from producer.storage.keys import page_key
 from producer.sim.schedule import QueueFull, Schedule
 from schemas.media import Medium
@@ -192,8 +192,8 @@ class Engine:
         sim, p = self.sim, self.cache.page_size
         nbytes = 0
         for c in self.cache.components:
-            if c.kind == SLIDING_WINDOW:
-                nbytes += min(below, getattr(c, "need", 0) * p) * sim.window_bytes_per_token
+            if isinstance(c, SlidingWindowComponent):
+                nbytes += min(below, c.need * p) * sim.window_bytes_per_token
             elif not c.per_page:
                 nbytes += sim.mamba_state_bytes
         tier = "shared" if got.shared else "disk" if got.disk else "host"

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from producer.allocator import PoolExhausted
 from producer.cache import TieredCache
-from producer.components.base import SLIDING_WINDOW
+from producer.components.swa import SlidingWindowComponent
 
 
 def mamba_ends(start: int, npages: int, chunk_pages: int) -> list[int]:
@@ -45,8 +45,8 @@ def insert_request(cache: TieredCache, tokens: Sequence[int], pages: Sequence[in
     split_at = 0
     try:
         for c in comps:
-            if c.kind == SLIDING_WINDOW:
-                need = min(npages, getattr(c, "need", npages))
+            if isinstance(c, SlidingWindowComponent):
+                need = min(npages, c.need)
                 split_at = npages - need
                 given[c.name] = [None] * split_at + cache.alloc_component(c.name, need)
             elif not c.per_page:
