@@ -53,9 +53,12 @@ class PendingRoutes:
 
     `run(model, pair, keys, start)` is the number of consecutive `keys[start:]` pending on `pair`.
     Keys are chained (a key names its whole prefix), and every route holds all its blocks, so a
-    pending key implies its prefix is pending on that worker too."""
+    pending key implies its prefix is pending on that worker too. For a hybrid model (`ends_only`)
+    the run stops at the last block where a route ends: the one prefix of an in-flight request a
+    hybrid worker surely leaves usable (its window and its last Mamba state sit there)."""
 
-    __slots__ = ("ttl_s", "max_routes", "max_blocks", "counts", "_routes", "_held", "_heap", "_gen", "_blocks")
+    __slots__ = ("ttl_s", "max_routes", "max_blocks", "counts", "_routes", "_held", "_ends", "_heap", "_gen",
+                 "_blocks")
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_routes: int = DEFAULT_MAX_ROUTES,
                  max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
@@ -67,6 +70,7 @@ class PendingRoutes:
         self.counts = PendingCounts()
         self._routes: dict[str, dict[str, PendingRoute]] = {}              # model -> request_id -> route
         self._held: dict[str, dict[Pair, dict[int, int]]] = {}             # model -> pair -> key -> refs
+        self._ends: dict[str, dict[Pair, dict[int, int]]] = {}             # the same, routes' last keys
         self._heap: list[tuple[float, int, str, str]] = []                 # (expires_at, gen, model, id)
         self._gen = 0
         self._blocks = 0
@@ -106,6 +110,8 @@ class PendingRoutes:
             held = self._held.setdefault(model, {}).setdefault(r.pair, {})
             for k in keys:
                 held[k] = held.get(k, 0) + 1
+            ends = self._ends.setdefault(model, {}).setdefault(r.pair, {})
+            ends[keys[-1]] = ends.get(keys[-1], 0) + 1
         self._blocks += len(keys)
         heapq.heappush(self._heap, (expires, r.gen, model, request_id))
         self.counts.added += 1
@@ -158,8 +164,10 @@ class PendingRoutes:
         return len(gone)
 
     # -- queries -------------------------------------------------------------------------------
-    def run(self, model: str, worker_id: str, dp_rank: int, keys: Sequence[int], start: int = 0) -> int:
-        """Consecutive `keys[start:]` pending on (worker_id, dp_rank)."""
+    def run(self, model: str, worker_id: str, dp_rank: int, keys: Sequence[int], start: int = 0,
+            ends_only: bool = False) -> int:
+        """Consecutive `keys[start:]` pending on (worker_id, dp_rank); with `ends_only` cut back to
+        the last of them where a route ends (hybrid models)."""
         held = self._held.get(model, {}).get((worker_id, dp_rank))
         if not held:
             return 0
@@ -168,6 +176,10 @@ class PendingRoutes:
             if keys[i] not in held:
                 break
             n += 1
+        if ends_only:
+            ends = self._ends.get(model, {}).get((worker_id, dp_rank), {})
+            while n and keys[start + n - 1] not in ends:
+                n -= 1
         return n
 
     # -- internals -----------------------------------------------------------------------------
@@ -191,6 +203,17 @@ class PendingRoutes:
                 del by_pair[r.pair]
                 if not by_pair:
                     del self._held[model]
+            ends_by_pair = self._ends[model]
+            ends = ends_by_pair[r.pair]
+            last = r.keys[-1]
+            if ends[last] > 1:
+                ends[last] -= 1
+            else:
+                del ends[last]
+            if not ends:
+                del ends_by_pair[r.pair]
+                if not ends_by_pair:
+                    del self._ends[model]
         self._blocks -= len(r.keys)
         return r
 

@@ -16,7 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests in the slice (default 300; in-process: 400 synthetic requests)")
     p.add_argument("--speed", type=float, default=12.0, help="replay speed, virtual s per wall s (default 12)")
     p.add_argument("--policies", default=None,
-                   help="comma-separated policies, each run with one router (default: all six)")
+                   help="comma-separated policies, each run with one router (default: the six but "
+                        "precise_kv_only; a hybrid --family: round_robin, least_loaded, approximate, "
+                        "precise_kv_only, precise_tiered)")
     p.add_argument("--routers", type=int, default=4,
                    help="adds rows running approximate and precise_tiered with K router replicas "
                         "(default 4; 1 adds none)")
@@ -25,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-pages", type=int, default=320, help="GPU pages per worker (default 320)")
     p.add_argument("--host-pages", type=int, default=960, help="host pages per worker (default 960)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", choices=("full", "mamba", "swa", "dsa"), default="full",
+                   help="the workers' model family (kvatlas worker --family): a hybrid's default runs put "
+                        "precise_kv_only (routing on kv_blocks, as group-blind indexers do) beside precise_tiered "
+                        "(the usable prefix); see docs/hybrid.md")
     p.add_argument("--in-process", action="store_true",
                    help="the fast example: caches, ZMQ and the index in one process (no HTTP)")
     p.add_argument("--openai", action="store_true",
@@ -71,20 +77,24 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--requests must be positive")
     if args.speed <= 0:
         raise SystemExit("--speed must be positive")
+    if args.family != "full" and (args.in_process or args.openai):
+        raise SystemExit("--family runs the process demo (not --in-process or --openai)")
     if args.in_process:
         return _in_process(args)
     if args.openai:
         return _openai(args)
-    from router_api.demo.fleet import DemoSettings, rows_json, run_demo
+    from router_api.demo.fleet import HYBRID_POLICIES, DemoSettings, rows_json, run_demo
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else None
     bad = [p for p in policies or () if p not in POLICIES]
     if bad or policies == ():
         raise SystemExit(f"--policies: unknown {bad or 'empty list'}; expected some of {', '.join(POLICIES)}")
+    if not policies and args.family != "full":
+        policies = HYBRID_POLICIES
     kw = {"policies": policies} if policies else {}
     s = DemoSettings(trace=args.trace, requests=args.requests or 300, speed=args.speed, routers=args.routers,
                      workers=args.workers, gpu_pages=args.gpu_pages, host_pages=args.host_pages, seed=args.seed,
-                     **kw)
+                     family=args.family, **kw)
     if args.trace and args.trace not in ("builtin", "builtin-chat"):
         from router_api.router.trace import TraceError, load_trace
         try:

@@ -67,17 +67,23 @@ class RouteBook:
             mark = None
         if mark is None:
             self._marks[(model, worker_id)] = _Mark(w.last_seq, _epoch(w))
-        cached = self._held(index, model, keys, (worker_id, dp_rank))
-        pend = self.pending.run(model, worker_id, dp_rank, keys, cached)
+        cached, hybrid = self._match(index, model, keys, (worker_id, dp_rank))
+        pend = self.pending.run(model, worker_id, dp_rank, keys, cached, ends_only=hybrid)
         return cached, pend, self.pending.add(model, request_id, worker_id, dp_rank, keys, now)
 
-    @staticmethod
-    def _held(index: ScoringIndex, model: str, keys: Sequence[int], pair: tuple[str, int]) -> int:
+    @classmethod
+    def _held(cls, index: ScoringIndex, model: str, keys: Sequence[int], pair: tuple[str, int]) -> int:
         """The exact match (any tier) of `keys` on one worker."""
+        return cls._match(index, model, keys, pair)[0]
+
+    @staticmethod
+    def _match(index: ScoringIndex, model: str, keys: Sequence[int], pair: tuple[str, int]) -> tuple[int, bool]:
+        """(exact match of `keys` on one worker, whether the model is hybrid: its rows carry kv_blocks)."""
         if not keys:
-            return 0
+            return 0, False
         res = index.score_keys(model, list(keys), [pair])
-        return next((s.cached_blocks for s in res.workers if s.worker_id == pair[0] and s.dp_rank == pair[1]), 0)
+        row = next((s for s in res.workers if s.worker_id == pair[0] and s.dp_rank == pair[1]), None)
+        return (0, False) if row is None else (row.cached_blocks, row.kv_blocks is not None)
 
     def release(self, model: str, request_id: str, now: float) -> int:
         self.pending.expire(now)
@@ -119,10 +125,11 @@ class RouteBook:
                 if r.keys and self._held(index, model, r.keys, r.pair) >= len(r.keys):
                     pend.confirm(model, r.request_id)
 
-    def pending_run(self, model: str, worker_id: str, dp_rank: int, keys: Sequence[int], exact: int) -> int:
+    def pending_run(self, model: str, worker_id: str, dp_rank: int, keys: Sequence[int], exact: int,
+                    hybrid: bool = False) -> int:
         """`pending_blocks` of one row: leading query blocks past the exact match `exact` that are
-        pending on that worker."""
-        return self.pending.run(model, worker_id, dp_rank, keys, exact)
+        pending on that worker (a hybrid model's: up to where a route ends, indexer/pending.py)."""
+        return self.pending.run(model, worker_id, dp_rank, keys, exact, ends_only=hybrid)
 
     # -- metrics -------------------------------------------------------------------------------
     def metrics_text(self) -> str:

@@ -439,7 +439,9 @@ class IndexerService:
         keys = book.keys(self.index, model, block_size, token_ids, lora_name, cache_salt)
         for rows in (fresh, stale):
             for row in rows:
-                row.pending_blocks = book.pending_run(model, row.worker_id, row.dp_rank, keys, row.cached_blocks)
+                # kv_blocks is set exactly on a hybrid model's rows (docs/hybrid.md)
+                row.pending_blocks = book.pending_run(model, row.worker_id, row.dp_rank, keys, row.cached_blocks,
+                                                      hybrid=row.kv_blocks is not None)
 
     # -- in-flight routes --------------------------------------------------------------------
     def report_route(self, model: str, request_id: str, worker_id: str, token_ids: Any, dp_rank: int = 0,

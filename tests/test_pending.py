@@ -52,6 +52,22 @@ def test_add_release_run_and_counts() -> None:
                                       "cleared": 0}
 
 
+def test_hybrid_runs_stop_where_a_route_ends() -> None:
+    """A hybrid worker leaves an in-flight request's prefix usable only at its end (window, last
+    Mamba state): `ends_only` cuts the run back to the last block where a route ends."""
+    p = PendingRoutes(ttl_s=5.0)
+    p.add("m", "r1", "w0", 0, [1, 2, 3], now=0.0)
+    p.add("m", "r2", "w0", 0, [1, 2, 3, 4, 5, 6], now=0.0)
+    q = [1, 2, 3, 4, 5, 9]  # shares 5 of r2's 6 blocks
+    assert p.run("m", "w0", 0, q) == 5 and p.run("m", "w0", 0, q, ends_only=True) == 3
+    assert p.run("m", "w0", 0, q, start=1, ends_only=True) == 2
+    assert p.run("m", "w0", 0, [1, 2, 3, 4, 5, 6, 7], ends_only=True) == 6
+    p.add("m", "r3", "w0", 0, [1, 2, 3], now=0.0)  # a second route ending at block 3 (refcounted)
+    assert p.release("m", "r1") == 3 and p.run("m", "w0", 0, q, ends_only=True) == 3
+    assert p.release("m", "r3") == 3 and p.run("m", "w0", 0, q, ends_only=True) == 0
+    assert p.release("m", "r2") == 6 and not p.has("m") and p._ends == {}
+
+
 def test_expiry_follows_the_callers_clock_and_re_reports() -> None:
     p = PendingRoutes(ttl_s=2.0)
     p.add("m", "a", "w0", 0, [1], now=0.0)

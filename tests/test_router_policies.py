@@ -43,6 +43,28 @@ def test_precise_tiered_costs_tiers_and_load_precise_gpu_ignores_lower_tiers() -
     assert make_policy("precise_tiered", W, SIM).choose(inp(scores=scores)).worker_id == "b"
 
 
+def test_precise_kv_only_reads_kv_blocks_where_precise_tiered_reads_the_usable_prefix() -> None:
+    """A hybrid worker 'a' holds 4 full-attention blocks but can resume from none (row kv 4, cached 0);
+    'b' holds 2 usable blocks. The group-blind policy goes to 'a' and promises 4 blocks; precise_tiered
+    goes to 'b' and promises what 'b' can use."""
+    scores = {"a": ScoreRow(0, 0, kv=4), "b": ScoreRow(2, 2, kv=2), "c": ScoreRow()}
+    kv_only = make_policy("precise_kv_only", W, SIM)
+    tiered = make_policy("precise_tiered", W, SIM)
+    d = kv_only.choose(inp(scores=scores))
+    assert (d.worker_id, d.predicted_cached) == ("a", 2048)
+    d = tiered.choose(inp(scores=scores))
+    assert (d.worker_id, d.predicted_cached) == ("b", 1024)
+    # a full-attention model's rows carry no kv_blocks: both read the same prefix
+    row = ScoreRow.from_answer({"device_blocks": 1, "cached_blocks": 3, "tiers": {"gpu": 1, "host": 2}})
+    assert (row.kv, row.host, row.pending) == (3, 2, 0) and kv_only.cost(inp(), row) == tiered.cost(inp(), row)
+    hyb = ScoreRow.from_answer({"device_blocks": 0, "cached_blocks": 1, "tiers": {"gpu": 1}, "kv_blocks": 3,
+                                "pending_blocks": 1})
+    assert (kv_only.cached_blocks(hyb), tiered.cached_blocks(hyb)) == (3, 2)
+    # the route report's answer refines the prediction; the group-blind one still reads kv_blocks
+    assert kv_only.predicted_at_report(hyb, 1, 0) == 3 and tiered.predicted_at_report(hyb, 1, 0) == 1
+    assert "precise_kv_only" in POLICIES
+
+
 def test_approximate_remembers_its_own_decisions_and_balances() -> None:
     ap = make_policy("approximate", W, SIM)
     first = ap.choose(inp())
@@ -58,7 +80,7 @@ def test_approximate_remembers_its_own_decisions_and_balances() -> None:
 
 
 def test_unknown_policy_and_empty_fleet_are_errors() -> None:
-    assert len(POLICIES) == 6
+    assert len(POLICIES) == 7
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("magic", W, SIM)
     with pytest.raises(ValueError, match="at least one worker"):

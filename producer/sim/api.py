@@ -23,12 +23,24 @@ class SimModel(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     shared_bytes_per_s: float = 6e9            # shared store (RDMA/network) -> host
     max_batch: int = 32                        # running requests (prefill + decode)
     max_queue: int = 1024                      # waiting requests; beyond this /generate answers 503
+    # Hybrid models (kvatlas worker --family): what a load-back moves besides the full-attention KV
+    mamba_state_bytes: int = 0                 # one Mamba state (conv + temporal, every Mamba layer)
+    window_bytes_per_token: int = 0            # sliding-window layers' KV per token (the window's pages)
 
     def load_s(self, host: int, disk: int, shared: int) -> float:
         """Virtual seconds to bring cached tokens to the GPU (tiers below host go through host)."""
         b = self.kv_bytes_per_token
         return (b * (host + disk + shared) / self.h2d_bytes_per_s + b * disk / self.disk_bytes_per_s
                 + b * shared / self.shared_bytes_per_s)
+
+    def load_bytes_s(self, nbytes: int, tier: str) -> float:
+        """Virtual seconds to bring `nbytes` from `tier` (host, disk, shared) to the GPU."""
+        s = nbytes / self.h2d_bytes_per_s
+        if tier == "disk":
+            s += nbytes / self.disk_bytes_per_s
+        elif tier == "shared":
+            s += nbytes / self.shared_bytes_per_s
+        return s
 
     def prefill_s(self, computed: int) -> float:
         return self.prefill_overhead_s + computed / self.prefill_tokens_per_s
@@ -92,6 +104,7 @@ class WorkerHealth(Struct):
     replay_endpoint: Optional[str]
     sim: SimModel
     l3: Optional[str]
+    family: str = "full"       # full | mamba | swa | dsa (producer.components.families)
 
 
 # --- router report --------------------------------------------------------------------------

@@ -44,10 +44,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "redis: {\"url\": \"redis://host:6379/1\"} (shared: events say EXTERNAL)")
     p.add_argument("--write-policy", default="write_through",
                    choices=("write_through", "write_through_selective", "write_back"))
+    p.add_argument("--family", choices=("full", "mamba", "swa", "dsa"), default="full",
+                   help="model family: full attention, a Mamba hybrid, a sliding-window hybrid or DSA (MLA + "
+                        "indexer keys); hybrids publish vLLM's group events (docs/hybrid.md)")
+    p.add_argument("--window", type=int, default=1024, help="swa: sliding window in tokens (default 1024)")
+    p.add_argument("--chunk-tokens", type=int, default=4096,
+                   help="mamba: prefill chunk; a state is kept at every chunk's end (default 4096)")
+    p.add_argument("--mamba-states", type=int, default=0,
+                   help="mamba: GPU Mamba state slots (default: a quarter of --gpu-pages)")
     p.add_argument("--speed", type=float, default=1.0,
                    help="virtual seconds per wall second of the simulated model (default 1 = real time)")
     p.add_argument("--sim", default=None,
                    help="simulated model overrides as JSON, e.g. '{\"prefill_tokens_per_s\": 8000}'")
+
+
+# Per-family defaults of the simulated model's hybrid costs (--sim overrides them): a Qwen3-Next-like
+# Mamba state (~36 linear-attention layers of 32 x 128 x 128 fp16) and gpt-oss-like window layers.
+FAMILY_SIM: dict[str, dict[str, int]] = {
+    "mamba": {"mamba_state_bytes": 36 << 20},
+    "swa": {"window_bytes_per_token": 131_072},
+}
+
+
+def _make_cache(args: argparse.Namespace, storage: Any, recorder: Any) -> Any:
+    """The worker's cache: full attention as before; a hybrid family's pools with vLLM's group events."""
+    transfer = "thread" if args.host_pages else None
+    if args.family == "full":
+        from producer.sim.driver import build_cache
+
+        return build_cache(page_size=args.block_size, device_pages=args.gpu_pages, host_pages=args.host_pages,
+                           page_shape=(2, 4), transfer=transfer, storage=storage, recorder=recorder,
+                           write_policy=args.write_policy)
+    from producer.components.families import FamilySizes, build_family_cache
+
+    states = args.mamba_states or max(1, args.gpu_pages // 4)
+    sizes = FamilySizes(page_size=args.block_size, device_pages=args.gpu_pages, host_pages=args.host_pages,
+                        kv_shape=(2, 4), mamba_states=states, host_mamba_states=max(1, args.host_pages // 4),
+                        conv_shape=(2, 4), temporal_shape=(2, 4), window=args.window, swa_shape=(2, 4),
+                        dsa_shape=(4,))
+    return build_family_cache(args.family, sizes, transfer=transfer, storage=storage, recorder=recorder,
+                              component_events=True, write_policy=args.write_policy)
 
 
 def indexer_token(path: str | None) -> str | None:
@@ -100,7 +136,6 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
     import uvicorn
 
-    from producer.sim.driver import build_cache
     from producer.events import EventRecorder
     from producer.publisher import ZmqEventPublisher
     from producer.sinks import ZmqSink
@@ -117,8 +152,15 @@ def run(args: argparse.Namespace) -> int:
     if args.host_pages < 0 or args.speed <= 0:
         print("kvatlas worker: --host-pages must be >= 0 and --speed positive", file=sys.stderr)
         return 2
+    if args.window <= 0 or args.chunk_tokens < args.block_size or args.mamba_states < 0:
+        print("kvatlas worker: --window must be positive, --chunk-tokens at least --block-size, "
+              "--mamba-states >= 0", file=sys.stderr)
+        return 2
     try:
-        sim = msgspec.json.decode(args.sim or "{}", type=SimModel)
+        over = msgspec.json.decode(args.sim or "{}")
+        if not isinstance(over, dict):
+            raise ValueError("--sim must be a JSON object")
+        sim = msgspec.convert({**FAMILY_SIM.get(args.family, {}), **over}, type=SimModel)
         l3cfg = load_backend_config(args.l3_config) if args.l3 != "none" else {}
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         print(f"kvatlas worker: bad configuration: {exc}", file=sys.stderr)
@@ -154,17 +196,17 @@ def run(args: argparse.Namespace) -> int:
     publisher = ZmqEventPublisher(_endpoint(bind, args.zmq_port),
                                   replay_endpoint=_endpoint(bind, args.replay_port))
     recorder = EventRecorder(ZmqSink(publisher), heartbeat_interval_s=1.0)
-    cache = build_cache(page_size=args.block_size, device_pages=args.gpu_pages, host_pages=args.host_pages,
-                        page_shape=(2, 4), transfer="thread" if args.host_pages else None,
-                        storage=storage, recorder=recorder, write_policy=args.write_policy)
-    engine = Engine(cache, sim, probe=probe)
+    cache = _make_cache(args, storage, recorder)
+    engine = Engine(cache, sim, probe=probe, chunk_pages=args.chunk_tokens // args.block_size)
     endpoint = _advertised(publisher.endpoint, args.advertise_host)
     replay = _advertised(publisher.replay_endpoint, args.advertise_host)
     health = WorkerHealth(status="ok", worker_id=args.worker_id, model=args.model, block_size=args.block_size,
                           endpoint=endpoint, replay_endpoint=replay, sim=sim,
-                          l3=None if storage is None else ("shared" if storage.backend.shared else "disk"))
-    log.info("worker %s: events on %s (replay %s), GPU %d + host %d pages of %d tokens, L3 %s",
-             args.worker_id, endpoint, replay, args.gpu_pages, args.host_pages, args.block_size, health.l3)
+                          l3=None if storage is None else ("shared" if storage.backend.shared else "disk"),
+                          family=args.family)
+    log.info("worker %s (%s): events on %s (replay %s), GPU %d + host %d pages of %d tokens, L3 %s",
+             args.worker_id, args.family, endpoint, replay, args.gpu_pages, args.host_pages, args.block_size,
+             health.l3)
     app = create_worker_app(engine, health, VirtualClock(args.speed), tokenizer)
     try:
         if args.indexer:

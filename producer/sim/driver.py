@@ -19,6 +19,7 @@ from producer.allocator import PoolExhausted
 from producer.events import EventRecorder
 from producer.cache import CacheConfig, TieredCache
 from producer.pools import KVPool, make_device_pool, make_host_pool
+from producer.sim.hybrid import insert_request
 
 
 class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,6 +88,7 @@ def build_cache(*, page_size: int, device_pages: int, host_pages: int = 0,
 class DriverStats(msgspec.Struct, kw_only=True):
     served: int = 0
     skipped: int = 0           # no device memory even after eviction and pumping acks
+    no_component_memory: int = 0  # hybrid: KV inserted without its Mamba state / window (no slots left)
     tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
@@ -97,11 +99,12 @@ class Driver:
     """Serves requests FIFO with a small arrival queue: a request's L3 prefetch is issued when it
     arrives and it is served `lookahead` arrivals later, as a scheduler's waiting queue would."""
 
-    __slots__ = ("cache", "fill", "pump", "lookahead", "max_retries", "stats", "_queue")
+    __slots__ = ("cache", "fill", "pump", "lookahead", "max_retries", "chunk_pages", "stats", "_queue")
 
     def __init__(self, cache: TieredCache, *, fill: bool = True, lookahead: int = 2,
-                 pump: Callable[[], None] | None = None, max_retries: int = 3) -> None:
+                 pump: Callable[[], None] | None = None, max_retries: int = 3, chunk_pages: int = 8) -> None:
         self.cache = cache
+        self.chunk_pages = chunk_pages  # hybrid caches: a Mamba state at every chunk's end (producer.sim.hybrid)
         self.fill = fill
         # makes outstanding copies land when memory is short (tests complete manual acks here)
         self.pump = pump if pump is not None else (lambda: cache.wait_transfers(5.0))
@@ -159,7 +162,8 @@ class Driver:
                 digests = cache.tree.chain(tokens[:npages * p], p)
                 for page, d in zip(new, digests[len(pages):]):
                     write_pattern(cache.device, page, d)
-            cache.insert(tokens, pages + new)
+            if not insert_request(cache, tokens, pages + new, len(pages), self.chunk_pages):
+                self.stats.no_component_memory += 1
         finally:
             cache.unlock(node)  # type: ignore[arg-type]
         self.stats.served += 1

@@ -18,7 +18,9 @@ from typing import Any
 
 from producer.allocator import PoolExhausted
 from producer.sim.driver import write_pattern
+from producer.sim.hybrid import insert_request
 from producer.cache import TieredCache
+from producer.components.swa import SlidingWindowComponent
 from producer.storage.keys import page_key
 from producer.sim.schedule import QueueFull, Schedule
 from schemas.media import Medium
@@ -47,15 +49,16 @@ class Engine:
     """Single-threaded owner of the cache; `submit` is safe from any thread."""
 
     def __init__(self, cache: TieredCache, sim: SimModel, *, probe: Any = None,
-                 prefetch_wait_s: float = 2.0, idle_step_s: float = 0.005) -> None:
+                 prefetch_wait_s: float = 2.0, idle_step_s: float = 0.005, chunk_pages: int = 8) -> None:
         self.cache = cache
         self.sim = sim
+        self.chunk_pages = chunk_pages  # hybrid: a Mamba state at every prefill chunk's end (producer.sim.hybrid)
         self.schedule = Schedule(sim)
         self.probe = probe  # a second handle on a shared L3 store: arrival truth includes it
         self.prefetch_wait_s = prefetch_wait_s
         self.idle_step_s = idle_step_s
         self.lock = threading.Lock()  # guards `schedule` for /load readers
-        self.counts = {"requests": 0, "rejected": 0, "no_memory": 0, "errors": 0}
+        self.counts = {"requests": 0, "rejected": 0, "no_memory": 0, "no_component_memory": 0, "errors": 0}
         self._jobs: queue.Queue[tuple[list[int], int, float, Future[Served]] | None] = queue.Queue()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -120,7 +123,8 @@ class Engine:
         """Leading pages after `have_pages` the shared store holds (pages another worker backed up)."""
         p = self.cache.page_size
         npages = len(tokens) // p
-        if self.probe is None or have_pages >= npages:
+        # a hybrid prefix is usable only with its components: KV keys in the store do not tell that
+        if self.probe is None or have_pages >= npages or self.cache.hybrid:
             return 0
         digests = self.cache.tree.chain(tokens[:npages * p], p)
         keys = [page_key(d, self.cache.config.storage_suffix) for d in digests[have_pages:]]
@@ -166,17 +170,34 @@ class Engine:
                     digests = cache.tree.chain(tokens[:npages * p], p)
                     for page, d in zip(new, digests[len(pages):]):
                         write_pattern(cache.device, page, d)
-                cache.insert(tokens, pages + new)
+                if not insert_request(cache, tokens, pages + new, len(pages), self.chunk_pages):
+                    self.counts["no_component_memory"] += 1
         finally:
             cache.unlock(node)  # type: ignore[arg-type]
         cache.step()
-        load_s = sim.load_s(got.host, got.disk, got.shared)
+        load_s = sim.load_s(got.host, got.disk, got.shared) + self._component_load_s(got)
         prefill_s = sim.prefill_s(got.computed)
         with self.lock:
             slot = self.schedule.admit(arrival, load_s, prefill_s, max_tokens)
         self.counts["requests"] += 1
         return Served(arrival_cached, got, slot.start - arrival, load_s, prefill_s,
                       slot.first - arrival, slot.finish - arrival)
+
+    def _component_load_s(self, got: Tokens) -> float:
+        """Load-back of a hybrid prefix's components: the Mamba state at its end and the window's
+        pages come from the deepest tier the prefix used (the device held them otherwise)."""
+        below = got.host + got.disk + got.shared
+        if not below or not self.cache.components:
+            return 0.0
+        sim, p = self.sim, self.cache.page_size
+        nbytes = 0
+        for c in self.cache.components:
+            if isinstance(c, SlidingWindowComponent):
+                nbytes += min(below, c.need * p) * sim.window_bytes_per_token
+            elif not c.per_page:
+                nbytes += sim.mamba_state_bytes
+        tier = "shared" if got.shared else "disk" if got.disk else "host"
+        return sim.load_bytes_s(nbytes, tier)
 
     def _alloc(self, n: int) -> list[int] | None:
         cache = self.cache

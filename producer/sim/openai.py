@@ -208,7 +208,7 @@ class OpenAIFront:
 
 def vllm_metric_lines(engine: Engine, clock: VirtualClock, model: str) -> list[str]:
     """The worker's load under vLLM's gauge names (what `kvatlas router` polls on a real vLLM)."""
-    _, queued, running, _, _ = engine.load(clock.now())
+    _, queued, running, *_ = engine.load(clock.now())
     free, total = engine.pages()
     usage = 1.0 - free["gpu"] / total["gpu"] if total.get("gpu") else 0.0
     label = '{model_name="%s"}' % model.replace("\\", "\\\\").replace('"', '\\"')

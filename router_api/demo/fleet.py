@@ -35,6 +35,11 @@ class DemoSettings(msgspec.Struct, kw_only=True, frozen=True):
     gpu_pages: int = 320
     host_pages: int = 960
     seed: int = 0
+    family: str = "full"      # the workers' model family (kvatlas worker --family)
+
+
+# A hybrid fleet's default runs: the usable-prefix router beside the group-blind one (kv_blocks).
+HYBRID_POLICIES = ("round_robin", "least_loaded", "approximate", "precise_kv_only", "precise_tiered")
 
 
 class Run:
@@ -61,7 +66,8 @@ class Run:
         argv = kvatlas_cmd("worker", "--id", wid, "--port", str(port), "--indexer", self.indexer,
                            "--model", self.model, "--block-size", str(MODEL_BLOCK),
                            "--gpu-pages", str(self.s.gpu_pages), "--host-pages", str(self.s.host_pages),
-                           "--l3", "file", "--l3-dir", str(self.dir / f"l3-{j}"), "--speed", str(self.s.speed))
+                           "--l3", "file", "--l3-dir", str(self.dir / f"l3-{j}"), "--speed", str(self.s.speed),
+                           "--family", self.s.family)
         return Child(wid, argv, self.dir), wid, f"http://127.0.0.1:{port}"
 
     def wait_workers(self, attempts: int = 3) -> None:
@@ -129,6 +135,14 @@ class Run:
                 pass
 
 
+_FAMILY_NOTE = {
+    "mamba": "full-attention KV + a Mamba state at every 4096-token prefill chunk's end and at the prompt's "
+             "end (GPU states: a quarter of the pages)",
+    "swa": "full-attention KV + a 1024-token sliding window whose pages are kept at the prompt's end only",
+    "dsa": "MLA KV + DSA indexer keys on the same pages",
+}
+
+
 def _trace_name(trace: str | None) -> str:
     if trace == "builtin-chat":
         return "builtin-chat (bursty, one shared system prompt, multi-turn; seeded)"
@@ -176,6 +190,8 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
             p(f"dashboard: {indexer}/   (the index of the run in progress; each run is its own model)")
             p(f"simulated model {sim['sim']['name']}: " + ", ".join(f"{k}={v}" for k, v in sim["sim"].items()
                                                                     if k != "name"))
+            if s.family != "full":
+                p(f"model family {s.family}: {_FAMILY_NOTE.get(s.family, '')}")
             p(f"per worker: GPU {s.gpu_pages} + host {s.host_pages} pages of {MODEL_BLOCK} tokens, "
               f"L3 on a local directory (DISK); trace: {_trace_name(s.trace)}, "
               f"{s.requests} requests ({'the first by arrival' if s.trace == 'builtin-chat' else 'whole conversations'}), "

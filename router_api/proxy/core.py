@@ -163,10 +163,8 @@ class ProxyCore:
         self.block_size = int(ans.get("block_size") or self.block_size)
         out: dict[str, ScoreRow] = {}
         for row in ans.get("workers", []):
-            t = row.get("tiers") or {}
             prev = out.get(row["worker_id"])
-            cur = ScoreRow(row["device_blocks"], row["cached_blocks"], t.get("host", 0), t.get("disk", 0),
-                           t.get("shared", 0), row.get("pending_blocks", 0))
+            cur = ScoreRow.from_answer(row)
             if prev is None or cur.cached > prev.cached:  # per worker, its best dp rank
                 out[row["worker_id"]] = cur
                 if ranks is not None:

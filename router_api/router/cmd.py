@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", action="append", default=[], metavar="ID=URL",
                    help="a worker: its id (as registered at the indexer) and HTTP URL (repeatable)")
     p.add_argument("--policy", default="precise_tiered",
-                   help="round_robin | random | least_loaded | approximate | precise_gpu | precise_tiered")
+                   help="round_robin | random | least_loaded | approximate | precise_gpu | precise_tiered | precise_kv_only")
     p.add_argument("--model", default="default", help="model namespace at the indexer (default 'default')")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8800, help="HTTP port (default 8800; 0 = no HTTP server)")

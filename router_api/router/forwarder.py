@@ -124,9 +124,7 @@ class RouterCore:
         r.raise_for_status()
         out: dict[str, ScoreRow] = {}
         for row in _score_dec.decode(r.content)["workers"]:
-            t = row["tiers"]
-            out[row["worker_id"]] = ScoreRow(row["device_blocks"], row["cached_blocks"], t.get("host", 0),
-                                             t.get("disk", 0), t.get("shared", 0), row.get("pending_blocks", 0))
+            out[row["worker_id"]] = ScoreRow.from_answer(row)
         return out
 
     # -- in-flight routes (docs/CONTRACTS.md, "Pending routes") ----------------------------
@@ -185,7 +183,9 @@ class RouterCore:
                     got = await self.report_route(route_id, w, tokens)
                     if got is not None:  # the index's view at the report, fresher than at the score
                         b = self.block_size
-                        rec.predicted_cached = min(len(tokens), (got["cached_blocks"] + got["pending_blocks"]) * b)
+                        blocks = pol.predicted_at_report(  # type: ignore[attr-defined]
+                            (scores or {}).get(w), got["cached_blocks"], got["pending_blocks"])
+                        rec.predicted_cached = min(len(tokens), blocks * b)
                         rec.predicted_pending = got["pending_blocks"] * b
         except (httpx.HTTPError, msgspec.DecodeError, KeyError, TypeError) as exc:
             rec.error = f"route: {exc}"

@@ -7,7 +7,10 @@
   (no events), thresholded the way SGLang's cache-aware router is.
 - precise_gpu: the index's device blocks + pending blocks + load; host/disk/shared copies count as misses.
 - precise_tiered: the index's tier split + pending blocks + load, costing each tier's load-back like
-  the engine.
+  the engine. For a hybrid model the cached prefix is the usable one (`cached_blocks`).
+- precise_kv_only: precise_tiered on `kv_blocks`, the full-attention-only match (what group-blind
+  indexers such as Dynamo's or llm-d's answer for a hybrid model); the same as precise_tiered on a
+  full-attention model.
 
 The precise policies cost a request on each worker as the engine will see it when it runs:
 backlog (virtual seconds of work queued ahead of it) + load-back of the blocks the worker holds
@@ -23,23 +26,35 @@ from collections.abc import Mapping, Sequence
 
 from producer.sim.api import SimModel
 
-POLICIES = ("round_robin", "random", "least_loaded", "approximate", "precise_gpu", "precise_tiered")
-PRECISE = ("precise_gpu", "precise_tiered")
+POLICIES = ("round_robin", "random", "least_loaded", "approximate", "precise_gpu", "precise_tiered",
+            "precise_kv_only")
+PRECISE = ("precise_gpu", "precise_tiered", "precise_kv_only")
 
 
 class ScoreRow:
     """One worker's `/score` answer, in blocks."""
 
-    __slots__ = ("device", "cached", "host", "disk", "shared", "pending")
+    __slots__ = ("device", "cached", "host", "disk", "shared", "pending", "kv")
 
     def __init__(self, device: int = 0, cached: int = 0, host: int = 0, disk: int = 0, shared: int = 0,
-                 pending: int = 0) -> None:
+                 pending: int = 0, kv: int | None = None) -> None:
         self.device = device
         self.cached = cached
         self.host = host
         self.disk = disk
         self.shared = shared
         self.pending = pending  # leading blocks past `cached` that in-flight routes to this worker hold
+        # hybrid models: the full-attention-only match over any tier (`kv_blocks`); else `cached`
+        self.kv = cached if kv is None else kv
+
+    @classmethod
+    def from_answer(cls, row: Mapping[str, object]) -> ScoreRow:
+        """A `/score` answer's row (JSON or msgpack, decoded to plain data)."""
+        t = row.get("tiers") or {}
+        assert isinstance(t, Mapping)
+        kv = row.get("kv_blocks")
+        return cls(row["device_blocks"], row["cached_blocks"], t.get("host", 0), t.get("disk", 0),  # type: ignore[arg-type]
+                   t.get("shared", 0), row.get("pending_blocks", 0), kv)  # type: ignore[arg-type]
 
 
 class RouteInput:
@@ -184,9 +199,19 @@ class PreciseGpu(Policy):
         self.min_share = min_share
         self.assigned = {w: 0.0 for w in self.workers}  # virtual seconds of work this policy has sent
 
+    def cached_blocks(self, row: ScoreRow) -> int:
+        """Leading blocks the worker will serve from cache as this policy reads the row: every tier
+        of the usable prefix and the blocks in-flight requests ahead of this one will have stored."""
+        return row.cached + row.pending
+
     def cost(self, inp: RouteInput, row: ScoreRow) -> float:
         """Virtual seconds of load-back + prefill this request adds on that worker."""
         return self.sim.prefill_s(max(0, inp.tokens - (row.device + row.pending) * inp.block_size))
+
+    def predicted_at_report(self, scored: ScoreRow | None, cached: int, pending: int) -> int:
+        """Blocks the worker will serve from cache, read from the route report's answer (`cached`,
+        `pending`: fresher than the score the decision used)."""
+        return cached + pending
 
     def key(self, backlog: float, work: float) -> float:
         """Expected TTFT on a worker (its queue, then this request's own work), plus the delay that work
@@ -213,7 +238,7 @@ class PreciseGpu(Policy):
         b = inp.block_size
         # What the worker will serve from cache: everything it holds (any tier; the engine loads lower
         # tiers back) and what the in-flight requests ahead of this one will have stored.
-        return Decision(w, min(inp.tokens, (row.cached + row.pending) * b), costs[w], row.pending * b)
+        return Decision(w, min(inp.tokens, self.cached_blocks(row) * b), costs[w], row.pending * b)
 
 
 class PreciseTiered(PreciseGpu):
@@ -223,13 +248,27 @@ class PreciseTiered(PreciseGpu):
 
     def cost(self, inp: RouteInput, row: ScoreRow) -> float:
         b = inp.block_size
-        cached = (row.cached + row.pending) * b
+        cached = self.cached_blocks(row) * b
         return (self.sim.load_s(row.host * b, row.disk * b, row.shared * b)
                 + self.sim.prefill_s(max(0, inp.tokens - cached)))
 
 
+class PreciseKvOnly(PreciseTiered):
+    """precise_tiered reading `kv_blocks` in place of the usable prefix: what a router on a
+    group-blind index gets for a hybrid model (it promises full-attention hits the engine cannot
+    resume from). The tier split is still the usable prefix's; the blocks past it cost nothing."""
+
+    name = "precise_kv_only"
+
+    def cached_blocks(self, row: ScoreRow) -> int:
+        return max(row.kv, row.cached + row.pending)
+
+    def predicted_at_report(self, scored: ScoreRow | None, cached: int, pending: int) -> int:
+        return max(0 if scored is None else scored.kv, cached + pending)
+
+
 _CLASSES: dict[str, type[Policy]] = {c.name: c for c in (RoundRobin, Random, LeastLoaded, Approximate,
-                                                          PreciseGpu, PreciseTiered)}
+                                                          PreciseGpu, PreciseTiered, PreciseKvOnly)}
 
 
 def make_policy(name: str, workers: Sequence[str], sim: SimModel, seed: int = 0) -> Policy:
