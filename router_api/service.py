@@ -662,6 +662,7 @@ class IndexerService:
                       "p99_ms": None if p99 is None else p99 * 1e3},
             "snapshot_generation": self.generation,
             "core": self.core,  # native | python (the dashboard's "core" card)
+            "ingest_shards": self.config.ingest_shards,  # pipelines in use (the CLI's `auto` resolved)
             "workers": self.workers().workers,
         }
 

@@ -7,6 +7,7 @@ the liveness tick (pipeline 0) expires a worker of another pipeline; bad setting
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -333,8 +334,27 @@ def _indexer_args(*argv: str) -> Any:
     return build_parser().parse_args(["indexer", *argv])
 
 
+def test_cli_ingest_shards_default_is_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No flag: one pipeline per usable CPU, capped; 1 where shards are refused; an explicit value wins."""
+    for cpus, want in ((1, 1), (2, 2), (6, 6), (64, cmd_indexer.AUTO_SHARDS_CAP)):
+        monkeypatch.setattr(cmd_indexer, "usable_cpus", lambda cpus=cpus: cpus)
+        assert cmd_indexer.build_config(_indexer_args()).ingest_shards == want
+        assert cmd_indexer.build_config(_indexer_args("--ingest-shards", "auto")).ingest_shards == want
+        assert cmd_indexer.build_config(_indexer_args("--ingest-shards", "1")).ingest_shards == 1
+        assert cmd_indexer.build_config(_indexer_args("--ingest-shards", "3")).ingest_shards == 3
+        nats = ("--nats", f"nats://127.0.0.1:{free_port()}")
+        assert cmd_indexer.build_config(_indexer_args(*nats)).ingest_shards == 1
+    conf = tmp_path / "indexer.json"
+    conf.write_text(json.dumps({"ingest_shards": "auto"}))
+    assert cmd_indexer.build_config(_indexer_args("--config", str(conf))).ingest_shards == cmd_indexer.AUTO_SHARDS_CAP
+    assert cmd_indexer.resolve_ingest_shards("auto", nats=False, trust_engine_hashes=True, cpus=4) == (1, "auto_trust")
+    assert cmd_indexer.resolve_ingest_shards("auto", nats=False, cpus=4) == (4, "auto_cpus")
+    assert cmd_indexer.resolve_ingest_shards(2, nats=True, cpus=4) == (2, "flag")  # refused later, never overridden
+    monkeypatch.undo()  # the real machine: its affinity mask, which a container's cpuset narrows
+    assert 1 <= cmd_indexer.usable_cpus() <= (os.cpu_count() or 1)
+
+
 def test_cli_ingest_shards(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cmd_indexer.build_config(_indexer_args()).ingest_shards == 1
     assert cmd_indexer.build_config(_indexer_args("--ingest-shards", "3")).ingest_shards == 3
     conf = tmp_path / "indexer.json"
     conf.write_text(json.dumps({"ingest_shards": 2}))
