@@ -90,8 +90,12 @@ def rates(workers: int, per_worker: int, cpu: list[float]) -> dict:
             "later_blocks_per_s": later / max(1e-9, cpu[1]) if later else None, "ingest_cpu_s": sum(cpu)}
 
 
-def child_kvatlas(entries: int, workers: int) -> dict:
+def child_kvatlas(entries: int, workers: int, shards: int = 1) -> dict:
     from indexer.index import KVIndex
+    from indexer.sharded import ShardedIndex
+
+    def fresh() -> KVIndex | ShardedIndex:  # the service's index with `--ingest-shards N` (N > 1)
+        return KVIndex() if shards == 1 else ShardedIndex(shards)
     from indexer.snapshot import ModelSnapshot, Snapshot, SNAPSHOT_VERSION, decode_snapshot, encode_snapshot
     from schemas.codec import encode_batch
     from schemas.events import BlockStored, KVEventBatch
@@ -106,7 +110,7 @@ def child_kvatlas(entries: int, workers: int) -> dict:
     qs = [np.asarray(q, dtype=np.uint32) for q in queries(toks, held)]
     del toks
     names = [f"worker-{w:05d}" for w in range(workers)]
-    ix = KVIndex()
+    ix = fresh()
     ix.ensure_model("m", BS)
     gc.collect()
     gc.disable()
@@ -119,8 +123,8 @@ def child_kvatlas(entries: int, workers: int) -> dict:
         cpu[j > 0] += time.process_time() - c
     r1 = rss_bytes()
     gc.enable()
-    stats = ix.worker_stats("m").values()
-    resident = sum(sum(v.values()) for v in stats)
+    stats = ix.worker_stats("m")
+    resident = sum(sum(v.values()) for v in stats.values())
     lat = []
     for q in qs:  # a u32 buffer, as every /score body becomes (hashing in C included)
         t = time.perf_counter()
@@ -136,16 +140,16 @@ def child_kvatlas(entries: int, workers: int) -> dict:
     gc.collect()
     t = time.process_time()
     back = decode_snapshot(data)
-    ix2 = KVIndex()
+    ix2 = fresh()
     for ms in back.models:
         ix2.load_dump(ms.model, ms.block_size, ms.workers)
     t_restore = time.process_time() - t
-    restored = sum(sum(v.values()) for v in ix2.worker_stats("m").values())
-    return {"engine": "kvatlas", "entries": resident, "nodes": nodes, "workers": workers,
+    restored = ix2.worker_stats("m")  # per (worker, rank) and tier: the same counts as ingested
+    return {"engine": "kvatlas" if shards == 1 else f"kvatlas {shards} shards", "entries": resident, "nodes": nodes, "workers": workers,
             "native": ix2.native, "bytes_per_entry": (r1 - r0) / max(1, resident), "rss_growth": r1 - r0,
             **rates(workers, per_worker, cpu), "score_p50_us": pct(lat, 50), "score_p99_us": pct(lat, 99),
             "snapshot_bytes": len(data), "snapshot_save_s": t_save, "restore_s": t_restore,
-            "restored_equal": restored == resident, "peak_rss": rss_bytes()}
+            "restored_equal": restored == stats, "peak_rss": rss_bytes()}
 
 
 def child_dynamo(entries: int, workers: int) -> dict:
@@ -188,8 +192,9 @@ def child_dynamo(entries: int, workers: int) -> dict:
             "peak_rss": rss_bytes()}
 
 
-def run_point(engine: str, entries: int, workers: int, python: str, timeout_s: float) -> dict:
-    cmd = [python, __file__, "--child", engine, "--entries", str(entries), "--workers", str(workers)]
+def run_point(engine: str, entries: int, workers: int, python: str, timeout_s: float, shards: int) -> dict:
+    cmd = [python, __file__, "--child", engine, "--entries", str(entries), "--workers", str(workers),
+           "--shards", str(shards)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -221,12 +226,16 @@ def main() -> None:
                     help="skip a point whose projected RSS exceeds this (default 12 GiB: half of a 24 GiB box)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per point and engine")
     ap.add_argument("--no-dynamo", action="store_true")
+    ap.add_argument("--shards", type=int, default=1,
+                    help="kvatlas as a ShardedIndex of N worker shards (the service's --ingest-shards N; applied "
+                         "from one thread here: memory, scores and restore, not parallel ingest)")
     ap.add_argument("--child", choices=("kvatlas", "dynamo"))
     ap.add_argument("--entries", type=int)
     ap.add_argument("--workers", type=int)
     args = ap.parse_args()
     if args.child:
-        res = (child_kvatlas if args.child == "kvatlas" else child_dynamo)(args.entries, args.workers)
+        res = (child_kvatlas(args.entries, args.workers, args.shards) if args.child == "kvatlas"
+               else child_dynamo(args.entries, args.workers))
         print(json.dumps(res))
         return
     engines = ["kvatlas"]
@@ -257,12 +266,12 @@ def main() -> None:
                      "error": f"skipped: projected {gib:.1f} GiB, {secs:.0f} s (budgets {args.mem_budget_gb:g} GiB, "
                               f"{args.timeout:.0f} s)"}
             else:
-                r = run_point(eng, e, w, sys.executable, args.timeout)
+                r = run_point(eng, e, w, sys.executable, args.timeout, args.shards)
                 if "error" not in r:
                     seen.setdefault((eng, w), r)
             results.append(r)
             print(fmt(r), flush=True)
-    pairs = {(r["entries"], r["workers"]): r for r in results if r["engine"] == "kvatlas" and "error" not in r}
+    pairs = {(r["entries"], r["workers"]): r for r in results if r["engine"].startswith("kvatlas") and "error" not in r}
     for r in results:
         k = pairs.get((r["entries"], r["workers"]))
         if r["engine"] == "dynamo" and "error" not in r and k:
