@@ -334,8 +334,13 @@ def _indexer_args(*argv: str) -> Any:
     return build_parser().parse_args(["indexer", *argv])
 
 
-def test_cli_ingest_shards_default_is_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_ingest_shards_default_is_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
     """No flag: one pipeline per usable CPU, capped; 1 where shards are refused; an explicit value wins."""
+    monkeypatch.setattr(cmd_indexer, "usable_cpus", lambda: 2)
+    with caplog.at_level("INFO", logger="kvatlas.indexer"):
+        cmd_indexer.build_config(_indexer_args())
+    assert "event=ingest_shards n=2 source=auto_cpus cpus=2" in caplog.text  # the choice is logged
     for cpus, want in ((1, 1), (2, 2), (6, 6), (64, cmd_indexer.AUTO_SHARDS_CAP)):
         monkeypatch.setattr(cmd_indexer, "usable_cpus", lambda cpus=cpus: cpus)
         assert cmd_indexer.build_config(_indexer_args()).ingest_shards == want
@@ -390,7 +395,7 @@ def test_one_shard_keeps_the_single_loop_and_lock() -> None:
     assert svc.ingest.lock is svc.ingest.global_lock is svc.lock and svc.ingest._ticks
     svc.start()
     try:
-        assert svc.ingest.thread.name == "kvatlas-ingest"
+        assert svc.ingest.thread.name == "kvatlas-ingest" and svc.stats()["ingest_shards"] == 1
         assert svc.ingest.owns(svc.ingest.thread) and not svc.ingest.owns(threading.current_thread())
     finally:
         svc.stop(final_snapshot=False)
@@ -407,6 +412,7 @@ def test_sharded_service_shape() -> None:
     svc.start()
     try:
         assert ingest.alive and svc.health().ingest_alive
+        assert svc.stats()["ingest_shards"] == 2  # /stats reports the pipelines in use (the CLI's auto resolved)
         assert [t.name for t in ingest.threads] == ["kvatlas-ingest-0", "kvatlas-ingest-1"]
         assert all(ingest.owns(t) for t in ingest.threads) and not ingest.owns(threading.current_thread())
     finally:
