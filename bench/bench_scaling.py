@@ -1,8 +1,10 @@
 """Scaling curve of the embedded index: resident (worker, block) entries × workers.
 
-    .venv/bin/python bench/bench_scaling.py --short          # 1M entries × 100 / 1k / 10k workers
-    .venv-bench/bin/python bench/bench_scaling.py            # + 10M (and --big: 50M), Dynamo beside
     bash bench/setup_bench_env.sh                            # creates .venv-bench (Dynamo 1.6.1)
+    .venv-bench/bin/python bench/bench_scaling.py --short    # 1M × 100 / 1k workers, 320k × 10k (minutes)
+    .venv-bench/bin/python bench/bench_scaling.py            # + 10M × 100 / 1k / 10k (--big: + 50M × 100)
+    .venv/bin/python bench/bench_scaling.py --short          # kvatlas alone (no Dynamo in .venv)
+Results and their reading: docs/scaling.md, "The index at scale".
 
 Each point (entries E, workers W) runs in a fresh subprocess per engine, so resident-memory growth is
 that engine's alone. Workload (deterministic, seed 0): documents of 32 blocks (block size 16, random
