@@ -654,6 +654,7 @@ class IndexerService:
             "events_total": m.events.total(),
             "events_by_type": by_type,
             "batches_total": m.batches.total(),
+            "ingest_shards": self.config.ingest_shards,  # pipelines in use (the CLI's `auto` resolved)
             "drops": {labels[0]: n for labels, n in m.drops.items()},
             "gaps": m.gaps.total(), "replays": m.replays.total(), "resyncs": m.resyncs.total(),
             "restarts": m.restarts.total(), "snapshot_requests": m.snapshot_requests.total(),
@@ -662,7 +663,6 @@ class IndexerService:
                       "p99_ms": None if p99 is None else p99 * 1e3},
             "snapshot_generation": self.generation,
             "core": self.core,  # native | python (the dashboard's "core" card)
-            "ingest_shards": self.config.ingest_shards,  # pipelines in use (the CLI's `auto` resolved)
             "workers": self.workers().workers,
         }
 
