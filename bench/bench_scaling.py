@@ -1,7 +1,7 @@
 """Scaling curve of the embedded index: resident (worker, block) entries × workers.
 
     bash bench/setup_bench_env.sh                            # creates .venv-bench (Dynamo 1.6.1)
-    .venv-bench/bin/python bench/bench_scaling.py --short    # 1M × 100 / 1k workers, 320k × 10k (minutes)
+    .venv-bench/bin/python bench/bench_scaling.py --short    # 1M × 100 / 1k workers, 320k × 10k (2-5 min)
     .venv-bench/bin/python bench/bench_scaling.py            # + 10M × 100 / 1k / 10k (--big: + 50M × 100)
     .venv/bin/python bench/bench_scaling.py --short          # kvatlas alone (no Dynamo in .venv)
 Results and their reading: docs/scaling.md, "The index at scale".
