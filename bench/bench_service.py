@@ -614,8 +614,8 @@ def main() -> int:
     ap.add_argument("--queries", type=int, default=200, help="timed queries per size and body format")
     ap.add_argument("--reps", type=int, default=3, help="fresh service pairs for the ingestion figures (median)")
     ap.add_argument("--bench-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
-    ap.add_argument("--ingest-shards", type=int, default=1,
-                    help="kvatlas's --ingest-shards (ingest pipelines on as many cores; default 1)")
+    ap.add_argument("--ingest-shards", default="auto",
+                    help="kvatlas's --ingest-shards: N, or auto (its default: one pipeline per usable CPU, at most 8)")
     ap.add_argument("--dynamo-threads", type=int, default=1,
                     help="Dynamo's --threads (1: its single-threaded KvIndexer, as in issue 12's figures; "
                          ">1: its ThreadPoolIndexer)")
@@ -638,7 +638,7 @@ def main() -> int:
         dyn_reason = f"{args.bench_python} missing: run bash bench/setup_bench_env.sh"
     elif (ROOT / ".venv-bench" / ".dynamo-install-failed").exists():
         dyn_reason = (ROOT / ".venv-bench" / ".dynamo-install-failed").read_text().strip()
-    shards = ("--ingest-shards", str(args.ingest_shards)) if args.ingest_shards != 1 else ()
+    shards = ("--ingest-shards", str(args.ingest_shards))  # always named: the service's default is auto
     makers: list[tuple[str, Callable[[], Service]]] = [
         ("kvatlas", lambda: Kvatlas(*shards)), ("dynamo", lambda: Dynamo(args.bench_python, args.dynamo_threads))]
     ctx = zmq.Context()

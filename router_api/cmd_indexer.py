@@ -35,7 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "resync_hold": 30.0,
     "max_body_mb": 8.0,
     "replay_timeout": 2.0,
-    "ingest_shards": 1,
+    "ingest_shards": "auto",
     "log_format": "text",
 }
 
@@ -79,9 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resync-hold", type=float, help="seconds a resynced worker is reported 'resyncing' (default 30)")
     p.add_argument("--max-body-mb", type=float, help="request body limit in MiB; larger bodies get 413 (default 8)")
     p.add_argument("--replay-timeout", type=float, help="seconds to wait for a publisher's replay (default 2)")
-    p.add_argument("--ingest-shards", type=int, metavar="N",
+    p.add_argument("--ingest-shards", type=_shards_arg, metavar="N",
                    help="ingest pipelines, each with its own thread, sockets and index shard (workers split by "
-                        "id); >1 uses that many cores for ingestion; not with trust_engine_hashes (default 1)")
+                        f"id); >1 uses that many cores for ingestion; not with --nats or trust_engine_hashes "
+                        f"(default auto: the usable CPUs, at most {AUTO_SHARDS_CAP}; 1 with --nats)")
     p.add_argument("--http-request-timeout", type=float, metavar="S",
                    help="a request must arrive whole (headers and body) within S seconds of its first byte, "
                         "else 408 and the connection is closed (default 10)")
@@ -99,6 +100,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV bucket of the shared registry (default kvatlas_workers)")
     p.add_argument("--nats-per-worker", action="store_true",
                    help="one ordered consumer per worker instead of one shared consumer per replica")
+
+
+# `auto` takes at most this many pipelines: past it each extra one adds a thread and a shard that every
+# /score merges, while a 2-8 core box already drains faster than one publisher fleet fills (docs/service.md).
+AUTO_SHARDS_CAP = 8
+
+
+def _shards_arg(text: str) -> int | str:
+    """`--ingest-shards`: an integer (range-checked by ServiceConfig) or `auto`."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset), else the CPU count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_ingest_shards(value: object, *, nats: bool, trust_engine_hashes: bool = False,
+                          cpus: int | None = None) -> tuple[object, str]:
+    """The ingest pipeline count and why: `auto` (the default) is one pipeline per usable CPU, at most
+    AUTO_SHARDS_CAP, and 1 where shards are refused (the NATS plane, trust mode). Anything else is
+    returned as given (ServiceConfig and `run` check it, so an explicit value is never overridden)."""
+    if value != "auto":
+        return value, "flag"
+    if nats:
+        return 1, "auto_nats"
+    if trust_engine_hashes:
+        return 1, "auto_trust"
+    return max(1, min(cpus if cpus is not None else usable_cpus(), AUTO_SHARDS_CAP)), "auto_cpus"
 
 
 def parse_worker_spec(spec: str) -> dict[str, Any]:
@@ -205,6 +243,10 @@ def build_config(args: argparse.Namespace) -> Any:
         workers.append(w)
     token = read_token(get("auth_token"), get("auth_token_file"), os.environ.get("KVATLAS_AUTH_TOKEN"))
     deadline = get("replay_deadline")
+    shards, why = resolve_ingest_shards(get("ingest_shards"), nats=bool(getattr(args, "nats", None)))
+    if why != "flag":
+        logging.getLogger("kvatlas.indexer").info("event=ingest_shards n=%s source=%s cpus=%d", shards, why,
+                                                  usable_cpus())
     return ServiceConfig(
         host=get("host"), port=int(get("port")), model=model, block_size=block_size,
         static_workers=workers, snapshot_target=get("snapshot"), snapshot_key=get("snapshot_key"),
@@ -217,7 +259,7 @@ def build_config(args: argparse.Namespace) -> Any:
         max_msg_bytes=int(float(get("max_msg_mb")) * 1024 * 1024),
         replay_deadline_s=None if deadline is None else float(deadline),
         snapshot_load_timeout_s=float(get("snapshot_load_timeout")),
-        ingest_shards=get("ingest_shards"),  # checked by ServiceConfig (an integer, 1..64)
+        ingest_shards=shards,  # checked by ServiceConfig (an integer, 1..64)
         tokenizers=_tokenizers(getattr(args, "tokenizer", None) or file_cfg.get("tokenizer") or [], model),
     )
 

@@ -533,6 +533,7 @@ class IndexerService:
             "events_total": m.events.total(),
             "events_by_type": by_type,
             "batches_total": m.batches.total(),
+            "ingest_shards": self.config.ingest_shards,  # pipelines in use (the CLI's `auto` resolved)
             "drops": {labels[0]: n for labels, n in m.drops.items()},
             "gaps": m.gaps.total(), "replays": m.replays.total(), "resyncs": m.resyncs.total(),
             "restarts": m.restarts.total(), "snapshot_requests": m.snapshot_requests.total(),

@@ -7,6 +7,7 @@ the liveness tick (pipeline 0) expires a worker of another pipeline; bad setting
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -334,8 +335,32 @@ def _indexer_args(*argv: str) -> Any:
     return build_parser().parse_args(["indexer", *argv])
 
 
+def test_cli_ingest_shards_default_is_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """No flag: one pipeline per usable CPU, capped; 1 where shards are refused; an explicit value wins."""
+    monkeypatch.setattr(cmd_indexer, "usable_cpus", lambda: 2)
+    with caplog.at_level("INFO", logger="kvatlas.indexer"):
+        cmd_indexer.build_config(_indexer_args())
+    assert "event=ingest_shards n=2 source=auto_cpus cpus=2" in caplog.text  # the choice is logged
+    for cpus, want in ((1, 1), (2, 2), (6, 6), (64, cmd_indexer.AUTO_SHARDS_CAP)):
+        monkeypatch.setattr(cmd_indexer, "usable_cpus", lambda cpus=cpus: cpus)
+        assert cmd_indexer.build_config(_indexer_args()).ingest_shards == want
+        assert cmd_indexer.build_config(_indexer_args("--ingest-shards", "auto")).ingest_shards == want
+        assert cmd_indexer.build_config(_indexer_args("--ingest-shards", "1")).ingest_shards == 1
+        assert cmd_indexer.build_config(_indexer_args("--ingest-shards", "3")).ingest_shards == 3
+        nats = ("--nats", f"nats://127.0.0.1:{free_port()}")
+        assert cmd_indexer.build_config(_indexer_args(*nats)).ingest_shards == 1
+    conf = tmp_path / "indexer.json"
+    conf.write_text(json.dumps({"ingest_shards": "auto"}))
+    assert cmd_indexer.build_config(_indexer_args("--config", str(conf))).ingest_shards == cmd_indexer.AUTO_SHARDS_CAP
+    assert cmd_indexer.resolve_ingest_shards("auto", nats=False, trust_engine_hashes=True, cpus=4) == (1, "auto_trust")
+    assert cmd_indexer.resolve_ingest_shards("auto", nats=False, cpus=4) == (4, "auto_cpus")
+    assert cmd_indexer.resolve_ingest_shards(2, nats=True, cpus=4) == (2, "flag")  # refused later, never overridden
+    monkeypatch.undo()  # the real machine: its affinity mask, which a container's cpuset narrows
+    assert 1 <= cmd_indexer.usable_cpus() <= (os.cpu_count() or 1)
+
+
 def test_cli_ingest_shards(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cmd_indexer.build_config(_indexer_args()).ingest_shards == 1
     assert cmd_indexer.build_config(_indexer_args("--ingest-shards", "3")).ingest_shards == 3
     conf = tmp_path / "indexer.json"
     conf.write_text(json.dumps({"ingest_shards": 2}))
@@ -371,7 +396,7 @@ def test_one_shard_keeps_the_single_loop_and_lock() -> None:
     assert svc.ingest.lock is svc.ingest.global_lock is svc.lock and svc.ingest._ticks
     svc.start()
     try:
-        assert svc.ingest.thread.name == "kvatlas-ingest"
+        assert svc.ingest.thread.name == "kvatlas-ingest" and svc.stats()["ingest_shards"] == 1
         assert svc.ingest.owns(svc.ingest.thread) and not svc.ingest.owns(threading.current_thread())
     finally:
         svc.stop(final_snapshot=False)
@@ -388,6 +413,7 @@ def test_sharded_service_shape() -> None:
     svc.start()
     try:
         assert ingest.alive and svc.health().ingest_alive
+        assert svc.stats()["ingest_shards"] == 2  # /stats reports the pipelines in use (the CLI's auto resolved)
         assert [t.name for t in ingest.threads] == ["kvatlas-ingest-0", "kvatlas-ingest-1"]
         assert all(ingest.owns(t) for t in ingest.threads) and not ingest.owns(threading.current_thread())
     finally:
