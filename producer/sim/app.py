@@ -34,6 +34,20 @@ def _error(status: int, message: str) -> Response:
 
 
 
+async def _client_left_within(request: Request, seconds: float) -> bool:
+    """Wait up to `seconds`; True as soon as the client disconnects (its body is already read, so the
+    next ASGI message is the disconnect)."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    try:
+        await asyncio.wait_for(gone(), seconds)
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
 def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, tokenizer: Any = None) -> FastAPI:
     """`tokenizer`: the model's router_api.tokenization.ChatTokenizer for the OpenAI routes' text
     (producer/sim/openai.py); without one they take token-id prompts only."""
@@ -42,7 +56,7 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
     app = FastAPI(title=f"kvatlas worker {health.worker_id}", docs_url=None, redoc_url=None)
     mount_openai(app, OpenAIFront(engine, clock, health.worker_id, health.model, tokenizer))
     wid = health.worker_id
-    counters = {"generate_ok": 0, "generate_bad": 0, "generate_rejected": 0}
+    counters = {"generate_ok": 0, "generate_bad": 0, "generate_rejected": 0, "generate_cancelled": 0}
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -76,10 +90,13 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
         except QueueFull as exc:
             counters["generate_rejected"] += 1
             return _error(503, f"queue full: {exc}")
-        # Hold the answer until the simulated request completes (a pacing wait, not a sync).
+        # Hold the answer until the simulated request completes (a pacing wait, not a sync); a client
+        # that disconnects first cancels it, freeing its batch slot on the timeline.
         delay = t_wall + served.e2e_s / clock.speed - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        if delay > 0 and await _client_left_within(request, delay):
+            engine.cancel(served, clock.now())
+            counters["generate_cancelled"] += 1
+            return Response(status_code=499)  # never read: the client is gone
         counters["generate_ok"] += 1
         return _json(GenerateResponse(
             worker_id=wid, request_id=req.request_id, input_tokens=len(req.token_ids),

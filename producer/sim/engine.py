@@ -22,7 +22,7 @@ from producer.sim.hybrid import insert_request
 from producer.cache import TieredCache
 from producer.components.swa import SlidingWindowComponent
 from producer.storage.keys import page_key
-from producer.sim.schedule import QueueFull, Schedule
+from producer.sim.schedule import QueueFull, Schedule, Slot
 from schemas.media import Medium
 from producer.sim.api import SimModel, Tokens
 
@@ -32,10 +32,10 @@ log = logging.getLogger(__name__)
 class Served:
     """What one request got from the cache and the timeline."""
 
-    __slots__ = ("arrival_cached", "tokens", "queue_s", "load_s", "prefill_s", "ttft_s", "e2e_s")
+    __slots__ = ("arrival_cached", "tokens", "queue_s", "load_s", "prefill_s", "ttft_s", "e2e_s", "slot")
 
     def __init__(self, arrival_cached: int, tokens: Tokens, queue_s: float, load_s: float,
-                 prefill_s: float, ttft_s: float, e2e_s: float) -> None:
+                 prefill_s: float, ttft_s: float, e2e_s: float, slot: Slot | None = None) -> None:
         self.arrival_cached = arrival_cached
         self.tokens = tokens
         self.queue_s = queue_s
@@ -43,6 +43,7 @@ class Served:
         self.prefill_s = prefill_s
         self.ttft_s = ttft_s
         self.e2e_s = e2e_s
+        self.slot = slot  # its place on the timeline (`Engine.cancel`)
 
 
 class Engine:
@@ -65,6 +66,17 @@ class Engine:
         self._thread.start()
 
     # -- thread-safe API ---------------------------------------------------------------------
+    def cancel(self, served: Served, at: float) -> bool:
+        """The client of a served request disconnected at virtual time `at`: free what it had not used
+        yet on the timeline (`Schedule.cancel`). True when something was freed."""
+        if served.slot is None:
+            return False
+        with self.lock:
+            freed = self.schedule.cancel(served.slot, at)
+        if freed:
+            self.counts["cancelled"] = self.counts.get("cancelled", 0) + 1
+        return freed
+
     def submit(self, tokens: Sequence[int], max_tokens: int, arrival_s: float) -> Future[Served]:
         fut: Future[Served] = Future()
         self._jobs.put((list(tokens), max_tokens, arrival_s, fut))
@@ -181,7 +193,7 @@ class Engine:
             slot = self.schedule.admit(arrival, load_s, prefill_s, max_tokens)
         self.counts["requests"] += 1
         return Served(arrival_cached, got, slot.start - arrival, load_s, prefill_s,
-                      slot.first - arrival, slot.finish - arrival)
+                      slot.first - arrival, slot.finish - arrival, slot)
 
     def _component_load_s(self, got: Tokens) -> float:
         """Load-back of a hybrid prefix's components: the Mamba state at its end and the window's

@@ -108,3 +108,23 @@ class Schedule:
         while self.busy and self.busy[0][1] < cut:
             self.busy.pop(0)
         return slot
+
+    def cancel(self, slot: Slot, at: float) -> bool:
+        """The request's client went away at virtual time `at`: it gives back what it has not used
+        (its wait, its prefill interval if that had not ended, its batch slot). Other committed
+        requests keep their places; later admissions see the freed capacity. False when the request
+        had already finished by `at`."""
+        if at >= slot.finish:
+            return False
+        cut = max(at, slot.arrival)
+        if cut < slot.first:  # waiting or in prefill: its engine interval goes or ends at the cut
+            i = bisect.bisect_left(self.busy, (slot.start, slot.first))
+            if i < len(self.busy) and self.busy[i] == (slot.start, slot.first):
+                if cut <= slot.start:
+                    del self.busy[i]
+                else:
+                    self.busy[i] = (slot.start, cut)
+            slot.start = min(slot.start, cut)
+            slot.first = cut
+        slot.finish = cut
+        return True
