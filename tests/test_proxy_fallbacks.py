@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request, Response
 
 from producer.sim.httpbody import MAX_BODY_BYTES
 from router_api.proxy.app import create_proxy_app
 from router_api.proxy.core import ProxyCore
 from router_api.tokenization import ChatTokenizer
-from support.net import free_port, wait_until
+from support.net import ThreadedServer, free_port
 from support.tiny_tokenizer import TINY_CHAT
 
 TOK = ChatTokenizer.from_dir(TINY_CHAT)
@@ -40,17 +38,11 @@ class Engine:
             return Response(json.dumps({"engine": name, "raw": (await request.body()).decode()}),
                             media_type="application/json", headers={"x-engine": name})
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, timeout=20)
+        self._http = ThreadedServer(app)
+        self.url = self._http.url
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        self._http.stop()
 
 
 @pytest.fixture

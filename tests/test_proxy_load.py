@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Response
 
 from router_api.proxy.load import LoadPoller, parse_load
 from router_api.router.forwarder import fetch_sim
-from support.net import free_port, wait_until
+from support.net import ThreadedServer, free_port
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -56,17 +54,11 @@ class Server:
         async def health() -> Response:
             return Response(b"", status_code=200)
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, timeout=20)
+        self._http = ThreadedServer(app)
+        self.url = self._http.url
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        self._http.stop()
 
 
 @pytest.fixture

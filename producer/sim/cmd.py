@@ -87,14 +87,14 @@ def _make_cache(args: argparse.Namespace, storage: Any, recorder: Any) -> Any:
 
 
 def indexer_token(path: str | None) -> str | None:
-    """The indexer's bearer token: the file's first line, else $KVATLAS_AUTH_TOKEN, else None."""
-    if path:
-        with open(path, encoding="utf-8") as f:
-            token = f.readline().strip()
-        if not token:
-            raise SystemExit(f"kvatlas: {path} holds no token")
-        return token
-    return os.environ.get("KVATLAS_AUTH_TOKEN") or None
+    """The indexer's bearer token: the file's first line, else $KVATLAS_AUTH_TOKEN, else None (the
+    indexer's own rule, `router_api.cmd_indexer.read_token`); an empty file stops the command."""
+    from router_api.cmd_indexer import read_token
+
+    try:
+        return read_token(None, path, os.environ.get("KVATLAS_AUTH_TOKEN"))
+    except ValueError as exc:
+        raise SystemExit(f"kvatlas: {exc}") from None
 
 
 def _register(url: str, body: dict[str, Any], timeout: float = 60.0, token: str | None = None) -> None:

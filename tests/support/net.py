@@ -89,3 +89,25 @@ def start_redis_server(tmp_dir: Path, attempts: int = 3) -> RedisServer:
         last_err = out.strip()[-500:]
         server.stop()
     raise RuntimeError(f"redis-server did not start after {attempts} attempts: {last_err}")
+
+
+class ThreadedServer:
+    """A real uvicorn server for an ASGI app, on a free port in a thread of the test process."""
+
+    def __init__(self, app: object) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, timeout=20)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
