@@ -15,7 +15,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 
 from producer.sim.engine import Engine, VirtualClock
-from producer.sim.httpbody import MAX_AHEAD_S, MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, read_capped
+from producer.sim.httpbody import MAX_AHEAD_S, MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within, read_capped
 from producer.sim.schedule import QueueFull
 from producer.sim.api import GenerateRequest, GenerateResponse, LoadResponse, WorkerHealth
 
@@ -32,29 +32,14 @@ def _error(status: int, message: str) -> Response:
     return _json({"error": message}, status)
 
 
-
-
-async def _client_left_within(request: Request, seconds: float) -> bool:
-    """Wait up to `seconds`; True as soon as the client disconnects (its body is already read, so the
-    next ASGI message is the disconnect)."""
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    try:
-        await asyncio.wait_for(gone(), seconds)
-        return True
-    except asyncio.TimeoutError:
-        return False
-
-
 def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, tokenizer: Any = None) -> FastAPI:
     """`tokenizer`: the model's router_api.tokenization.ChatTokenizer for the OpenAI routes' text
     (producer/sim/openai.py); without one they take token-id prompts only."""
     from producer.sim.openai import OpenAIFront, mount_openai, vllm_metric_lines
 
     app = FastAPI(title=f"kvatlas worker {health.worker_id}", docs_url=None, redoc_url=None)
-    mount_openai(app, OpenAIFront(engine, clock, health.worker_id, health.model, tokenizer))
+    front = OpenAIFront(engine, clock, health.worker_id, health.model, tokenizer)
+    mount_openai(app, front)
     wid = health.worker_id
     counters = {"generate_ok": 0, "generate_bad": 0, "generate_rejected": 0, "generate_cancelled": 0}
 
@@ -93,7 +78,7 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
         # Hold the answer until the simulated request completes (a pacing wait, not a sync); a client
         # that disconnects first cancels it, freeing its batch slot on the timeline.
         delay = t_wall + served.e2e_s / clock.speed - time.monotonic()
-        if delay > 0 and await _client_left_within(request, delay):
+        if delay > 0 and await client_left_within(request, delay):
             engine.cancel(served, clock.now())
             counters["generate_cancelled"] += 1
             return Response(status_code=499)  # never read: the client is gone
@@ -125,6 +110,8 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
         lines += [f'kvatlas_worker_pages{{worker="{wid}",tier="{k}"}} {v}' for k, v in total.items()]
         lines += [f'kvatlas_worker_cache_total{{worker="{wid}",what="{k}"}} {v}'
                   for k, v in sorted(engine.cache.stats.items())]
+        lines += [f'kvatlas_worker_openai_requests_total{{worker="{wid}",outcome="{k}"}} {v}'
+                  for k, v in front.counts.items()]
         lines += vllm_metric_lines(engine, clock, health.model)
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

@@ -2,6 +2,8 @@
 and the worker's per-request limits (FastAPI/Starlette requests; no torch, so the router can import it)."""
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import Request
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -22,3 +24,19 @@ async def read_capped(request: Request, max_bytes: int) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def client_left_within(request: Request, seconds: float) -> bool:
+    """Wait up to `seconds`; True as soon as the client disconnects. Call it once the body is read:
+    the next ASGI message is then the disconnect (other readers of `receive` see it too)."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    if seconds <= 0:
+        return False
+    try:
+        await asyncio.wait_for(gone(), seconds)
+        return True
+    except asyncio.TimeoutError:
+        return False

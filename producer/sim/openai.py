@@ -8,21 +8,25 @@ rendered template with no tokens added; a `prompt` of token ids is taken as is),
 the engine like `/generate`: its prompt blocks enter the cache and go out as KV events. The reply
 is paced to the simulated model's timeline. `return_token_ids: true` adds `prompt_token_ids`
 (as vLLM does); `usage.prompt_tokens_details.cached_tokens` is what the worker held on arrival.
+A client that disconnects before the reply ends (a closed SSE stream, or a non-streamed request
+whose client leaves) cancels the request, as `/generate` does: `Engine.cancel` gives its wait,
+prefill interval and batch slot back on the timeline; counted as `outcome="cancelled"`.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from producer.sim.engine import Engine, VirtualClock
-from producer.sim.httpbody import MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, read_capped
+from producer.sim.httpbody import MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within, read_capped
 from producer.sim.schedule import QueueFull
 
 _enc = msgspec.json.Encoder()
@@ -54,6 +58,21 @@ def _max_tokens(body: dict[str, Any], key_order: tuple[str, ...]) -> int:
     return 16
 
 
+class _Stream(StreamingResponse):
+    """An SSE reply that calls `on_end` once it is over, however it ended: completed, ended short, cancelled
+    by Starlette on the client's disconnect (possibly before the body began), or failed on a send."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_end: Callable[[], None], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end()
+
+
 class OpenAIFront:
     """Turns OpenAI request bodies into engine submissions and paced replies."""
 
@@ -66,6 +85,7 @@ class OpenAIFront:
         self.tokenizer = tokenizer  # router_api.tokenization.ChatTokenizer or None (token-id prompts only)
         self.max_model_len = max_model_len
         self._ids = itertools.count(1)
+        self.counts = {"ok": 0, "bad": 0, "rejected": 0, "cancelled": 0}  # requests by outcome (/metrics)
         filler = tokenizer.encode_prompt(_FILLER, add_special_tokens=False) if tokenizer is not None else [1]
         self._filler = filler or [1]
 
@@ -129,16 +149,26 @@ class OpenAIFront:
             raise BadRequest(503, f"queue full: {exc}") from None
         return served, t_wall
 
-    async def wait_until(self, t_wall: float, virtual_s: float) -> None:
-        delay = t_wall + virtual_s / self.clock.speed - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)  # pacing to the simulated timeline, not a synchronisation
+    async def paced(self, request: Request, t_wall: float, virtual_s: float) -> bool:
+        """Wait until `virtual_s` into the request's simulated timeline (pacing, not a synchronisation);
+        False when the client disconnected first."""
+        return not await client_left_within(request, t_wall + virtual_s / self.clock.speed - time.monotonic())
+
+    def cancelled(self, served: Any) -> None:
+        self.engine.cancel(served, self.clock.now())
+        self.counts["cancelled"] += 1
+
+    def _stream_ended(self, served: Any, done: asyncio.Event) -> None:
+        if done.is_set():
+            self.counts["ok"] += 1
+        else:
+            self.cancelled(served)
 
     def usage(self, ids: list[int], n_out: int, served: Any) -> dict[str, Any]:
         return {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out,
                 "prompt_tokens_details": {"cached_tokens": served.arrival_cached}}
 
-    async def handle(self, body: dict[str, Any], chat: bool) -> Response:
+    async def handle(self, request: Request, body: dict[str, Any], chat: bool) -> Response:
         ids = self.chat_ids(body) if chat else self.prompt_ids(body)
         n = _max_tokens(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
         model = body.get("model") or self.model
@@ -150,10 +180,15 @@ class OpenAIFront:
         headers = {"x-kvatlas-worker": self.worker_id, "x-kvatlas-cached-tokens": str(served.arrival_cached)}
         if body.get("stream"):
             opts = body.get("stream_options") or {}
-            gen = self._stream(rid, created, model, chat, ids, out_ids, pieces, served, t_wall,
+            done = asyncio.Event()
+            gen = self._stream(request, done, rid, created, model, chat, ids, pieces, served, t_wall,
                                bool(opts.get("include_usage")), extra)
-            return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
-        await self.wait_until(t_wall, served.e2e_s)
+            return _Stream(gen, functools.partial(self._stream_ended, served, done), media_type="text/event-stream",
+                           headers=headers)
+        if not await self.paced(request, t_wall, served.e2e_s):
+            self.cancelled(served)
+            return Response(status_code=499)  # never read: the client is gone
+        self.counts["ok"] += 1
         text = "".join(pieces)
         if chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -166,8 +201,8 @@ class OpenAIFront:
                "model": model, "choices": [choice], "usage": self.usage(ids, n, served), **extra}
         return Response(_enc.encode(res), media_type="application/json", headers=headers)
 
-    async def _stream(self, rid: str, created: int, model: str, chat: bool, ids: list[int], out_ids: list[int],
-                      pieces: list[str], served: Any, t_wall: float, include_usage: bool,
+    async def _stream(self, request: Request, done: asyncio.Event, rid: str, created: int, model: str, chat: bool,
+                      ids: list[int], pieces: list[str], served: Any, t_wall: float, include_usage: bool,
                       extra: dict[str, Any]) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -184,13 +219,17 @@ class OpenAIFront:
                 c.update(extra)
             return b"data: " + _enc.encode(c) + b"\n\n"
 
-        await self.wait_until(t_wall, served.ttft_s)
+        # A client that goes is seen here while pacing (the stream then ends short) or by Starlette,
+        # which cancels the stream; `_Stream` cancels the request on the timeline unless [DONE] went out.
+        if not await self.paced(request, t_wall, served.ttft_s):
+            return
         if chat:
             yield chunk(None, first=True, ids_too=bool(extra))
         n = len(pieces)
         step = (served.e2e_s - served.ttft_s) / max(1, n - 1)
         for i, piece in enumerate(pieces):
-            await self.wait_until(t_wall, served.ttft_s + i * step)
+            if not await self.paced(request, t_wall, served.ttft_s + i * step):
+                return
             last = i == n - 1
             yield chunk(piece, "length" if last else None, ids_too=not chat and i == 0 and bool(extra))
         if n == 0:
@@ -200,6 +239,7 @@ class OpenAIFront:
                  "usage": self.usage(ids, n, served)}
             yield b"data: " + _enc.encode(u) + b"\n\n"
         yield b"data: [DONE]\n\n"
+        done.set()
 
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         ids = self.chat_ids(body) if "messages" in body else self.prompt_ids(body)
@@ -238,8 +278,9 @@ def mount_openai(app: FastAPI, front: OpenAIFront) -> None:
 
     async def serve(request: Request, chat: bool) -> Response:
         try:
-            return await front.handle(await body_of(request), chat)
+            return await front.handle(request, await body_of(request), chat)
         except BadRequest as exc:
+            front.counts["rejected" if exc.status == 503 else "bad"] += 1
             return _err(exc.status, str(exc))
 
     @app.post("/v1/completions")
