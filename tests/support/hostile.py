@@ -1,15 +1,24 @@
-"""A hostile worker for replay hardening tests: a PUB that skips seqs, and a replay ROUTER that
-trickles garbage (never an end marker) or floods large replies inside the gap
-(test_service_hardening, soak/test_soak)."""
+"""Hostile parties for the hardening tests and soaks: a worker whose PUB skips seqs and whose replay
+ROUTER trickles garbage (never an end marker) or floods large replies inside the gap
+(test_service_hardening, soak/test_soak); the hybrid group flood (issue 24 item 7), slowloris
+sockets, and the probes the hostile soaks measure with (soak/test_soak_hostile_*.py)."""
 from __future__ import annotations
 
+import json
+import random
+import socket
+import statistics
 import threading
 import time
+from collections.abc import Iterator
 
+import httpx
 import msgspec
 import zmq
 
+from schemas.events import BlockStored
 from schemas.frames import seq_bytes
+
 
 class HostilePublisher:
     """A PUB that skips seqs, and a replay ROUTER that trickles garbage (never an end marker)
@@ -58,3 +67,152 @@ class HostilePublisher:
         self.pub.close(0)
         self.rep.close(0)
         self.ctx.term()
+
+
+# --- the hostile soaks' parts (tests/soak/test_soak_hostile_*.py) ------------------------------------
+
+FLOOD_BS = 16
+FLOOD_GROUPS = 10_000   # single-block sliding-window groups (the indexer keeps GROUP_CAP of them)
+FLOOD_BLOCKS = 30_000   # the flood worker's chain: one /score of it is 480k tokens
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+class GroupFlood:
+    """Issue 24 item 7's publisher: a 30,000-block full-attention chain, then stores into 10,000
+    distinct sliding-window groups (one block each), cycled for as long as the soak runs."""
+
+    def __init__(self, seed: int, chain_batch: int = 3_000, group_batch: int = 1_000) -> None:
+        rng = random.Random(seed)
+        bs = FLOOD_BS
+        self.tokens = [rng.randrange(1, 50_000) for _ in range(FLOOD_BLOCKS * bs)]
+        self.hashes = rng.sample(range(1, 1 << 62), FLOOD_BLOCKS)
+        self.chain_batch = chain_batch
+        self.group_batch = group_batch
+        self._g = 0
+        self.score_body = json.dumps({"model": "hyb", "token_ids": self.tokens}).encode()
+
+    def chain(self) -> Iterator[list]:
+        bs, hs = FLOOD_BS, self.hashes
+        for a in range(0, FLOOD_BLOCKS, self.chain_batch):
+            b = min(a + self.chain_batch, FLOOD_BLOCKS)
+            yield [BlockStored(hs[a:b], hs[a - 1] if a else None, self.tokens[a * bs:b * bs], bs, None, "GPU")]
+
+    def groups(self) -> list:
+        """The next `group_batch` group stores (groups 1..FLOOD_GROUPS, round robin)."""
+        bs, hs, out = FLOOD_BS, self.hashes, []
+        for _ in range(self.group_batch):
+            g = self._g % FLOOD_GROUPS + 1
+            self._g += 1
+            j = (g * 3) % FLOOD_BLOCKS
+            out.append(BlockStored([hs[j]], hs[j - 1] if j else None, self.tokens[j * bs:(j + 1) * bs], bs, None,
+                                   "GPU", group_idx=g, kv_cache_spec_kind="sliding_window",
+                                   kv_cache_spec_sliding_window=32))
+        return out
+
+
+def honest_hybrid(seed: int, blocks: int = 64) -> tuple[list, list[int]]:
+    """An honest hybrid worker's events (its main tree and one sliding-window group holding every block
+    of one prompt) and that prompt: its row must read device = cached = kv = `blocks`."""
+    rng = random.Random(seed)
+    bs = FLOOD_BS
+    toks = [rng.randrange(1, 50_000) for _ in range(blocks * bs)]
+    hs = rng.sample(range(1, 1 << 62), blocks)
+    return ([BlockStored(hs, None, toks, bs, None, "GPU"),
+             BlockStored(hs, None, toks, bs, None, "GPU", group_idx=1, kv_cache_spec_kind="sliding_window",
+                         kv_cache_spec_sliding_window=64)], toks)
+
+
+class HealthProbe:
+    """GET /health every 20 ms in a thread; every answer must be 200. Latencies in ms."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.ms: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="health-probe")
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30.0) as c:
+            while not self._stop.is_set():
+                t = time.perf_counter()
+                try:
+                    code = c.get("/health").status_code
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
+                else:
+                    if code != 200:
+                        self.errors.append(f"status {code}")
+                    self.ms.append((time.perf_counter() - t) * 1e3)
+                self._stop.wait(0.02)  # the probe's rate, not a synchronisation
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def summary(self) -> tuple[int, float, float]:
+        """(samples, p50, p99) in ms."""
+        ms = self.ms
+        assert ms, "no /health sample"
+        p99 = statistics.quantiles(ms, n=100)[98] if len(ms) >= 100 else max(ms)
+        return len(ms), statistics.median(ms), p99
+
+
+class LargeScores:
+    """POST a pre-encoded /score body in a loop in a thread (the 480k-token hybrid query)."""
+
+    def __init__(self, url: str, body: bytes) -> None:
+        self.url = url
+        self.body = body
+        self.answers: list[dict] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="large-scores")
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=120.0) as c:
+            while not self._stop.is_set():
+                try:
+                    r = c.post("/score", content=self.body, headers={"content-type": "application/json"})
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
+                    continue
+                if r.status_code != 200:
+                    self.errors.append(f"{r.status_code} {r.text[:200]}")
+                else:
+                    self.answers.append(r.json())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def last(self) -> dict:
+        """One more answer, after quiescence (the thread stopped)."""
+        with httpx.Client(base_url=self.url, timeout=120.0) as c:
+            r = c.post("/score", content=self.body, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text[:300]
+        return r.json()
+
+
+def slowloris(port: int, n: int) -> list[socket.socket]:
+    """n connections that send partial headers and never finish them."""
+    out = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /workers HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n")
+        out.append(s)
+    return out
+
+
+def closed_by_server(socks: list[socket.socket]) -> None:
+    """Each slowloris socket is answered (408) and closed by the server: read to EOF."""
+    for s in socks:
+        s.settimeout(30)
+        while s.recv(4096):
+            pass

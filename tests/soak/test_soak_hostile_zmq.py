@@ -1,0 +1,173 @@
+"""Hostile publishers beside honest ones on the ZeroMQ path (issue 24; docs/limits.md): one
+`kvatlas indexer` reading honest ZeroMQ workers (with replay endpoints) and, beside them, a hybrid
+group flood (10,000 single-block sliding-window groups and a 30,000-block chain, the chain scored at
+480k tokens in a loop meanwhile), a worker storing batches over 1 MiB, a raw publisher counting from
+seq 2^63, a thief registering the honest workers' endpoints, and slowloris clients holding the HTTP
+port. After quiescence every honest worker's answers are exact (the honest hybrid worker's too), the
+hostile parties are refused or counted, /health kept answering, the indexer's RSS stayed bounded.
+
+Short by default (inside `make test`: exactness, and /health answered); `KVATLAS_SOAK_S=60` runs
+longer, and then also holds /health p99 under 100 ms. Loopback only. The NATS twin:
+test_soak_hostile_nats.py."""
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from producer.publisher import ZmqEventPublisher
+from schemas.events import BlockStored, KVEventBatch
+from schemas.frames import seq_bytes
+from support.hostile import (FLOOD_BLOCKS, FLOOD_BS, GroupFlood, HealthProbe, LargeScores, closed_by_server,
+                             honest_hybrid, rss_kb, slowloris)
+from support.net import free_port, wait_until
+from support.service import KVIndexerProcess, WorkerSim, check_scores, make_prompts
+
+BS = 4
+SOAK_S = float(os.environ.get("KVATLAS_SOAK_S", "5"))
+LONG = SOAK_S >= 30
+
+
+def _pub() -> ZmqEventPublisher:
+    return ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+
+
+def test_hostile_publishers_beside_honest_ones_on_zmq(tmp_path: Path) -> None:
+    r = KVIndexerProcess(free_port(), "--block-size", str(BS), "--http-request-timeout", "2",
+                         log_path=tmp_path / "indexer.log")
+    r.wait_ready()
+    honest = {f"h{i}": WorkerSim(i, BS, make_prompts(100 + i, BS)) for i in range(3)}
+    pubs = {w: _pub() for w in (*honest, "big", "flood", "hh")}
+    u_sock = zmq.Context.instance().socket(zmq.PUB)  # honest content, seqs from 2^63 + 7
+    u_port = u_sock.bind_to_random_port("tcp://127.0.0.1")
+    u_seq = (1 << 63) + 7
+    u_enc = msgspec.msgpack.Encoder()
+
+    def u_send(events: list) -> None:
+        nonlocal u_seq
+        u_sock.send_multipart([b"", seq_bytes(u_seq), u_enc.encode(KVEventBatch(time.time(), events))])
+        u_seq += 1
+    rng = random.Random(7)
+    flood = GroupFlood(11)
+    hh_events, hh_prompt = honest_hybrid(12)
+    slow: list = []
+    probe = scorer = None
+    try:
+        for w, p in pubs.items():
+            hybrid = w in ("flood", "hh")
+            body = {"worker_id": w, "endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint,
+                    "block_size": FLOOD_BS if hybrid else BS, **({"model": "hyb"} if hybrid else {})}
+            assert r.client.post("/workers", json=body).status_code == 201, w
+        assert r.client.post("/workers", json={"worker_id": "u0", "endpoint": f"tcp://127.0.0.1:{u_port}",
+                                               "block_size": BS}).status_code == 201
+
+        def joined() -> bool:  # ZeroMQ slow joiner: heartbeats until every worker's first seq is in
+            for p in pubs.values():
+                p.heartbeat()
+            u_send([])
+            rows = r.client.get("/workers").json()["workers"]
+            return len(rows) == len(pubs) + 1 and all(x["last_seq"] is not None for x in rows)
+        wait_until(joined, timeout=30.0, interval=0.05)
+        rss0 = rss_kb(r.proc.pid)
+        probe = HealthProbe(r.url)
+        pubs["hh"].publish(hh_events)
+        for batch in flood.chain():
+            pubs["flood"].publish(batch)
+        scorer = LargeScores(r.url, flood.score_body)
+        big_chain: list[int] = []
+        big_parent: int | None = None
+        parent_z: int | None = None
+        z_chain: list[int] = []
+        end = time.monotonic() + SOAK_S
+        rounds = thefts = 0
+        while time.monotonic() < end:
+            rounds += 1
+            for w, sim in honest.items():
+                pubs[w].publish(sim.step())
+            if rounds % 2 == 1:
+                pubs["flood"].publish(flood.groups())
+            if rounds % 50 == 1 and len(big_chain) < 2 * 40_000 * BS:  # batches over 1 MiB
+                big = BlockStored([rng.randrange(1, 1 << 62) for _ in range(40_000)], big_parent,
+                                  [rng.randrange(1 << 20, 1 << 30) for _ in range(40_000 * BS)], BS)
+                big_parent = big.block_hashes[-1]
+                big_chain.extend(big.token_ids)
+                pubs["big"].publish([big])
+            ev = BlockStored([rng.randrange(1, 1 << 62)], parent_z, [rng.randrange(1, 1 << 30) for _ in range(BS)], BS)
+            parent_z = ev.block_hashes[0]
+            z_chain.extend(ev.token_ids)
+            u_send([ev])
+            if rounds % 10 == 0:  # the thief: an honest worker's endpoint under another id
+                victim = rng.choice(list(honest))
+                resp = r.client.post("/workers", json={"worker_id": f"thief{rounds}", "block_size": BS,
+                                                       "endpoint": pubs[victim].endpoint})
+                assert resp.status_code in (400, 409), resp.text
+                thefts += 1
+            if rounds % 15 == 0 and len(slow) < 200:
+                slow += slowloris(r.port, 20)
+            time.sleep(0.01)  # pacing the producers, not a synchronisation
+        for p in pubs.values():
+            assert p.flush(30.0)
+        marks = {w: p.next_seq - 1 for w, p in pubs.items()}
+        marks["u0"] = u_seq - 1
+
+        def applied() -> bool:
+            for p in pubs.values():
+                p.heartbeat()  # a lost last batch is noticed (and replayed) at the next message
+            marks.update({w: p.next_seq - 1 for w, p in pubs.items()})
+            rows = {x["worker_id"]: x for x in r.client.get("/workers").json()["workers"]}
+            return all((rows.get(w, {}).get("last_seq") or 0) >= m for w, m in marks.items())
+        try:
+            wait_until(applied, timeout=90.0, interval=0.1)
+        except AssertionError:
+            rows = {x["worker_id"]: (x["last_seq"], x["status"], x["gaps"]) for x in r.client.get("/workers").json()["workers"]}
+            raise AssertionError(f"not applied: marks {marks} rows {rows}") from None
+        scorer.stop()
+        probe.stop()
+        n_health, p50, p99 = probe.summary()
+        # Honest answers exact, on the default model and on the hybrid one beside the flood.
+        queries = [q for s in honest.values() for q in s.sample_queries(8)]
+        others = {w: WorkerSim(0, BS, []) for w in ("big", "u0")}  # hold none of the honest prompts
+        assert check_scores(r.client, {**honest, **others}, queries) == len(queries)
+        rows = {x["worker_id"]: x for x in r.client.get("/workers").json()["workers"]}
+        assert set(rows) == set(pubs) | {"u0"}, sorted(rows)  # no thief ever registered
+        b = {x["worker_id"]: x for x in r.client.post("/score", json={"token_ids": big_chain}).json()["workers"]}
+        assert b["big"]["device_blocks"] == len(big_chain) // BS, b["big"]
+        z = {x["worker_id"]: x for x in r.client.post("/score", json={"token_ids": z_chain}).json()["workers"]}
+        assert z["u0"]["device_blocks"] == len(z_chain) // BS, z["u0"]
+        hyb = {x["worker_id"]: x for x in r.client.post("/score", json={"model": "hyb", "token_ids": hh_prompt})
+               .json()["workers"]}
+        n_hh = len(hh_prompt) // FLOOD_BS
+        assert (hyb["hh"]["device_blocks"], hyb["hh"]["cached_blocks"], hyb["hh"]["kv_blocks"]) == (n_hh,) * 3
+        assert hyb.get("flood", {}).get("kv_blocks", 0) == 0
+        fl = {x["worker_id"]: x for x in scorer.last()["workers"]}
+        assert fl["flood"]["kv_blocks"] == FLOOD_BLOCKS and fl.get("hh", {}).get("kv_blocks", 0) == 0, fl
+        assert scorer.answers and not scorer.errors, scorer.errors[:3]
+        for w in [*honest, "big", "hh"]:
+            assert rows[w]["exact"] is True and rows[w]["gaps"] == 0, rows[w]
+        assert rows["u0"]["gaps"] == 1  # the opening one, before its first block
+        metrics = r.client.get("/metrics").text
+        assert 'group_limit' in metrics
+        closed_by_server(slow)  # every slowloris socket answered (408) and closed by the server
+        assert not probe.errors, probe.errors[:3]
+        rss1 = rss_kb(r.proc.pid)
+        print(f"zmq soak: {rounds} rounds, {thefts} theft attempts, {len(slow)} slowloris sockets, "
+              f"{len(scorer.answers)} 480k-token scores, /health p50 {p50:.1f} ms p99 {p99:.1f} ms over {n_health}, "
+              f"RSS {rss0} -> {rss1} kB")
+        assert rss1 < rss0 + 256 * 1024, (rss0, rss1)  # bounded: no growth with the hostile traffic
+        if LONG:
+            assert p99 < 100.0, p99
+    finally:
+        if scorer is not None:
+            scorer.stop()
+        if probe is not None:
+            probe.stop()
+        for s in slow:
+            s.close()
+        for p in pubs.values():
+            p.close()
+        u_sock.close(0)
+        r.terminate()
