@@ -8,6 +8,8 @@ import json
 import random
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -126,34 +128,45 @@ def honest_hybrid(seed: int, blocks: int = 64) -> tuple[list, list[int]]:
                          kv_cache_spec_sliding_window=64)], toks)
 
 
+_PROBE = """
+import json, sys, threading, time
+import httpx
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+ms, errors = [], []
+with httpx.Client(base_url=sys.argv[1], timeout=30.0) as c:
+    while not stop.is_set():
+        t = time.perf_counter()
+        try:
+            code = c.get("/health").status_code
+        except httpx.HTTPError as exc:
+            errors.append(repr(exc))
+        else:
+            ms.append((time.perf_counter() - t) * 1e3)
+            if code != 200:
+                errors.append(f"status {code}")
+        stop.wait(0.02)
+print(json.dumps({"ms": ms, "errors": errors}))
+"""
+
+
 class HealthProbe:
-    """GET /health every 20 ms in a thread; every answer must be 200. Latencies in ms."""
+    """GET /health every 20 ms from a process of its own (the test's threads and GIL do not add to
+    the latencies), until `stop()`; every answer must be 200. Latencies in ms."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
         self.ms: list[float] = []
         self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="health-probe")
-        self._thread.start()
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=30.0) as c:
-            while not self._stop.is_set():
-                t = time.perf_counter()
-                try:
-                    code = c.get("/health").status_code
-                except httpx.HTTPError as exc:
-                    self.errors.append(repr(exc))
-                else:
-                    if code != 200:
-                        self.errors.append(f"status {code}")
-                    self.ms.append((time.perf_counter() - t) * 1e3)
-                self._stop.wait(0.02)  # the probe's rate, not a synchronisation
+        self._proc: subprocess.Popen | None = subprocess.Popen(
+            [sys.executable, "-c", _PROBE, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
+        if self._proc is None:
+            return
+        out, _ = self._proc.communicate("", timeout=60)  # closing its stdin ends the probe
+        self._proc = None
+        got = json.loads(out)
+        self.ms, self.errors = got["ms"], got["errors"]
 
     def summary(self) -> tuple[int, float, float]:
         """(samples, p50, p99) in ms."""
