@@ -2,19 +2,20 @@
 `kvatlas indexer --nats` replica; honest ZeroMQ workers (one registered directly, counting from
 2^63) and honest JetStream workers (one of them sometimes storing batches
 over NATS's 1 MiB max_payload) and an honest ZeroMQ engine behind `kvatlas relay` counting from
-seq 2^63; meanwhile a thief claims the honest subjects (over HTTP and straight into the bucket),
-a raw publisher writes junk on an honest subject, and slowloris clients hold the HTTP port. After
+seq 2^63, and an honest hybrid JetStream worker; meanwhile a hybrid group flood over JetStream
+(10,000 single-block sliding-window groups and a 30,000-block chain, the chain scored at 480k tokens
+in a loop), a thief claims the honest subjects (over HTTP and straight into the bucket), a raw
+publisher writes junk on an honest subject, and slowloris clients hold the HTTP port. After
 quiescence every honest worker's answers are exact, the hostile parties are counted, /health
 kept answering, the indexer's RSS stayed bounded.
 
-Short by default (inside `make test`); `KVATLAS_SOAK_S=120` runs longer, and then also holds
-/health p99 under 100 ms. Loopback only."""
+Short by default (inside `make test`: exactness, and /health answered); `KVATLAS_SOAK_S=60` runs
+longer, and then also holds /health p99 under 100 ms. Loopback only. The ZeroMQ twin:
+test_soak_hostile_zmq.py."""
 from __future__ import annotations
 
 import os
 import random
-import socket
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +34,8 @@ from schemas.events import BlockStored, KVEventBatch
 from schemas.frames import seq_bytes
 from schemas.jetstream import DEFAULT_KV_BUCKET, event_subject, jetstream_endpoint
 from schemas.natsio import NatsThread
+from support.hostile import (FLOOD_BLOCKS, FLOOD_BS, GroupFlood, HealthProbe, LargeScores, closed_by_server,
+                             honest_hybrid, rss_kb, slowloris)
 from support.jetstream import subject_last_seq
 from support.nats import NatsServer
 from support.net import free_port, wait_until
@@ -48,11 +51,6 @@ LONG = SOAK_S >= 30
 def nats_fixture() -> Iterator[NatsServer]:
     with NatsServer() as srv:
         yield srv
-
-
-def _rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
 class _RelayedEngine:
@@ -114,25 +112,18 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
         u_sock.send_multipart([b"", seq_bytes(u_seq), u_enc.encode(KVEventBatch(time.time(), events))])
         u_seq += 1
     rng = random.Random(7)
-    health_ms: list[float] = []
-    stop = threading.Event()
-    slow: list[socket.socket] = []
-
-    def probe_health() -> None:
-        import httpx
-
-        with httpx.Client(base_url=r.url, timeout=10.0) as c:
-            while not stop.is_set():
-                t = time.perf_counter()
-                assert c.get("/health").status_code == 200
-                health_ms.append((time.perf_counter() - t) * 1e3)
-                stop.wait(0.02)
-
-    prober = threading.Thread(target=probe_health, daemon=True)
+    flood = GroupFlood(11)
+    hh_events, hh_prompt = honest_hybrid(12)
+    hyb_pubs = {w: JetStreamEventPublisher(nats.url, model="hyb", worker_id=w) for w in ("flood", "hh")}
+    slow: list = []
+    probe = scorer = None
     try:
         for w in honest:
             assert r.client.post("/workers", json={"worker_id": w, "endpoint": jetstream_endpoint(MODEL, w),
                                                    "block_size": BS}).status_code == 201
+        for w in hyb_pubs:
+            assert r.client.post("/workers", json={"worker_id": w, "endpoint": jetstream_endpoint("hyb", w),
+                                                   "model": "hyb", "block_size": FLOOD_BS}).status_code == 201
         wait_until(lambda: "z0" in {x["worker_id"] for x in r.client.get("/workers").json()["workers"]},
                    timeout=20.0, interval=0.05)
         for wid, ep, rep_ep in (("q0", q_pub.endpoint, q_pub.replay_endpoint), ("u0", f"tcp://127.0.0.1:{u_port}", None)):
@@ -146,8 +137,12 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
             return all(rows[w]["last_seq"] is not None for w in ("q0", "u0"))
         wait_until(zmq_joined, timeout=20.0, interval=0.05)
         honest["q0"] = q_sim
-        rss0 = _rss_kb(r.proc.pid)
-        prober.start()
+        rss0 = rss_kb(r.proc.pid)
+        probe = HealthProbe(r.url)
+        hyb_pubs["hh"].publish(hh_events)
+        for batch in flood.chain():
+            hyb_pubs["flood"].publish(batch)
+        scorer = LargeScores(r.url, flood.score_body)
         big_pub = JetStreamEventPublisher(nats.url, model=MODEL, worker_id="big")
         assert r.client.post("/workers", json={"worker_id": "big", "endpoint": jetstream_endpoint(MODEL, "big"),
                                                "block_size": BS}).status_code == 201
@@ -161,6 +156,8 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
             rounds += 1
             for w, sim in honest.items():
                 (q_pub if w == "q0" else pubs[w]).publish(sim.step())
+            if rounds % 2 == 1:
+                hyb_pubs["flood"].publish(flood.groups())
             if rounds % 50 == 1 and len(big_chain) < 2 * 40_000 * BS:  # batches over the 1 MiB max_payload
                 big = BlockStored([rng.randrange(1, 1 << 62) for _ in range(40_000)], big_parent,
                                   [rng.randrange(1 << 20, 1 << 30) for _ in range(40_000 * BS)], BS)
@@ -184,12 +181,10 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
                 subject = event_subject(MODEL, victim)  # junk without kvatlas headers on its subject
                 nt.call(lambda: nt.js.publish(subject, b"\xc1 not a batch"))
             if rounds % 15 == 0 and len(slow) < 200:  # slowloris: partial headers, never finished
-                for _ in range(20):
-                    s = socket.create_connection(("127.0.0.1", r.port), timeout=10)
-                    s.sendall(b"POST /workers HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n")
-                    slow.append(s)
+                slow += slowloris(r.port, 20)
             time.sleep(0.01)  # pacing the producers, not a synchronisation
         pubs["big"] = big_pub
+        pubs.update(hyb_pubs)
         for p in pubs.values():
             p.heartbeat()  # the last message on each subject is its own (not the thief's junk)
             assert p.flush(20.0)
@@ -212,14 +207,15 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
         except AssertionError:
             rows = {x["worker_id"]: (x["last_seq"], x["status"], x["gaps"]) for x in r.client.get("/workers").json()["workers"]}
             raise AssertionError(f"not applied: marks {marks} rows {rows}") from None
-        stop.set()
-        prober.join(15)
+        scorer.stop()
+        probe.stop()
+        n_health, p50, p99 = probe.summary()
         # Honest answers exact; the relayed u64 engine's chain whole.
         queries = [q for s in honest.values() for q in s.sample_queries(8)]
         others = {w: WorkerSim(0, BS, []) for w in ("big", "z0", "u0")}  # hold none of the honest prompts
         assert check_scores(r.client, {**honest, **others}, queries) == len(queries)
         rows = {x["worker_id"]: x for x in r.client.get("/workers").json()["workers"]}
-        assert set(rows) == set(honest) | {"z0", "big", "u0"}, sorted(rows)  # no thief ever registered
+        assert set(rows) == set(honest) | {"z0", "big", "u0", "flood", "hh"}, sorted(rows)  # no thief ever registered
         b = {x["worker_id"]: x for x in r.client.post("/score", json={"token_ids": big_chain}).json()["workers"]}
         assert b["big"]["device_blocks"] == b["q0"]["device_blocks"] == len(big_chain) // BS, (b["big"], b["q0"])
         z = r.client.post("/score", json={"token_ids": z_chain}).json()
@@ -228,30 +224,39 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
         for w in [*honest, "big"]:
             assert rows[w]["exact"] is True and rows[w]["gaps"] == 0, rows[w]
         assert rows["z0"]["gaps"] == rows["u0"]["gaps"] == 1  # the opening one, before their first block
+        # The honest hybrid worker beside the group flood is exact; the flood's chain is its own.
+        hyb = {x["worker_id"]: x for x in r.client.post("/score", json={"model": "hyb", "token_ids": hh_prompt})
+               .json()["workers"]}
+        n_hh = len(hh_prompt) // FLOOD_BS
+        assert (hyb["hh"]["device_blocks"], hyb["hh"]["cached_blocks"], hyb["hh"]["kv_blocks"]) == (n_hh,) * 3
+        assert hyb.get("flood", {}).get("kv_blocks", 0) == 0
+        fl = {x["worker_id"]: x for x in scorer.last()["workers"]}
+        assert fl["flood"]["kv_blocks"] == FLOOD_BLOCKS and fl.get("hh", {}).get("kv_blocks", 0) == 0, fl
+        assert scorer.answers and not scorer.errors, scorer.errors[:3]
+        assert rows["hh"]["exact"] is True and rows["hh"]["gaps"] == 0, rows["hh"]
         metrics = r.client.get("/metrics").text
         assert 'kvatlas_shared_registry_errors_total{op="apply_put"}' in metrics
-        # The slowloris sockets were all closed by the server (408 or EOF), and /health kept answering.
-        for s in slow:
-            s.settimeout(15)
-            while s.recv(4096):
-                pass
-        assert health_ms, "no /health sample"
-        p99 = statistics.quantiles(health_ms, n=100)[98] if len(health_ms) >= 100 else max(health_ms)
-        rss1 = _rss_kb(r.proc.pid)
-        print(f"soak: {rounds} rounds, {thefts} theft attempts, {len(slow)} slowloris sockets, "
-              f"/health p50 {statistics.median(health_ms):.1f} ms p99 {p99:.1f} ms over {len(health_ms)}, "
+        assert 'group_limit' in metrics
+        closed_by_server(slow)  # every slowloris socket answered (408) and closed by the server
+        assert not probe.errors, probe.errors[:3]
+        rss1 = rss_kb(r.proc.pid)
+        print(f"nats soak: {rounds} rounds, {thefts} theft attempts, {len(slow)} slowloris sockets, "
+              f"{len(scorer.answers)} 480k-token scores, /health p50 {p50:.1f} ms p99 {p99:.1f} ms over {n_health}, "
               f"RSS {rss0} -> {rss1} kB")
         assert rss1 < rss0 + 256 * 1024, (rss0, rss1)  # bounded: no growth with the hostile traffic
         if LONG:
             assert p99 < 100.0, p99
     finally:
-        stop.set()
+        if scorer is not None:
+            scorer.stop()
+        if probe is not None:
+            probe.stop()
         for s in slow:
             s.close()
         engine.close()
         q_pub.close()
         u_sock.close(0)
-        for p in pubs.values():
+        for p in {**pubs, **hyb_pubs}.values():
             p.close()
         bucket.close()
         nt.close()
