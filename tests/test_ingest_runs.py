@@ -169,6 +169,6 @@ def test_the_ingest_thread_idles_without_workers() -> None:
         assert cpu() - c0 < 0.1
         # ... and still subscribes at once when a worker registers.
         svc.register(RegisterWorker(worker_id="w0", endpoint="tcp://127.0.0.1:20999", block_size=BS))
-        wait_until(lambda: svc.ingest._sub is not None and svc.ingest._sub.workers() == ["w0"], timeout=2)
+        wait_until(lambda: svc.ingest._sub is not None and svc.ingest._sub.workers() == ["w0"], timeout=10)
     finally:
         svc.stop(final_snapshot=False)

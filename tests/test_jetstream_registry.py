@@ -29,17 +29,17 @@ def test_put_watch_delete_across_replicas() -> None:
             first = RegisterWorker(worker_id="w.0 x", endpoint="tcp://h:1", model="m", block_size=8)
             a.put(first)
             b.watch(on_put, on_delete)  # existing entries are replayed first
-            wait_until(lambda: "w.0 x" in seen)
+            wait_until(lambda: "w.0 x" in seen, timeout=30)
             a.put(RegisterWorker(worker_id="w1", endpoint="jetstream:kvatlas.events.m.w1"))
-            wait_until(lambda: "w1" in seen)
+            wait_until(lambda: "w1" in seen, timeout=30)
             assert b.get("w.0 x") == first
             assert sorted(r.worker_id for r in b.list()) == ["w.0 x", "w1"]
             assert a.delete("w1") and not a.delete("nope")
-            wait_until(lambda: "w1" not in seen)
+            wait_until(lambda: "w1" not in seen, timeout=30)
             # A bad value is counted and skipped, never raised into the watcher.
             nt = a._nats
             nt.call(lambda: a._kv.put(kv_key("bad"), b"{not json"))
-            wait_until(lambda: b.bad_values >= 1)
+            wait_until(lambda: b.bad_values >= 1, timeout=30)
             assert b.get("bad") is None and [r.worker_id for r in b.list()] == ["w.0 x"]
         finally:
             a.close()

@@ -183,7 +183,7 @@ def test_publisher_restart_is_a_restart_and_snapshot_requests_reach_it(nats: Nat
         _drive(pubs, sims, 5)
         wait_all_applied(r, pubs)
         assert r.sub.request_snapshot("w0")
-        wait_until(pubs["w0"].snapshot_requested, timeout=5.0)
+        wait_until(pubs["w0"].snapshot_requested, timeout=30.0)
         pubs["w0"].close()
         pubs["w0"] = JetStreamEventPublisher(nats.url, model=MODEL, worker_id="w0")
         sims["w0"].clear()

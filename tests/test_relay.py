@@ -147,7 +147,7 @@ def test_relay_survives_engine_restart_relay_restart_and_loss_beyond_the_buffer(
         assert relay.stats.gaps_unrecovered == 1
         gaps = [d for d in replica.log if type(d).__name__ == "Gap"]
         assert len(gaps) == 1 and not gaps[0].recovered
-        wait_until(engine.snapshot_requested, timeout=5.0)
+        wait_until(engine.snapshot_requested, timeout=30.0)
         # The worker rebuilds from what follows: a reset (what a snapshot answer starts with).
         sim.clear()
         from schemas.events import AllBlocksCleared

@@ -29,7 +29,7 @@ def test_pure_python_core_is_announced_and_reported() -> None:
 
     try:
         assert wait_until(health, timeout=60, interval=0.05)["core"] == "python"  # type: ignore[index]
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         assert 'kvatlas_index_core{core="python"} 1.0' in metrics
     finally:
         proc.terminate()

@@ -240,12 +240,12 @@ def test_silent_worker_goes_stale_then_is_removed() -> None:
             fleet.pubs["w1"].heartbeat()
             return {w["worker_id"]: w["status"] for w in li.client.get("/workers").json()["workers"]}
 
-        wait_until(lambda: statuses().get("w0") == "stale", timeout=5, interval=0.05)
+        wait_until(lambda: statuses().get("w0") == "stale", timeout=30, interval=0.05)
         assert statuses()["w1"] == "live"
         q = fleet.sims["w0"].history[-1]
         rows = {w["worker_id"]: w for w in li.client.post("/score", json={"token_ids": q}).json()["workers"]}
         assert rows["w0"]["stale"] is True and rows["w1"]["stale"] is False
-        wait_until(lambda: "w0" not in statuses(), timeout=5, interval=0.05)
+        wait_until(lambda: "w0" not in statuses(), timeout=30, interval=0.05)
         body = li.client.post("/score", json={"token_ids": q}).json()
         assert [w["worker_id"] for w in body["workers"]] == ["w1"]
         assert statuses()["w1"] == "live"

@@ -140,7 +140,7 @@ def test_service_counts_every_batch_and_block_through_the_fast_path() -> None:
         last = pub.next_seq - 1
         wait_until(lambda: svc.registry.get("w0").last_seq == last, timeout=20)
         # Flushed once per poll: poll until the tally of the final poll has landed.
-        wait_until(lambda: svc.metrics.batches.get("w0", "live") - base_live == n, timeout=5)
+        wait_until(lambda: svc.metrics.batches.get("w0", "live") - base_live == n, timeout=30)
         assert svc.metrics.events.get("stored", "GPU", "new") == n * per
         assert (svc.metrics.gaps.total(), svc.metrics.drops.total()) == (base_gaps, base_drops)
         assert svc.score("default", toks).workers[0].device_blocks == n * per

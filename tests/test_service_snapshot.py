@@ -161,7 +161,7 @@ def test_kill_and_restart_from_redis_mid_stream(redis_server: RedisServer, tmp_p
             ref_stats = {wid: ref for (wid, _), ref in fleet.ref.worker_stats("default").items()}
             # Block counts in /workers may lag by the stats cache TTL (1 s by default).
             wait_until(lambda: {w["worker_id"]: w["blocks"] for w in proc2.client.get("/workers").json()["workers"]}
-                       == ref_stats, timeout=5, interval=0.1)
+                       == ref_stats, timeout=60, interval=0.1)
             # Same state as never stopping, event for event.
             state = dump_state(proc2.client.get("/dump").json())
             for wid, sim in fleet.sims.items():

