@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -95,6 +96,7 @@ class GroupFlood:
         self.chain_batch = chain_batch
         self.group_batch = group_batch
         self._g = 0
+        self.batches = 0  # group batches handed out
         self.score_body = json.dumps({"model": "hyb", "token_ids": self.tokens}).encode()
 
     def chain(self) -> Iterator[list]:
@@ -106,6 +108,7 @@ class GroupFlood:
     def groups(self) -> list:
         """The next `group_batch` group stores (groups 1..FLOOD_GROUPS, round robin)."""
         bs, hs, out = FLOOD_BS, self.hashes, []
+        self.batches += 1
         for _ in range(self.group_batch):
             g = self._g % FLOOD_GROUPS + 1
             self._g += 1
@@ -114,6 +117,12 @@ class GroupFlood:
                                    "GPU", group_idx=g, kv_cache_spec_kind="sliding_window",
                                    kv_cache_spec_sliding_window=32))
         return out
+
+
+def group_limit_drops(metrics: str) -> float:
+    """The indexer's `group_limit` drop count from its /metrics text."""
+    m = re.search(r'^kvatlas_drops_total\{reason="group_limit"\} (\S+)$', metrics, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def honest_hybrid(seed: int, blocks: int = 64) -> tuple[list, list[int]]:
