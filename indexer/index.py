@@ -127,7 +127,8 @@ class KVIndex:
             m.trust = trust_engine_hashes
 
     def models(self) -> dict[str, int]:
-        return {name: m.block_size for name, m in self._models.items()}
+        # list(...) copies in one step under the GIL: safe without the index lock (/health)
+        return {name: m.block_size for name, m in list(self._models.items())}
 
     def drop_model(self, model: str) -> bool:
         """Forget a model and everything indexed under it (its last worker left); False if unknown."""

@@ -512,9 +512,10 @@ class IndexerService:
         return {"generation": self.generation, "models": out, "watermarks": marks}
 
     def health(self) -> ServiceHealth:
-        with self.lock:
-            n = len(self.registry)
-            models = dict(self.index.models())
+        # Without the index lock: /health answers on the event loop while an ingest pipeline holds the
+        # lock for a chunk (a hostile publisher's large batches). Each read is one step under the GIL.
+        n = len(self.registry)
+        models = dict(self.index.models())
         alive = self.ingest.alive
         return ServiceHealth(status="ok" if alive else "degraded", workers=n, ingest_alive=alive,
                              uptime_s=self.clock() - self.started_at, models=models, core=self.core)

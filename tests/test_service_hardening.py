@@ -4,6 +4,7 @@ registration never says yes when it failed; one message cap at the socket; HTTP 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -341,3 +342,22 @@ def test_text_logs_escape_control_characters() -> None:
     rec = logging.LogRecord("kvatlas", logging.WARNING, __file__, 1, "event=x worker=%s", ("a\nFORGED b",), None)
     line = SafeTextFormatter("%(levelname)s %(message)s").format(rec)
     assert "\n" not in line and "a\\nFORGED b" in line
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_health_answers_while_an_ingest_pipeline_holds_the_index_lock(shards: int) -> None:
+    """/health never waits for the index lock: a hostile publisher's long chunk under it used to stall
+    /health (and the event loop with it) for as long as the chunk ran (issue 24's soaks)."""
+    svc = IndexerService(ServiceConfig(port=free_port(), block_size=BS, ingest_shards=shards))
+    svc.start()
+    try:
+        svc.register(RegisterWorker(worker_id="w0", endpoint="tcp://127.0.0.1:20998", block_size=BS))
+        got: list[Any] = []
+        answered = threading.Event()
+        with svc.lock:  # what an ingest pipeline holds while it applies a chunk
+            t = threading.Thread(target=lambda: (got.append(svc.health()), answered.set()), daemon=True)
+            t.start()
+            assert answered.wait(30), "/health waited for the index lock"
+        assert got[0].workers == 1 and got[0].models == {"default": BS}
+    finally:
+        svc.stop(final_snapshot=False)
