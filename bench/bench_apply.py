@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_service import BS, Stream  # noqa: E402
+from service_stream import BS, Stream  # noqa: E402
 from indexer.index import KVIndex  # noqa: E402
 
 RUN = 16  # batches per apply_run call

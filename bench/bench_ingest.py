@@ -1,7 +1,7 @@
 """In-process drain rate of the service's ingest path (no HTTP, no peer): the figure to profile and
 to A/B when changing `router_api/ingest.py`, `indexer/subscriber.py` or the C apply path.
 
-Real ZeroMQ PUB sockets (one per worker) send the `bench_service.py` stream while the ingest loop is
+Real ZeroMQ PUB sockets (one per worker) send the `service_stream.py` stream while the ingest loop is
 not running; once ZeroMQ has queued it, `IngestLoop.step` drains it and the wall time from the first
 step to the last batch applied is reported (the ingest thread's own cost per batch and per block).
 The ratio printed is against the same run's baseline: the per-batch path (`--per-batch`) when
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_service import BS, RawPublisher, Stream, send_interleaved  # noqa: E402
+from service_stream import BS, RawPublisher, Stream, send_interleaved  # noqa: E402
 from zmtp_pub import encode  # noqa: E402
 from router_api.config import ServiceConfig  # noqa: E402
 from router_api.service import IndexerService  # noqa: E402

@@ -29,6 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 Completion = tuple[int, object]
+Failure = tuple[int, object, str]  # (op id, tag, reason)
 
 
 class TransferEngineUnavailable(RuntimeError):
@@ -41,18 +42,14 @@ class TransferError(RuntimeError):
 
 @runtime_checkable
 class TransferEngine(Protocol):
-    def submit(
-        self,
-        src: torch.Tensor,
-        src_pages: Sequence[int],
-        dst: torch.Tensor,
-        dst_pages: Sequence[int],
-        tag: object = None,
-    ) -> int: ...
+    def submit(self, src: torch.Tensor, src_pages: Sequence[int], dst: torch.Tensor, dst_pages: Sequence[int],
+               tag: object = None) -> int:
+        """Queue `dst[dst_pages] = src[src_pages]`; the op id comes back from `poll` once it landed."""
+        ...
 
     def poll(self) -> list[Completion]: ...
 
-    def poll_failed(self) -> list[tuple[int, object, str]]: ...
+    def poll_failed(self) -> list[Failure]: ...
 
     def wait_all(self, timeout: float | None = None) -> list[Completion]: ...
 
@@ -162,10 +159,66 @@ class _Op:
         self.event: object = None
 
 
-class _Closing:
-    """`with engine: ...` closes it (finishing submitted copies)."""
+class _EngineBase:
+    """The bookkeeping every engine shares: op ids, the submit-time checks, the acks and failures
+    that `poll` / `poll_failed` hand over once each, the closed flag and `with engine:`.
 
-    __slots__ = ()
+    An engine says only how a copy lands: `_start(op)` (called under `_lock`, after the checks) and
+    `_collect()` (called under `_lock` by `poll`, moving what has landed into `_done`). The thread
+    engine passes its Condition as the lock, since its copy thread fills the same lists.
+    """
+
+    __slots__ = ("_ids", "_lock", "_done", "_failed", "_closed")
+
+    def __init__(self, lock: threading.Lock | threading.Condition | None = None) -> None:
+        self._ids = itertools.count()
+        self._lock = lock if lock is not None else threading.Lock()
+        self._done: list[Completion] = []
+        self._failed: list[Failure] = []
+        self._closed = False
+
+    def submit(
+        self,
+        src: torch.Tensor,
+        src_pages: Sequence[int],
+        dst: torch.Tensor,
+        dst_pages: Sequence[int],
+        tag: object = None,
+    ) -> int:
+        sp, dp = validate_copy(src, src_pages, dst, dst_pages)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("transfer engine is closed")
+            op = _Op(next(self._ids), tag, src, sp, dst, dp)
+            self._start(op)
+        return op.op_id
+
+    def _start(self, op: _Op) -> None:
+        raise NotImplementedError
+
+    def _collect(self) -> None:
+        """Move copies that have landed into `_done` (engines whose acks arrive by themselves: no-op)."""
+
+    def _ack(self, op: _Op) -> None:
+        self._done.append((op.op_id, op.tag))
+
+    def _fail(self, op: _Op, why: BaseException | str) -> None:
+        """Report `op` through `poll_failed`; it is never acked."""
+        if isinstance(why, BaseException):
+            log.error("transfer op %d failed: %s", op.op_id, why)
+            why = repr(why)
+        self._failed.append((op.op_id, op.tag, why))
+
+    def poll(self) -> list[Completion]:
+        with self._lock:
+            self._collect()
+            done, self._done = self._done, []
+        return done
+
+    def poll_failed(self) -> list[Failure]:
+        with self._lock:
+            failed, self._failed = self._failed, []
+        return failed
 
     def __enter__(self):  # type: ignore[no-untyped-def]
         return self
@@ -178,36 +231,21 @@ class _Closing:
 # Manual engine: tests decide when (and in which order) copies land.
 
 
-class ManualTransferEngine(_Closing):
+class ManualTransferEngine(_EngineBase):
     """Copies land only when `complete(op_ids)` is called — in any order.
 
     The data copy itself happens at completion, so an un-acked copy has really not landed.
     `wait_all` completes every pending op in submission order.
     """
 
-    __slots__ = ("_ids", "_pending", "_done", "_failed", "_closed")
+    __slots__ = ("_pending",)
 
     def __init__(self) -> None:
-        self._ids = itertools.count()
+        super().__init__()
         self._pending: dict[int, _Op] = {}
-        self._done: list[Completion] = []
-        self._failed: list[tuple[int, object, str]] = []
-        self._closed = False
 
-    def submit(
-        self,
-        src: torch.Tensor,
-        src_pages: Sequence[int],
-        dst: torch.Tensor,
-        dst_pages: Sequence[int],
-        tag: object = None,
-    ) -> int:
-        if self._closed:
-            raise RuntimeError("transfer engine is closed")
-        sp, dp = validate_copy(src, src_pages, dst, dst_pages)
-        op = _Op(next(self._ids), tag, src, sp, dst, dp)
+    def _start(self, op: _Op) -> None:
         self._pending[op.op_id] = op
-        return op.op_id
 
     def pending_ids(self) -> list[int]:
         return list(self._pending)
@@ -223,24 +261,14 @@ class ManualTransferEngine(_Closing):
             try:
                 _copy_pages(op.src, op.sp, op.dst, op.dp)
             except Exception as exc:  # report, never ack a copy that did not happen
-                log.error("manual transfer op %d failed: %s", i, exc)
-                self._failed.append((i, op.tag, repr(exc)))
+                self._fail(op, exc)
                 continue
-            self._done.append((i, op.tag))
+            self._ack(op)
 
     def fail(self, op_ids: Sequence[int], reason: str = "injected failure") -> None:
         """Drop ops without copying, reporting them via `poll_failed` (fault injection)."""
         for i in op_ids:
-            op = self._pending.pop(i)
-            self._failed.append((i, op.tag, reason))
-
-    def poll(self) -> list[Completion]:
-        done, self._done = self._done, []
-        return done
-
-    def poll_failed(self) -> list[tuple[int, object, str]]:
-        failed, self._failed = self._failed, []
-        return failed
+            self._fail(self._pending.pop(i), reason)
 
     @property
     def inflight(self) -> int:
@@ -258,15 +286,12 @@ class ManualTransferEngine(_Closing):
 # Thread engine: CPU copies on a worker thread, optional link model.
 
 
-class ThreadTransferEngine(_Closing):
+class ThreadTransferEngine(_EngineBase):
     """Copies run on one thread, FIFO; each op is acked after its copy and after the simulated link
     (`latency_s` + bytes / `bandwidth_bytes_per_s`, serialised like one DMA engine) has elapsed.
     """
 
-    __slots__ = (
-        "_latency", "_bw", "_clock", "_ids", "_cv", "_queue", "_landing", "_done", "_failed",
-        "_inflight", "_link_free_at", "_closing", "_closed", "_thread",
-    )
+    __slots__ = ("_latency", "_bw", "_clock", "_cv", "_queue", "_landing", "_inflight", "_link_free_at", "_thread")
 
     def __init__(
         self,
@@ -280,39 +305,22 @@ class ThreadTransferEngine(_Closing):
             raise ValueError("latency_s must be >= 0")
         if bandwidth_bytes_per_s is not None and bandwidth_bytes_per_s <= 0:
             raise ValueError("bandwidth_bytes_per_s must be > 0 (or None for unlimited)")
+        self._cv = threading.Condition()
+        super().__init__(self._cv)  # the copy thread fills _done / _failed under the same lock
         self._latency = float(latency_s)
         self._bw = bandwidth_bytes_per_s
         self._clock = clock
-        self._ids = itertools.count()
-        self._cv = threading.Condition()
         self._queue: deque[_Op] = deque()
-        self._landing: list[tuple[float, int, object]] = []  # heap of (ack_time, op_id, tag)
-        self._done: list[Completion] = []
-        self._failed: list[tuple[int, object, str]] = []
+        self._landing: list[tuple[float, int, _Op]] = []  # heap of (ack_time, op_id, op)
         self._inflight = 0
         self._link_free_at = 0.0
-        self._closing = False
-        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(
-        self,
-        src: torch.Tensor,
-        src_pages: Sequence[int],
-        dst: torch.Tensor,
-        dst_pages: Sequence[int],
-        tag: object = None,
-    ) -> int:
-        sp, dp = validate_copy(src, src_pages, dst, dst_pages)
-        with self._cv:
-            if self._closing:
-                raise RuntimeError("transfer engine is closed")
-            op = _Op(next(self._ids), tag, src, sp, dst, dp)
-            self._queue.append(op)
-            self._inflight += 1
-            self._cv.notify_all()
-        return op.op_id
+    def _start(self, op: _Op) -> None:
+        self._queue.append(op)
+        self._inflight += 1
+        self._cv.notify_all()
 
     def _ack_time(self, op: _Op, copied_at: float) -> float:
         if self._bw is None and self._latency == 0.0:
@@ -327,15 +335,13 @@ class ThreadTransferEngine(_Closing):
                 while True:
                     now = self._clock()
                     while self._landing and self._landing[0][0] <= now:
-                        _, op_id, tag = heapq.heappop(self._landing)
-                        self._done.append((op_id, tag))
+                        self._ack(heapq.heappop(self._landing)[2])
                         self._inflight -= 1
                         self._cv.notify_all()
                     if self._queue:
                         op = self._queue.popleft()
                         break
-                    if self._closing and not self._landing:
-                        self._closed = True
+                    if self._closed and not self._landing:
                         self._cv.notify_all()
                         return
                     # Sleeping here models the link; acks are still what callers synchronise on.
@@ -343,24 +349,13 @@ class ThreadTransferEngine(_Closing):
             try:
                 _copy_pages(op.src, op.sp, op.dst, op.dp)
             except Exception as exc:  # a bad copy must not kill the thread or be acked
-                log.error("transfer op %d failed: %s", op.op_id, exc)
                 with self._cv:
-                    self._failed.append((op.op_id, op.tag, repr(exc)))
+                    self._fail(op, exc)
                     self._inflight -= 1
                     self._cv.notify_all()
                 continue
             with self._cv:
-                heapq.heappush(self._landing, (self._ack_time(op, self._clock()), op.op_id, op.tag))
-
-    def poll(self) -> list[Completion]:
-        with self._cv:
-            done, self._done = self._done, []
-        return done
-
-    def poll_failed(self) -> list[tuple[int, object, str]]:
-        with self._cv:
-            failed, self._failed = self._failed, []
-        return failed
+                heapq.heappush(self._landing, (self._ack_time(op, self._clock()), op.op_id, op))
 
     @property
     def inflight(self) -> int:
@@ -377,7 +372,7 @@ class ThreadTransferEngine(_Closing):
     def close(self, timeout: float = 10.0) -> None:
         """Finish queued copies (so no submitted data is lost), then stop the thread."""
         with self._cv:
-            self._closing = True
+            self._closed = True
             self._cv.notify_all()
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -395,7 +390,7 @@ def cuda_available() -> bool:
         return False
 
 
-class CudaTransferEngine(_Closing):
+class CudaTransferEngine(_EngineBase):
     """Async copies on a dedicated CUDA stream per direction (H2D, D2H, D2D, H2H-via-CUDA).
 
     Each submit makes its stream wait for the caller's current stream (so KV written by compute is
@@ -403,7 +398,7 @@ class CudaTransferEngine(_Closing):
     has completed. Host pools should be pinned for the copies to be truly asynchronous.
     """
 
-    __slots__ = ("_device", "_ids", "_streams", "_pending", "_failed", "_closed")
+    __slots__ = ("_device", "_streams", "_pending")
 
     def __init__(self, device: int | str | torch.device | None = None) -> None:
         if not cuda_available():
@@ -419,13 +414,11 @@ class CudaTransferEngine(_Closing):
             raise
         except Exception as exc:
             raise TransferEngineUnavailable(f"cannot initialise CUDA: {exc}") from exc
-        self._ids = itertools.count()
+        super().__init__()
         self._streams: dict[str, torch.cuda.Stream] = {}
         # per direction, ops in submission order: a stream completes in order, so poll stops at the
         # first unfinished op of each stream.
         self._pending: dict[str, deque[_Op]] = {}
-        self._failed: list[tuple[int, object, str]] = []
-        self._closed = False
 
     def _direction(self, src: torch.Tensor, dst: torch.Tensor) -> str:
         s = "d" if src.is_cuda else "h"
@@ -440,31 +433,19 @@ class CudaTransferEngine(_Closing):
             self._pending[direction] = deque()
         return st
 
-    def submit(
-        self,
-        src: torch.Tensor,
-        src_pages: Sequence[int],
-        dst: torch.Tensor,
-        dst_pages: Sequence[int],
-        tag: object = None,
-    ) -> int:
-        if self._closed:
-            raise RuntimeError("transfer engine is closed")
-        sp, dp = validate_copy(src, src_pages, dst, dst_pages)
-        if not (src.is_cuda or dst.is_cuda):
+    def _start(self, op: _Op) -> None:
+        if not (op.src.is_cuda or op.dst.is_cuda):
             raise ValueError("CudaTransferEngine copies need at least one CUDA pool")
-        direction = self._direction(src, dst)
+        direction = self._direction(op.src, op.dst)
         stream = self._stream(direction)
-        op = _Op(next(self._ids), tag, src, sp, dst, dp)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
-            if sp:
+            if op.sp:
                 self._issue(op, direction)
             ev = torch.cuda.Event()
             ev.record(stream)
         op.event = ev
         self._pending[direction].append(op)
-        return op.op_id
 
     def _issue(self, op: _Op, direction: str) -> None:
         src, dst, sp, dp = op.src, op.dst, op.sp, op.dp
@@ -488,8 +469,7 @@ class CudaTransferEngine(_Closing):
                 dst[first : first + n].copy_(staging[pos : pos + n], non_blocking=True)
             op.keep += [s_idx, staging]
 
-    def poll(self) -> list[Completion]:
-        done: list[Completion] = []
+    def _collect(self) -> None:
         for q in self._pending.values():
             while q:
                 op = q[0]
@@ -497,18 +477,12 @@ class CudaTransferEngine(_Closing):
                     finished = op.event.query()  # type: ignore[union-attr]
                 except Exception as exc:  # a CUDA error must not be mistaken for completion
                     q.popleft()
-                    log.error("CUDA transfer op %d failed: %s", op.op_id, exc)
-                    self._failed.append((op.op_id, op.tag, repr(exc)))
+                    self._fail(op, exc)
                     continue
                 if not finished:
                     break
                 q.popleft()
-                done.append((op.op_id, op.tag))
-        return done
-
-    def poll_failed(self) -> list[tuple[int, object, str]]:
-        failed, self._failed = self._failed, []
-        return failed
+                self._ack(op)
 
     @property
     def inflight(self) -> int:

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_apply import apply_sharded, apply_stream  # noqa: E402
-from bench_service import BS, Stream  # noqa: E402
+from service_stream import BS, Stream  # noqa: E402
 
 from indexer.index import KVIndex  # noqa: E402
 
@@ -68,7 +68,7 @@ def test_bench_publishers_answer_replays_in_round_robin_chunks(zmq_ctx) -> None:
     2026-11-25 hung that way); every reply still arrives, in order, then the end marker."""
     import zmq
 
-    from bench_service import END_SEQ, REPLAY_CHUNK, RawPublisher
+    from service_stream import END_SEQ, REPLAY_CHUNK, RawPublisher
 
     pubs = [RawPublisher(zmq_ctx) for _ in range(2)]
     dealers = []

@@ -307,3 +307,67 @@ def test_factory_kinds_and_errors() -> None:
         make_transfer_engine("manual", latency_s=1)
     with pytest.raises(ValueError, match="bandwidth"):
         ThreadTransferEngine(bandwidth_bytes_per_s=0)
+
+
+# --- shared bookkeeping: one suite every engine passes ------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device (scripts/gpu_check.sh)")
+ENGINE_KINDS = ["manual", "thread", pytest.param("cuda", marks=needs_gpu)]
+
+
+def engine_and_pools(kind: str, pages: int, seed: int) -> tuple[TransferEngine, torch.Tensor, torch.Tensor]:
+    """An engine and a (source, destination) pool pair it can copy between (device → host for CUDA)."""
+    src, dst = pool(pages, seed=seed), pool(pages)
+    if kind == "cuda":
+        return make_transfer_engine("cuda"), src.cuda(), dst.pin_memory()
+    return make_transfer_engine(kind), src, dst
+
+
+@pytest.mark.parametrize("kind", ENGINE_KINDS)
+def test_engine_acks_each_op_once_with_its_tag_and_refuses_after_close(kind: str) -> None:
+    eng, src, dst = engine_and_pools(kind, 8, seed=13)
+    with eng:
+        ids = [eng.submit(src, [i], dst, [7 - i], tag=("t", i)) for i in range(4)]
+        empty = eng.submit(src, [], dst, [], tag="empty")  # a copy of no pages is acked like any other
+        assert len(set(ids + [empty])) == 5, "op ids must be unique"
+        done = eng.wait_all(timeout=30)
+        assert sorted(done, key=lambda d: d[0]) == sorted([(i, ("t", k)) for k, i in enumerate(ids)] + [(empty, "empty")])
+        assert eng.poll() == [] and eng.poll_failed() == [], "an ack or failure is handed over once"
+        assert eng.inflight == 0
+        for i in range(4):
+            assert torch.equal(dst[7 - i].cpu(), src[i].cpu())
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.submit(src, [0], dst, [0])
+    assert eng.inflight == 0
+
+
+@pytest.mark.parametrize("kind", ["manual", "thread"])
+def test_engine_failure_is_reported_once_and_never_acked(kind: str) -> None:
+    eng, src, _ = engine_and_pools(kind, 4, seed=14)
+    bad_dst = torch.zeros((4, *PAGE), requires_grad=True)  # in-place write on a grad leaf fails at copy time
+    good_dst = pool(4)
+    bad = eng.submit(src, [0], bad_dst, [0], tag="bad")
+    good = eng.submit(src, [1], good_dst, [3], tag="good")
+    assert eng.wait_all(timeout=30) == [(good, "good")]
+    failed = eng.poll_failed()
+    assert [(op, tag) for op, tag, _ in failed] == [(bad, "bad")]
+    assert failed[0][2].startswith("RuntimeError")  # the reason is the copy's own error
+    assert eng.poll_failed() == [] and eng.poll() == []
+    assert eng.inflight == 0
+    eng.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
+def test_cuda_engine_copies_pages_in_every_direction(direction: str) -> None:
+    src, dst = pool(16, seed=15), pool(16)
+    src = src.pin_memory() if direction == "h2d" else src.cuda()
+    dst = dst.pin_memory() if direction == "d2h" else dst.cuda()
+    eng = CudaTransferEngine()
+    sp, dp = [0, 1, 2, 5, 9, 10], [15, 3, 4, 5, 0, 1]  # runs and gaps on both sides
+    op = eng.submit(src, sp, dst, dp, tag=direction)
+    assert eng.wait_all(timeout=60) == [(op, direction)]
+    assert torch.equal(dst[dp].cpu(), src[sp].cpu())
+    with pytest.raises(ValueError, match="at least one CUDA pool"):
+        eng.submit(pool(2, seed=1), [0], pool(2), [1])
+    eng.close()

@@ -20,6 +20,7 @@ from typing import Any
 from indexer import hashing
 from indexer.core import types as T
 from schemas import events as E
+from schemas.c_tables import c_str, c_strs, header_command
 from schemas.media import MEDIUM_ALIASES, Medium
 
 HEADER = Path(__file__).with_name("wire_tables.h")
@@ -57,15 +58,6 @@ def tables() -> dict[str, Any]:
     }
 
 
-def _c_str(s: str) -> str:
-    assert s.isascii() and '"' not in s and "\\" not in s, s
-    return f'"{s}"'
-
-
-def _strs(xs: tuple[str, ...]) -> str:
-    return ", ".join(_c_str(x) for x in xs)
-
-
 def render() -> str:
     t = tables()
     stored, removed = t["stored_fields"], t["removed_fields"]
@@ -83,12 +75,12 @@ def render() -> str:
     for name, v in zip(("P_MUL", "K1", "K2", "K3", "EXTRA_SALT"), t["hash_consts"]):
         out.append(f"#define {name} 0x{v:016X}ULL")
     out += ["", "/* schemas/events.py: event tags (EV_* order) */",
-            f"static const char *const EVENT_TAGS[3] = {{{_strs(t['tags'])}}};",
+            f"static const char *const EVENT_TAGS[3] = {{{c_strs(t['tags'])}}};",
             "", "/* schemas/events.py: BlockStored fields in declaration order; BlockRemoved's are a subset */",
             "enum {"]
     out += [f"    F_{f.upper()}," for f in stored]
     out += ["    F_N", "};",
-            f"static const char *const FIELD_NAMES[F_N] = {{{_strs(stored)}}};",
+            f"static const char *const FIELD_NAMES[F_N] = {{{c_strs(stored)}}};",
             "#define FB(f) (1u << (f))"]
     req_s = " | ".join(f"FB(F_{f.upper()})" for f in stored[: t["stored_required"]]) or "0"
     req_r = " | ".join(f"FB(F_{f.upper()})" for f in removed[: t["removed_required"]]) or "0"
@@ -98,18 +90,18 @@ def render() -> str:
             "", "/* schemas/media.py: wire alias (upper case) -> tier; canonical names by tier */",
             f"#define N_MEDIA {len(t['media'])}  /* every name shorter than 64 bytes */",
             "static const struct { const char *name; int tier; } MEDIA[N_MEDIA] = {"]
-    out += [f"    {{{_c_str(n)}, {v}}}," for n, v in t["media"]]
-    out += ["};", f"static const char *const MEDIUM_NAMES[4] = {{{_strs(t['medium_names'])}}};",
+    out += [f"    {{{c_str(n)}, {v}}}," for n, v in t["media"]]
+    out += ["};", f"static const char *const MEDIUM_NAMES[4] = {{{c_strs(t['medium_names'])}}};",
             "", "/* schemas/events.py: the full-attention rule (markers, case-insensitive) */",
             f"#define N_FULL {len(t['full_markers'])}",
-            f"static const char *const FULL_MARKERS[N_FULL] = {{{_strs(t['full_markers'])}}};",
+            f"static const char *const FULL_MARKERS[N_FULL] = {{{c_strs(t['full_markers'])}}};",
             f"#define N_NOT_FULL {len(t['not_full_markers'])}",
-            f"static const char *const NOT_FULL_MARKERS[N_NOT_FULL] = {{{_strs(t['not_full_markers'])}}};",
+            f"static const char *const NOT_FULL_MARKERS[N_NOT_FULL] = {{{c_strs(t['not_full_markers'])}}};",
             "", "/* indexer/core/types.py: ApplyStats keys the walk fills (stored per tier x outcome,",
             " * removed per tier x outcome, cleared) and its drop reasons */",
             f"#define N_COUNT_KEYS {len(t['count_keys'])}",
             "static const char *const COUNT_KEYS[N_COUNT_KEYS][3] = {"]
-    out += [f"    {{{_strs(k)}}}," for k in t["count_keys"]]
+    out += [f"    {{{c_strs(k)}}}," for k in t["count_keys"]]
     ns, nr = len(T.STORE_OUTCOMES), len(T.REMOVE_OUTCOMES)
     out += ["};", "/* index into COUNT_KEYS: tier t, outcome o (STORE_OUTCOMES / REMOVE_OUTCOMES order) */",
             f"#define CK_STORED(t, o) ({ns} * (t) + (o))",
@@ -121,22 +113,13 @@ def render() -> str:
     out += [f"    D_{d.upper()}," for d in t["drops"]]
     out += ["};"]
     out += [f"#define N_DROPS {len(t['drops'])}",
-            f"static const char *const DROP_NAMES[N_DROPS] = {{{_strs(t['drops'])}}};",
+            f"static const char *const DROP_NAMES[N_DROPS] = {{{c_strs(t['drops'])}}};",
             "", "#endif", ""]
     return "\n".join(out)
 
 
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--write" in argv:
-        HEADER.write_text(text)
-        print(f"wrote {HEADER}")
-        return 0
-    if HEADER.read_text() != text:
-        print(f"{HEADER} is stale: run python -m indexer._native.wire --write", file=sys.stderr)
-        return 1
-    print(f"{HEADER} is current")
-    return 0
+    return header_command(argv, HEADER, render(), "indexer._native.wire")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import events as E
+from schemas.c_tables import c_strs, header_command
 
 HEADER = Path(__file__).with_name("event_tables.h")
 
@@ -49,11 +50,6 @@ def _mp_key(s: str) -> str:
     """A C string literal of `s` as a msgpack fixstr (length byte, then the ASCII)."""
     assert s.isascii() and '"' not in s and "\\" not in s and len(s) < 32, s
     return f'"\\x{0xa0 | len(s):02x}" "{s}"'
-
-
-def _cstrs(xs: tuple[str, ...]) -> str:
-    assert all(x.isascii() and '"' not in x and "\\" not in x for x in xs), xs
-    return ", ".join(f'"{x}"' for x in xs)
 
 
 def _check_order(written: tuple[str, ...], fields: tuple[str, ...], who: str) -> None:
@@ -87,7 +83,7 @@ def render() -> str:
         "",
         "/* KVEventBatch: a positional array of its fields, all written (ts, events, dp_rank) */",
         f"#define N_BATCH_FIELDS {len(t['batch_fields'])}",
-        f"static const char *const BATCH_FIELDS[N_BATCH_FIELDS] = {{{_cstrs(t['batch_fields'])}}};",
+        f"static const char *const BATCH_FIELDS[N_BATCH_FIELDS] = {{{c_strs(t['batch_fields'])}}};",
         "",
         "/* The fields the encoder writes (BlockStored's, then BlockRemoved's), as msgpack keys */",
         "enum {",
@@ -102,23 +98,18 @@ def render() -> str:
             "/* For event_tables(): every field name in declaration order (the encoder writes the KS_ / KR_",
             " * ones, in this order; the rest are left at their defaults, so omitted) */",
             f"#define N_STORED_FIELDS {len(stored)}",
-            f"static const char *const STORED_FIELDS[N_STORED_FIELDS] = {{{_cstrs(stored)}}};",
+            f"static const char *const STORED_FIELDS[N_STORED_FIELDS] = {{{c_strs(stored)}}};",
             f"#define N_REMOVED_FIELDS {len(removed)}",
-            f"static const char *const REMOVED_FIELDS[N_REMOVED_FIELDS] = {{{_cstrs(removed)}}};",
-            f"static const char TAG_FIELD[] = {_cstrs((t['tag_field'],))};",
-            f"static const char *const TAGS[EV_N] = {{{_cstrs(t['tags'])}}};",
+            f"static const char *const REMOVED_FIELDS[N_REMOVED_FIELDS] = {{{c_strs(removed)}}};",
+            f"static const char TAG_FIELD[] = {c_strs((t['tag_field'],))};",
+            f"static const char *const TAGS[EV_N] = {{{c_strs(t['tags'])}}};",
             "", "#endif", ""]
     return "\n".join(out)
 
 
 def main(argv: list[str]) -> int:
     """`--write` writes the header; otherwise exits 1 when the committed one is stale."""
-    text = render()
-    if "--write" in argv:
-        HEADER.write_text(text)
-    current = HEADER.read_text() == text
-    print(f"{HEADER}: {'current' if current else 'stale: run python -m producer._native.event_tables --write'}")
-    return 0 if current else 1
+    return header_command(argv, HEADER, render(), "producer._native.event_tables")
 
 
 if __name__ == "__main__":
