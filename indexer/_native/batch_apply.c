@@ -62,7 +62,9 @@ typedef struct {
     uint64_t seed;
     const uint64_t *cols;
     int layout; /* the worker has a group layout (main tree = group 0): its clears are the pure core's */
-    const struct GLay_ *gl; Py_ssize_t ngl; /* that layout's groups (groups_apply.c) */
+    struct GLay_ *gl; Py_ssize_t ngl; /* that layout's groups (groups_apply.c) */
+    PyObject *learn; /* groups.learn_store for this worker (or NULL): a store of a group outside the layout */
+    int gl_owned; PyObject *gl_ref; /* gl came from a learn (freed by the owner of c), and its tuple */
     Py_ssize_t stored[4][3], removed[4][2], cleared, drops[N_DROPS];
     Py_ssize_t gstored[4][3], gremoved[4][2];
 } FCtx;
@@ -239,7 +241,11 @@ static int walk_events(FCtx *c, const FBatch *b, Py_ssize_t *stop) {
     for (Py_ssize_t i = 0; i < b->nev; i++) {
         const FEv *e = b->ev + i;
         const GLay *g;
-        if (group_event(c, e, &g)) { *stop = i; break; }
+        if (group_event(c, e, &g)) { /* a group the layout lacks: learnt in Python, else the pure core's */
+            int l = gp_learn(c, e);
+            if (l < 0) return -1;
+            if (!l || group_event(c, e, &g)) { *stop = i; break; }
+        }
         /* no arithmetic on NULL: an event (or a whole batch) without hashes or tokens passes NULL */
         const HRef *hs = e->nh ? b->h + e->h0 : NULL;
         const uint64_t *ts = e->nt ? b->t + e->t0 : NULL;
@@ -292,13 +298,13 @@ static void add_counters(FCtx *to, const FCtx *from) {
  * the first event left to the Python core (an orphan: nothing of it was applied). */
 static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"payload", "ext", "nodes", "known", "shift", "block_size", "seed", "known_limit",
-                             "want_rank", "default_rank", "groups", NULL};
-    PyObject *payload, *knowno, *seedo, *wanto = Py_None, *groupso = Py_None;
+                             "want_rank", "default_rank", "groups", "learn", NULL};
+    PyObject *payload, *knowno, *seedo, *wanto = Py_None, *groupso = Py_None, *learn = Py_None;
     U64Map *ext, *nodes;
     int shift;
     Py_ssize_t bs, limit, defrank = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|OnO", kwlist, &payload, &U64MapType, &ext, &U64MapType,
-                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank, &groupso))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|OnOO", kwlist, &payload, &U64MapType, &ext, &U64MapType,
+                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank, &groupso, &learn))
         return NULL;
     int ranked = wanto != Py_None;
     long long want = 0;
@@ -341,7 +347,7 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
     if (ranked && (rank != want || b.nev == 0)) goto result; /* nothing to apply to these maps */
     if (!(cols = col_table(bs))) goto done;
     c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
-    c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl;
+    c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl; c.learn = learn != Py_None ? learn : NULL;
     if (walk_events(&c, &b, &stop) < 0 || tally_dicts(&c, counts, drops) < 0) goto done;
 result:
     out = Py_BuildValue("(nOOdLn)", stop, counts, drops, hd.ts, rank, b.nev);
@@ -353,6 +359,8 @@ done:
     PyMem_RawFree(b.h);
     PyMem_RawFree(b.t);
     PyMem_RawFree(gl);
+    if (c.gl_owned) PyMem_RawFree(c.gl);
+    Py_XDECREF(c.gl_ref);
     PyBuffer_Release(&view);
     return out;
 }
@@ -378,8 +386,8 @@ static int run_parse(PyObject *items, Py_ssize_t k, Py_ssize_t bs, Py_ssize_t ma
 }
 
 static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11 && nargs != 12) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 or 12 positional arguments"); return NULL; }
-    PyObject *groupso = nargs == 12 ? args[11] : Py_None;
+    if (nargs < 11 || nargs > 13) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 to 13 positional arguments"); return NULL; }
+    PyObject *groupso = nargs >= 12 ? args[11] : Py_None, *learn = nargs == 13 && args[12] != Py_None ? args[12] : NULL;
     PyObject *payloads = args[0], *knowno = args[3];
     if (!PyList_Check(payloads)) { PyErr_SetString(PyExc_TypeError, "payloads must be a list"); return NULL; }
     if (!PyObject_TypeCheck(args[1], &U64MapType) || !PyObject_TypeCheck(args[2], &U64MapType)
@@ -409,6 +417,11 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
     memset(&b, 0, sizeof(b));
     FCtx run, c;
     memset(&run, 0, sizeof(run));
+    /* the layout as the walk learns it, carried from batch to batch */
+    GLay *cgl = gl;
+    Py_ssize_t cngl = ngl;
+    int cown = 0, clayout = groupso != Py_None;
+    PyObject *cref = NULL;
     double last_ts = 0.0;
     Py_ssize_t k = 0, n = 0, nev = 0;
     /* a tuple: nobody can change what the walk reads while it runs without the GIL */
@@ -429,9 +442,12 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
         if (rank != want || b.nev == 0) break;
         memset(&c, 0, sizeof(c));
         c.ext = ext; c.nodes = nodes; c.known = known; c.shift = (int)shiftl; c.bs = bs; c.limit = limit;
-        c.seed = seed; c.cols = cols; c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl;
+        c.seed = seed; c.cols = cols; c.layout = clayout; c.gl = cgl; c.ngl = cngl; c.learn = learn;
+        c.gl_owned = cown; c.gl_ref = cref;
         Py_ssize_t stop;
-        if (walk_events(&c, &b, &stop) < 0) goto done;
+        int wr = walk_events(&c, &b, &stop);
+        cgl = c.gl; cngl = c.ngl; cown = c.gl_owned; cref = c.gl_ref; clayout = c.layout;
+        if (wr < 0) goto done;
         if (stop >= 0) { /* an orphan or a group event: this batch is the caller's to finish */
             gil_need();
             PyObject *pc = PyDict_New(), *pd = PyDict_New();
@@ -460,5 +476,7 @@ done:
     PyMem_RawFree(b.h);
     PyMem_RawFree(b.t);
     PyMem_RawFree(gl);
+    if (cown) PyMem_RawFree(cgl);
+    Py_XDECREF(cref);
     return out;
 }

@@ -86,6 +86,30 @@ static int group_event(const FCtx *c, const FEv *e, const GLay **g) {
     return c->layout;
 }
 
+/* A store of a group the worker's layout lacks: its layout step in Python (c->learn, a closure over
+ * groups.learn_store returning the new layout tuple, or None when the pure core must judge the
+ * event: a conflicting group is a reset, a main tree not known yet, the cap). 1 the layout was
+ * re-read (the walk applies the event), 0 stop there, -1 error. */
+static int gp_learn(FCtx *c, const FEv *e) {
+    if (!c->learn || e->type != EV_STORED || e->gidx != 2 || e->gi < 1 || e->kcode > 2 || e->odd_window) return 0;
+    gil_need();
+    PyObject *win = e->kcode == 1 && e->has_window ? PyLong_FromLongLong(e->window) : Py_NewRef(Py_None);
+    if (!win) return -1;
+    PyObject *r = PyObject_CallFunction(c->learn, "LiO", (long long)e->gi, e->kcode, win);
+    Py_DECREF(win);
+    if (!r) return -1;
+    GLay *ng = NULL;
+    Py_ssize_t nn = 0;
+    int rc = r == Py_None ? 1 : glay_parse(r, c->ext, c->nodes, c->known, &ng, &nn);
+    if (rc) { Py_DECREF(r); return rc < 0 ? -1 : 0; } /* an odd tuple: the pure core, on the learnt layout */
+    if (c->gl_owned) PyMem_RawFree(c->gl);
+    c->gl = ng; c->ngl = nn; c->gl_owned = 1;
+    Py_XDECREF(c->gl_ref);
+    c->gl_ref = r; /* holds the maps the new layout points at */
+    c->layout = 1;
+    return 1;
+}
+
 /* Twin of groups._group_store for a group of the worker's layout. 0 done, -1 error. */
 static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const uint64_t *toks) {
     Py_ssize_t n = e->nh, nk = 0;

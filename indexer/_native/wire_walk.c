@@ -214,6 +214,8 @@ typedef struct {
     FEv *ev; Py_ssize_t nev, cev;
     HRef *h; Py_ssize_t nh, ch;
     uint64_t *t; Py_ssize_t nt, ct;
+    /* the last token array decoded: its bytes in the payload, and where its ints went in t */
+    const unsigned char *lt_raw; Py_ssize_t lt_len, lt_t0, lt_n;
 } FBatch;
 
 static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
@@ -262,10 +264,20 @@ static int parse_field(Rd *r, int f, Py_ssize_t bs, FEv *e, FBatch *b, Py_ssize_
         case F_TOKEN_IDS: {
             Py_ssize_t nt = rd_container(r, 0);
             if (nt < 0) DECLINE(DECL_MALFORMED);
+            Py_ssize_t at = r->pos;
+            /* A hybrid batch repeats a request's tokens once per group (vLLM sends each group's store
+             * its blocks' tokens): bytes equal to the last array's decode to the same ints (msgpack is
+             * prefix-free), so the store shares them, for a memcmp instead of a decode. */
+            if (nt && nt == b->lt_n && b->lt_len <= r->len - at && memcmp(r->p + at, b->lt_raw, (size_t)b->lt_len) == 0) {
+                e->t0 = b->lt_t0; e->nt = nt;
+                r->pos = at + b->lt_len;
+                break;
+            }
             if (grow((void **)&b->t, &b->ct, b->nt + nt, sizeof(uint64_t)) < 0) return -1;
             e->t0 = b->nt; e->nt = nt;
             if (nt && rd_tokens(r, b->t + b->nt, nt) < 0) DECLINE(DECL_MALFORMED); /* b->t may be NULL when nt == 0 */
             b->nt += nt;
+            if (nt) { b->lt_raw = r->p + at; b->lt_len = r->pos - at; b->lt_t0 = e->t0; b->lt_n = nt; }
             break;
         }
         case F_BLOCK_SIZE: {
@@ -403,6 +415,7 @@ static double be_float(const unsigned char *q) {
 static int parse_batch(const unsigned char *p, Py_ssize_t len, Py_ssize_t bs, FBatch *b, FHead *hd) {
     Rd r = {p, 0, len};
     b->form = 0;
+    b->lt_raw = NULL; b->lt_len = b->lt_n = b->lt_t0 = 0; /* b may be reused across payloads */
     Py_ssize_t top = rd_container(&r, 0);
     if (top != 2 && top != 3) DECLINE(DECL_MALFORMED);
     if (r.pos >= len) DECLINE(DECL_MALFORMED);

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from indexer.core.apply import KNOWN_EXT_LIMIT, apply_events, decode_or_drop, finite_ts
+from indexer.core.groups import learn_store
 from indexer.core.state import ModelState, WorkerState
 from indexer.core.types import (
     TIER_NAMES, ApplyStats, RankLimits, ScoreResult, ScoreTable, TierWeights, WorkerScore,
@@ -46,6 +47,19 @@ def _groups_arg(w: WorkerState) -> tuple | None:
         out.append((gi, g.kind if ok else -1, int(win is not None), win if ok and win is not None else 0, g.nodes,
                     g.slot_map(w.slot)))
     return tuple(out)
+
+
+def _learner(m: ModelState, w: WorkerState) -> Callable[[int, int, int | None], tuple | None] | None:
+    """The C walk's callback for a store of a group outside `w`'s layout (groups_apply.c, gp_learn):
+    `groups.learn_store`, then the new layout tuple, or None (the pure core judges the event). Only
+    once the model has groups: a model's first layout is learnt by the pure core."""
+    if m.groups is None:
+        return None
+
+    def learn(gi: int, kind: int, window: int | None) -> tuple | None:
+        return _groups_arg(w) if learn_store(m, w, gi, kind, window) else None
+
+    return learn
 
 
 def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list]:
@@ -92,11 +106,11 @@ class Accelerator:
             if fresh:
                 w = m.worker(worker_id, rank)
             # positional: keyword parsing costs more than the walk of a small batch (docs/index-core.md)
-            if w.layout is None:
+            if m.groups is None:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT)
             else:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT,
-                                    None, 0, _groups_arg(w))
+                                    None, 0, _groups_arg(w), _learner(m, w))
             if res is None:
                 if fresh:
                     m.remove(w)  # a payload the C walk does not take must not register its worker
@@ -115,7 +129,7 @@ class Accelerator:
                 w = m.worker(worker_id, rank)
             res = apply_msgpack(
                 payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT, rank, default,
-                _groups_arg(w),
+                _groups_arg(w), _learner(m, w),
             )
             if res is None:
                 if fresh:
@@ -150,7 +164,7 @@ class Accelerator:
             return 0, ApplyStats(), None
         k, counts, drops, ts, n_events, partial = self.mod.apply_msgpack_run(
             payloads, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size, m.seed0,
-            KNOWN_EXT_LIMIT, rank, default, max_payload, _groups_arg(w),
+            KNOWN_EXT_LIMIT, rank, default, max_payload, _groups_arg(w), _learner(m, w),
         )
         extra = None
         if partial is not None:  # payloads[k] stopped at an orphan: the pure core finishes it
