@@ -49,11 +49,12 @@ def _groups_arg(w: WorkerState) -> tuple | None:
     return tuple(out)
 
 
-def _learner(m: ModelState, w: WorkerState) -> Callable[[int, int, int | None], tuple | None] | None:
+def _learner(m: ModelState, w: WorkerState, fresh: bool) -> Callable[[int, int, int | None], tuple | None] | None:
     """The C walk's callback for a store of a group outside `w`'s layout (groups_apply.c, gp_learn):
-    `groups.learn_store`, then the new layout tuple, or None (the pure core judges the event). Only
-    once the model has groups: a model's first layout is learnt by the pure core."""
-    if m.groups is None:
+    `groups.learn_store`, then the new layout tuple, or None (the pure core judges the event). Given
+    once the model has groups, and on a worker's first batch (a model's first layout); else None: a
+    batch of a model without groups pays nothing for it, and its first group event is the pure core's."""
+    if m.groups is None and not fresh:
         return None
 
     def learn(gi: int, kind: int, window: int | None) -> tuple | None:
@@ -106,11 +107,11 @@ class Accelerator:
             if fresh:
                 w = m.worker(worker_id, rank)
             # positional: keyword parsing costs more than the walk of a small batch (docs/index-core.md)
-            if m.groups is None:
+            if m.groups is None and not fresh:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT)
             else:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT,
-                                    None, 0, _groups_arg(w), _learner(m, w))
+                                    None, 0, _groups_arg(w), _learner(m, w, fresh))
             if res is None:
                 if fresh:
                     m.remove(w)  # a payload the C walk does not take must not register its worker
@@ -129,7 +130,7 @@ class Accelerator:
                 w = m.worker(worker_id, rank)
             res = apply_msgpack(
                 payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT, rank, default,
-                _groups_arg(w), _learner(m, w),
+                _groups_arg(w), _learner(m, w, fresh),
             )
             if res is None:
                 if fresh:
@@ -164,7 +165,7 @@ class Accelerator:
             return 0, ApplyStats(), None
         k, counts, drops, ts, n_events, partial = self.mod.apply_msgpack_run(
             payloads, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size, m.seed0,
-            KNOWN_EXT_LIMIT, rank, default, max_payload, _groups_arg(w), _learner(m, w),
+            KNOWN_EXT_LIMIT, rank, default, max_payload, _groups_arg(w), _learner(m, w, False),
         )
         extra = None
         if partial is not None:  # payloads[k] stopped at an orphan: the pure core finishes it
