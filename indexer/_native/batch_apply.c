@@ -65,12 +65,16 @@ typedef struct {
     struct GLay_ *gl; Py_ssize_t ngl; /* that layout's groups (groups_apply.c) */
     PyObject *learn; /* groups.learn_store for this worker (or NULL): a store of a group outside the layout */
     int gl_owned; PyObject *gl_ref; /* gl came from a learn (freed by the owner of c), and its tuple */
+    /* the keys of the last main-tree store (its hash array at kc_h0 in the batch, kc_n blocks), while
+     * no other main-tree event came after it: a group's store of the same blocks reads them here,
+     * not in ext (a probe of a big table each). Only with a layout (or one to learn). */
+    uint64_t *kc; Py_ssize_t kc_cap, kc_h0, kc_n;
     Py_ssize_t stored[4][3], removed[4][2], cleared, drops[N_DROPS];
     Py_ssize_t gstored[4][3], gremoved[4][2];
 } FCtx;
 
 /* Twin of apply._attach (no cancellations: the fast path only runs with no pending orphans). */
-static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *toks, int tier) {
+static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *toks, int tier, uint64_t *kout) {
     int pos = c->shift + tier;
     uint64_t stackbuf[128], *dg = NULL;
     if (toks) {
@@ -120,6 +124,7 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
                 VALS(c->ext, ei)[0] = key;
             } else if (href_set(c->ext, h, key) < 0) goto out;
         }
+        if (kout) kout[j] = key;
         int was = node_bit(c->nodes, key, pos, 1);
         if (was < 0) goto out;
         c->stored[tier][was ? 1 : is_new ? 0 : 2]++;
@@ -127,6 +132,26 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
     rc = 0;
 out:
     if (dg && dg != stackbuf) PyMem_RawFree(dg);
+    return rc;
+}
+
+/* The key cache for a store of n blocks at h0 (NULL when the worker has no layout, or no memory:
+ * the cache is only a shortcut). */
+static uint64_t *kc_for(FCtx *c, const FEv *e, Py_ssize_t n) {
+    if (!c->layout && !c->learn) return NULL;
+    if (n > c->kc_cap) {
+        uint64_t *k = PyMem_RawRealloc(c->kc, (size_t)n * sizeof(uint64_t));
+        if (!k) return NULL;
+        c->kc = k;
+        c->kc_cap = n;
+    }
+    return c->kc;
+}
+
+static int fp_attach_kc(FCtx *c, const FEv *e, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *toks) {
+    uint64_t *kc = kc_for(c, e, n);
+    int rc = fp_attach(c, hs, n, state, toks, e->tier, kc);
+    if (rc == 0 && kc) { c->kc_h0 = e->h0; c->kc_n = n; }
     return rc;
 }
 
@@ -143,7 +168,7 @@ static int fp_store(FCtx *c, const FEv *e, const HRef *hs, const uint64_t *toks)
             if (!r) { c->drops[D_PLACEHOLDER_UNKNOWN] += n; return 0; }
             pf_slot(c->nodes, k);
         }
-        return fp_attach(c, hs, n, 0, NULL, e->tier);
+        return fp_attach_kc(c, e, hs, n, 0, NULL);
     }
     if (e->bsz != 1) { c->drops[D_BLOCK_SIZE_MISMATCH] += n; return 0; }
     Py_ssize_t nfull = e->nt / c->bs < n ? e->nt / c->bs : n;
@@ -160,7 +185,7 @@ static int fp_store(FCtx *c, const FEv *e, const HRef *hs, const uint64_t *toks)
         }
     }
     c->drops[D_PARTIAL_BLOCK] += n - nfull;
-    return fp_attach(c, hs, nfull, state, toks, e->tier);
+    return fp_attach_kc(c, e, hs, nfull, state, toks);
 }
 
 /* Twin of the no-pending part of apply._remove. */
@@ -249,6 +274,7 @@ static int walk_events(FCtx *c, const FBatch *b, Py_ssize_t *stop) {
         /* no arithmetic on NULL: an event (or a whole batch) without hashes or tokens passes NULL */
         const HRef *hs = e->nh ? b->h + e->h0 : NULL;
         const uint64_t *ts = e->nt ? b->t + e->t0 : NULL;
+        if (!g) c->kc_n = 0; /* a main-tree event: the cached keys may be stale (a store sets them anew) */
         int r = g ? (e->type == EV_STORED ? gp_store(c, g, e, hs, ts) : gp_remove(c, g, e, hs))
               : e->type == EV_STORED ? fp_store(c, e, hs, ts)
               : e->type == EV_REMOVED ? fp_remove(c, e, hs) : fp_clear(c);
@@ -361,6 +387,7 @@ done:
     PyMem_RawFree(gl);
     if (c.gl_owned) PyMem_RawFree(c.gl);
     Py_XDECREF(c.gl_ref);
+    PyMem_RawFree(c.kc);
     PyBuffer_Release(&view);
     return out;
 }
@@ -422,6 +449,8 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
     Py_ssize_t cngl = ngl;
     int cown = 0, clayout = groupso != Py_None;
     PyObject *cref = NULL;
+    uint64_t *ckc = NULL; /* the key cache's buffer, kept from batch to batch */
+    Py_ssize_t ckc_cap = 0;
     double last_ts = 0.0;
     Py_ssize_t k = 0, n = 0, nev = 0;
     /* a tuple: nobody can change what the walk reads while it runs without the GIL */
@@ -443,10 +472,10 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
         memset(&c, 0, sizeof(c));
         c.ext = ext; c.nodes = nodes; c.known = known; c.shift = (int)shiftl; c.bs = bs; c.limit = limit;
         c.seed = seed; c.cols = cols; c.layout = clayout; c.gl = cgl; c.ngl = cngl; c.learn = learn;
-        c.gl_owned = cown; c.gl_ref = cref;
+        c.gl_owned = cown; c.gl_ref = cref; c.kc = ckc; c.kc_cap = ckc_cap;
         Py_ssize_t stop;
         int wr = walk_events(&c, &b, &stop);
-        cgl = c.gl; cngl = c.ngl; cown = c.gl_owned; cref = c.gl_ref; clayout = c.layout;
+        cgl = c.gl; cngl = c.ngl; cown = c.gl_owned; cref = c.gl_ref; clayout = c.layout; ckc = c.kc; ckc_cap = c.kc_cap;
         if (wr < 0) goto done;
         if (stop >= 0) { /* an orphan or a group event: this batch is the caller's to finish */
             gil_need();
@@ -478,5 +507,6 @@ done:
     PyMem_RawFree(gl);
     if (cown) PyMem_RawFree(cgl);
     Py_XDECREF(cref);
+    PyMem_RawFree(ckc);
     return out;
 }

@@ -121,11 +121,15 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
         gil_need(); PyErr_NoMemory(); return -1;
     }
     int rc = -1, r;
+    /* the blocks of the last main-tree store, whose keys the walk just set in ext: read from there */
+    const uint64_t *kv = c->kc_n && e->h0 == c->kc_h0 ? c->kc : NULL;
+    Py_ssize_t nkv = kv ? c->kc_n : 0;
+#define KV_GET(j, out) ((j) < nkv ? (*(out) = kv[j], 1) : href_get(c->ext, hs + (j), (out)))
     if (e->bsz == 0 || e->nt == 0) { /* placeholder: blocks this worker maps (in this group or as KV) */
         for (Py_ssize_t j = 0; j < n; j++) {
             if ((r = href_get(g->ext, hs + j, &keys[j])) < 0) goto out;
             had[j] = (unsigned char)r;
-            if (!r && (r = href_get(c->ext, hs + j, &keys[j])) < 0) goto out;
+            if (!r && (r = KV_GET(j, &keys[j])) < 0) goto out;
             if (!r) { c->drops[D_PLACEHOLDER_UNKNOWN] += n; rc = 0; goto out; }
         }
         nk = n;
@@ -140,16 +144,16 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
             if (!r && (r = href_get(c->ext, &e->parent, &state)) < 0) goto out;
             have = r;
         }
-        for (Py_ssize_t j = 0; j < nfull && j < 8; j++) if (!hs[j].b) { pf_slot(g->ext, hs[j].k); pf_slot(c->ext, hs[j].k); }
+        for (Py_ssize_t j = 0; j < nfull && j < 8; j++) if (!hs[j].b) { pf_slot(g->ext, hs[j].k); if (j >= nkv) pf_slot(c->ext, hs[j].k); }
         for (Py_ssize_t j = 0; j < nfull; j++) {
             uint64_t key;
             if (j + 8 < nfull && !hs[j + 8].b) { /* random probes: overlap their misses */
                 pf_slot(g->ext, hs[j + 8].k);
-                pf_slot(c->ext, hs[j + 8].k);
+                if (j + 8 >= nkv) pf_slot(c->ext, hs[j + 8].k);
             }
             if ((r = href_get(g->ext, hs + j, &key)) < 0) goto out;
             had[nk] = (unsigned char)r;
-            if (!r && (r = href_get(c->ext, hs + j, &key)) < 0) goto out;
+            if (!r && (r = KV_GET(j, &key)) < 0) goto out;
             if (!r) {
                 if (!have) { c->drops[D_GROUP_ORPHAN] += nfull - j; break; }
                 key = state * P_MUL + block_digest(toks + j * c->bs, c->bs, 0, c->cols);
@@ -182,6 +186,7 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
     }
     rc = 0;
 out:
+#undef KV_GET
     if (keys != stackbuf) PyMem_RawFree(keys);
     if (had != hadbuf) PyMem_RawFree(had);
     return rc;

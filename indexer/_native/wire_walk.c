@@ -214,8 +214,9 @@ typedef struct {
     FEv *ev; Py_ssize_t nev, cev;
     HRef *h; Py_ssize_t nh, ch;
     uint64_t *t; Py_ssize_t nt, ct;
-    /* the last token array decoded: its bytes in the payload, and where its ints went in t */
+    /* the last token / hash array decoded: its bytes in the payload, and where it went in t / h */
     const unsigned char *lt_raw; Py_ssize_t lt_len, lt_t0, lt_n;
+    const unsigned char *lh_raw; Py_ssize_t lh_len, lh_h0, lh_n;
 } FBatch;
 
 static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
@@ -250,10 +251,19 @@ static int parse_field(Rd *r, int f, Py_ssize_t bs, FEv *e, FBatch *b, Py_ssize_
         case F_BLOCK_HASHES: {
             Py_ssize_t nh = rd_container(r, 0);
             if (nh < 0) DECLINE(DECL_MALFORMED);
+            Py_ssize_t at = r->pos;
+            /* a group's store names the KV store's blocks again: shared, like a repeated token array
+             * (and the walk then knows their keys: groups_apply.c) */
+            if (nh && nh == b->lh_n && b->lh_len <= r->len - at && memcmp(r->p + at, b->lh_raw, (size_t)b->lh_len) == 0) {
+                e->h0 = b->lh_h0; e->nh = nh;
+                r->pos = at + b->lh_len;
+                break;
+            }
             if (grow((void **)&b->h, &b->ch, b->nh + nh, sizeof(HRef)) < 0) return -1;
             e->h0 = b->nh; e->nh = nh;
             for (Py_ssize_t j = 0; j < nh; j++) if (rd_hash(r, b->h + b->nh + j) < 0) DECLINE(DECL_MALFORMED); /* nh > 0: b->h set */
             b->nh += nh;
+            if (nh) { b->lh_raw = r->p + at; b->lh_len = r->pos - at; b->lh_h0 = e->h0; b->lh_n = nh; }
             break;
         }
         case F_PARENT_BLOCK_HASH:
@@ -415,7 +425,8 @@ static double be_float(const unsigned char *q) {
 static int parse_batch(const unsigned char *p, Py_ssize_t len, Py_ssize_t bs, FBatch *b, FHead *hd) {
     Rd r = {p, 0, len};
     b->form = 0;
-    b->lt_raw = NULL; b->lt_len = b->lt_n = b->lt_t0 = 0; /* b may be reused across payloads */
+    b->lt_raw = b->lh_raw = NULL; /* b may be reused across payloads */
+    b->lt_len = b->lt_n = b->lt_t0 = b->lh_len = b->lh_n = b->lh_h0 = 0;
     Py_ssize_t top = rd_container(&r, 0);
     if (top != 2 && top != 3) DECLINE(DECL_MALFORMED);
     if (r.pos >= len) DECLINE(DECL_MALFORMED);
