@@ -240,6 +240,21 @@ class Accelerator:
             for w, (dev, cached, kv, g, h, d, sh) in zip(ws, res[1])
         ]
 
+    def hybrid_score(
+        self, m: ModelState, keys: list[int] | None, tokens: object, seed: int, weights: TierWeights,
+        ws: list[WorkerState], args: tuple | None = None,
+    ) -> ScoreResult | None:
+        """`hybrid_rows` when every scored worker has a hybrid layout: the rows weighted, ranked and
+        built in the C call (`ws` in (worker_id, dp_rank) order, as `score`'s); None as there."""
+        groups, layouts, slots = args if args is not None else hybrid_args(ws)
+        res = self.mod.hybrid_rows(
+            m.nodes, keys, tokens, seed, m.block_size, groups, layouts, slots, weights.as_tuple(), WorkerScore,
+            TIER_NAMES, [w.worker_id for w in ws], [w.dp_rank for w in ws],
+        )
+        if res is None:
+            return None
+        return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
+
     def score_table(
         self, m: ModelState, tokens: object, seed: int, weights: TierWeights, workers: list[tuple[str, int]] | None,
     ) -> ScoreTable | None:
