@@ -226,13 +226,20 @@ static int gp_remove(FCtx *c, const GLay *g, const FEv *e, const HRef *hs) {
     for (Py_ssize_t j = 0; j < e->nh; j++) {
         uint64_t key;
         if (j + 8 < e->nh && !hs[j + 8].b) pf_slot(g->ext, hs[j + 8].k);
-        int r = href_get(g->ext, hs + j, &key);
-        if (r < 0) return -1;
+        Py_ssize_t ei = -1; /* an int hash's slot: deleted there, no second probe (nodes is another map) */
+        int r;
+        if (!hs[j].b && hs[j].k) {
+            ei = find(g->ext, hs[j].k, &r);
+            if (r) key = VALS(g->ext, ei)[0];
+        } else if ((r = href_get(g->ext, hs + j, &key)) < 0) return -1;
         if (!r) { c->gremoved[e->tier][1]++; continue; }
         int nib, was = node_unset(g->nodes, key, c->shift, e->tier, &nib);
         if (was < 0) return -1;
         c->gremoved[e->tier][was ? 0 : 1]++;
-        if (!nib && href_del(g->ext, hs + j) < 0) return -1;
+        if (!nib) {
+            if (ei >= 0) erase(g->ext, ei);
+            else if (href_del(g->ext, hs + j) < 0) return -1;
+        }
     }
     return 0;
 }
