@@ -63,9 +63,9 @@ def _learner(m: ModelState, w: WorkerState, fresh: bool) -> Callable[[int, int, 
     return learn
 
 
-def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list]:
-    """`hybrid_rows`' groups, layouts and slots for these workers: each group once, each layout as
-    the positions of its groups."""
+def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list, list, list]:
+    """`hybrid_rows`' groups, layouts and slots for these workers (each group once, each layout as
+    the positions of its groups), and their worker ids and ranks (`hybrid_score`'s rows)."""
     groups: list[tuple[int, int, Any]] = []
     at: dict[int, int] = {}
     layouts = []
@@ -78,7 +78,7 @@ def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list]:
                 groups.append((g.kind, -1 if g.span is None else g.span, g.nodes))
             idx.append(i)
         layouts.append(tuple(idx))
-    return groups, layouts, [w.slot for w in ws]
+    return groups, layouts, [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
 
 
 class Accelerator:
@@ -228,7 +228,7 @@ class Accelerator:
         is None): (query blocks, the usable-prefix rows of workers with a hybrid layout, unranked);
         None when the C call cannot judge the input (the pure core does). `args`: `hybrid_args(ws)`,
         when the caller keeps them."""
-        groups, layouts, slots = args if args is not None else hybrid_args(ws)
+        groups, layouts, slots = (args if args is not None else hybrid_args(ws))[:3]
         bs = m.block_size
         res = self.mod.hybrid_rows(m.nodes, keys, tokens, seed, bs, groups, layouts, slots)
         if res is None:
@@ -246,10 +246,10 @@ class Accelerator:
     ) -> ScoreResult | None:
         """`hybrid_rows` when every scored worker has a hybrid layout: the rows weighted, ranked and
         built in the C call (`ws` in (worker_id, dp_rank) order, as `score`'s); None as there."""
-        groups, layouts, slots = args if args is not None else hybrid_args(ws)
+        groups, layouts, slots, wids, ranks = args if args is not None else hybrid_args(ws)
         res = self.mod.hybrid_rows(
             m.nodes, keys, tokens, seed, m.block_size, groups, layouts, slots, weights.as_tuple(), WorkerScore,
-            TIER_NAMES, [w.worker_id for w in ws], [w.dp_rank for w in ws],
+            TIER_NAMES, wids, ranks,
         )
         if res is None:
             return None
