@@ -16,8 +16,10 @@ mode and the pure-Python reference core (KVATLAS_PURE_PYTHON=1), plus lookup rat
 with its per-worker scores read into Python (ours always returns materialised results).
 Hybrid row (`--hybrid-only` runs just it): a vLLM-shaped hybrid stream (full-attention group 0,
 sliding-window group 1 with its out-of-window removes, Mamba group 2 with a state every 64 blocks)
-against the same stream's full-attention events alone, in one run: apply blocks/s and lookup µs of
-the usable-prefix scoring as ratios to the full-attention-only index (Dynamo has no hybrid scoring).
+against the same stream's full-attention events alone, in one run: apply blocks/s (CPU time of the
+applying thread) and lookup µs of the usable-prefix scoring as ratios to the full-attention-only
+index, and to Dynamo's RadixTree fed what its vLLM listener keeps of the stream (the group-0 stores;
+apply as the process's CPU time, its apply thread included).
 Shapes row (`--shapes-only`): the main workload's ingest in the map shape and in vLLM's array-like
 tagged-event shape (same content), batch by batch in turn in one process, with the C walk's decline counts.
 """
