@@ -77,7 +77,7 @@ def _split(m: Any, wl: list[tuple[str, int]] | None) -> tuple[list[WorkerState],
     if m.groups is None:
         return [], wl
     ws = list(m.by_id.values()) if wl is None else [w for w in (m.by_id.get((wid, int(r))) for wid, r in wl) if w is not None]
-    hybrid = [w for w in ws if w.layout is not None and w.layout.groups]
+    hybrid = sorted((w for w in ws if w.layout is not None and w.layout.groups), key=lambda w: (w.worker_id, w.dp_rank))
     if not hybrid:
         return [], wl
     return hybrid, [(w.worker_id, w.dp_rank) for w in ws if w.layout is None or not w.layout.groups]
@@ -330,7 +330,11 @@ class KVIndex:
         serves (else the pure core): each row is what that worker's own events make of it. Keys come
         hashed from `tokens` when `keys` is None; then None when the C calls cannot judge them."""
         accel = self._accel
-        if accel is not None:
+        if accel is not None and not plain:  # every worker hybrid: ranked rows from the one C call
+            res = accel.hybrid_score(m, keys, tokens, seed, self.weights, hybrid, args)
+            if res is not None:
+                return res
+        elif accel is not None:
             got = accel.hybrid_rows(m, keys, tokens, seed, self.weights, hybrid, args)
             res = accel.score(m, keys, tokens, seed, self.weights, plain) if got is not None and plain else None
             if got is not None and (res is not None or not plain):

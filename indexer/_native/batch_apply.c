@@ -62,13 +62,19 @@ typedef struct {
     uint64_t seed;
     const uint64_t *cols;
     int layout; /* the worker has a group layout (main tree = group 0): its clears are the pure core's */
-    const struct GLay_ *gl; Py_ssize_t ngl; /* that layout's groups (groups_apply.c) */
+    struct GLay_ *gl; Py_ssize_t ngl; /* that layout's groups (groups_apply.c) */
+    PyObject *learn; /* groups.learn_store for this worker (or NULL): a store of a group outside the layout */
+    int gl_owned; PyObject *gl_ref; /* gl came from a learn (freed by the owner of c), and its tuple */
+    /* the keys of the last main-tree store (its hash array at kc_h0 in the batch, kc_n blocks), while
+     * no other main-tree event came after it: a group's store of the same blocks reads them here,
+     * not in ext (a probe of a big table each). Only with a layout (or one to learn). */
+    uint64_t *kc; Py_ssize_t kc_cap, kc_h0, kc_n;
     Py_ssize_t stored[4][3], removed[4][2], cleared, drops[N_DROPS];
     Py_ssize_t gstored[4][3], gremoved[4][2];
 } FCtx;
 
 /* Twin of apply._attach (no cancellations: the fast path only runs with no pending orphans). */
-static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *toks, int tier) {
+static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *toks, int tier, uint64_t *kout) {
     int pos = c->shift + tier;
     uint64_t stackbuf[128], *dg = NULL;
     if (toks) {
@@ -118,6 +124,7 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
                 VALS(c->ext, ei)[0] = key;
             } else if (href_set(c->ext, h, key) < 0) goto out;
         }
+        if (kout) kout[j] = key;
         int was = node_bit(c->nodes, key, pos, 1);
         if (was < 0) goto out;
         c->stored[tier][was ? 1 : is_new ? 0 : 2]++;
@@ -125,6 +132,26 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
     rc = 0;
 out:
     if (dg && dg != stackbuf) PyMem_RawFree(dg);
+    return rc;
+}
+
+/* The key cache for a store of n blocks at h0 (NULL when the worker has no layout, or no memory:
+ * the cache is only a shortcut). */
+static uint64_t *kc_for(FCtx *c, const FEv *e, Py_ssize_t n) {
+    if (!c->layout && !c->learn) return NULL;
+    if (n > c->kc_cap) {
+        uint64_t *k = PyMem_RawRealloc(c->kc, (size_t)n * sizeof(uint64_t));
+        if (!k) return NULL;
+        c->kc = k;
+        c->kc_cap = n;
+    }
+    return c->kc;
+}
+
+static int fp_attach_kc(FCtx *c, const FEv *e, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *toks) {
+    uint64_t *kc = kc_for(c, e, n);
+    int rc = fp_attach(c, hs, n, state, toks, e->tier, kc);
+    if (rc == 0 && kc) { c->kc_h0 = e->h0; c->kc_n = n; }
     return rc;
 }
 
@@ -141,7 +168,7 @@ static int fp_store(FCtx *c, const FEv *e, const HRef *hs, const uint64_t *toks)
             if (!r) { c->drops[D_PLACEHOLDER_UNKNOWN] += n; return 0; }
             pf_slot(c->nodes, k);
         }
-        return fp_attach(c, hs, n, 0, NULL, e->tier);
+        return fp_attach_kc(c, e, hs, n, 0, NULL);
     }
     if (e->bsz != 1) { c->drops[D_BLOCK_SIZE_MISMATCH] += n; return 0; }
     Py_ssize_t nfull = e->nt / c->bs < n ? e->nt / c->bs : n;
@@ -158,7 +185,7 @@ static int fp_store(FCtx *c, const FEv *e, const HRef *hs, const uint64_t *toks)
         }
     }
     c->drops[D_PARTIAL_BLOCK] += n - nfull;
-    return fp_attach(c, hs, nfull, state, toks, e->tier);
+    return fp_attach_kc(c, e, hs, nfull, state, toks);
 }
 
 /* Twin of the no-pending part of apply._remove. */
@@ -239,10 +266,15 @@ static int walk_events(FCtx *c, const FBatch *b, Py_ssize_t *stop) {
     for (Py_ssize_t i = 0; i < b->nev; i++) {
         const FEv *e = b->ev + i;
         const GLay *g;
-        if (group_event(c, e, &g)) { *stop = i; break; }
+        if (group_event(c, e, &g)) { /* a group the layout lacks: learnt in Python, else the pure core's */
+            int l = gp_learn(c, e);
+            if (l < 0) return -1;
+            if (!l || group_event(c, e, &g)) { *stop = i; break; }
+        }
         /* no arithmetic on NULL: an event (or a whole batch) without hashes or tokens passes NULL */
         const HRef *hs = e->nh ? b->h + e->h0 : NULL;
         const uint64_t *ts = e->nt ? b->t + e->t0 : NULL;
+        if (!g) c->kc_n = 0; /* a main-tree event: the cached keys may be stale (a store sets them anew) */
         int r = g ? (e->type == EV_STORED ? gp_store(c, g, e, hs, ts) : gp_remove(c, g, e, hs))
               : e->type == EV_STORED ? fp_store(c, e, hs, ts)
               : e->type == EV_REMOVED ? fp_remove(c, e, hs) : fp_clear(c);
@@ -292,13 +324,13 @@ static void add_counters(FCtx *to, const FCtx *from) {
  * the first event left to the Python core (an orphan: nothing of it was applied). */
 static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"payload", "ext", "nodes", "known", "shift", "block_size", "seed", "known_limit",
-                             "want_rank", "default_rank", "groups", NULL};
-    PyObject *payload, *knowno, *seedo, *wanto = Py_None, *groupso = Py_None;
+                             "want_rank", "default_rank", "groups", "learn", NULL};
+    PyObject *payload, *knowno, *seedo, *wanto = Py_None, *groupso = Py_None, *learn = Py_None;
     U64Map *ext, *nodes;
     int shift;
     Py_ssize_t bs, limit, defrank = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|OnO", kwlist, &payload, &U64MapType, &ext, &U64MapType,
-                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank, &groupso))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!O!OinOn|OnOO", kwlist, &payload, &U64MapType, &ext, &U64MapType,
+                                     &nodes, &knowno, &shift, &bs, &seedo, &limit, &wanto, &defrank, &groupso, &learn))
         return NULL;
     int ranked = wanto != Py_None;
     long long want = 0;
@@ -341,7 +373,7 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
     if (ranked && (rank != want || b.nev == 0)) goto result; /* nothing to apply to these maps */
     if (!(cols = col_table(bs))) goto done;
     c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
-    c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl;
+    c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl; c.learn = learn != Py_None ? learn : NULL;
     if (walk_events(&c, &b, &stop) < 0 || tally_dicts(&c, counts, drops) < 0) goto done;
 result:
     out = Py_BuildValue("(nOOdLn)", stop, counts, drops, hd.ts, rank, b.nev);
@@ -353,6 +385,9 @@ done:
     PyMem_RawFree(b.h);
     PyMem_RawFree(b.t);
     PyMem_RawFree(gl);
+    if (c.gl_owned) PyMem_RawFree(c.gl);
+    Py_XDECREF(c.gl_ref);
+    PyMem_RawFree(c.kc);
     PyBuffer_Release(&view);
     return out;
 }
@@ -378,8 +413,8 @@ static int run_parse(PyObject *items, Py_ssize_t k, Py_ssize_t bs, Py_ssize_t ma
 }
 
 static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11 && nargs != 12) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 or 12 positional arguments"); return NULL; }
-    PyObject *groupso = nargs == 12 ? args[11] : Py_None;
+    if (nargs < 11 || nargs > 13) { PyErr_SetString(PyExc_TypeError, "apply_msgpack_run takes 11 to 13 positional arguments"); return NULL; }
+    PyObject *groupso = nargs >= 12 ? args[11] : Py_None, *learn = nargs == 13 && args[12] != Py_None ? args[12] : NULL;
     PyObject *payloads = args[0], *knowno = args[3];
     if (!PyList_Check(payloads)) { PyErr_SetString(PyExc_TypeError, "payloads must be a list"); return NULL; }
     if (!PyObject_TypeCheck(args[1], &U64MapType) || !PyObject_TypeCheck(args[2], &U64MapType)
@@ -409,6 +444,13 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
     memset(&b, 0, sizeof(b));
     FCtx run, c;
     memset(&run, 0, sizeof(run));
+    /* the layout as the walk learns it, carried from batch to batch */
+    GLay *cgl = gl;
+    Py_ssize_t cngl = ngl;
+    int cown = 0, clayout = groupso != Py_None;
+    PyObject *cref = NULL;
+    uint64_t *ckc = NULL; /* the key cache's buffer, kept from batch to batch */
+    Py_ssize_t ckc_cap = 0;
     double last_ts = 0.0;
     Py_ssize_t k = 0, n = 0, nev = 0;
     /* a tuple: nobody can change what the walk reads while it runs without the GIL */
@@ -429,9 +471,12 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
         if (rank != want || b.nev == 0) break;
         memset(&c, 0, sizeof(c));
         c.ext = ext; c.nodes = nodes; c.known = known; c.shift = (int)shiftl; c.bs = bs; c.limit = limit;
-        c.seed = seed; c.cols = cols; c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl;
+        c.seed = seed; c.cols = cols; c.layout = clayout; c.gl = cgl; c.ngl = cngl; c.learn = learn;
+        c.gl_owned = cown; c.gl_ref = cref; c.kc = ckc; c.kc_cap = ckc_cap;
         Py_ssize_t stop;
-        if (walk_events(&c, &b, &stop) < 0) goto done;
+        int wr = walk_events(&c, &b, &stop);
+        cgl = c.gl; cngl = c.ngl; cown = c.gl_owned; cref = c.gl_ref; clayout = c.layout; ckc = c.kc; ckc_cap = c.kc_cap;
+        if (wr < 0) goto done;
         if (stop >= 0) { /* an orphan or a group event: this batch is the caller's to finish */
             gil_need();
             PyObject *pc = PyDict_New(), *pd = PyDict_New();
@@ -460,5 +505,8 @@ done:
     PyMem_RawFree(b.h);
     PyMem_RawFree(b.t);
     PyMem_RawFree(gl);
+    if (cown) PyMem_RawFree(cgl);
+    Py_XDECREF(cref);
+    PyMem_RawFree(ckc);
     return out;
 }

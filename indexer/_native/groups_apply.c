@@ -86,6 +86,30 @@ static int group_event(const FCtx *c, const FEv *e, const GLay **g) {
     return c->layout;
 }
 
+/* A store of a group the worker's layout lacks: its layout step in Python (c->learn, a closure over
+ * groups.learn_store returning the new layout tuple, or None when the pure core must judge the
+ * event: a conflicting group is a reset, a main tree not known yet, the cap). 1 the layout was
+ * re-read (the walk applies the event), 0 stop there, -1 error. */
+static int gp_learn(FCtx *c, const FEv *e) {
+    if (!c->learn || e->type != EV_STORED || e->gidx != 2 || e->gi < 1 || e->kcode > 2 || e->odd_window) return 0;
+    gil_need();
+    PyObject *win = e->kcode == 1 && e->has_window ? PyLong_FromLongLong(e->window) : Py_NewRef(Py_None);
+    if (!win) return -1;
+    PyObject *r = PyObject_CallFunction(c->learn, "LiO", (long long)e->gi, e->kcode, win);
+    Py_DECREF(win);
+    if (!r) return -1;
+    GLay *ng = NULL;
+    Py_ssize_t nn = 0;
+    int rc = r == Py_None ? 1 : glay_parse(r, c->ext, c->nodes, c->known, &ng, &nn);
+    if (rc) { Py_DECREF(r); return rc < 0 ? -1 : 0; } /* an odd tuple: the pure core, on the learnt layout */
+    if (c->gl_owned) PyMem_RawFree(c->gl);
+    c->gl = ng; c->ngl = nn; c->gl_owned = 1;
+    Py_XDECREF(c->gl_ref);
+    c->gl_ref = r; /* holds the maps the new layout points at */
+    c->layout = 1;
+    return 1;
+}
+
 /* Twin of groups._group_store for a group of the worker's layout. 0 done, -1 error. */
 static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const uint64_t *toks) {
     Py_ssize_t n = e->nh, nk = 0;
@@ -97,11 +121,15 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
         gil_need(); PyErr_NoMemory(); return -1;
     }
     int rc = -1, r;
+    /* the blocks of the last main-tree store, whose keys the walk just set in ext: read from there */
+    const uint64_t *kv = c->kc_n && e->h0 == c->kc_h0 ? c->kc : NULL;
+    Py_ssize_t nkv = kv ? c->kc_n : 0;
+#define KV_GET(j, out) ((j) < nkv ? (*(out) = kv[j], 1) : href_get(c->ext, hs + (j), (out)))
     if (e->bsz == 0 || e->nt == 0) { /* placeholder: blocks this worker maps (in this group or as KV) */
         for (Py_ssize_t j = 0; j < n; j++) {
             if ((r = href_get(g->ext, hs + j, &keys[j])) < 0) goto out;
             had[j] = (unsigned char)r;
-            if (!r && (r = href_get(c->ext, hs + j, &keys[j])) < 0) goto out;
+            if (!r && (r = KV_GET(j, &keys[j])) < 0) goto out;
             if (!r) { c->drops[D_PLACEHOLDER_UNKNOWN] += n; rc = 0; goto out; }
         }
         nk = n;
@@ -116,16 +144,16 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
             if (!r && (r = href_get(c->ext, &e->parent, &state)) < 0) goto out;
             have = r;
         }
-        for (Py_ssize_t j = 0; j < nfull && j < 8; j++) if (!hs[j].b) { pf_slot(g->ext, hs[j].k); pf_slot(c->ext, hs[j].k); }
+        for (Py_ssize_t j = 0; j < nfull && j < 8; j++) if (!hs[j].b) { pf_slot(g->ext, hs[j].k); if (j >= nkv) pf_slot(c->ext, hs[j].k); }
         for (Py_ssize_t j = 0; j < nfull; j++) {
             uint64_t key;
             if (j + 8 < nfull && !hs[j + 8].b) { /* random probes: overlap their misses */
                 pf_slot(g->ext, hs[j + 8].k);
-                pf_slot(c->ext, hs[j + 8].k);
+                if (j + 8 >= nkv) pf_slot(c->ext, hs[j + 8].k);
             }
             if ((r = href_get(g->ext, hs + j, &key)) < 0) goto out;
             had[nk] = (unsigned char)r;
-            if (!r && (r = href_get(c->ext, hs + j, &key)) < 0) goto out;
+            if (!r && (r = KV_GET(j, &key)) < 0) goto out;
             if (!r) {
                 if (!have) { c->drops[D_GROUP_ORPHAN] += nfull - j; break; }
                 key = state * P_MUL + block_digest(toks + j * c->bs, c->bs, 0, c->cols);
@@ -158,6 +186,7 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
     }
     rc = 0;
 out:
+#undef KV_GET
     if (keys != stackbuf) PyMem_RawFree(keys);
     if (had != hadbuf) PyMem_RawFree(had);
     return rc;
@@ -197,13 +226,20 @@ static int gp_remove(FCtx *c, const GLay *g, const FEv *e, const HRef *hs) {
     for (Py_ssize_t j = 0; j < e->nh; j++) {
         uint64_t key;
         if (j + 8 < e->nh && !hs[j + 8].b) pf_slot(g->ext, hs[j + 8].k);
-        int r = href_get(g->ext, hs + j, &key);
-        if (r < 0) return -1;
+        Py_ssize_t ei = -1; /* an int hash's slot: deleted there, no second probe (nodes is another map) */
+        int r;
+        if (!hs[j].b && hs[j].k) {
+            ei = find(g->ext, hs[j].k, &r);
+            if (r) key = VALS(g->ext, ei)[0];
+        } else if ((r = href_get(g->ext, hs + j, &key)) < 0) return -1;
         if (!r) { c->gremoved[e->tier][1]++; continue; }
         int nib, was = node_unset(g->nodes, key, c->shift, e->tier, &nib);
         if (was < 0) return -1;
         c->gremoved[e->tier][was ? 0 : 1]++;
-        if (!nib && href_del(g->ext, hs + j) < 0) return -1;
+        if (!nib) {
+            if (ei >= 0) erase(g->ext, ei);
+            else if (href_del(g->ext, hs + j) < 0) return -1;
+        }
     }
     return 0;
 }

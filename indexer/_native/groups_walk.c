@@ -14,6 +14,9 @@
  *   groups: [(kind 0 full / 1 sliding / 2 mamba, span or -1 for none, nodes as main: an empty dict
  *           standing for a shard without the group)];
  *   layouts: per worker a tuple of indices into groups; slots: per worker its slot.
+ * hybrid_rows(..., slots, weights, row_type, tier_names, worker_ids, ranks) -> (query blocks, [row_type
+ *   best first]): the rows weighted, ranked and built as score_rows builds them (kv_blocks set), the
+ *   workers given in (worker_id, dp_rank) order; None for weights that are not finite floats.
  * The tables are only read, with the GIL held throughout (nothing can change them meanwhile). */
 
 enum { HK_FULL = 0, HK_SWA = 1, HK_MAMBA = 2, H_ABSENT = 4 };
@@ -76,20 +79,31 @@ static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
     return to;
 }
 
-/* Make block i read (a chunk below what is read, at least down to i). */
+/* Make block i read (a chunk below what is read, at least down to i). A Mamba group's search stops
+ * at its first state below L (states are sparse: most reads are misses), so its chunks are short. */
 static void h_extend(HTab *h, Py_ssize_t i) {
-    Py_ssize_t lo = h->lo - H_CHUNK < i ? h->lo - H_CHUNK : i;
+    Py_ssize_t chunk = h->kind == HK_MAMBA ? H_CHUNK / 4 : H_CHUNK;
+    Py_ssize_t lo = h->lo - chunk < i ? h->lo - chunk : i;
     if (lo < 0) lo = 0;
     h_fill(h, lo, h->lo, 0);
     h->lo = lo;
 }
 
-/* The cheapest tier (0 gpu .. 3 shared pool) of block i for the worker at slot s, H_ABSENT if none. */
-static inline int h_code(HTab *h, Py_ssize_t nm, Py_ssize_t i, Py_ssize_t s) {
+/* A worker's place in the tables: its slot s is shard s % nm's worker l = s / nm, whose nibble is
+ * word l / 16 at bit 4 * (l % 16) (divisions done once per worker, not per block). */
+typedef struct { Py_ssize_t nm, t, word; int sh; } HSlot;
+
+static inline HSlot h_slot(Py_ssize_t nm, Py_ssize_t s) {
+    Py_ssize_t l = s / nm;
+    HSlot q = {nm, s % nm, l >> 4, (int)(4 * (l & 15))};
+    return q;
+}
+
+/* The cheapest tier (0 gpu .. 3 shared pool) of block i for the worker at q, H_ABSENT if none. */
+static inline int h_code(HTab *h, const HSlot *q, Py_ssize_t i) {
     if (i < h->lo) h_extend(h, i);
-    Py_ssize_t t = s % nm, l = s / nm, word = l >> 4;
-    const uint64_t *v = h->v[i * nm + t];
-    int nib = v && word < h->width[t] ? (int)((v[word] >> (4 * (l & 15))) & 0x7) : 0;
+    const uint64_t *v = h->v[i * q->nm + q->t];
+    int nib = v && q->word < h->width[q->t] ? (int)((v[q->word] >> q->sh) & 0x7) : 0;
     if (nib) return (nib & 1) ? 0 : (nib & 2) ? 1 : 2;
     return h->pool[i] ? 3 : H_ABSENT;
 }
@@ -97,7 +111,7 @@ static inline int h_code(HTab *h, Py_ssize_t nm, Py_ssize_t i, Py_ssize_t s) {
 /* Largest L <= top at which every sliding-window / Mamba group of the layout validates an end with
  * tiers <= limit (groupscore._usable: each group reads each block at most once; good[] is scratch). */
 static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, Py_ssize_t np,
-                           Py_ssize_t nm, Py_ssize_t s, int limit, Py_ssize_t *good) {
+                           const HSlot *q, int limit, Py_ssize_t *good) {
     for (Py_ssize_t k = 0; k < np; k++) good[k] = top;
     Py_ssize_t L = top;
     int moved = 1;
@@ -107,13 +121,13 @@ static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, 
             HTab *h = &tabs[parts[k]];
             if (h->kind == HK_MAMBA) {
                 Py_ssize_t j = L - 1;
-                while (j >= 0 && h_code(h, nm, j, s) > limit) j--;
+                while (j >= 0 && h_code(h, q, j) > limit) j--;
                 if (j + 1 < L) { L = j + 1; moved = 1; if (!L) return 0; }
                 continue;
             }
             Py_ssize_t lo = h->span < 0 ? 0 : (L - h->span > 0 ? L - h->span : 0);
             Py_ssize_t j = (good[k] < L ? good[k] : L) - 1;
-            while (j >= lo && h_code(h, nm, j, s) <= limit) j--;
+            while (j >= lo && h_code(h, q, j) <= limit) j--;
             if (j >= lo) { L = j; good[k] = j; moved = 1; if (!L) return 0; }
             else good[k] = j + 1;
         }
@@ -122,7 +136,22 @@ static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, 
 }
 
 static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) { PyErr_SetString(PyExc_TypeError, "hybrid_rows takes 8 positional arguments"); return NULL; }
+    if (nargs != 8 && nargs != 13) { PyErr_SetString(PyExc_TypeError, "hybrid_rows takes 8 or 13 positional arguments"); return NULL; }
+    int built = nargs == 13; /* ranked row objects, not tuples */
+    double wt[4];
+    if (built) {
+        PyObject *wto = args[8], *names = args[10];
+        if (!PyTuple_Check(wto) || PyTuple_GET_SIZE(wto) != 4 || !PyTuple_Check(names) || PyTuple_GET_SIZE(names) != 4 ||
+            !PyList_Check(args[11]) || !PyList_Check(args[12]) || PyList_GET_SIZE(args[11]) != PyList_GET_SIZE(args[7]) ||
+            PyList_GET_SIZE(args[12]) != PyList_GET_SIZE(args[7]))
+            Py_RETURN_NONE;
+        for (int t = 0; t < 4; t++) {
+            PyObject *o = PyTuple_GET_ITEM(wto, t);
+            if (!PyFloat_CheckExact(o) || !isfinite(PyFloat_AS_DOUBLE(o))) Py_RETURN_NONE; /* NaN has no order */
+            if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(names, t))) Py_RETURN_NONE; /* the tiers dict runs no Python code */
+            wt[t] = PyFloat_AS_DOUBLE(o);
+        }
+    }
     PyObject *maino = args[0], *keys = args[1], *toks = args[2], *seedo = args[3], *groupso = args[5],
              *layouts = args[6], *slotso = args[7];
     Py_ssize_t bs = PyLong_CheckExact(args[4]) ? PyLong_AsSsize_t(args[4]) : -1;
@@ -134,9 +163,10 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
     Py_ssize_t nm = PyTuple_Check(maino) ? PyTuple_GET_SIZE(maino) : 1;
     Py_ssize_t ng = PyList_GET_SIZE(groupso) + 1, nw = PyList_GET_SIZE(slotso); /* table 0: the main tree */
     if (nm < 1 || nm > MAX_SLOT) Py_RETURN_NONE;
-    PyObject *out = NULL;
+    PyObject *out = NULL, *widt = NULL, *rankt = NULL;
     uint64_t *k = NULL;
-    Py_ssize_t *slot = NULL, *good = NULL, *parts = NULL, *fulls = NULL;
+    Py_ssize_t *slot = NULL, *good = NULL, *parts = NULL, *fulls = NULL, *kvs = NULL;
+    WRow *wrows = NULL;
     unsigned char *tier = NULL;
     U64Map **ms = PyMem_RawCalloc((size_t)nm, sizeof(U64Map *));
     HTab *tabs = PyMem_RawCalloc((size_t)ng, sizeof(HTab));
@@ -186,12 +216,15 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
     parts = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
     fulls = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
     tier = PyMem_RawMalloc((size_t)cap);
-    PyObject *lst = PyList_New(nw);
-    if (!good || !parts || !fulls || !tier || !lst) { Py_XDECREF(lst); if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
+    wrows = PyMem_RawMalloc(sizeof(WRow) * (size_t)(nw ? nw : 1));
+    kvs = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(nw ? nw : 1));
+    PyObject *lst = PyList_New(built ? 0 : nw);
+    if (!good || !parts || !fulls || !tier || !wrows || !kvs || !lst) { Py_XDECREF(lst); if (!PyErr_Occurred()) PyErr_NoMemory(); goto done; }
     for (Py_ssize_t w = 0; w < nw; w++) {
         PyObject *lay = PyList_GET_ITEM(layouts, w);
         if (!PyTuple_Check(lay)) { Py_DECREF(lst); out = Py_None; Py_INCREF(out); goto done; }
-        Py_ssize_t nf = 1, np = 0, s = slot[w];
+        Py_ssize_t nf = 1, np = 0;
+        HSlot q = h_slot(nm, slot[w]);
         fulls[0] = 0;
         for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(lay); j++) {
             PyObject *gi = PyTuple_GET_ITEM(lay, j);
@@ -205,30 +238,50 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         Py_ssize_t full = n, dev_top = -1, kv = n;
         for (Py_ssize_t i = 0; i < n; i++) {
             int c = 0;
-            for (Py_ssize_t f = 0; f < nf; f++) { int x = h_code(&tabs[fulls[f]], nm, i, s); if (x > c) c = x; }
+            for (Py_ssize_t f = 0; f < nf; f++) { int x = h_code(&tabs[fulls[f]], &q, i); if (x > c) c = x; }
             if (c == H_ABSENT) { full = i; break; }
             if (c && dev_top < 0) dev_top = i;
             tier[i] = (unsigned char)c;
         }
-        for (Py_ssize_t i = full; i < n; i++) if (h_code(&tabs[0], nm, i, s) == H_ABSENT) { kv = i; break; } /* below full the main tree holds every block */
-        Py_ssize_t dev = h_usable(dev_top < 0 ? full : dev_top, tabs, parts, np, nm, s, 0, good);
-        Py_ssize_t cached = h_usable(full, tabs, parts, np, nm, s, 3, good);
-        for (Py_ssize_t q = 0; q < np && cached; q++) { /* the blocks a group needs at `cached` */
-            HTab *h = &tabs[parts[q]];
+        for (Py_ssize_t i = full; i < n; i++) if (h_code(&tabs[0], &q, i) == H_ABSENT) { kv = i; break; } /* below full the main tree holds every block */
+        Py_ssize_t dev = h_usable(dev_top < 0 ? full : dev_top, tabs, parts, np, &q, 0, good);
+        Py_ssize_t cached = h_usable(full, tabs, parts, np, &q, 3, good);
+        for (Py_ssize_t pi = 0; pi < np && cached; pi++) { /* the blocks a group needs at `cached` */
+            HTab *h = &tabs[parts[pi]];
             Py_ssize_t lo = h->kind == HK_MAMBA ? cached - 1 : h->span < 0 ? 0 : (cached - h->span > 0 ? cached - h->span : 0);
             for (Py_ssize_t i = lo; i < cached; i++) {
-                int x = h_code(h, nm, i, s);
+                int x = h_code(h, &q, i);
                 if (x > tier[i]) tier[i] = (unsigned char)x;
             }
         }
         Py_ssize_t sp[4] = {0, 0, 0, 0};
         for (Py_ssize_t i = 0; i < cached; i++) sp[tier[i]]++;
+        if (built) {
+            WRow *r = wrows + w;
+            r->dev = dev; r->cach = cached;
+            for (int t = 0; t < 4; t++) r->sp[t] = sp[t];
+            kvs[w] = kv;
+            continue;
+        }
         PyObject *row = Py_BuildValue("(nnnnnnn)", dev, cached, kv, sp[0], sp[1], sp[2], sp[3]);
         if (!row) { Py_DECREF(lst); goto done; }
         PyList_SET_ITEM(lst, w, row);
     }
+    if (built) { /* the row type's constructor is Python code: ids and ranks from tuples of our own */
+        Py_DECREF(lst);
+        widt = PyList_AsTuple(args[11]);
+        rankt = widt ? PyList_AsTuple(args[12]) : NULL;
+        if (!rankt) goto done;
+        if (PyTuple_GET_SIZE(widt) != nw || PyTuple_GET_SIZE(rankt) != nw) { out = Py_None; Py_INCREF(out); goto done; }
+        lst = build_rows(wrows, nw, widt, rankt, wt, bs, args[9], args[10], kvs);
+        if (!lst) goto done;
+    }
     out = Py_BuildValue("(nN)", nk, lst);
 done:
+    Py_XDECREF(widt);
+    Py_XDECREF(rankt);
+    PyMem_RawFree(wrows);
+    PyMem_RawFree(kvs);
     if (tabs) for (Py_ssize_t g = 0; g < ng; g++) {
         PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); PyMem_RawFree(tabs[g].ms);
     }

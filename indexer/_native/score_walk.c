@@ -190,8 +190,9 @@ static void rank_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssiz
     qsort(rk, (size_t)ns, sizeof(Ranked), ranked_cmp);
 }
 
+/* The ranked rows as `cls` objects; with `kv` (hybrid rows) each also gets its kv_blocks. */
 static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyObject *ranks, const double *wt,
-                            Py_ssize_t bs, PyObject *cls, PyObject *names) {
+                            Py_ssize_t bs, PyObject *cls, PyObject *names, const Py_ssize_t *kv) {
     Ranked *rk = PyMem_RawMalloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
     if (!rk) return PyErr_NoMemory();
     rank_rows(rows, ns, wt, bs, rk);
@@ -200,7 +201,7 @@ static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyO
     for (Py_ssize_t r = 0; r < ns; r++) {
         Py_ssize_t s = rk[r].idx % ns;
         const WRow *w = rows + s;
-        PyObject *tiers = PyDict_New(), *args[6] = {NULL};
+        PyObject *tiers = PyDict_New(), *args[7] = {NULL};
         if (!tiers) goto fail;
         for (int t = 0; t < 4; t++) {
             PyObject *v = PyLong_FromSsize_t(w->sp[t]);
@@ -213,8 +214,9 @@ static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyO
         args[3] = PyLong_FromSsize_t(w->cach);
         args[4] = tiers;
         args[5] = PyFloat_FromDouble(rk[r].score);
-        PyObject *o = (args[2] && args[3] && args[5]) ? PyObject_Vectorcall(cls, args, 6, NULL) : NULL;
-        Py_XDECREF(args[2]); Py_XDECREF(args[3]); Py_XDECREF(args[5]); Py_DECREF(tiers);
+        if (kv) args[6] = PyLong_FromSsize_t(kv[s]);
+        PyObject *o = (args[2] && args[3] && args[5] && (!kv || args[6])) ? PyObject_Vectorcall(cls, args, kv ? 7 : 6, NULL) : NULL;
+        Py_XDECREF(args[2]); Py_XDECREF(args[3]); Py_XDECREF(args[5]); Py_XDECREF(args[6]); Py_DECREF(tiers);
         if (!o) goto fail;
         PyList_SET_ITEM(out, r, o);
     }
@@ -325,7 +327,7 @@ static PyObject *py_score_rows(PyObject *self, PyObject *args, PyObject *kw) {
     rankt = widt ? PyList_AsTuple(ranks) : NULL;
     if (!rankt) goto done;
     if (PyTuple_GET_SIZE(widt) != ns || PyTuple_GET_SIZE(rankt) != ns) { out = Py_None; Py_INCREF(out); goto done; }
-    lst = build_rows(rows, ns, widt, rankt, wt, bs, cls, names);
+    lst = build_rows(rows, ns, widt, rankt, wt, bs, cls, names, NULL);
     if (lst) out = Py_BuildValue("(nN)", nk, lst);
 done:
     Py_XDECREF(widt);

@@ -11,6 +11,7 @@ typedef struct {
     int width;
     int pool; /* a value has held a shared-pool bit (bit 3 of a nibble) since the map was made: sticky,
                  so walk_multi may skip a shard whose workers are all out of a walk only when 0 */
+    int load_num, load_den; /* max load: LOAD_NUM/LOAD_DEN, or 1/2 for a churning map (U64Map.sparse) */
     PyObject *other; /* dict for keys that are not ints in [1, 2^64) */
 } U64Map;
 
@@ -139,7 +140,7 @@ static int rehash(U64Map *m, Py_ssize_t ncap, int width) {
 /* Insert absent key k whose empty slot `find` gave as i (value zero); the slot it ends at (the table
  * may grow first). -1 on memory error. Lets a caller probe once for "get, else compute and insert". */
 static Py_ssize_t insert_at(U64Map *m, Py_ssize_t i, uint64_t k) {
-    if ((m->used + 1) * LOAD_DEN > m->cap * LOAD_NUM) {
+    if ((m->used + 1) * m->load_den > m->cap * m->load_num) {
         int f;
         if (rehash(m, m->cap + m->cap / GROW_DIV, m->width) < 0) return -1;
         i = find(m, k, &f);
@@ -278,6 +279,8 @@ static PyObject *U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     }
     U64Map *m = (U64Map *)type->tp_alloc(type, 0);
     if (!m) return NULL;
+    m->load_num = LOAD_NUM;
+    m->load_den = LOAD_DEN;
     m->other = PyDict_New();
     if (!m->other || map_alloc(m, MIN_CAP, 1) < 0) { Py_DECREF(m); return NULL; }
     return (PyObject *)m;
@@ -418,7 +421,18 @@ static PyObject *U64Map_nbytes(U64Map *m, void *c) {
 }
 static PyObject *U64Map_width(U64Map *m, void *c) { return PyLong_FromLong(m->width); }
 
+/* U64Map.sparse() -> a map kept at most half full. For the maps of sliding-window and Mamba groups
+ * (indexer/core/groups.py): a window's blocks come and go with every chunk, and at the default
+ * load a linear probe's miss and a backward-shift delete walk ~20 slots; at 1/2, ~2. Their tables
+ * are small (a window's blocks), so the bytes this costs are too. */
+static PyObject *U64Map_sparse(PyObject *cls, PyObject *u) {
+    U64Map *m = (U64Map *)U64Map_new((PyTypeObject *)cls, NULL, NULL);
+    if (m) { m->load_num = 1; m->load_den = 2; }
+    return (PyObject *)m;
+}
+
 static PyMethodDef U64Map_methods[] = {
+    {"sparse", (PyCFunction)U64Map_sparse, METH_CLASS | METH_NOARGS, "a map kept at most half full (churning group maps)"},
     {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
     {"keys", (PyCFunction)U64Map_keys, METH_NOARGS, "list of keys"},
     {"values", (PyCFunction)U64Map_values, METH_NOARGS, "list of values"},

@@ -214,6 +214,9 @@ typedef struct {
     FEv *ev; Py_ssize_t nev, cev;
     HRef *h; Py_ssize_t nh, ch;
     uint64_t *t; Py_ssize_t nt, ct;
+    /* the last token / hash array decoded: its bytes in the payload, and where it went in t / h */
+    const unsigned char *lt_raw; Py_ssize_t lt_len, lt_t0, lt_n;
+    const unsigned char *lh_raw; Py_ssize_t lh_len, lh_h0, lh_n;
 } FBatch;
 
 static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
@@ -248,10 +251,19 @@ static int parse_field(Rd *r, int f, Py_ssize_t bs, FEv *e, FBatch *b, Py_ssize_
         case F_BLOCK_HASHES: {
             Py_ssize_t nh = rd_container(r, 0);
             if (nh < 0) DECLINE(DECL_MALFORMED);
+            Py_ssize_t at = r->pos;
+            /* a group's store names the KV store's blocks again: shared, like a repeated token array
+             * (and the walk then knows their keys: groups_apply.c) */
+            if (nh && nh == b->lh_n && b->lh_len <= r->len - at && memcmp(r->p + at, b->lh_raw, (size_t)b->lh_len) == 0) {
+                e->h0 = b->lh_h0; e->nh = nh;
+                r->pos = at + b->lh_len;
+                break;
+            }
             if (grow((void **)&b->h, &b->ch, b->nh + nh, sizeof(HRef)) < 0) return -1;
             e->h0 = b->nh; e->nh = nh;
             for (Py_ssize_t j = 0; j < nh; j++) if (rd_hash(r, b->h + b->nh + j) < 0) DECLINE(DECL_MALFORMED); /* nh > 0: b->h set */
             b->nh += nh;
+            if (nh) { b->lh_raw = r->p + at; b->lh_len = r->pos - at; b->lh_h0 = e->h0; b->lh_n = nh; }
             break;
         }
         case F_PARENT_BLOCK_HASH:
@@ -262,10 +274,20 @@ static int parse_field(Rd *r, int f, Py_ssize_t bs, FEv *e, FBatch *b, Py_ssize_
         case F_TOKEN_IDS: {
             Py_ssize_t nt = rd_container(r, 0);
             if (nt < 0) DECLINE(DECL_MALFORMED);
+            Py_ssize_t at = r->pos;
+            /* A hybrid batch repeats a request's tokens once per group (vLLM sends each group's store
+             * its blocks' tokens): bytes equal to the last array's decode to the same ints (msgpack is
+             * prefix-free), so the store shares them, for a memcmp instead of a decode. */
+            if (nt && nt == b->lt_n && b->lt_len <= r->len - at && memcmp(r->p + at, b->lt_raw, (size_t)b->lt_len) == 0) {
+                e->t0 = b->lt_t0; e->nt = nt;
+                r->pos = at + b->lt_len;
+                break;
+            }
             if (grow((void **)&b->t, &b->ct, b->nt + nt, sizeof(uint64_t)) < 0) return -1;
             e->t0 = b->nt; e->nt = nt;
             if (nt && rd_tokens(r, b->t + b->nt, nt) < 0) DECLINE(DECL_MALFORMED); /* b->t may be NULL when nt == 0 */
             b->nt += nt;
+            if (nt) { b->lt_raw = r->p + at; b->lt_len = r->pos - at; b->lt_t0 = e->t0; b->lt_n = nt; }
             break;
         }
         case F_BLOCK_SIZE: {
@@ -403,6 +425,8 @@ static double be_float(const unsigned char *q) {
 static int parse_batch(const unsigned char *p, Py_ssize_t len, Py_ssize_t bs, FBatch *b, FHead *hd) {
     Rd r = {p, 0, len};
     b->form = 0;
+    b->lt_raw = b->lh_raw = NULL; /* b may be reused across payloads */
+    b->lt_len = b->lt_n = b->lt_t0 = b->lh_len = b->lh_n = b->lh_h0 = 0;
     Py_ssize_t top = rd_container(&r, 0);
     if (top != 2 && top != 3) DECLINE(DECL_MALFORMED);
     if (r.pos >= len) DECLINE(DECL_MALFORMED);

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from indexer.core.apply import KNOWN_EXT_LIMIT, apply_events, decode_or_drop, finite_ts
+from indexer.core.groups import learn_store
 from indexer.core.state import ModelState, WorkerState
 from indexer.core.types import (
     TIER_NAMES, ApplyStats, RankLimits, ScoreResult, ScoreTable, TierWeights, WorkerScore,
@@ -48,9 +49,23 @@ def _groups_arg(w: WorkerState) -> tuple | None:
     return tuple(out)
 
 
-def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list]:
-    """`hybrid_rows`' groups, layouts and slots for these workers: each group once, each layout as
-    the positions of its groups."""
+def _learner(m: ModelState, w: WorkerState, fresh: bool) -> Callable[[int, int, int | None], tuple | None] | None:
+    """The C walk's callback for a store of a group outside `w`'s layout (groups_apply.c, gp_learn):
+    `groups.learn_store`, then the new layout tuple, or None (the pure core judges the event). Given
+    once the model has groups, and on a worker's first batch (a model's first layout); else None: a
+    batch of a model without groups pays nothing for it, and its first group event is the pure core's."""
+    if m.groups is None and not fresh:
+        return None
+
+    def learn(gi: int, kind: int, window: int | None) -> tuple | None:
+        return _groups_arg(w) if learn_store(m, w, gi, kind, window) else None
+
+    return learn
+
+
+def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list, list, list]:
+    """`hybrid_rows`' groups, layouts and slots for these workers (each group once, each layout as
+    the positions of its groups), and their worker ids and ranks (`hybrid_score`'s rows)."""
     groups: list[tuple[int, int, Any]] = []
     at: dict[int, int] = {}
     layouts = []
@@ -63,7 +78,7 @@ def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list]:
                 groups.append((g.kind, -1 if g.span is None else g.span, g.nodes))
             idx.append(i)
         layouts.append(tuple(idx))
-    return groups, layouts, [w.slot for w in ws]
+    return groups, layouts, [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
 
 
 class Accelerator:
@@ -92,11 +107,11 @@ class Accelerator:
             if fresh:
                 w = m.worker(worker_id, rank)
             # positional: keyword parsing costs more than the walk of a small batch (docs/index-core.md)
-            if w.layout is None:
+            if m.groups is None and not fresh:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT)
             else:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT,
-                                    None, 0, _groups_arg(w))
+                                    None, 0, _groups_arg(w), _learner(m, w, fresh))
             if res is None:
                 if fresh:
                     m.remove(w)  # a payload the C walk does not take must not register its worker
@@ -115,7 +130,7 @@ class Accelerator:
                 w = m.worker(worker_id, rank)
             res = apply_msgpack(
                 payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT, rank, default,
-                _groups_arg(w),
+                _groups_arg(w), _learner(m, w, fresh),
             )
             if res is None:
                 if fresh:
@@ -150,7 +165,7 @@ class Accelerator:
             return 0, ApplyStats(), None
         k, counts, drops, ts, n_events, partial = self.mod.apply_msgpack_run(
             payloads, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size, m.seed0,
-            KNOWN_EXT_LIMIT, rank, default, max_payload, _groups_arg(w),
+            KNOWN_EXT_LIMIT, rank, default, max_payload, _groups_arg(w), _learner(m, w, False),
         )
         extra = None
         if partial is not None:  # payloads[k] stopped at an orphan: the pure core finishes it
@@ -213,7 +228,7 @@ class Accelerator:
         is None): (query blocks, the usable-prefix rows of workers with a hybrid layout, unranked);
         None when the C call cannot judge the input (the pure core does). `args`: `hybrid_args(ws)`,
         when the caller keeps them."""
-        groups, layouts, slots = args if args is not None else hybrid_args(ws)
+        groups, layouts, slots = (args if args is not None else hybrid_args(ws))[:3]
         bs = m.block_size
         res = self.mod.hybrid_rows(m.nodes, keys, tokens, seed, bs, groups, layouts, slots)
         if res is None:
@@ -224,6 +239,21 @@ class Accelerator:
                         float(bs * (g * wg + h * wh + d * wd + sh * wsh)), kv)
             for w, (dev, cached, kv, g, h, d, sh) in zip(ws, res[1])
         ]
+
+    def hybrid_score(
+        self, m: ModelState, keys: list[int] | None, tokens: object, seed: int, weights: TierWeights,
+        ws: list[WorkerState], args: tuple | None = None,
+    ) -> ScoreResult | None:
+        """`hybrid_rows` when every scored worker has a hybrid layout: the rows weighted, ranked and
+        built in the C call (`ws` in (worker_id, dp_rank) order, as `score`'s); None as there."""
+        groups, layouts, slots, wids, ranks = args if args is not None else hybrid_args(ws)
+        res = self.mod.hybrid_rows(
+            m.nodes, keys, tokens, seed, m.block_size, groups, layouts, slots, weights.as_tuple(), WorkerScore,
+            TIER_NAMES, wids, ranks,
+        )
+        if res is None:
+            return None
+        return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
 
     def score_table(
         self, m: ModelState, tokens: object, seed: int, weights: TierWeights, workers: list[tuple[str, int]] | None,

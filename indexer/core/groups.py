@@ -76,6 +76,13 @@ def window_span(window: int | None, block_size: int) -> int | None:
     return window_blocks(window, block_size)
 
 
+def _churn_map(new_map: Callable[[], Any]) -> Callable[[], Any]:
+    """The map factory of a sliding-window or Mamba group: the accelerator's half-full `U64Map.sparse`
+    (a window's blocks come and go with every chunk: short probes and deletes, on small tables), else
+    `new_map` itself (dict)."""
+    return getattr(new_map, "sparse", None) or new_map
+
+
 class Group:
     """One group shared by the workers whose layouts agree on it: residency per content key, and
     per worker slot its map."""
@@ -149,7 +156,7 @@ class GroupTable:
             return None
         g = self.classes.get(key)
         if g is None:
-            g = self.classes[key] = Group(gi, kind, window, m.block_size, m.new_map)
+            g = self.classes[key] = Group(gi, kind, window, m.block_size, m.new_map if kind == FULL else _churn_map(m.new_map))
         mine[key] = mine.get(key, 0) + 1
         g.users += 1
         assert w.layout is not None
@@ -237,6 +244,29 @@ def route_store(m: ModelState, w: WorkerState, ev: BlockStored, stats: ApplyStat
             return True
     _group_store(m, w, g, ev, stats)
     return True
+
+
+def learn_store(m: ModelState, w: WorkerState, gi: int, kind: int, window: int | None) -> bool:
+    """`route_store`'s layout step for a store of group `gi` >= 1 (kind FULL / SWA / MAMBA, its
+    window for SWA) outside the worker's layout, for the C walk (groups_apply.c), which applies the
+    store itself when this returns True: the group was added to a layout whose main tree is group 0
+    (or the worker, holding KV, got that layout with this group). False: nothing changed (a
+    conflicting group, a main tree not yet known, the group cap), the pure core takes the event."""
+    lay = w.layout
+    if lay is None:
+        if not len(w.ext):
+            return False  # its main tree is not known yet: route_store decides
+    elif lay.primary != 0 or gi in lay.groups:
+        return False  # a conflicting kind or window is a reset: route_store's
+    key = (gi, kind, window if kind == SWA else None)
+    t = table(m)
+    mine = t.by_worker.get(w.worker_id, {})
+    if key not in mine and len(mine) >= GROUP_CAP:
+        return False  # counted by route_store
+    if lay is None:
+        w.layout = Layout(0)
+        t.version += 1
+    return t.join(m, w, gi, kind, key[2]) is not None
 
 
 def _group_store(m: ModelState, w: WorkerState, g: Group, ev: BlockStored, stats: ApplyStats) -> None:
