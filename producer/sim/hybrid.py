@@ -2,11 +2,18 @@
 pages (docs/hybrid.md, "Hybrid workers"). One home for the rule, used by the engine and the driver.
 
 - Mamba: a state at the end of every prefill chunk (`chunk_pages` pages, counted from where the
-  computation started) and at the prompt's last full page: vLLM's prefix caching keeps the state
-  at each scheduled chunk's end, so a later prompt may resume only from one of those.
-- Sliding window: the window's pages at the prompt's end only; the pages that slid out of the
-  window while prefill ran are freed, as vLLM's sliding-window manager does.
+  computation started) and at the prompt's last full page (SGLang's MambaRadixCache inserts one at
+  each chunk and at the request's end; vLLM's "align" mode keeps the chunk-end states), plus one at
+  the branching point: where the request's full-attention match ran past its last usable state
+  (SGLang's `mamba_branching_seqlen`).
+- Sliding window: the window KV of every page of the prefill chunks completed before the last one
+  (SGLang's SWARadixCache owns them from the chunk's insert on) and of the window at the prompt's
+  end; the last chunk's pages that slid out of the window are freed by the request.
 - Full attention and DSA (its extra pool rides on the KV pages): the KV alone.
+
+Component state lives in its own bounded pools (the cache's `SlotPool`s) with its own LRU: taking a
+slot tombstones the least recently used state while its KV stays, which is when a full-attention
+match overstates what the worker can resume from.
 
 The usable-prefix rule itself is the cache's (`TieredCache.match_prefix` of a hybrid cache): what
 the worker serves from cache is what that match says is usable, never the full-attention run.
