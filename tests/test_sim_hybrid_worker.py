@@ -1,6 +1,7 @@
 """The simulated worker's hybrid families (`kvatlas worker --family`): what it keeps of each request
-(Mamba states at chunk ends, the window's pages at the prompt's end) and the tokens it reports
-served from cache — the family's usable prefix, never the full-attention run alone."""
+(Mamba states at chunk ends and at a branching point; the window KV of every completed prefill chunk
+and of the prompt's end), its component pools with their own LRU, and the tokens it reports served
+from cache — the family's usable prefix, never the full-attention run alone."""
 from __future__ import annotations
 
 import time
@@ -12,7 +13,7 @@ from producer.events import EventRecorder
 from producer.sim.api import SimModel
 from producer.sim.driver import Driver
 from producer.sim.engine import Engine
-from producer.sim.hybrid import mamba_ends
+from producer.sim.hybrid import mamba_ends, swa_pages
 from producer.sinks import ListSink
 from schemas.events import BlockStored
 
@@ -21,10 +22,10 @@ CHUNK = 4                   # pages per Mamba chunk
 WINDOW = 2 * P              # sliding window: cdiv(31, 16) = 2 pages before a match end
 
 
-def _cache(family: str, host_pages: int = 0, sink: ListSink | None = None):  # noqa: ANN202
+def _cache(family: str, host_pages: int = 0, sink: ListSink | None = None, swa_pages_: int = 0):  # noqa: ANN202
     sizes = FamilySizes(page_size=P, device_pages=128, host_pages=host_pages, kv_shape=(2,), mamba_states=32,
                         host_mamba_states=32, conv_shape=(2,), temporal_shape=(2,), window=WINDOW, swa_shape=(2,),
-                        dsa_shape=(2,))
+                        dsa_shape=(2,), swa_device_pages=swa_pages_)
     return build_family_cache(family, sizes, device="cpu", transfer="thread" if host_pages else None,
                               recorder=EventRecorder(sink) if sink is not None else None, component_events=True)
 
@@ -33,13 +34,21 @@ def _tokens(base: int, pages: int, tail: int = 3) -> list[int]:
     return [base + i for i in range(pages * P + tail)]
 
 
-def _serve(family: str, prompts: list[list[int]]) -> list[tuple[int, int, int]]:
-    """(arrival_cached, served from cache, computed) per prompt, served in order by the engine."""
-    engine = Engine(_cache(family), SimModel(), chunk_pages=CHUNK)
+def _serve(family: str, prompts: list[list[int]], cache=None, between=None) -> list[tuple[int, int, int]]:  # noqa: ANN001
+    """(arrival_cached, served from cache, computed) per prompt, served in order by the engine.
+    With `between(cache, i)` (run before prompt i) the engine's thread is stopped first and the
+    requests are served from this thread, the cache's only user then."""
+    engine = Engine(cache or _cache(family), SimModel(), chunk_pages=CHUNK)
     try:
+        if between is not None:
+            engine.close()
         out = []
         for i, t in enumerate(prompts):
-            s = engine.submit(t, 4, float(i)).result(30)
+            if between is None:
+                s = engine.submit(t, 4, float(i)).result(30)
+            else:
+                between(engine.cache, i)
+                s = engine._serve(t, 4, float(i))
             out.append((s.arrival_cached, s.tokens.cached, s.tokens.computed))
             assert s.tokens.cached + s.tokens.computed == len(t)
         return out
@@ -49,35 +58,100 @@ def _serve(family: str, prompts: list[list[int]]) -> list[tuple[int, int, int]]:
 
 A = _tokens(1000, 20)                      # 20 full pages + 3 tokens
 SHARED10 = A[:10 * P] + _tokens(9000, 3)   # shares A's first 10 pages, then diverges
+SHARED17 = A[:17 * P] + _tokens(8000, 3)   # shares 17: page 16 is in A's last chunk, out of its window
 LONGER = A[:20 * P] + _tokens(7000, 2)     # the next turn: A's 20 pages and more
 
 
-@pytest.mark.parametrize("family, shared10, longer", [
-    ("full", 10, 20),
-    ("dsa", 10, 20),     # DSA's indexer keys ride on the KV pages: the KV rule
-    ("mamba", 8, 20),    # states at chunk ends 4, 8, 12, 16 and the prompt's end 20: resume from 8
-    ("swa", 0, 20),      # the window's pages are kept at A's end only (pages 18-19)
+@pytest.mark.parametrize("family, shared10, shared17, longer", [
+    ("full", 10, 17, 20),
+    ("dsa", 10, 17, 20),    # DSA's indexer keys ride on the KV pages: the KV rule
+    ("mamba", 8, 16, 20),   # states at chunk ends 4, 8, 12, 16 and the prompt's end 20
+    ("swa", 10, 16, 20),    # window KV of pages 0-15 (completed chunks) and 18-19 (the prompt's end)
 ])
-def test_served_from_cache_is_the_family_usable_prefix(family: str, shared10: int, longer: int) -> None:
-    res = _serve(family, [A, SHARED10, LONGER])
-    assert res[0] == (0, 0, len(A))
-    # what the worker held at arrival and what it served agree, and both are the usable prefix
-    assert res[1][:2] == (shared10 * P, shared10 * P), res
-    assert res[2][:2] == (longer * P, longer * P), res
+def test_served_from_cache_is_the_family_usable_prefix(family: str, shared10: int, shared17: int,
+                                                       longer: int) -> None:
+    for shared, n in ((SHARED10, shared10), (SHARED17, shared17)):
+        res = _serve(family, [A, shared, LONGER])
+        assert res[0] == (0, 0, len(A))
+        # what the worker held at arrival and what it served agree, and both are the usable prefix
+        assert res[1][:2] == (n * P, n * P), (family, res)
+        assert res[2][:2] == (longer * P, longer * P), (family, res)
 
 
 def test_the_full_attention_match_promises_more_than_a_hybrid_can_use() -> None:
     """The KV run a group-blind index sees (match.kv_len) against the usable prefix (best_len)."""
-    for family, usable in (("mamba", 8), ("swa", 0)):
+    for family, prompt, kv, usable in (("mamba", SHARED10, 10, 8), ("swa", SHARED17, 17, 16)):
         cache = _cache(family)
         Driver(cache, lookahead=0, chunk_pages=CHUNK).run([A])
-        m = cache.match_prefix(SHARED10)
-        assert (m.kv_len, m.best_len) == (10 * P, usable * P), family
+        m = cache.match_prefix(prompt)
+        assert (m.kv_len, m.best_len) == (kv * P, usable * P), family
+
+
+def test_mamba_branching_keeps_a_state_where_the_shared_run_ends() -> None:
+    """SGLang's Mamba branching: a request whose full-attention match runs past its last usable state
+    recomputes from that state and keeps one at the end of the run, so the next request sharing the
+    run resumes from there."""
+    other = A[:10 * P] + _tokens(9500, 3)
+    res = _serve("mamba", [A, SHARED10, other])
+    assert [r[1] for r in res] == [0, 8 * P, 10 * P], res
+
+
+def test_a_kv_hit_past_the_usable_prefix_is_recomputed() -> None:
+    """Component state tombstoned by its own pool's LRU while the KV stays: the engine serves only the
+    usable prefix (here nothing: every state and window page is gone), recomputes the rest, and keeps
+    new state, so the same prompt is then served whole."""
+    for family, name in (("mamba", "mamba"), ("swa", "swa")):
+        def drop(cache, i: int, name: str = name) -> None:  # noqa: ANN001
+            if i == 1:
+                cache.evict_component(name, 1 << 20)
+                assert cache.match_prefix(LONGER).kv_len == 20 * P  # the KV is all there
+
+        res = _serve(family, [A, LONGER, LONGER], between=drop)
+        assert res[1] == (0, 0, len(LONGER)), (family, res)
+        assert res[2][1] == len(LONGER) // P * P, (family, res)
+
+
+def test_a_small_window_pool_tombstones_the_oldest_window_pages() -> None:
+    """The window KV has its own bounded pool with its own LRU: a second prompt needing more window
+    pages than are free tombstones the least recently used ones (A's first 16 pages, one node) while
+    every KV page stays, so a prompt branching inside them gets nothing usable and A's next turn,
+    whose window (pages 18-19) survived, gets all of A."""
+    b = _tokens(50_000, 12)                     # 10 window pages: chunk 0-7 and its window 10-11
+    for prompt, served in ((SHARED10, 0), (LONGER, 20 * P)):
+        cache = _cache("swa", swa_pages_=24)    # A keeps 18 window pages, 6 stay free
+        res = _serve("swa", [A, b, prompt], cache=cache)
+        assert res[2][1] == served, (res, cache.stats)
+        assert cache.stats["swa_tombstoned_slots"] >= 16
+
+
+def test_swa_pages() -> None:
+    # completed chunks from where the computation started, then the window at the prompt's end
+    assert swa_pages(0, 20, 4, 2) == [*range(16), 18, 19]
+    assert swa_pages(10, 20, 4, 2) == list(range(10, 20))   # chunk ends 14, 18: the last chunk is 18-19
+    assert swa_pages(0, 3, 4, 2) == [1, 2]                  # one chunk: the window alone
+    assert swa_pages(5, 5, 4, 2) == []
+
+
+def test_worker_pool_defaults_follow_sglang() -> None:
+    """`kvatlas worker` sizes the component pools as SGLang does unless told: Mamba states at
+    mamba_full_memory_ratio 0.9 of the KV bytes for Qwen3-Next-80B, window pages at 0.8 of the KV."""
+    import argparse
+
+    from producer.sim.cmd import MAMBA_TOKENS_PER_STATE, add_arguments, pool_sizes
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    got = pool_sizes(p.parse_args(["--block-size", "512", "--gpu-pages", "320", "--host-pages", "960"]))
+    assert MAMBA_TOKENS_PER_STATE == 3493
+    assert got == {"mamba_states": 46, "host_mamba_states": 140, "swa_device_pages": 256, "swa_host_pages": 768}
+    got = pool_sizes(p.parse_args(["--mamba-states", "7", "--swa-pages", "9"]))
+    assert (got["mamba_states"], got["swa_device_pages"]) == (7, 9)
 
 
 def test_hybrid_workers_publish_group_events() -> None:
-    """component events on: a Mamba store per kept state, a window store for the window's pages."""
-    for family, kind, blocks in (("mamba", "mamba", [4, 8, 12, 16, 20]), ("swa", "sliding_window", [19, 20])):
+    """component events on: a Mamba store per kept state, a window store per kept window page."""
+    for family, kind, blocks in (("mamba", "mamba", [4, 8, 12, 16, 20]),
+                                 ("swa", "sliding_window", [*range(1, 17), 19, 20])):
         sink = ListSink()
         cache = _cache(family, sink=sink)
         Driver(cache, lookahead=0, chunk_pages=CHUNK).run([A])

@@ -51,19 +51,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=4096,
                    help="mamba: prefill chunk; a state is kept at every chunk's end (default 4096)")
     p.add_argument("--mamba-states", type=int, default=0,
-                   help="mamba: GPU Mamba state slots (default: a quarter of --gpu-pages)")
+                   help="mamba: GPU Mamba state slots, their own pool with its own LRU (default: one per "
+                        f"{MAMBA_TOKENS_PER_STATE:,} tokens of GPU KV, SGLang's sizing; docs/hybrid.md)")
+    p.add_argument("--host-mamba-states", type=int, default=0,
+                   help="mamba: host Mamba state slots (default: one per "
+                        f"{MAMBA_TOKENS_PER_STATE:,} tokens of host KV)")
+    p.add_argument("--swa-pages", type=int, default=0,
+                   help="swa: GPU sliding-window pages, their own pool with its own LRU (default: "
+                        f"{SWA_FULL_RATIO:g} x --gpu-pages, SGLang's swa_full_tokens_ratio)")
+    p.add_argument("--host-swa-pages", type=int, default=0,
+                   help=f"swa: host sliding-window pages (default: {SWA_FULL_RATIO:g} x --host-pages)")
     p.add_argument("--speed", type=float, default=1.0,
                    help="virtual seconds per wall second of the simulated model (default 1 = real time)")
     p.add_argument("--sim", default=None,
                    help="simulated model overrides as JSON, e.g. '{\"prefill_tokens_per_s\": 8000}'")
 
 
-# Per-family defaults of the simulated model's hybrid costs (--sim overrides them): a Qwen3-Next-like
-# Mamba state (~36 linear-attention layers of 32 x 128 x 128 fp16) and gpt-oss-like window layers.
+# Per-family defaults of the simulated model's hybrid costs (--sim overrides them): a Qwen3-Next-80B
+# Mamba state (36 gated-delta-net layers: a 32 x 128 x 128 fp32 temporal state and a 8192 x 3 bf16
+# conv state each, 73.7 MiB) and gpt-oss-like window layers.
+MAMBA_STATE_BYTES = 36 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
 FAMILY_SIM: dict[str, dict[str, int]] = {
-    "mamba": {"mamba_state_bytes": 36 << 20},
+    "mamba": {"mamba_state_bytes": MAMBA_STATE_BYTES},
     "swa": {"window_bytes_per_token": 131_072},
 }
+
+# Default pool sizes of the hybrid components (docs/hybrid.md, "Hybrid workers"), as SGLang sizes them.
+# Mamba: SGLang gives the Mamba pool mamba_full_memory_ratio = 0.9 times the bytes of the KV pool; for
+# Qwen3-Next-80B (the state above, 12 full-attention layers x 2 KV heads x 256 x K+V x bf16 = 24 KiB
+# of KV per token) that is one state per MAMBA_STATE_BYTES / (0.9 x 24 KiB) ~ 3,493 tokens of KV.
+MAMBA_TOKENS_PER_STATE = round(MAMBA_STATE_BYTES / (0.9 * 24_576))
+# Sliding window: SGLang's SWA pool holds swa_full_tokens_ratio = 0.8 times the full pool's tokens.
+SWA_FULL_RATIO = 0.8
 
 
 def _make_cache(args: argparse.Namespace, storage: Any, recorder: Any) -> Any:
@@ -77,13 +96,22 @@ def _make_cache(args: argparse.Namespace, storage: Any, recorder: Any) -> Any:
                            write_policy=args.write_policy)
     from producer.components.families import FamilySizes, build_family_cache
 
-    states = args.mamba_states or max(1, args.gpu_pages // 4)
     sizes = FamilySizes(page_size=args.block_size, device_pages=args.gpu_pages, host_pages=args.host_pages,
-                        kv_shape=(2, 4), mamba_states=states, host_mamba_states=max(1, args.host_pages // 4),
-                        conv_shape=(2, 4), temporal_shape=(2, 4), window=args.window, swa_shape=(2, 4),
-                        dsa_shape=(4,))
+                        kv_shape=(2, 4), **pool_sizes(args), conv_shape=(2, 4), temporal_shape=(2, 4),
+                        window=args.window, swa_shape=(2, 4), dsa_shape=(4,))
     return build_family_cache(args.family, sizes, transfer=transfer, storage=storage, recorder=recorder,
                               component_events=True, write_policy=args.write_policy)
+
+
+def pool_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The hybrid components' pools (FamilySizes fields): the options, else SGLang's sizing."""
+    def states(pages: int) -> int:
+        return max(1, pages * args.block_size // MAMBA_TOKENS_PER_STATE)
+
+    return {"mamba_states": args.mamba_states or states(args.gpu_pages),
+            "host_mamba_states": args.host_mamba_states or states(args.host_pages),
+            "swa_device_pages": args.swa_pages or max(1, int(SWA_FULL_RATIO * args.gpu_pages)),
+            "swa_host_pages": args.host_swa_pages or max(1, int(SWA_FULL_RATIO * args.host_pages))}
 
 
 def indexer_token(path: str | None) -> str | None:
@@ -152,9 +180,10 @@ def run(args: argparse.Namespace) -> int:
     if args.host_pages < 0 or args.speed <= 0:
         print("kvatlas worker: --host-pages must be >= 0 and --speed positive", file=sys.stderr)
         return 2
-    if args.window <= 0 or args.chunk_tokens < args.block_size or args.mamba_states < 0:
+    pools = ("mamba_states", "host_mamba_states", "swa_pages", "host_swa_pages")
+    if args.window <= 0 or args.chunk_tokens < args.block_size or any(getattr(args, n) < 0 for n in pools):
         print("kvatlas worker: --window must be positive, --chunk-tokens at least --block-size, "
-              "--mamba-states >= 0", file=sys.stderr)
+              "--mamba-states, --host-mamba-states, --swa-pages and --host-swa-pages >= 0", file=sys.stderr)
         return 2
     try:
         over = msgspec.json.decode(args.sim or "{}")

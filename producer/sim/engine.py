@@ -182,7 +182,8 @@ class Engine:
                     digests = cache.tree.chain(tokens[:npages * p], p)
                     for page, d in zip(new, digests[len(pages):]):
                         write_pattern(cache.device, page, d)
-                if not insert_request(cache, tokens, pages + new, len(pages), self.chunk_pages):
+                if not insert_request(cache, tokens, pages + new, len(pages), self.chunk_pages,
+                                      m.branch_len // p):
                     self.counts["no_component_memory"] += 1
         finally:
             cache.unlock(node)  # type: ignore[arg-type]
