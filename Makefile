@@ -17,19 +17,28 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[producer,dev]'
 	touch $(STAMP)
 
+# A checkout whose C sources changed since the last build (a pull, a branch switch) is rebuilt in
+# place before anything runs; the loaders refuse such a stale build anyway (schemas/c_tables.py).
+NATIVE_SRC := $(wildcard indexer/_native/*.c indexer/_native/*.h producer/_native/*.c producer/_native/*.h \
+                producer/_native/third_party/*.h) setup.py schemas/c_tables.py
+NATIVE := $(VENV)/.native
+$(NATIVE): $(STAMP) $(NATIVE_SRC)
+	$(PY) setup.py -q build_ext --inplace
+	touch $(NATIVE)
+
 system-deps:
 	@bash scripts/ensure-system-deps.sh
 
-demo: $(STAMP)
+demo: $(NATIVE)
 	$(VENV)/bin/kvatlas demo
 
-test: $(STAMP) system-deps
+test: $(NATIVE) system-deps
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(NATIVE)
 	$(PY) -m pytest -q -x -m "not slow"
 
-bench: $(STAMP)
+bench: $(NATIVE)
 	$(PY) bench/bench_wire.py
 
 clean:
@@ -51,7 +60,7 @@ SAN_PH_SO  := build/sanitize/_pagehash.so
 SAN_PH_SRC := $(addprefix producer/_native/,module.c chains.c pages.c msgpack.c batch.c)  # as setup.py
 
 .PHONY: test-sanitize
-test-sanitize: $(STAMP)
+test-sanitize: $(NATIVE)
 	@mkdir -p $(dir $(SAN_SO))
 	gcc -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
 	    -fno-sanitize-recover=all -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \

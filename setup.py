@@ -5,13 +5,19 @@
 If a compiler or headers are missing the build goes on without that one (optional=True) and its
 package falls back to its pure-Python path (the index core says so in a warning at import).
 """
+import os
+import sys
+
 from setuptools import Extension, setup
 
-# The parts kvnative.c includes (one translation unit, so their functions stay static).
-KVNATIVE_PARTS = ("hashing.c", "bodies.c", "u64map.c", "node_maps.c", "score_walk.c", "groups_walk.c", "answer.c",
-                  "wire_walk.c", "groups_apply.c", "batch_apply.c")
-# The producer helper's C files (also the Makefile's sanitize build: keep the two lists alike).
-PAGEHASH_SOURCES = ("module", "chains", "pages", "msgpack", "batch")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from schemas.c_tables import KVNATIVE_FILES, PAGEHASH_FILES, PAGEHASH_SOURCES, source_digest  # noqa: E402
+
+
+def digest_macro(files: tuple[str, ...]) -> list[tuple[str, str]]:
+    """SOURCE_DIGEST: the digest of the sources a build is compiled from (its loader compares it)."""
+    return [("SOURCE_DIGEST", f'"{source_digest(files)}"')]
+
 
 setup(
     ext_modules=[
@@ -19,7 +25,8 @@ setup(
             "indexer._native._kvnative",
             # One translation unit: kvnative.c (module glue) includes the parts below in order.
             sources=["indexer/_native/kvnative.c"],
-            depends=[f"indexer/_native/{f}" for f in KVNATIVE_PARTS] + ["indexer/_native/wire_tables.h"],
+            depends=list(KVNATIVE_FILES[1:]),
+            define_macros=digest_macro(KVNATIVE_FILES),
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter", "-Wconversion", "-Wno-sign-conversion"],
             optional=True,
         ),
@@ -39,9 +46,9 @@ setup(
         # hashlib, the xxhash package and msgspec (docs/producer-events.md).
         Extension(
             "producer._native._pagehash",
-            sources=[f"producer/_native/{f}.c" for f in PAGEHASH_SOURCES],
-            depends=["producer/_native/pagehash.h", "producer/_native/event_tables.h",
-                     "producer/_native/third_party/xxhash.h"],
+            sources=list(PAGEHASH_SOURCES),
+            depends=list(PAGEHASH_FILES[len(PAGEHASH_SOURCES):]),
+            define_macros=digest_macro(PAGEHASH_FILES),
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wno-unused-parameter"],
             libraries=["crypto"],
             optional=True,

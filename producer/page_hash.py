@@ -32,6 +32,8 @@ from typing import Union
 
 import numpy as np
 
+from schemas.c_tables import PAGEHASH_FILES, stale_build
+
 Tokens = Union[Sequence[int], bytes, bytearray, memoryview]
 ChainIds = Callable[[Tokens, int, Union[bytes, None]], tuple[list[bytes], list[int]]]
 ChainBlob = Callable[[Tokens, int, Union[bytes, None]], bytes]
@@ -51,7 +53,8 @@ def _load_native() -> tuple[ModuleType | None, str | None]:
 
     if mod.event_tables() != tables():  # built before a schema change: its encoder would be wrong
         return None, "producer._native._pagehash was built from other schemas: reinstall (pip install -e .)"
-    return mod, None
+    stale = stale_build(mod.source_digest() if hasattr(mod, "source_digest") else None, PAGEHASH_FILES)
+    return (None, stale) if stale else (mod, None)
 
 
 _native, _NATIVE_ERROR = _load_native()

@@ -31,3 +31,45 @@ def test_c_receive_loop_is_built() -> None:
     assert zmqdrain.recv_run is not None, (
         f"the C receive loop is not usable ({zmqdrain.unavailable_reason}); rebuild with `pip install -e .` "
         f"or set {ENV_ALLOW}=1")
+
+
+def test_builds_carry_the_digest_of_the_sources_beside_them() -> None:
+    """setup.py compiles each accelerator with the digest of its sources; the loaders compare it with
+    the files now on disk, so a pull without a rebuild is refused, not run with an old calling convention."""
+    from schemas.c_tables import KVNATIVE_FILES, PAGEHASH_FILES, source_digest, stale_build
+
+    if os.environ.get(ENV_ALLOW, "") not in ("", "0"):
+        return
+    from indexer._native import _kvnative
+    from producer._native import _pagehash
+
+    assert _kvnative.source_digest() == source_digest(KVNATIVE_FILES)
+    assert _pagehash.source_digest() == source_digest(PAGEHASH_FILES)
+    assert stale_build(_kvnative.source_digest(), KVNATIVE_FILES) is None
+    assert "stale build" in (stale_build("0" * 64, KVNATIVE_FILES) or "")
+    assert stale_build(None, KVNATIVE_FILES) is None  # the sanitizer build carries none: not judged
+    assert source_digest(("no/such/file.c",)) is None  # an install without sources: not judged
+
+
+def test_the_digest_covers_every_included_part(tmp_path) -> None:
+    from schemas.c_tables import KVNATIVE_FILES, ROOT, source_digest
+
+    for name in KVNATIVE_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    before = source_digest(KVNATIVE_FILES, tmp_path)
+    assert before == source_digest(KVNATIVE_FILES)
+    part = tmp_path / KVNATIVE_FILES[3]
+    part.write_bytes(part.read_bytes() + b"/* changed */\n")
+    assert source_digest(KVNATIVE_FILES, tmp_path) != before
+
+
+def test_the_file_lists_name_every_c_source() -> None:
+    """A new C part missing from schemas/c_tables.py would neither be watched by the digest nor by
+    setup.py's `depends`."""
+    from schemas.c_tables import KVNATIVE_FILES, PAGEHASH_FILES, ROOT
+
+    index_c = {str(p.relative_to(ROOT)) for p in (ROOT / "indexer/_native").glob("*.[ch]")}
+    assert index_c - {"indexer/_native/zmqdrain.c"} == set(KVNATIVE_FILES)
+    producer_c = {str(p.relative_to(ROOT)) for p in (ROOT / "producer/_native").rglob("*.[ch]")}
+    assert producer_c == set(PAGEHASH_FILES)

@@ -4,13 +4,16 @@
 pure-Python core, used through `indexer.core.accel` only (docs/index-core.md). The pure core is the
 reference and is always available: `KVATLAS_PURE_PYTHON=1` forces it, and `KVIndex(native=False)`
 picks it per index. A build whose wire tables differ from `schemas/` (a stale .so) is refused here,
-at import, so it can never judge events by old rules.
+at import, so it can never judge events by old rules; so is one compiled from other C sources than
+those beside it (schemas/c_tables.py `stale_build`).
 """
 from __future__ import annotations
 
 import logging
 import os
 from types import ModuleType
+
+from schemas.c_tables import KVNATIVE_FILES, stale_build
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,9 @@ def _load() -> tuple[ModuleType | None, str | None]:
     tabs = getattr(mod, "wire_tables", None)
     if tabs is None or tabs() != tables():
         return None, "stale build: its wire tables differ from schemas/ (rebuild: pip install -e .)"
-    return mod, None
+    digest = getattr(mod, "source_digest", None)
+    stale = stale_build(digest() if digest is not None else None, KVNATIVE_FILES)
+    return (None, stale) if stale else (mod, None)
 
 
 _mod, _IMPORT_ERROR = _load()

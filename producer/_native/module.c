@@ -7,6 +7,15 @@
  */
 #include "pagehash.h"
 
+/* source_digest() -> str | None: SOURCE_DIGEST from setup.py (schemas/c_tables.py), None without it */
+static PyObject *py_source_digest(PyObject *self, PyObject *unused) {
+#ifdef SOURCE_DIGEST
+    return PyUnicode_FromString(SOURCE_DIGEST);
+#else
+    Py_RETURN_NONE;
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"sha256_chain", (PyCFunction)(void (*)(void))py_sha256_chain, METH_VARARGS | METH_KEYWORDS,
      "sha256_chain(tokens, page_size, prior=None) -> (digests, ids) of every whole page"},
@@ -20,6 +29,7 @@ static PyMethodDef methods[] = {
      "sha256_chain always through libcrypto, never the SHA-extension chain (tests)"},
     {"call_chain", py_call_chain, METH_VARARGS,
      "call_chain(fn, tokens, page_size, prior=None) -> (digests, ids), digest_i = fn(digest_{i-1} || page_i)"},
+    {"source_digest", py_source_digest, METH_NOARGS, "the digest of the sources this build was compiled from, or None"},
     {"event_tables", py_event_tables, METH_NOARGS,
      "event_tables() -> dict: the schema tables the event encoder was built with (producer/_native/event_tables.py)"},
     {NULL, NULL, 0, NULL},
