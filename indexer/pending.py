@@ -24,16 +24,27 @@ Pair = tuple[str, int]  # (worker_id, dp_rank)
 
 
 class PendingRoute:
-    __slots__ = ("model", "request_id", "pair", "keys", "expires_at", "gen")
+    __slots__ = ("model", "request_id", "pair", "keys", "expires_at", "gen", "prefill")
 
     def __init__(self, model: str, request_id: str, pair: Pair, keys: tuple[int, ...], expires_at: float,
-                 gen: int) -> None:
+                 gen: int, prefill: int = 0) -> None:
         self.model = model
         self.request_id = request_id
         self.pair = pair
         self.keys = keys
         self.expires_at = expires_at
         self.gen = gen  # distinguishes a re-reported id from its earlier entry in the expiry heap
+        self.prefill = prefill  # tokens the worker will compute for it (not cached nor pending when reported)
+
+
+class PairLoad:
+    """In-flight load of one (worker, dp_rank) from its pending routes: every router replica's."""
+
+    __slots__ = ("requests", "prefill_tokens")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.prefill_tokens = 0
 
 
 class PendingCounts:
@@ -55,10 +66,13 @@ class PendingRoutes:
     Keys are chained (a key names its whole prefix), and every route holds all its blocks, so a
     pending key implies its prefix is pending on that worker too. For a hybrid model (`ends_only`)
     the run stops at the last block where a route ends: the one prefix of an in-flight request a
-    hybrid worker surely leaves usable (its window and its last Mamba state sit there)."""
+    hybrid worker surely leaves usable (its window and its last Mamba state sit there).
+
+    `load(model, pair)` is the pair's in-flight load from the same routes: how many, and the prefill
+    tokens they bring (each route's own, given when it is added)."""
 
     __slots__ = ("ttl_s", "max_routes", "max_blocks", "counts", "_routes", "_held", "_ends", "_heap", "_gen",
-                 "_blocks")
+                 "_blocks", "_load")
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_routes: int = DEFAULT_MAX_ROUTES,
                  max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
@@ -74,6 +88,7 @@ class PendingRoutes:
         self._heap: list[tuple[float, int, str, str]] = []                 # (expires_at, gen, model, id)
         self._gen = 0
         self._blocks = 0
+        self._load: dict[str, dict[Pair, PairLoad]] = {}                   # model -> pair -> in-flight load
 
     # -- size ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -94,9 +109,10 @@ class PendingRoutes:
 
     # -- changes -------------------------------------------------------------------------------
     def add(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: Sequence[int],
-            now: float, ttl_s: float | None = None) -> int:
+            now: float, ttl_s: float | None = None, prefill_tokens: int = 0) -> int:
         """Record a route (replacing an earlier one with the same id); returns the blocks it holds.
-        Beyond the caps the oldest routes are dropped (counted)."""
+        `prefill_tokens`: what the worker will compute for it (its `load`). Beyond the caps the oldest
+        routes are dropped (counted)."""
         self._remove(model, request_id)
         keys = tuple(keys)
         if len(keys) > self.max_blocks:
@@ -104,8 +120,11 @@ class PendingRoutes:
             return 0
         self._gen += 1
         expires = now + (self.ttl_s if ttl_s is None else ttl_s)
-        r = PendingRoute(model, request_id, (worker_id, dp_rank), keys, expires, self._gen)
+        r = PendingRoute(model, request_id, (worker_id, dp_rank), keys, expires, self._gen, max(0, prefill_tokens))
         self._routes.setdefault(model, {})[request_id] = r
+        ld = self._load.setdefault(model, {}).setdefault(r.pair, PairLoad())
+        ld.requests += 1
+        ld.prefill_tokens += r.prefill
         if keys:  # a prompt shorter than a block holds nothing (and leaves no empty entry behind)
             held = self._held.setdefault(model, {}).setdefault(r.pair, {})
             for k in keys:
@@ -182,6 +201,10 @@ class PendingRoutes:
                 n -= 1
         return n
 
+    def load(self, model: str, worker_id: str, dp_rank: int) -> PairLoad | None:
+        """The pair's in-flight load (None: no route pending there)."""
+        return self._load.get(model, {}).get((worker_id, dp_rank))
+
     # -- internals -----------------------------------------------------------------------------
     def _remove(self, model: str, request_id: str) -> PendingRoute | None:
         routes = self._routes.get(model)
@@ -190,6 +213,14 @@ class PendingRoutes:
             return None
         if not routes:
             del self._routes[model]
+        loads = self._load[model]
+        ld = loads[r.pair]
+        ld.requests -= 1
+        ld.prefill_tokens -= r.prefill
+        if not ld.requests:
+            del loads[r.pair]
+            if not loads:
+                del self._load[model]
         if r.keys:
             by_pair = self._held[model]
             held = by_pair[r.pair]

@@ -442,6 +442,7 @@ class IndexerService:
                 # kv_blocks is set exactly on a hybrid model's rows (docs/hybrid.md)
                 row.pending_blocks = book.pending_run(model, row.worker_id, row.dp_rank, keys, row.cached_blocks,
                                                       hybrid=row.kv_blocks is not None)
+                row.pending_requests, row.pending_prefill_tokens = book.load(model, row.worker_id, row.dp_rank)
 
     # -- in-flight routes --------------------------------------------------------------------
     def report_route(self, model: str, request_id: str, worker_id: str, token_ids: Any, dp_rank: int = 0,
@@ -457,17 +458,22 @@ class IndexerService:
         keys = self.routes.keys(self.index, model, block_size, token_ids, lora_name, cache_salt)
         with self.lock:
             cached, pend, n = self.routes.report(self.index, self.registry, model, request_id, worker_id, dp_rank,
-                                                 keys, self.clock())
+                                                 keys, self.clock(), block_size, len(token_ids))
         if self.route_fanout is not None:
-            self.route_fanout.added(model, request_id, worker_id, dp_rank, keys)
+            self.route_fanout.added(model, request_id, worker_id, dp_rank, keys, len(token_ids))
         return RouteAnswer(request_id, pend, cached, n)
 
-    def apply_route(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: list[int]) -> bool:
-        """A route another indexer replica took (already hashed); False if the worker is unknown here."""
+    def apply_route(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: list[int],
+                    tokens: int | None = None) -> bool:
+        """A route another indexer replica took (already hashed; `tokens`: the prompt's length, None from
+        a replica that does not send it); False if the worker or model is unknown here."""
         with self.lock:
+            block_size = self.index.models().get(model)
+            if block_size is None:
+                return False
             try:
                 self.routes.report(self.index, self.registry, model, request_id, worker_id, dp_rank, keys,
-                                   self.clock())
+                                   self.clock(), block_size, tokens)
             except UnknownRouteWorker:
                 return False
         return True

@@ -132,6 +132,10 @@ class WorkerScoreOut(Struct, omit_defaults=True, gc=False):
     # Leading query blocks past this row's exact match that in-flight routes to this worker hold
     # (`POST /routes`; docs/CONTRACTS.md, "Pending routes"). Never part of the exact fields above.
     pending_blocks: int = 0
+    # In-flight load on this worker and rank from every router's pending routes: how many routes, and the
+    # prompt tokens they will prefill there (past what it held or had pending when each was reported).
+    pending_requests: int = 0
+    pending_prefill_tokens: int = 0
 
 
 class BestWorker(Struct, gc=False):
