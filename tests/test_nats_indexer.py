@@ -238,7 +238,7 @@ def test_pending_routes_reach_every_replica(nats: NatsServer, tmp_path: Path) ->
         assert b.client.delete("/routes/q1").json() == {"released": 3}
         wait_until(lambda: pending(a) == 0, timeout=20)
         assert pending(b) == 0
-        assert 'kvatlas_route_fanout_total{direction="in",outcome="add"} 1' in b.client.get("/metrics").text
+        assert 'kvatlas_route_fanout_total{direction="in",outcome="add"} 2' in b.client.get("/metrics").text
     finally:
         a.terminate()
         b.terminate()
