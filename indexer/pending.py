@@ -69,10 +69,13 @@ class PendingRoutes:
     hybrid worker surely leaves usable (its window and its last Mamba state sit there).
 
     `load(model, pair)` is the pair's in-flight load from the same routes: how many, and the prefill
-    tokens they bring (each route's own, given when it is added)."""
+    tokens they bring (each route's own, given when it is added). `busy_until(model, pair, now)` is the
+    largest `busy_until` routes to the pair carried (a reporting router's own estimate of when that worker
+    is done with what was routed to it; opaque here), kept for the TTL after it was reported whether or
+    not its route is still pending: an end time, it does not end when the worker's events land."""
 
     __slots__ = ("ttl_s", "max_routes", "max_blocks", "counts", "_routes", "_held", "_ends", "_heap", "_gen",
-                 "_blocks", "_load")
+                 "_blocks", "_load", "_busy")
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_routes: int = DEFAULT_MAX_ROUTES,
                  max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
@@ -89,6 +92,7 @@ class PendingRoutes:
         self._gen = 0
         self._blocks = 0
         self._load: dict[str, dict[Pair, PairLoad]] = {}                   # model -> pair -> in-flight load
+        self._busy: dict[str, dict[Pair, tuple[float, float]]] = {}        # model -> pair -> (busy_until, expires)
 
     # -- size ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -101,6 +105,10 @@ class PendingRoutes:
     def has(self, model: str) -> bool:
         return bool(self._routes.get(model))
 
+    def active(self, model: str) -> bool:
+        """Routes pending or a `busy_until` held for the model: its `/score` rows carry pending fields."""
+        return bool(self._routes.get(model)) or bool(self._busy.get(model))
+
     def routes(self, model: str) -> Iterator[PendingRoute]:
         return iter(list(self._routes.get(model, {}).values()))
 
@@ -109,10 +117,11 @@ class PendingRoutes:
 
     # -- changes -------------------------------------------------------------------------------
     def add(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: Sequence[int],
-            now: float, ttl_s: float | None = None, prefill_tokens: int = 0) -> int:
+            now: float, ttl_s: float | None = None, prefill_tokens: int = 0,
+            busy_until: float | None = None) -> int:
         """Record a route (replacing an earlier one with the same id); returns the blocks it holds.
-        `prefill_tokens`: what the worker will compute for it (its `load`). Beyond the caps the oldest
-        routes are dropped (counted)."""
+        `prefill_tokens`: what the worker will compute for it (its `load`); `busy_until`: see the class.
+        Beyond the caps the oldest routes are dropped (counted)."""
         self._remove(model, request_id)
         keys = tuple(keys)
         if len(keys) > self.max_blocks:
@@ -120,6 +129,11 @@ class PendingRoutes:
             return 0
         self._gen += 1
         expires = now + (self.ttl_s if ttl_s is None else ttl_s)
+        if busy_until is not None and busy_until == busy_until:  # not NaN
+            busy = self._busy.setdefault(model, {})
+            cur = busy.get((worker_id, dp_rank))
+            if cur is None or cur[1] <= now or busy_until >= cur[0]:
+                busy[(worker_id, dp_rank)] = (busy_until, expires)
         r = PendingRoute(model, request_id, (worker_id, dp_rank), keys, expires, self._gen, max(0, prefill_tokens))
         self._routes.setdefault(model, {})[request_id] = r
         ld = self._load.setdefault(model, {}).setdefault(r.pair, PairLoad())
@@ -156,6 +170,13 @@ class PendingRoutes:
     def expire(self, now: float) -> int:
         """Drop every route whose expiry is at or before `now`; returns how many."""
         n = 0
+        for model in [m for m, busy in self._busy.items()
+                      if any(exp <= now for _, exp in busy.values())]:
+            busy = self._busy[model]
+            for pair in [p for p, (_, exp) in busy.items() if exp <= now]:
+                del busy[pair]
+            if not busy:
+                del self._busy[model]
         heap = self._heap
         while heap and heap[0][0] <= now:
             _, gen, model, rid = heapq.heappop(heap)
@@ -168,6 +189,11 @@ class PendingRoutes:
 
     def clear_worker(self, model: str, worker_id: str, dp_rank: int | None = None) -> int:
         """Forget a worker's routes (removed, cleared, resynced, restarted); returns how many."""
+        busy = self._busy.get(model, {})
+        for pair in [p for p in busy if p[0] == worker_id and (dp_rank is None or p[1] == dp_rank)]:
+            del busy[pair]
+        if not busy:
+            self._busy.pop(model, None)
         gone = [r.request_id for r in self._routes.get(model, {}).values()
                 if r.pair[0] == worker_id and (dp_rank is None or r.pair[1] == dp_rank)]
         for rid in gone:
@@ -176,6 +202,7 @@ class PendingRoutes:
         return len(gone)
 
     def clear_model(self, model: str) -> int:
+        self._busy.pop(model, None)
         gone = list(self._routes.get(model, {}))
         for rid in gone:
             self._remove(model, rid)
@@ -204,6 +231,11 @@ class PendingRoutes:
     def load(self, model: str, worker_id: str, dp_rank: int) -> PairLoad | None:
         """The pair's in-flight load (None: no route pending there)."""
         return self._load.get(model, {}).get((worker_id, dp_rank))
+
+    def busy_until(self, model: str, worker_id: str, dp_rank: int, now: float) -> float | None:
+        """The largest `busy_until` routes to the pair carried within the TTL (None: none)."""
+        got = self._busy.get(model, {}).get((worker_id, dp_rank))
+        return None if got is None or got[1] <= now else got[0]
 
     # -- internals -----------------------------------------------------------------------------
     def _remove(self, model: str, request_id: str) -> PendingRoute | None:

@@ -54,7 +54,8 @@ class RouteBook:
 
     # -- changes -------------------------------------------------------------------------------
     def report(self, index: ScoringIndex, registry: Any, model: str, request_id: str, worker_id: str, dp_rank: int,
-               keys: Sequence[int], now: float, block_size: int, tokens: int | None = None) -> tuple[int, int, int]:
+               keys: Sequence[int], now: float, block_size: int, tokens: int | None = None,
+               busy_until: float | None = None) -> tuple[int, int, int]:
         """Add the route; returns (cached, pending, blocks): the worker's exact match of the request
         and the pending blocks past it before this route, and the blocks the route holds. The route's
         share of the worker's in-flight load is its `tokens` (the prompt's length; unknown: its full
@@ -74,7 +75,7 @@ class RouteBook:
         n = len(keys) * block_size if tokens is None else tokens
         prefill = max(0, n - (cached + pend) * block_size)
         return cached, pend, self.pending.add(model, request_id, worker_id, dp_rank, keys, now,
-                                              prefill_tokens=prefill)
+                                              prefill_tokens=prefill, busy_until=busy_until)
 
     @classmethod
     def _held(cls, index: ScoringIndex, model: str, keys: Sequence[int], pair: tuple[str, int]) -> int:
@@ -136,11 +137,13 @@ class RouteBook:
         pending on that worker (a hybrid model's: up to where a route ends, indexer/pending.py)."""
         return self.pending.run(model, worker_id, dp_rank, keys, exact, ends_only=hybrid)
 
-    def load(self, model: str, worker_id: str, dp_rank: int) -> tuple[int, int]:
-        """(`pending_requests`, `pending_prefill_tokens`) of one row: the in-flight routes to that
-        worker and rank not yet confirmed, released or expired, and the tokens they will prefill."""
+    def load(self, model: str, worker_id: str, dp_rank: int, now: float) -> tuple[int, int, float | None]:
+        """(`pending_requests`, `pending_prefill_tokens`, `busy_until`) of one row: the in-flight routes to
+        that worker and rank not yet confirmed, released or expired, the tokens they will prefill, and the
+        largest end time routers reported with their routes there (indexer/pending.py)."""
         ld = self.pending.load(model, worker_id, dp_rank)
-        return (0, 0) if ld is None else (ld.requests, ld.prefill_tokens)
+        busy = self.pending.busy_until(model, worker_id, dp_rank, now)
+        return (0, 0, busy) if ld is None else (ld.requests, ld.prefill_tokens, busy)
 
     # -- metrics -------------------------------------------------------------------------------
     def metrics_text(self) -> str:

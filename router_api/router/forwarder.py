@@ -118,9 +118,13 @@ class RouterCore:
         once the worker's events confirm it, maybe before the worker's next load report shows it."""
         if scores:
             for w, row in scores.items():
-                if row.inflight and w in self.shared_until:
+                if w not in self.shared_until:
+                    continue
+                if row.inflight:
                     reported = max(0.0, self.polled_end[w] - now)
                     self.shared_until[w] = max(self.shared_until[w], now + shared_backlog(self.sim, reported, row))
+                if row.busy_until is not None:  # every replica's own overlay, reported with its routes
+                    self.shared_until[w] = max(self.shared_until[w], row.busy_until)
         return {w: max(0.0, max(self.polled_end[w], self.busy_until[w], self.shared_until[w]) - now)
                 for w in self.workers}
 
@@ -142,10 +146,11 @@ class RouterCore:
     # -- in-flight routes (docs/CONTRACTS.md, "Pending routes") ----------------------------
     async def report_route(self, request_id: str, worker_id: str, tokens: np.ndarray) -> dict | None:
         """Tell the indexer where this request goes, so every router replica counts its blocks as
-        pending on that worker until the worker's own events land."""
+        pending on that worker until the worker's own events land, and sees the end time this replica
+        expects for that worker's work (`busy_until`, on the replay clock the replicas share)."""
         assert self.indexer is not None
         body = _mp_enc.encode({"model": self.model, "request_id": request_id, "worker_id": worker_id,
-                               "token_ids": tokens.tolist()})
+                               "token_ids": tokens.tolist(), "busy_until": self.busy_until[worker_id]})
         try:
             r = await self.client.post(f"{self.indexer}/routes", content=body,
                                        headers={"Content-Type": "application/msgpack"}, timeout=30.0)
@@ -188,7 +193,7 @@ class RouterCore:
                 w = d.worker_id
                 rec.worker_id = w
                 rec.predicted_cached = d.predicted_cached
-                self.busy_until[w] = max(self.busy_until[w], self.polled_end[w], now) + d.est_cost_s
+                self.busy_until[w] = max(self.busy_until[w], self.polled_end[w], self.shared_until[w], now) + d.est_cost_s
                 self.inflight[w] += 1
                 if route_id is not None:
                     rec.predicted_pending = d.predicted_pending

@@ -34,10 +34,12 @@ PRECISE = ("precise_gpu", "precise_tiered", "precise_kv_only")
 class ScoreRow:
     """One worker's `/score` answer, in blocks."""
 
-    __slots__ = ("device", "cached", "host", "disk", "shared", "pending", "kv", "inflight", "inflight_prefill")
+    __slots__ = ("device", "cached", "host", "disk", "shared", "pending", "kv", "inflight", "inflight_prefill",
+                 "busy_until")
 
     def __init__(self, device: int = 0, cached: int = 0, host: int = 0, disk: int = 0, shared: int = 0,
-                 pending: int = 0, kv: int | None = None, inflight: int = 0, inflight_prefill: int = 0) -> None:
+                 pending: int = 0, kv: int | None = None, inflight: int = 0, inflight_prefill: int = 0,
+                 busy_until: float | None = None) -> None:
         self.device = device
         self.cached = cached
         self.host = host
@@ -50,6 +52,7 @@ class ScoreRow:
         # and the tokens they will prefill there (pending_prefill_tokens): the shared in-flight load
         self.inflight = inflight
         self.inflight_prefill = inflight_prefill
+        self.busy_until = busy_until  # the largest end time any replica reported with a route here
 
     @classmethod
     def from_answer(cls, row: Mapping[str, object]) -> ScoreRow:
@@ -59,7 +62,8 @@ class ScoreRow:
         kv = row.get("kv_blocks")
         return cls(row["device_blocks"], row["cached_blocks"], t.get("host", 0), t.get("disk", 0),  # type: ignore[arg-type]
                    t.get("shared", 0), row.get("pending_blocks", 0), kv,  # type: ignore[arg-type]
-                   row.get("pending_requests", 0), row.get("pending_prefill_tokens", 0))  # type: ignore[arg-type]
+                   row.get("pending_requests", 0), row.get("pending_prefill_tokens", 0),  # type: ignore[arg-type]
+                   row.get("busy_until"))  # type: ignore[arg-type]
 
 
 def shared_backlog(sim: SimModel, reported_s: float, row: ScoreRow) -> float:
