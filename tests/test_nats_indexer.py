@@ -228,11 +228,13 @@ def test_pending_routes_reach_every_replica(nats: NatsServer, tmp_path: Path) ->
 
         got = a.client.post("/routes", json={"request_id": "q1", "worker_id": "w0", "token_ids": toks})
         assert got.status_code == 200 and got.json()["blocks"] == 3, got.text
-        got = a.client.post("/routes", json={"request_id": "q2", "worker_id": "w0", "token_ids": toks + [9] * BS})
+        got = a.client.post("/routes", json={"request_id": "q2", "worker_id": "w0", "token_ids": toks + [9] * BS,
+                                             "busy_until": 123.5})
         assert got.status_code == 200 and got.json()["pending_blocks"] == 3, got.text
         wait_until(lambda: load(b) == (2, len(toks) + (len(toks) + BS - 3 * BS)), timeout=20)
         assert pending(b) == 3 and pending(a) == 3
         assert load(a) == load(b)  # both replicas see the same in-flight load on w0
+        assert row(a)["busy_until"] == row(b)["busy_until"] == 123.5
         assert b.client.delete("/routes/q2").json() == {"released": 4}
         wait_until(lambda: load(a) == (1, len(toks)), timeout=20)
         assert b.client.delete("/routes/q1").json() == {"released": 3}

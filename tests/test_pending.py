@@ -68,6 +68,24 @@ def test_in_flight_load_per_pair_follows_its_routes() -> None:
     assert load("w1", 0) is None and len(p) == 0
 
 
+def test_busy_until_is_the_largest_reported_and_outlives_its_route_until_the_ttl() -> None:
+    p = PendingRoutes(ttl_s=5.0)
+    p.add("m", "r1", "w0", 0, [1], now=0.0, busy_until=30.0)
+    p.add("m", "r2", "w0", 0, [2], now=1.0, busy_until=20.0)  # smaller: the larger one stays
+    p.add("m", "r3", "w0", 1, [3], now=1.0)                   # none reported: none held for that rank
+    assert (p.busy_until("m", "w0", 0, 1.0), p.busy_until("m", "w0", 1, 1.0), p.busy_until("m", "w1", 0, 1.0)) \
+        == (30.0, None, None)
+    p.confirm("m", "r1")
+    p.release("m", "r2")
+    p.release("m", "r3")
+    assert not p.has("m") and p.active("m") and p.busy_until("m", "w0", 0, 4.9) == 30.0  # an end time, kept
+    assert p.expire(5.0) == 0 and p.busy_until("m", "w0", 0, 5.0) is None and not p.active("m")
+    p.add("m", "r4", "w0", 0, [4], now=6.0, busy_until=10.0)  # after its TTL a smaller one replaces it
+    assert p.busy_until("m", "w0", 0, 6.0) == 10.0
+    p.clear_worker("m", "w0")
+    assert p.busy_until("m", "w0", 0, 6.0) is None and not p.active("m")
+
+
 def test_hybrid_runs_stop_where_a_route_ends() -> None:
     """A hybrid worker leaves an in-flight request's prefix usable only at its end (window, last
     Mamba state): `ends_only` cuts the run back to the last block where a route ends."""
