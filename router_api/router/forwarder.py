@@ -120,11 +120,11 @@ class RouterCore:
             for w, row in scores.items():
                 if w not in self.shared_until:
                     continue
-                if row.inflight:
-                    reported = max(0.0, self.polled_end[w] - now)
-                    self.shared_until[w] = max(self.shared_until[w], now + shared_backlog(self.sim, reported, row))
                 if row.busy_until is not None:  # every replica's own overlay, reported with its routes
                     self.shared_until[w] = max(self.shared_until[w], row.busy_until)
+                elif row.inflight:  # routers that report no end time: their unconfirmed routes' prefill
+                    reported = max(0.0, self.polled_end[w] - now)
+                    self.shared_until[w] = max(self.shared_until[w], now + shared_backlog(self.sim, reported, row))
         return {w: max(0.0, max(self.polled_end[w], self.busy_until[w], self.shared_until[w]) - now)
                 for w in self.workers}
 
