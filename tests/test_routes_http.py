@@ -127,7 +127,9 @@ def test_two_router_replicas_share_in_flight_load(live: LiveIndexer) -> None:
         b = RouterCore(make_policy("precise_tiered", WIDS, sim), workers, live.url, "default", BS, sim)
         try:
             big = np.arange(20_000, 20_000 + 40 * BS + 3, dtype=np.uint32)  # 40 full blocks + 3 tokens
-            assert (await a.report_route("load-a", "rw0", big)) is not None
+            # a router that reports no end time (e.g. the OpenAI proxy): its route's prefill is the shared view
+            r = live.client.post("/routes", json={"request_id": "load-a", "worker_id": "rw0", "token_ids": big.tolist()})
+            assert r.status_code == 200, r.text
             other = np.arange(90_000, 90_000 + 8 * BS, dtype=np.uint32)  # shares nothing with `big`
             rows = await b.score(other)
             assert (rows["rw0"].inflight, rows["rw0"].inflight_prefill) == (1, len(big))
@@ -151,7 +153,7 @@ def test_two_router_replicas_share_in_flight_load(live: LiveIndexer) -> None:
             await b.report_route("load-b", "rw0", np.concatenate([big[:40 * BS], other]))
             rows = await a.score(other)
             assert (rows["rw0"].inflight, rows["rw0"].inflight_prefill) == (2, len(big) + len(other))
-            await a.release_route("load-a")
+            assert live.client.delete("/routes/load-a").json() == {"released": 40}
             await b.release_route("load-b")
             rows = await a.score(other)
             assert rows["rw0"].inflight == rows["rw0"].inflight_prefill == 0
