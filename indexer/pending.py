@@ -24,16 +24,27 @@ Pair = tuple[str, int]  # (worker_id, dp_rank)
 
 
 class PendingRoute:
-    __slots__ = ("model", "request_id", "pair", "keys", "expires_at", "gen")
+    __slots__ = ("model", "request_id", "pair", "keys", "expires_at", "gen", "prefill")
 
     def __init__(self, model: str, request_id: str, pair: Pair, keys: tuple[int, ...], expires_at: float,
-                 gen: int) -> None:
+                 gen: int, prefill: int = 0) -> None:
         self.model = model
         self.request_id = request_id
         self.pair = pair
         self.keys = keys
         self.expires_at = expires_at
         self.gen = gen  # distinguishes a re-reported id from its earlier entry in the expiry heap
+        self.prefill = prefill  # tokens the worker will compute for it (not cached nor pending when reported)
+
+
+class PairLoad:
+    """In-flight load of one (worker, dp_rank) from its pending routes: every router replica's."""
+
+    __slots__ = ("requests", "prefill_tokens")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.prefill_tokens = 0
 
 
 class PendingCounts:
@@ -55,10 +66,16 @@ class PendingRoutes:
     Keys are chained (a key names its whole prefix), and every route holds all its blocks, so a
     pending key implies its prefix is pending on that worker too. For a hybrid model (`ends_only`)
     the run stops at the last block where a route ends: the one prefix of an in-flight request a
-    hybrid worker surely leaves usable (its window and its last Mamba state sit there)."""
+    hybrid worker surely leaves usable (its window and its last Mamba state sit there).
+
+    `load(model, pair)` is the pair's in-flight load from the same routes: how many, and the prefill
+    tokens they bring (each route's own, given when it is added). `busy_until(model, pair, now)` is the
+    largest `busy_until` routes to the pair carried (a reporting router's own estimate of when that worker
+    is done with what was routed to it; opaque here), kept for the TTL after it was reported whether or
+    not its route is still pending: an end time, it does not end when the worker's events land."""
 
     __slots__ = ("ttl_s", "max_routes", "max_blocks", "counts", "_routes", "_held", "_ends", "_heap", "_gen",
-                 "_blocks")
+                 "_blocks", "_load", "_busy")
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_routes: int = DEFAULT_MAX_ROUTES,
                  max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
@@ -74,6 +91,8 @@ class PendingRoutes:
         self._heap: list[tuple[float, int, str, str]] = []                 # (expires_at, gen, model, id)
         self._gen = 0
         self._blocks = 0
+        self._load: dict[str, dict[Pair, PairLoad]] = {}                   # model -> pair -> in-flight load
+        self._busy: dict[str, dict[Pair, tuple[float, float]]] = {}        # model -> pair -> (busy_until, expires)
 
     # -- size ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -86,6 +105,10 @@ class PendingRoutes:
     def has(self, model: str) -> bool:
         return bool(self._routes.get(model))
 
+    def active(self, model: str) -> bool:
+        """Routes pending or a `busy_until` held for the model: its `/score` rows carry pending fields."""
+        return bool(self._routes.get(model)) or bool(self._busy.get(model))
+
     def routes(self, model: str) -> Iterator[PendingRoute]:
         return iter(list(self._routes.get(model, {}).values()))
 
@@ -94,8 +117,10 @@ class PendingRoutes:
 
     # -- changes -------------------------------------------------------------------------------
     def add(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: Sequence[int],
-            now: float, ttl_s: float | None = None) -> int:
+            now: float, ttl_s: float | None = None, prefill_tokens: int = 0,
+            busy_until: float | None = None) -> int:
         """Record a route (replacing an earlier one with the same id); returns the blocks it holds.
+        `prefill_tokens`: what the worker will compute for it (its `load`); `busy_until`: see the class.
         Beyond the caps the oldest routes are dropped (counted)."""
         self._remove(model, request_id)
         keys = tuple(keys)
@@ -104,8 +129,16 @@ class PendingRoutes:
             return 0
         self._gen += 1
         expires = now + (self.ttl_s if ttl_s is None else ttl_s)
-        r = PendingRoute(model, request_id, (worker_id, dp_rank), keys, expires, self._gen)
+        if busy_until is not None and busy_until == busy_until:  # not NaN
+            busy = self._busy.setdefault(model, {})
+            cur = busy.get((worker_id, dp_rank))
+            if cur is None or cur[1] <= now or busy_until >= cur[0]:
+                busy[(worker_id, dp_rank)] = (busy_until, expires)
+        r = PendingRoute(model, request_id, (worker_id, dp_rank), keys, expires, self._gen, max(0, prefill_tokens))
         self._routes.setdefault(model, {})[request_id] = r
+        ld = self._load.setdefault(model, {}).setdefault(r.pair, PairLoad())
+        ld.requests += 1
+        ld.prefill_tokens += r.prefill
         if keys:  # a prompt shorter than a block holds nothing (and leaves no empty entry behind)
             held = self._held.setdefault(model, {}).setdefault(r.pair, {})
             for k in keys:
@@ -137,6 +170,13 @@ class PendingRoutes:
     def expire(self, now: float) -> int:
         """Drop every route whose expiry is at or before `now`; returns how many."""
         n = 0
+        for model in [m for m, busy in self._busy.items()
+                      if any(exp <= now for _, exp in busy.values())]:
+            busy = self._busy[model]
+            for pair in [p for p, (_, exp) in busy.items() if exp <= now]:
+                del busy[pair]
+            if not busy:
+                del self._busy[model]
         heap = self._heap
         while heap and heap[0][0] <= now:
             _, gen, model, rid = heapq.heappop(heap)
@@ -149,6 +189,11 @@ class PendingRoutes:
 
     def clear_worker(self, model: str, worker_id: str, dp_rank: int | None = None) -> int:
         """Forget a worker's routes (removed, cleared, resynced, restarted); returns how many."""
+        busy = self._busy.get(model, {})
+        for pair in [p for p in busy if p[0] == worker_id and (dp_rank is None or p[1] == dp_rank)]:
+            del busy[pair]
+        if not busy:
+            self._busy.pop(model, None)
         gone = [r.request_id for r in self._routes.get(model, {}).values()
                 if r.pair[0] == worker_id and (dp_rank is None or r.pair[1] == dp_rank)]
         for rid in gone:
@@ -157,6 +202,7 @@ class PendingRoutes:
         return len(gone)
 
     def clear_model(self, model: str) -> int:
+        self._busy.pop(model, None)
         gone = list(self._routes.get(model, {}))
         for rid in gone:
             self._remove(model, rid)
@@ -182,6 +228,15 @@ class PendingRoutes:
                 n -= 1
         return n
 
+    def load(self, model: str, worker_id: str, dp_rank: int) -> PairLoad | None:
+        """The pair's in-flight load (None: no route pending there)."""
+        return self._load.get(model, {}).get((worker_id, dp_rank))
+
+    def busy_until(self, model: str, worker_id: str, dp_rank: int, now: float) -> float | None:
+        """The largest `busy_until` routes to the pair carried within the TTL (None: none)."""
+        got = self._busy.get(model, {}).get((worker_id, dp_rank))
+        return None if got is None or got[1] <= now else got[0]
+
     # -- internals -----------------------------------------------------------------------------
     def _remove(self, model: str, request_id: str) -> PendingRoute | None:
         routes = self._routes.get(model)
@@ -190,6 +245,14 @@ class PendingRoutes:
             return None
         if not routes:
             del self._routes[model]
+        loads = self._load[model]
+        ld = loads[r.pair]
+        ld.requests -= 1
+        ld.prefill_tokens -= r.prefill
+        if not ld.requests:
+            del loads[r.pair]
+            if not loads:
+                del self._load[model]
         if r.keys:
             by_pair = self._held[model]
             held = by_pair[r.pair]

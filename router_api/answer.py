@@ -28,7 +28,8 @@ SUPPORTED = (
     ScoreResponse.__struct_fields__ == ("model", "block_size", "query_blocks", "workers", "best")
     and WorkerScoreOut.__struct_fields__ == ("worker_id", "dp_rank", "device_blocks", "cached_blocks", "tiers",
                                              "score", "stale", "last_seq", "status", "kv_blocks",
-                                             "pending_blocks")
+                                             "pending_blocks", "pending_requests", "pending_prefill_tokens",
+                                             "busy_until")
     and WorkerScoreOut.__struct_config__.omit_defaults
     and TierBlocks.__struct_fields__ == TIER_NAMES
     and BestWorker.__struct_fields__ == ("worker_id", "dp_rank")
@@ -46,9 +47,9 @@ def layout(mp: bool) -> tuple[bytes, ...]:
     """The fixed pieces of the answer in `write_answer`'s order (its L_* enum)."""
     enc = _msgpack.encode if mp else _json.encode
     k = lambda name, first=False: _key(mp, name, first)  # noqa: E731
-    # kv_blocks is None and pending_blocks 0 here: both omitted (omit_defaults; the service writes rows with
-    # pending blocks through msgspec)
-    row_fields = len(WorkerScoreOut.__struct_fields__) - 2
+    # kv_blocks is None and the pending fields 0 here: all omitted (omit_defaults; the service writes rows
+    # with pending routes through msgspec)
+    row_fields = len(WorkerScoreOut.__struct_fields__) - 5
     return (
         bytes([0x80 | row_fields]) if mp else b"{",             # L_ROW_OPEN
         k("device_blocks"), k("cached_blocks"),

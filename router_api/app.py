@@ -175,7 +175,7 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
                 raise ApiError(415, "report a route with a JSON or msgpack body", "bad_content_type")
             r = decode_body(kind, await read_body(request), RouteReport)
             answer = service.report_route(r.model, r.request_id, r.worker_id, r.token_ids, r.dp_rank,
-                                          r.lora_name, r.cache_salt)
+                                          r.lora_name, r.cache_salt, r.busy_until)
         except ApiError as exc:
             return reject("routes", exc)
         except (UnknownModel, UnknownRouteWorker) as exc:

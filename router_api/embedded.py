@@ -117,14 +117,15 @@ class EmbeddedIndexer:
 
     # -- in-flight routes --------------------------------------------------------------------
     def report_route(self, model: str | None, request_id: str, worker_id: str, token_ids: Sequence[int] | Any,
-                     dp_rank: int = 0, lora_name: str | None = None, cache_salt: str | None = None) -> int:
+                     dp_rank: int = 0, lora_name: str | None = None, cache_salt: str | None = None,
+                     busy_until: float | None = None) -> int:
         """The router chose `worker_id` for this request (like `POST /routes`): its full blocks count
         as `pending_blocks` there until the worker's events cover them, `release_route`, or the TTL.
         Returns `pending_blocks`: the request's leading blocks past the worker's exact match that earlier
         routes there hold (what `/score` showed for it, at this instant). Raises UnknownModel /
         `router_api.routes.UnknownRouteWorker`."""
         return self.service.report_route(model or self.model, request_id, worker_id, token_ids, dp_rank,
-                                         lora_name, cache_salt).pending_blocks
+                                         lora_name, cache_salt, busy_until).pending_blocks
 
     def release_route(self, model: str | None, request_id: str) -> int:
         """The request finished or failed (like `DELETE /routes/{id}`); idempotent, unknown id: 0."""

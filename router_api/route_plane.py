@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import msgspec
 
@@ -36,6 +36,8 @@ class RouteMsg(msgspec.Struct, array_like=True, omit_defaults=True):
     worker_id: str = ""
     dp_rank: int = 0
     keys: list[int] = []
+    tokens: int = -1           # the prompt's length ("add"; -1: not sent)
+    busy_until: Optional[float] = None  # the reporting router's end-time estimate for the worker ("add")
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -66,8 +68,10 @@ class RouteFanout:
         self._sub = nats.call(lambda: nats.nc.subscribe(subject, cb=on_msg))
 
     # -- out ---------------------------------------------------------------------------------
-    def added(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: Sequence[int]) -> None:
-        self._send(RouteMsg(self.origin, "add", model, request_id, worker_id, dp_rank, list(keys)))
+    def added(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: Sequence[int],
+              tokens: int = -1, busy_until: float | None = None) -> None:
+        self._send(RouteMsg(self.origin, "add", model, request_id, worker_id, dp_rank, list(keys), tokens,
+                            busy_until))
 
     def released(self, model: str, request_id: str) -> None:
         self._send(RouteMsg(self.origin, "release", model, request_id))
@@ -97,7 +101,8 @@ class RouteFanout:
                 continue
             try:
                 if m.op == "add":
-                    ok = self.service.apply_route(m.model, m.request_id, m.worker_id, m.dp_rank, m.keys)
+                    ok = self.service.apply_route(m.model, m.request_id, m.worker_id, m.dp_rank, m.keys,
+                                                  None if m.tokens < 0 else m.tokens, m.busy_until)
                     self.counts.inc("in", "add" if ok else "unknown_worker")
                 elif m.op == "release":
                     self.service.release_route(m.model, m.request_id, fanout=False)

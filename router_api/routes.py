@@ -54,9 +54,12 @@ class RouteBook:
 
     # -- changes -------------------------------------------------------------------------------
     def report(self, index: ScoringIndex, registry: Any, model: str, request_id: str, worker_id: str, dp_rank: int,
-               keys: Sequence[int], now: float) -> tuple[int, int, int]:
+               keys: Sequence[int], now: float, block_size: int, tokens: int | None = None,
+               busy_until: float | None = None) -> tuple[int, int, int]:
         """Add the route; returns (cached, pending, blocks): the worker's exact match of the request
-        and the pending blocks past it before this route, and the blocks the route holds."""
+        and the pending blocks past it before this route, and the blocks the route holds. The route's
+        share of the worker's in-flight load is its `tokens` (the prompt's length; unknown: its full
+        blocks) less what the worker holds or has pending of it now: the tokens it will prefill."""
         w = registry.get(worker_id)
         if w is None or w.reg.model != model:
             raise UnknownRouteWorker(f"worker {worker_id!r} is not registered for model {model!r}")
@@ -69,7 +72,10 @@ class RouteBook:
             self._marks[(model, worker_id)] = _Mark(w.last_seq, _epoch(w))
         cached, hybrid = self._match(index, model, keys, (worker_id, dp_rank))
         pend = self.pending.run(model, worker_id, dp_rank, keys, cached, ends_only=hybrid)
-        return cached, pend, self.pending.add(model, request_id, worker_id, dp_rank, keys, now)
+        n = len(keys) * block_size if tokens is None else tokens
+        prefill = max(0, n - (cached + pend) * block_size)
+        return cached, pend, self.pending.add(model, request_id, worker_id, dp_rank, keys, now,
+                                              prefill_tokens=prefill, busy_until=busy_until)
 
     @classmethod
     def _held(cls, index: ScoringIndex, model: str, keys: Sequence[int], pair: tuple[str, int]) -> int:
@@ -130,6 +136,14 @@ class RouteBook:
         """`pending_blocks` of one row: leading query blocks past the exact match `exact` that are
         pending on that worker (a hybrid model's: up to where a route ends, indexer/pending.py)."""
         return self.pending.run(model, worker_id, dp_rank, keys, exact, ends_only=hybrid)
+
+    def load(self, model: str, worker_id: str, dp_rank: int, now: float) -> tuple[int, int, float | None]:
+        """(`pending_requests`, `pending_prefill_tokens`, `busy_until`) of one row: the in-flight routes to
+        that worker and rank not yet confirmed, released or expired, the tokens they will prefill, and the
+        largest end time routers reported with their routes there (indexer/pending.py)."""
+        ld = self.pending.load(model, worker_id, dp_rank)
+        busy = self.pending.busy_until(model, worker_id, dp_rank, now)
+        return (0, 0, busy) if ld is None else (ld.requests, ld.prefill_tokens, busy)
 
     # -- metrics -------------------------------------------------------------------------------
     def metrics_text(self) -> str:

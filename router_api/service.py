@@ -373,7 +373,7 @@ class IndexerService:
                     ws.worker_id, ws.dp_rank, ws.device_blocks, ws.cached_blocks, tiers, float(ws.score),
                     is_stale, w.last_seq, status, ws.kv_blocks))
             query_blocks = result.query_blocks
-            if self.routes.pending.has(model):
+            if self.routes.pending.active(model):
                 try:
                     self._add_pending(model, block_size, token_ids, lora_name, cache_salt, fresh, stale, now)
                 except Exception as exc:  # pending state must never cost the exact answer
@@ -392,7 +392,7 @@ class IndexerService:
         core the rows never become objects: the index packs them and C writes the bytes (router_api/answer.py);
         anything that path does not take (pure core, hybrid models, odd tokens or scores) is `score` + msgspec."""
         writer = self._writer
-        if writer is not None and not self.routes.pending.has(model):  # pending rows: `score` writes them
+        if writer is not None and not self.routes.pending.active(model):  # pending rows: `score` writes them
             now = self.clock()
             index = self.index
             with self.lock:
@@ -434,7 +434,7 @@ class IndexerService:
         match that routes reported to that worker still hold (docs/CONTRACTS.md, "Pending routes")."""
         book = self.routes
         book.sweep(self.index, self.registry, model, now)
-        if not book.pending.has(model):
+        if not book.pending.active(model):
             return
         keys = book.keys(self.index, model, block_size, token_ids, lora_name, cache_salt)
         for rows in (fresh, stale):
@@ -442,10 +442,13 @@ class IndexerService:
                 # kv_blocks is set exactly on a hybrid model's rows (docs/hybrid.md)
                 row.pending_blocks = book.pending_run(model, row.worker_id, row.dp_rank, keys, row.cached_blocks,
                                                       hybrid=row.kv_blocks is not None)
+                row.pending_requests, row.pending_prefill_tokens, row.busy_until = book.load(
+                    model, row.worker_id, row.dp_rank, now)
 
     # -- in-flight routes --------------------------------------------------------------------
     def report_route(self, model: str, request_id: str, worker_id: str, token_ids: Any, dp_rank: int = 0,
-                     lora_name: str | None = None, cache_salt: str | None = None) -> RouteAnswer:
+                     lora_name: str | None = None, cache_salt: str | None = None,
+                     busy_until: float | None = None) -> RouteAnswer:
         """A router chose `worker_id` for this request: its full blocks count as pending there until
         the worker's events cover them, `release_route`, or the TTL. Answers what the worker will
         serve from cache as the index sees it now (schemas.api.RouteAnswer).
@@ -457,17 +460,22 @@ class IndexerService:
         keys = self.routes.keys(self.index, model, block_size, token_ids, lora_name, cache_salt)
         with self.lock:
             cached, pend, n = self.routes.report(self.index, self.registry, model, request_id, worker_id, dp_rank,
-                                                 keys, self.clock())
+                                                 keys, self.clock(), block_size, len(token_ids), busy_until)
         if self.route_fanout is not None:
-            self.route_fanout.added(model, request_id, worker_id, dp_rank, keys)
+            self.route_fanout.added(model, request_id, worker_id, dp_rank, keys, len(token_ids), busy_until)
         return RouteAnswer(request_id, pend, cached, n)
 
-    def apply_route(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: list[int]) -> bool:
-        """A route another indexer replica took (already hashed); False if the worker is unknown here."""
+    def apply_route(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: list[int],
+                    tokens: int | None = None, busy_until: float | None = None) -> bool:
+        """A route another indexer replica took (already hashed; `tokens`: the prompt's length, None from
+        a replica that does not send it); False if the worker or model is unknown here."""
         with self.lock:
+            block_size = self.index.models().get(model)
+            if block_size is None:
+                return False
             try:
                 self.routes.report(self.index, self.registry, model, request_id, worker_id, dp_rank, keys,
-                                   self.clock())
+                                   self.clock(), block_size, tokens, busy_until)
             except UnknownRouteWorker:
                 return False
         return True

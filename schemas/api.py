@@ -132,6 +132,13 @@ class WorkerScoreOut(Struct, omit_defaults=True, gc=False):
     # Leading query blocks past this row's exact match that in-flight routes to this worker hold
     # (`POST /routes`; docs/CONTRACTS.md, "Pending routes"). Never part of the exact fields above.
     pending_blocks: int = 0
+    # In-flight load on this worker and rank from every router's pending routes: how many routes, and the
+    # prompt tokens they will prefill there (past what it held or had pending when each was reported).
+    pending_requests: int = 0
+    pending_prefill_tokens: int = 0
+    # The largest end time routers reported with their routes to this worker and rank (`busy_until` of
+    # `POST /routes`, on the routers' clock; kept for the pending TTL, not ended by the worker's events).
+    busy_until: Optional[float] = None
 
 
 class BestWorker(Struct, gc=False):
@@ -164,6 +171,9 @@ class RouteReport(Struct, forbid_unknown_fields=True, omit_defaults=True):
     dp_rank: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
     lora_name: OptName = None
     cache_salt: OptName = None
+    # the router's own estimate of when the worker is done with the work routed to it, this request
+    # included, on a clock every router replica shares (seconds; the indexer only keeps the largest)
+    busy_until: Optional[Annotated[float, Meta(ge=-1e12, le=1e12)]] = None
 
 
 class RouteAnswer(Struct):

@@ -215,18 +215,32 @@ def test_pending_routes_reach_every_replica(nats: NatsServer, tmp_path: Path) ->
         wait_until(lambda: "w0" in _rows(b), timeout=20)
         toks = list(range(1, 3 * BS + 2))
 
-        def pending(r: KVIndexerProcess) -> int:
+        def row(r: KVIndexerProcess) -> dict:
             rows = r.client.post("/score", json={"token_ids": toks}).json()["workers"]
-            return next(w.get("pending_blocks", 0) for w in rows if w["worker_id"] == "w0")
+            return next(w for w in rows if w["worker_id"] == "w0")
+
+        def pending(r: KVIndexerProcess) -> int:
+            return row(r).get("pending_blocks", 0)
+
+        def load(r: KVIndexerProcess) -> tuple[int, int]:
+            w = row(r)
+            return w.get("pending_requests", 0), w.get("pending_prefill_tokens", 0)
 
         got = a.client.post("/routes", json={"request_id": "q1", "worker_id": "w0", "token_ids": toks})
         assert got.status_code == 200 and got.json()["blocks"] == 3, got.text
-        wait_until(lambda: pending(b) == 3, timeout=20)
-        assert pending(a) == 3
+        got = a.client.post("/routes", json={"request_id": "q2", "worker_id": "w0", "token_ids": toks + [9] * BS,
+                                             "busy_until": 123.5})
+        assert got.status_code == 200 and got.json()["pending_blocks"] == 3, got.text
+        wait_until(lambda: load(b) == (2, len(toks) + (len(toks) + BS - 3 * BS)), timeout=20)
+        assert pending(b) == 3 and pending(a) == 3
+        assert load(a) == load(b)  # both replicas see the same in-flight load on w0
+        assert row(a)["busy_until"] == row(b)["busy_until"] == 123.5
+        assert b.client.delete("/routes/q2").json() == {"released": 4}
+        wait_until(lambda: load(a) == (1, len(toks)), timeout=20)
         assert b.client.delete("/routes/q1").json() == {"released": 3}
         wait_until(lambda: pending(a) == 0, timeout=20)
         assert pending(b) == 0
-        assert 'kvatlas_route_fanout_total{direction="in",outcome="add"} 1' in b.client.get("/metrics").text
+        assert 'kvatlas_route_fanout_total{direction="in",outcome="add"} 2' in b.client.get("/metrics").text
     finally:
         a.terminate()
         b.terminate()

@@ -52,6 +52,40 @@ def test_add_release_run_and_counts() -> None:
                                       "cleared": 0}
 
 
+def test_in_flight_load_per_pair_follows_its_routes() -> None:
+    p = PendingRoutes(ttl_s=5.0, max_routes=3)
+    p.add("m", "r1", "w0", 0, [1, 2], now=0.0, prefill_tokens=100)
+    p.add("m", "r2", "w0", 0, [1, 2, 3], now=1.0, prefill_tokens=30)
+    p.add("m", "r3", "w0", 1, [], now=1.0, prefill_tokens=7)  # shorter than a block: still in flight
+    load = lambda w, r: (lambda ld: None if ld is None else (ld.requests, ld.prefill_tokens))(p.load("m", w, r))  # noqa: E731
+    assert (load("w0", 0), load("w0", 1), load("w1", 0)) == ((2, 130), (1, 7), None)
+    p.add("m", "r2", "w0", 0, [1, 2, 3], now=1.0, prefill_tokens=40)  # re-reported: replaces its share
+    assert load("w0", 0) == (2, 140)
+    p.add("m", "r4", "w1", 0, [9], now=2.0, prefill_tokens=5)  # over the cap: r1 (oldest) dropped
+    assert (load("w0", 0), load("w1", 0)) == ((1, 40), (1, 5))
+    assert p.expire(6.5) == 2 and load("w0", 0) is None and load("w0", 1) is None
+    p.confirm("m", "r4")
+    assert load("w1", 0) is None and len(p) == 0
+
+
+def test_busy_until_is_the_largest_reported_and_outlives_its_route_until_the_ttl() -> None:
+    p = PendingRoutes(ttl_s=5.0)
+    p.add("m", "r1", "w0", 0, [1], now=0.0, busy_until=30.0)
+    p.add("m", "r2", "w0", 0, [2], now=1.0, busy_until=20.0)  # smaller: the larger one stays
+    p.add("m", "r3", "w0", 1, [3], now=1.0)                   # none reported: none held for that rank
+    assert (p.busy_until("m", "w0", 0, 1.0), p.busy_until("m", "w0", 1, 1.0), p.busy_until("m", "w1", 0, 1.0)) \
+        == (30.0, None, None)
+    p.confirm("m", "r1")
+    p.release("m", "r2")
+    p.release("m", "r3")
+    assert not p.has("m") and p.active("m") and p.busy_until("m", "w0", 0, 4.9) == 30.0  # an end time, kept
+    assert p.expire(5.0) == 0 and p.busy_until("m", "w0", 0, 5.0) is None and not p.active("m")
+    p.add("m", "r4", "w0", 0, [4], now=6.0, busy_until=10.0)  # after its TTL a smaller one replaces it
+    assert p.busy_until("m", "w0", 0, 6.0) == 10.0
+    p.clear_worker("m", "w0")
+    assert p.busy_until("m", "w0", 0, 6.0) is None and not p.active("m")
+
+
 def test_hybrid_runs_stop_where_a_route_ends() -> None:
     """A hybrid worker leaves an in-flight request's prefix usable only at its end (window, last
     Mamba state): `ends_only` cuts the run back to the last block where a route ends."""
@@ -220,6 +254,11 @@ def test_pending_never_changes_the_exact_view(kind: str, ops: list[tuple], seed:
                         break
                     n += 1
                 assert row.pending_blocks == n, (row.worker_id, row.cached_blocks, keys, model)
+                # in-flight load: the routes alive there, less those the worker's events confirmed
+                alive = [ks for w, ks, _ in model.values() if w == row.worker_id]
+                assert row.pending_requests <= len(alive) and row.pending_prefill_tokens <= sum(
+                    len(q) for q in queries()) * len(alive)
+                assert (row.pending_requests == 0) <= (row.pending_prefill_tokens == 0)
             assert plain.score_answer(MODEL, q) == routed.score_answer(MODEL, q) or routed.routes.pending.has(MODEL)
 
 
@@ -290,10 +329,14 @@ def test_embedded_indexer_reports_and_releases_routes() -> None:
             assert idx.report_route(None, "b", "e1", toks[:3 * BS]) == 3  # the first route's blocks
             rows = {r.worker_id: r for r in idx.score(toks).workers}
             assert (rows["e1"].pending_blocks, rows["e0"].pending_blocks) == (4, 0)
+            # in-flight load: both routes; a prefills all its tokens, b none (a's blocks are pending there)
+            assert (rows["e1"].pending_requests, rows["e1"].pending_prefill_tokens) == (2, len(toks))
+            assert (rows["e0"].pending_requests, rows["e0"].pending_prefill_tokens) == (0, 0)
             assert (rows["e1"].cached_blocks, rows["e1"].score, idx.score(toks).best) == (0, 0.0, None)
             assert idx.release_route(None, "a") == 4 and idx.release_route("default", "b") == 3
             assert idx.release_route(None, "a") == 0
-            assert all(r.pending_blocks == 0 for r in idx.score(toks).workers)
+            assert all(r.pending_blocks == r.pending_requests == r.pending_prefill_tokens == 0
+                       for r in idx.score(toks).workers)
             with pytest.raises(UnknownRouteWorker):
                 idx.report_route(None, "c", "nobody", toks)
     finally:

@@ -169,3 +169,16 @@ def test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix() -> None:
     d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=24 * 512, scores=scores,
                                                         backlog={"a": 0.5, "b": 0.3, "c": 0.3}))
     assert d.worker_id == "a" and d.predicted_cached == 22 * 512
+
+
+def test_shared_backlog_adds_every_replicas_unconfirmed_prefill() -> None:
+    from router_api.router.policies import shared_backlog
+
+    sim = SimModel()
+    assert shared_backlog(sim, 0.7, ScoreRow(inflight=0, inflight_prefill=0)) == 0.7
+    row = ScoreRow(inflight=2, inflight_prefill=32_000)
+    assert shared_backlog(sim, 0.5, row) == pytest.approx(0.5 + 2 * sim.prefill_overhead_s + 32_000 / sim.prefill_tokens_per_s)
+    # from a /score row (JSON names); the exact fields stay what the row says
+    r = ScoreRow.from_answer({"device_blocks": 1, "cached_blocks": 2, "tiers": {"host": 1}, "pending_blocks": 3,
+                              "pending_requests": 4, "pending_prefill_tokens": 5})
+    assert (r.device, r.cached, r.pending, r.inflight, r.inflight_prefill) == (1, 2, 3, 4, 5)

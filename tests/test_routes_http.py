@@ -113,3 +113,62 @@ def test_two_router_replicas_see_each_others_routes(live: LiveIndexer) -> None:
             await b.close()
 
     asyncio.run(main())
+
+
+def test_two_router_replicas_share_in_flight_load(live: LiveIndexer) -> None:
+    """Replica a's route shows on replica b's `/score` rows as in-flight load on that worker
+    (`pending_requests`, `pending_prefill_tokens`), and b's queue estimate and precise policy take it:
+    in a burst b does not pick the worker a just loaded, though its own view of that worker is idle."""
+    sim = SimModel()
+    workers = {w: "http://127.0.0.1:9" for w in WIDS}
+
+    async def main() -> None:
+        a = RouterCore(make_policy("precise_tiered", WIDS, sim), workers, live.url, "default", BS, sim)
+        b = RouterCore(make_policy("precise_tiered", WIDS, sim), workers, live.url, "default", BS, sim)
+        try:
+            big = np.arange(20_000, 20_000 + 40 * BS + 3, dtype=np.uint32)  # 40 full blocks + 3 tokens
+            # a router that reports no end time (e.g. the OpenAI proxy): its route's prefill is the shared view
+            r = live.client.post("/routes", json={"request_id": "load-a", "worker_id": "rw0", "token_ids": big.tolist()})
+            assert r.status_code == 200, r.text
+            other = np.arange(90_000, 90_000 + 8 * BS, dtype=np.uint32)  # shares nothing with `big`
+            rows = await b.score(other)
+            assert (rows["rw0"].inflight, rows["rw0"].inflight_prefill) == (1, len(big))
+            assert (rows["rw1"].inflight, rows["rw1"].inflight_prefill) == (0, 0)
+            r = live.client.post("/score", json={"token_ids": other.tolist()}).json()["workers"]
+            by = {w["worker_id"]: w for w in r}
+            assert (by["rw0"]["pending_requests"], by["rw0"]["pending_prefill_tokens"]) == (1, len(big))
+            assert "pending_requests" not in by["rw1"] and by["rw0"]["cached_blocks"] == 0  # never mixed in
+            now = b.now()
+            own = b.backlog(now)  # b's own view: it has sent nothing, and no worker reported load
+            backlog = b.backlog(now, rows)
+            assert backlog["rw0"] >= sim.prefill_s(len(big)) - 1e-9 and backlog["rw1"] == backlog["rw2"] == 0.0
+            from router_api.router.policies import RouteInput
+            # b has sent nothing: its own view alone ties the three workers and breaks the tie on rw0
+            assert b.policy.choose(RouteInput(len(other), [], BS, {}, own, {w: 0 for w in WIDS})
+                                   ).worker_id == "rw0"
+            b.policy.assigned = {w: 0.0 for w in WIDS}
+            d = b.policy.choose(RouteInput(len(other), [], BS, rows, backlog, {w: 0 for w in WIDS}))
+            assert d.worker_id != "rw0"
+            # a second route to rw0 sharing big's blocks adds only what those do not cover
+            await b.report_route("load-b", "rw0", np.concatenate([big[:40 * BS], other]))
+            rows = await a.score(other)
+            assert (rows["rw0"].inflight, rows["rw0"].inflight_prefill) == (2, len(big) + len(other))
+            assert live.client.delete("/routes/load-a").json() == {"released": 40}
+            await b.release_route("load-b")
+            rows = await a.score(other)
+            assert rows["rw0"].inflight == rows["rw0"].inflight_prefill == 0
+            # the shared view is kept as an end time: the confirmed/released route's work still counts
+            assert b.backlog(now, rows)["rw0"] == backlog["rw0"]
+            # a route carries its router's own end time for the worker; every replica reads it on the rows,
+            # also once the route is released (kept for the pending TTL)
+            a.busy_until["rw2"] = now + 7.5
+            await a.report_route("busy-a", "rw2", other)
+            await a.release_route("busy-a")
+            rows = await b.score(other)
+            assert rows["rw2"].busy_until == now + 7.5 and rows["rw1"].busy_until is None
+            assert b.backlog(now, rows)["rw2"] == pytest.approx(7.5)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(main())

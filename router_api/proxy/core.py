@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from producer.sim.api import SimModel
-from router_api.router.policies import Decision, Policy, RouteInput, ScoreRow, make_policy
+from router_api.router.policies import Decision, Policy, RouteInput, ScoreRow, make_policy, shared_backlog
 from router_api.tokenization import ChatTokenizer, TokenizerError
 from router_api.proxy.load import LoadPoller
 
@@ -162,13 +162,18 @@ class ProxyCore:
             return None
         self.block_size = int(ans.get("block_size") or self.block_size)
         out: dict[str, ScoreRow] = {}
+        load: dict[str, tuple[int, int]] = {}  # per worker, its ranks' in-flight load together
         for row in ans.get("workers", []):
             prev = out.get(row["worker_id"])
             cur = ScoreRow.from_answer(row)
+            n, t = load.get(row["worker_id"], (0, 0))
+            load[row["worker_id"]] = (n + cur.inflight, t + cur.inflight_prefill)
             if prev is None or cur.cached > prev.cached:  # per worker, its best dp rank
                 out[row["worker_id"]] = cur
                 if ranks is not None:
                     ranks[row["worker_id"]] = int(row.get("dp_rank", 0))
+        for w, row in out.items():
+            row.inflight, row.inflight_prefill = load[w]
         return out
 
     # -- deciding --------------------------------------------------------------------------------
@@ -191,6 +196,14 @@ class ProxyCore:
         n = 0 if tokens is None else len(tokens)
         per_request = self.sim.prefill_s(int(self._avg_tokens))
         backlog = {w: (self.poller.states[w].load.waiting or 0.0) * per_request for w in up}
+        if scores:
+            # Every router replica's routes not yet confirmed: a real engine stores a request's blocks once
+            # its prefill ran, so they are the requests queued or prefilling there (the polled `waiting`
+            # among them, once the poll sees them): the larger of the two views, not their sum.
+            for w in up:
+                row = scores.get(w)
+                if row is not None:
+                    backlog[w] = max(backlog[w], shared_backlog(self.sim, 0.0, row))
         keys: list[bytes] = []
         if pol.name == "approximate" and tokens is not None:
             from router_api.router.forwarder import block_keys

@@ -19,7 +19,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from router_api.router.policies import Policy, RouteInput, ScoreRow
+from router_api.router.policies import Policy, RouteInput, ScoreRow, shared_backlog
 from router_api.router.trace import TokenExpander, TraceRequest
 from producer.sim.api import GenerateResponse, LoadResponse, RequestRecord, SimModel, WorkerHealth
 
@@ -64,6 +64,7 @@ class RouterCore:
         self.inflight = {w: 0 for w in workers}
         self.polled_end: dict[str, float] = {w: 0.0 for w in workers}  # virtual time the worker frees up
         self.busy_until: dict[str, float] = {w: 0.0 for w in workers}  # our own overlay of what we sent
+        self.shared_until: dict[str, float] = {w: 0.0 for w in workers}  # every replica's, from /score rows
         self.records: list[RequestRecord] = []
         self.indexer_auth: dict[str, str] = {}  # {"Authorization": "Bearer ..."} for an indexer run with auth
         self.route_errors = 0
@@ -109,8 +110,23 @@ class RouterCore:
         if self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
 
-    def backlog(self, now: float) -> dict[str, float]:
-        return {w: max(0.0, max(self.polled_end[w], self.busy_until[w]) - now) for w in self.workers}
+    def backlog(self, now: float, scores: dict[str, ScoreRow] | None = None) -> dict[str, float]:
+        """Virtual seconds of work queued ahead of a request arriving at `now`, per worker: the larger
+        of this replica's view (the worker's last report overlaid with what this replica sent since)
+        and the shared one (that report plus every replica's unconfirmed routes, from the `/score`
+        rows). The shared view is kept as an end time until it passes: a route drops out of the rows
+        once the worker's events confirm it, maybe before the worker's next load report shows it."""
+        if scores:
+            for w, row in scores.items():
+                if w not in self.shared_until:
+                    continue
+                if row.busy_until is not None:  # every replica's own overlay, reported with its routes
+                    self.shared_until[w] = max(self.shared_until[w], row.busy_until)
+                elif row.inflight:  # routers that report no end time: their unconfirmed routes' prefill
+                    reported = max(0.0, self.polled_end[w] - now)
+                    self.shared_until[w] = max(self.shared_until[w], now + shared_backlog(self.sim, reported, row))
+        return {w: max(0.0, max(self.polled_end[w], self.busy_until[w], self.shared_until[w]) - now)
+                for w in self.workers}
 
     # -- score -----------------------------------------------------------------------------
     async def score(self, tokens: np.ndarray) -> dict[str, ScoreRow]:
@@ -130,10 +146,11 @@ class RouterCore:
     # -- in-flight routes (docs/CONTRACTS.md, "Pending routes") ----------------------------
     async def report_route(self, request_id: str, worker_id: str, tokens: np.ndarray) -> dict | None:
         """Tell the indexer where this request goes, so every router replica counts its blocks as
-        pending on that worker until the worker's own events land."""
+        pending on that worker until the worker's own events land, and sees the end time this replica
+        expects for that worker's work (`busy_until`, on the replay clock the replicas share)."""
         assert self.indexer is not None
         body = _mp_enc.encode({"model": self.model, "request_id": request_id, "worker_id": worker_id,
-                               "token_ids": tokens.tolist()})
+                               "token_ids": tokens.tolist(), "busy_until": self.busy_until[worker_id]})
         try:
             r = await self.client.post(f"{self.indexer}/routes", content=body,
                                        headers={"Content-Type": "application/msgpack"}, timeout=30.0)
@@ -171,12 +188,12 @@ class RouterCore:
             async with self._deciding if pol.uses_index and self.serial else _NO_LOCK:
                 scores = await self.score(tokens) if pol.uses_index else None
                 keys = block_keys(tokens, self.block_size) if pol.name == "approximate" else []
-                d = pol.choose(RouteInput(len(tokens), keys, self.block_size, scores, self.backlog(now),
+                d = pol.choose(RouteInput(len(tokens), keys, self.block_size, scores, self.backlog(now, scores),
                                           self.inflight))
                 w = d.worker_id
                 rec.worker_id = w
                 rec.predicted_cached = d.predicted_cached
-                self.busy_until[w] = max(self.busy_until[w], self.polled_end[w], now) + d.est_cost_s
+                self.busy_until[w] = max(self.busy_until[w], self.polled_end[w], self.shared_until[w], now) + d.est_cost_s
                 self.inflight[w] += 1
                 if route_id is not None:
                     rec.predicted_pending = d.predicted_pending

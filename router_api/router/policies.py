@@ -34,10 +34,12 @@ PRECISE = ("precise_gpu", "precise_tiered", "precise_kv_only")
 class ScoreRow:
     """One worker's `/score` answer, in blocks."""
 
-    __slots__ = ("device", "cached", "host", "disk", "shared", "pending", "kv")
+    __slots__ = ("device", "cached", "host", "disk", "shared", "pending", "kv", "inflight", "inflight_prefill",
+                 "busy_until")
 
     def __init__(self, device: int = 0, cached: int = 0, host: int = 0, disk: int = 0, shared: int = 0,
-                 pending: int = 0, kv: int | None = None) -> None:
+                 pending: int = 0, kv: int | None = None, inflight: int = 0, inflight_prefill: int = 0,
+                 busy_until: float | None = None) -> None:
         self.device = device
         self.cached = cached
         self.host = host
@@ -46,6 +48,11 @@ class ScoreRow:
         self.pending = pending  # leading blocks past `cached` that in-flight routes to this worker hold
         # hybrid models: the full-attention-only match over any tier (`kv_blocks`); else `cached`
         self.kv = cached if kv is None else kv
+        # every router replica's routes to this worker not yet confirmed by its events (pending_requests)
+        # and the tokens they will prefill there (pending_prefill_tokens): the shared in-flight load
+        self.inflight = inflight
+        self.inflight_prefill = inflight_prefill
+        self.busy_until = busy_until  # the largest end time any replica reported with a route here
 
     @classmethod
     def from_answer(cls, row: Mapping[str, object]) -> ScoreRow:
@@ -54,7 +61,20 @@ class ScoreRow:
         assert isinstance(t, Mapping)
         kv = row.get("kv_blocks")
         return cls(row["device_blocks"], row["cached_blocks"], t.get("host", 0), t.get("disk", 0),  # type: ignore[arg-type]
-                   t.get("shared", 0), row.get("pending_blocks", 0), kv)  # type: ignore[arg-type]
+                   t.get("shared", 0), row.get("pending_blocks", 0), kv,  # type: ignore[arg-type]
+                   row.get("pending_requests", 0), row.get("pending_prefill_tokens", 0),  # type: ignore[arg-type]
+                   row.get("busy_until"))  # type: ignore[arg-type]
+
+
+def shared_backlog(sim: SimModel, reported_s: float, row: ScoreRow) -> float:
+    """A worker's queue as every router replica sees it at once: its own last load report
+    (`reported_s`, virtual seconds of work ahead) plus the prefill of the routes any replica has sent
+    it that its events do not cover yet (they have not reached it, or their stores are not visible:
+    mostly not in its report either). A replica's own view knows only its own sends since that report,
+    so several replicas picking at once in a burst all see the same idle worker."""
+    if not row.inflight:
+        return reported_s
+    return reported_s + row.inflight * sim.prefill_overhead_s + row.inflight_prefill / sim.prefill_tokens_per_s
 
 
 class RouteInput:
