@@ -29,7 +29,10 @@ Measured (ingestion figures are the median of `--reps` fresh service pairs, the 
   client is a minimal HTTP/1.1 one (`LeanHttp`, ~0.01 ms a request) rather than http.client (~0.07
   ms of the client's own Python per request, which had been part of every figure; `--client
   http.client` measures with it); both
-  services are up during this phase and requests alternate between them one by one, so load from
+  services are up during this phase and requests alternate between them one by one, in a fresh
+  random order each round (in a fixed order kvatlas' JSON request always came right after one of
+  Dynamo's, and Dynamo's right after its own /health: on 2 shared cores the slot a request runs in
+  moved its p50 by more than the services differ at 1k), so load from
   elsewhere on a shared host hits both series alike;
 - the HTTP floor: `GET /health` p50/p99, interleaved with the queries above;
 - embedded mode (`router_api.embedded.EmbeddedIndexer` in the bench's own process, subscribed to the
@@ -625,7 +628,12 @@ def latencies(svcs: list[Service], stream: Stream, n_queries: int,
                 fn(b)  # warm-up
             out[name].setdefault(fmt, {})[size] = []
         got = {(name, fmt): [] for name, fmt, _, _ in series}
+        order = random.Random(size)
         for i in range(n_queries):
+            # A fresh order each round: a request that always followed the other service's (Dynamo's
+            # runtime threads spin a while after answering, on the same 2 cores) paid for it in every
+            # sample, and one that followed its own service's ran warm (module doc).
+            order.shuffle(series)
             for name, fmt, fn, bodies in series:
                 a = time.perf_counter()
                 ans = fn(bodies[i])
