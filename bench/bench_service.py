@@ -855,7 +855,7 @@ def summary(args: argparse.Namespace, table: list[tuple[int, str, dict[str, floa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=32)
-    ap.add_argument("--batches", type=int, default=500, help="request batches per worker (plus the long document)")
+    ap.add_argument("--batches", type=int, default=1000, help="request batches per worker (plus the long document)")
     ap.add_argument("--queries", type=int, default=200, help="timed queries per size and body format")
     ap.add_argument("--reps", type=int, default=3, help="fresh service pairs for the ingestion figures (median)")
     ap.add_argument("--runs", type=int, default=1, help="whole runs per shape (shapes alternate run by run)")
