@@ -238,10 +238,15 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
                 and (self.cycle is None or self.cycle.response_complete) and not self.parser.should_upgrade():
             method = self.parser.get_method()
             if method == b"POST":
-                url = httptools.parse_url(self.url)
-                route = front.routes.get(url.path.decode("latin-1"))
+                route = front.raw_routes.get(self.url)  # the common spelling: the path alone
+                if route is not None:
+                    query = b""
+                else:
+                    url = httptools.parse_url(self.url)
+                    route = front.routes.get(url.path.decode("latin-1"))
+                    query = url.query or b""
                 if route is not None and (front.token is None or bearer_ok(self.headers, front.token)):
-                    self._start(front, route, url.query or b"")
+                    self._start(front, route, query)
                     return
             elif method == b"GET" and self.url == b"/health":  # the load balancers' probe; no auth (as BearerAuth)
                 self._pending = _Pending(HEALTH, "", None, b"", 0.0, self._keep_alive())
