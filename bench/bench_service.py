@@ -4,7 +4,13 @@ stream, same queries. Both run as subprocesses fed by real ZMQ publishers; print
 ratios kvatlas / Dynamo (lower is better for latency and memory, higher for ingestion).
 
   bash bench/setup_bench_env.sh        # once: creates .venv-bench with ai-dynamo-runtime
-  .venv/bin/python bench/bench_service.py [--workers 4] [--batches 1500] [--queries 200]
+  .venv/bin/python bench/bench_service.py [--runs 2] [--shapes map,array] [--dynamo-threads 4]
+
+Defaults are issue 25's comparison: kvatlas with no flags against Dynamo `--threads 4`, 32 publishers,
+~600k stored blocks, once per event shape (`map`: SGLang / vLLM 0.33 tagged maps; `array`: vLLM's
+array-like tagged events, same content); `--runs 2` alternates the shapes run by run and ends with a
+table of the ratios per run and shape against the targets. Every timed answer (and a sample of
+shared-prompt queries) is checked against the truth the streams define; a mismatch exits 1.
 
 Measured (ingestion figures are the median of `--reps` fresh service pairs, the order alternating):
 - ingestion, live: blocks/s from the first send until the last block of every worker is visible via
@@ -23,7 +29,10 @@ Measured (ingestion figures are the median of `--reps` fresh service pairs, the 
   client is a minimal HTTP/1.1 one (`LeanHttp`, ~0.01 ms a request) rather than http.client (~0.07
   ms of the client's own Python per request, which had been part of every figure; `--client
   http.client` measures with it); both
-  services are up during this phase and requests alternate between them one by one, so load from
+  services are up during this phase and requests alternate between them one by one, in a fresh
+  random order each round (in a fixed order kvatlas' JSON request always came right after one of
+  Dynamo's, and Dynamo's right after its own /health: on 2 shared cores the slot a request runs in
+  moved its p50 by more than the services differ at 1k), so load from
   elsewhere on a shared host hits both series alike;
 - the HTTP floor: `GET /health` p50/p99, interleaved with the queries above;
 - embedded mode (`router_api.embedded.EmbeddedIndexer` in the bench's own process, subscribed to the
@@ -61,7 +70,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from producer.page_hash import page_ids  # noqa: E402
 from schemas.codec import encode_batch  # noqa: E402
 from schemas.events import BlockStored, KVEventBatch  # noqa: E402
-from service_stream import BS, SIZES, RawPublisher, Stream, chunked, send_chunks, send_interleaved  # noqa: E402
+from service_report import SIZES, ratios, report, summary  # noqa: E402
+from service_stream import BS, SHAPES, RawPublisher, Stream, chunked, send_chunks, send_interleaved  # noqa: E402
 
 
 def free_port() -> int:
@@ -247,6 +257,10 @@ class Kvatlas(Service):
                        lambda b: self._q("/score", b, "application/octet-stream", "application/msgpack")),
         }
 
+    def decode(self, fmt: str, body: bytes) -> dict[str, int]:
+        ans = (msgspec.json.decode if fmt == "json" else msgspec.msgpack.decode)(body)
+        return {w["worker_id"]: w["cached_blocks"] for w in ans["workers"]}
+
     def _q(self, path: str, body: bytes, ctype: str, accept: str = "application/json") -> bytes:
         st, out = self.http.post(path, body, ctype, accept)
         assert st == 200, out
@@ -304,8 +318,12 @@ class Dynamo(Service):
         st, body = self.http.post("/query", msgspec.json.encode({"token_ids": tokens, "model_name": "default"}),
                                   "application/json")
         assert st == 200, body
+        return self.decode("json", body)
+
+    def decode(self, fmt: str, body: bytes) -> dict[str, int]:
+        # Its scores count matched tokens (1.6.1): blocks are tokens / block size.
         scores = msgspec.json.decode(body).get("scores", {})
-        return {f"w{k}": max(v.values()) for k, v in scores.items()}
+        return {f"w{k}": max(v.values()) // BS for k, v in scores.items()}
 
     def queries(self) -> dict[str, tuple[Callable[[list[int]], bytes], Callable[[bytes], bytes]]]:
         def q(body: bytes) -> bytes:
@@ -407,13 +425,38 @@ def ingest(svc: Service, stream: Stream, backlog: Stream, ctx: zmq.Context) -> t
              "rss_settled_per_block_b": (rss2 - rss0) * 1024 / stream.blocks}, pubs)
 
 
-def latencies(svcs: list[Service], stream: Stream, n_queries: int) -> dict[str, dict[str, dict[int, list[float]]]]:
-    """Per service, body format and size: request latencies. Requests to the services (and formats)
-    are interleaved one by one, so a noisy neighbour on a shared host slows every series alike."""
+def query_docs(stream: Stream, size: int, n_queries: int, rng: random.Random) -> list[list[int]]:
+    """The timed queries of one size: prefixes of stored documents (one worker holds each whole)."""
+    return [stream.docs[rng.randrange(len(stream.docs))][:size] for _ in range(n_queries)]
+
+
+def truth(streams: list[Stream], tokens: list[int]) -> dict[str, int]:
+    """Per worker, the query's leading blocks it stored (every stream sent to it, and the probe):
+    what an exact index answers (workers with none left out)."""
+    ids = page_ids(tokens, BS)
+    probe = page_ids([7] * BS, BS)[0]
+    out = {}
+    for w in range(len(streams[0].stored)):
+        n = 0
+        for h in ids:
+            if h != probe and not any(h in s.stored[w] for s in streams):
+                break
+            n += 1
+        if n:
+            out[f"w{w}"] = n
+    return out
+
+
+def latencies(svcs: list[Service], stream: Stream, n_queries: int,
+              answers: dict[str, dict[str, dict[int, list[bytes]]]] | None = None
+              ) -> dict[str, dict[str, dict[int, list[float]]]]:
+    """Per service, body format and size: request latencies (and, into `answers`, every timed answer's
+    bytes, checked after the clock). Requests to the services (and formats) are interleaved one by
+    one, so a noisy neighbour on a shared host slows every series alike."""
     rng = random.Random(1)
     out: dict[str, dict[str, dict[int, list[float]]]] = {svc.name: {} for svc in svcs}
     for size in SIZES:
-        docs = [stream.docs[rng.randrange(len(stream.docs))][:size] for _ in range(n_queries)]
+        docs = query_docs(stream, size, n_queries, rng)
         series = []
         for svc in svcs:
             for fmt, (encode, fn) in svc.queries().items():
@@ -425,12 +468,49 @@ def latencies(svcs: list[Service], stream: Stream, n_queries: int) -> dict[str, 
             for b in bodies[:10]:
                 fn(b)  # warm-up
             out[name].setdefault(fmt, {})[size] = []
+        got = {(name, fmt): [] for name, fmt, _, _ in series}
+        order = random.Random(size)
         for i in range(n_queries):
+            # A fresh order each round: a request that always followed the other service's (Dynamo's
+            # runtime threads spin a while after answering, on the same 2 cores) paid for it in every
+            # sample, and one that followed its own service's ran warm (module doc).
+            order.shuffle(series)
             for name, fmt, fn, bodies in series:
                 a = time.perf_counter()
-                fn(bodies[i])
+                ans = fn(bodies[i])
                 out[name][fmt][size].append(time.perf_counter() - a)
+                got[name, fmt].append(ans)
+        if answers is not None:
+            for (name, fmt), bs in got.items():
+                answers.setdefault(name, {}).setdefault(fmt, {})[size] = bs
     return out
+
+
+def check_answers(svcs: list[Service], streams: list[Stream], n_queries: int,
+                  answers: dict[str, dict[str, dict[int, list[bytes]]]]) -> tuple[int, list[str]]:
+    """Every timed answer (and one query per sampled request prompt, shared prompts hitting many
+    workers) against the truth from the streams: (answers checked, the first few mismatches)."""
+    rng = random.Random(1)
+    checked, bad = 0, []
+    for size in SIZES:
+        want = [truth(streams, d) for d in query_docs(streams[0], size, n_queries, rng)]
+        for svc in svcs:
+            for fmt, bodies in answers.get(svc.name, {}).items():
+                if fmt == "health":
+                    continue
+                for i, b in enumerate(bodies[size]):
+                    checked += 1
+                    got = {k: v for k, v in svc.decode(fmt, b).items() if v}
+                    if got != want[i] and len(bad) < 5:
+                        bad.append(f"{svc.name} {fmt} {size} #{i}: {got} != {want[i]}")
+    for toks in streams[0].requests:
+        want_r = truth(streams, toks)
+        for svc in svcs:
+            checked += 1
+            got = {k: v for k, v in svc.matched(toks).items() if v}
+            if got != want_r and len(bad) < 5:
+                bad.append(f"{svc.name} request prompt: {got} != {want_r}")
+    return checked, bad
 
 
 def embedded_latencies(emb: Embedded, stream: Stream, n_queries: int) -> dict[str, dict[int, list[float]]]:
@@ -452,43 +532,16 @@ def embedded_latencies(emb: Embedded, stream: Stream, n_queries: int) -> dict[st
     return out
 
 
-def pct(ts: list[float], q: float) -> float:
-    s = sorted(ts)
-    return s[min(len(s) - 1, int(q * len(s)))] * 1e3
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--batches", type=int, default=1500, help="request batches per worker (plus the long document)")
-    ap.add_argument("--queries", type=int, default=200, help="timed queries per size and body format")
-    ap.add_argument("--reps", type=int, default=3, help="fresh service pairs for the ingestion figures (median)")
-    ap.add_argument("--bench-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
-    ap.add_argument("--ingest-shards", default="auto",
-                    help="kvatlas's --ingest-shards: N, or auto (its default: one pipeline per usable CPU, at most 8)")
-    ap.add_argument("--dynamo-threads", type=int, default=1,
-                    help="Dynamo's --threads (1: its single-threaded KvIndexer, as in issue 12's figures; "
-                         ">1: its ThreadPoolIndexer)")
-    ap.add_argument("--asgi-peer", action="store_true",
-                    help="also time a kvatlas started with --http-fast-path off (the ASGI front) in the same run")
-    ap.add_argument("--client", choices=sorted(CLIENTS), default="lean",
-                    help="HTTP client for every request (default: a minimal keep-alive client; see LeanHttp)")
-    args = ap.parse_args()
-    CLIENT[0] = CLIENTS[args.client]
-
-    stream = Stream(args.workers, args.batches)
-    backlog = Stream(args.workers, args.batches, seed=2)
-    print(f"stream: {args.workers} workers, {sum(map(len, stream.payloads))} batches, {stream.blocks} blocks "
-          f"(block size {BS}), then a backlog of {backlog.blocks} blocks; {args.reps} reps (medians); "
-          f"queries: {args.queries} per size per format")
-
+def measure(args: argparse.Namespace, shape: str, dyn_reason: str | None) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """One run in one event shape: ingestion reps, then the latency phase (answers checked), then the
+    embedded mode. Returns the results per service and why Dynamo was not measured (None: it was)."""
+    stream = Stream(args.workers, args.batches, shape=shape)
+    backlog = Stream(args.workers, args.batches, seed=2, shape=shape)
+    print(f"\n=== shape {shape}: {args.workers} workers, {sum(map(len, stream.payloads))} batches, {stream.blocks} "
+          f"blocks (block size {BS}), then a backlog of {backlog.blocks} blocks; {args.reps} reps (medians); "
+          f"queries: {args.queries} per size per format", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {}
-    dyn_reason = None
-    if not os.path.exists(args.bench_python):
-        dyn_reason = f"{args.bench_python} missing: run bash bench/setup_bench_env.sh"
-    elif (ROOT / ".venv-bench" / ".dynamo-install-failed").exists():
-        dyn_reason = (ROOT / ".venv-bench" / ".dynamo-install-failed").read_text().strip()
-    shards = ("--ingest-shards", str(args.ingest_shards))  # always named: the service's default is auto
+    shards = ("--ingest-shards", str(args.ingest_shards)) if args.ingest_shards else ()  # none: its default
     makers: list[tuple[str, Callable[[], Service]]] = [
         ("kvatlas", lambda: Kvatlas(*shards)), ("dynamo", lambda: Dynamo(args.bench_python, args.dynamo_threads))]
     ctx = zmq.Context()
@@ -531,75 +584,80 @@ def main() -> int:
             wait_visible(peer, backlog, kv_pubs)
             results[peer.name] = {}
         lat_svcs = sorted(running, key=lambda s: s.name != "kvatlas")
-        for name, lat in latencies(lat_svcs, stream, args.queries).items():
+        answers: dict[str, dict[str, dict[int, list[bytes]]]] = {}
+        for name, lat in latencies(lat_svcs, stream, args.queries, answers).items():
             results[name]["lat"] = lat
+        checked, bad = check_answers(lat_svcs, [stream, backlog], args.queries, answers)
+        results["kvatlas"]["exact"] = (checked, bad)
         for svc in [s for s in running if s.name == "kvatlas-asgi"]:
             svc.stop()
             running.remove(svc)
-        emb = Embedded()
-        try:
-            connect(emb, None, len(kv_pubs), kv_pubs)
-            wait_visible(emb, backlog, kv_pubs)
-            results["embedded"] = embedded_latencies(emb, stream, args.queries)
-        finally:
-            emb.stop()
+        if not args.no_embedded:
+            emb = Embedded()
+            try:
+                connect(emb, None, len(kv_pubs), kv_pubs)
+                wait_visible(emb, backlog, kv_pubs)
+                results["embedded"] = embedded_latencies(emb, stream, args.queries)
+            finally:
+                emb.stop()
     finally:
         for p in pubs:
             p.close()
         for svc in running:
             svc.stop()
         ctx.term()
+    return results, dyn_reason
 
-    ours, dyn = results["kvatlas"], results.get("dynamo")
-    print(f"\n{'':28}{'kvatlas':>14}{'dynamo':>14}{'ratio':>10}")
 
-    def row(label: str, a: float, b: float | None, fmt: str = "{:14.3f}") -> None:
-        r = "" if not b else f"{a / b:10.2f}"
-        print(f"{label:28}{fmt.format(a)}{fmt.format(b) if b is not None else '':>14}{r}")
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=32)
+    ap.add_argument("--batches", type=int, default=1000, help="request batches per worker (plus the long document)")
+    ap.add_argument("--queries", type=int, default=200, help="timed queries per size and body format")
+    ap.add_argument("--reps", type=int, default=3, help="fresh service pairs for the ingestion figures (median)")
+    ap.add_argument("--runs", type=int, default=1, help="whole runs per shape (shapes alternate run by run)")
+    ap.add_argument("--shapes", default="map,array",
+                    help="event shapes, comma-separated: map (SGLang, vLLM 0.33 tagged maps), array (vLLM's "
+                         "array-like tagged events)")
+    ap.add_argument("--bench-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
+    ap.add_argument("--ingest-shards", default=None,
+                    help="pass kvatlas --ingest-shards N or auto (default: no flag, the service's own default)")
+    ap.add_argument("--dynamo-threads", type=int, default=4,
+                    help="Dynamo's --threads (1: its single-threaded KvIndexer; >1: its ThreadPoolIndexer)")
+    ap.add_argument("--asgi-peer", action="store_true",
+                    help="also time a kvatlas started with --http-fast-path off (the ASGI front) in the same run")
+    ap.add_argument("--no-embedded", action="store_true", help="skip the embedded-mode rows")
+    ap.add_argument("--client", choices=sorted(CLIENTS), default="lean",
+                    help="HTTP client for every request (default: a minimal keep-alive client; see LeanHttp)")
+    args = ap.parse_args()
+    CLIENT[0] = CLIENTS[args.client]
+    shapes = args.shapes.split(",")
+    for sh in shapes:
+        if sh not in SHAPES:
+            ap.error(f"unknown shape {sh!r} (known: {', '.join(SHAPES)})")
 
-    row("ingest blocks/s, live", ours["blocks_per_s"], dyn and dyn["blocks_per_s"], "{:14,.0f}")
-    row("  (sender done after, s)", ours["send_s"], dyn and dyn["send_s"])
-    row("  (visible after, s)", ours["ingest_s"], dyn and dyn["ingest_s"])
-    row("ingest blocks/s, backlog", ours["backlog_blocks_per_s"], dyn and dyn["backlog_blocks_per_s"], "{:14,.0f}")
-    row("ingest CPU us / block", ours["cpu_us_per_block"], dyn and dyn["cpu_us_per_block"])
-    row("RSS bytes / block", ours["rss_per_block_b"], dyn and dyn["rss_per_block_b"], "{:14.1f}")
-    row("RSS bytes / block, 1 s on", ours["rss_settled_per_block_b"], dyn and dyn["rss_settled_per_block_b"],
-        "{:14.1f}")
-    for q, qn in ((0.5, "p50"), (0.99, "p99")):
-        d = dyn and pct(dyn["lat"]["health"][SIZES[0]], q)
-        row(f"GET /health {qn} (ms)", pct(ours["lat"]["health"][SIZES[0]], q), d)
-    for size in SIZES:
-        for q, qn in ((0.5, "p50"), (0.99, "p99")):
-            d = dyn and pct(dyn["lat"]["json"][size], q)
-            row(f"{size // 1024}k tok {qn} JSON (ms)", pct(ours["lat"]["json"][size], q), d)
-            row(f"{size // 1024}k tok {qn} msgpack (ms)", pct(ours["lat"]["msgpack"][size], q), d)
-            row(f"{size // 1024}k tok {qn} binary (ms)", pct(ours["lat"]["binary"][size], q), d)
-    asgi = results.get("kvatlas-asgi")
-    if asgi is not None:
-        print("\nsame run, kvatlas with --http-fast-path off (the ASGI front) / kvatlas default (protocol fast path):")
-        for size in SIZES:
-            for fmt in ("json", "binary"):
-                a, b = pct(asgi["lat"][fmt][size], 0.5), pct(ours["lat"][fmt][size], 0.5)
-                print(f"  {size // 1024}k tok p50 {fmt:7} asgi {a:7.3f} ms  fast {b:7.3f} ms  asgi/fast {a / b:5.2f}")
-    emb = results.get("embedded")
-    if emb is not None:
-        print("\nembedded mode (router_api.embedded, in this process, u32 array in; ratio vs dynamo's HTTP JSON p50):")
-        for size in SIZES:
-            d = dyn and pct(dyn["lat"]["json"][size], 0.5)
-            row(f"{size // 1024}k tok p50 embedded (ms)", pct(emb["embedded"][size], 0.5), d)
-            row(f"{size // 1024}k tok p50 lookup only (ms)", pct(emb["lookup"][size], 0.5), d)
-    if dyn is None:
-        print(f"\nDynamo not measured: {dyn_reason}")
-    else:
-        print("\nratios are kvatlas / dynamo; targets (issue 12): ingest >= 1.5, /score p50 JSON <= 1.0, binary (8k, 32k) <= 0.5, RSS <= 0.5")
-        print("live: first send -> last block visible (compare with 'sender done after': the sender is the same"
-              " raw PUB for both); backlog: SIGCONT -> last block visible, with everything queued while the"
-              " service was stopped; CPU us/block is the service's own cost over the live run (all its threads,"
-              " incl. the visibility queries)")
-        print(f"kvatlas: --ingest-shards {args.ingest_shards}; dynamo: --threads {args.dynamo_threads}; its /query "
-              "takes and answers JSON only, so the 'msgpack' (msgpack body and answer) and 'binary' (raw u32 body, "
-              "msgpack answer) rows compare against its JSON /query")
-    return 0
+    dyn_reason = None
+    if not os.path.exists(args.bench_python):
+        dyn_reason = f"{args.bench_python} missing: run bash bench/setup_bench_env.sh"
+    elif (ROOT / ".venv-bench" / ".dynamo-install-failed").exists():
+        dyn_reason = (ROOT / ".venv-bench" / ".dynamo-install-failed").read_text().strip()
+    table = []
+    for run in range(1, args.runs + 1):
+        for shape in shapes:
+            results, dyn_reason = measure(args, shape, dyn_reason)
+            report(args, results, dyn_reason)
+            checked, bad = results["kvatlas"]["exact"]
+            if "dynamo" in results:
+                table.append((run, shape, ratios(results), f"{checked} {'exact' if not bad else 'MISMATCH'}"))
+    print(f"\nkvatlas: {'--ingest-shards ' + args.ingest_shards if args.ingest_shards else 'no flags'}; dynamo: "
+          f"--threads {args.dynamo_threads}; its /query takes and answers JSON only, so the 'msgpack' (msgpack body "
+          "and answer) and 'binary' (raw u32 body, msgpack answer) rows compare against its JSON /query")
+    print("live: first send -> last block visible (the sender is the same raw PUB for both); backlog: SIGCONT -> "
+          "last block visible, with everything queued while the service was stopped; CPU us/block is the "
+          "service's own cost over the live run (all its threads, incl. the visibility queries)")
+    if table:
+        summary(args, table)
+    return 1 if any("MISMATCH" in t[3] for t in table) else 0
 
 
 if __name__ == "__main__":

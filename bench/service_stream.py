@@ -18,11 +18,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from producer.page_hash import page_ids  # noqa: E402
 from schemas.codec import encode_batch  # noqa: E402
-from schemas.events import BlockStored, KVEventBatch  # noqa: E402
+from schemas.events import BlockStored, BlockStoredArr, KVEventBatch  # noqa: E402
 from zmtp_pub import ZmtpPub, encode  # noqa: E402
 
 BS = 16
 SIZES = (1024, 8192, 32768)
+# Event shapes on the wire: tagged maps (SGLang, vLLM 0.33) and vLLM's array-like tagged events
+# (`["BlockStored", hashes, parent, tokens, block_size, lora_id, medium]`), same content.
+SHAPES = {"map": BlockStored, "array": BlockStoredArr}
 
 # --- the workload -------------------------------------------------------------------------------
 
@@ -30,26 +33,33 @@ class Stream:
     """Per worker: a long document (for deep queries) stored in chunks, then many requests that
     share system prompts; the last batch of each worker is a marker chain polled for visibility."""
 
-    def __init__(self, workers: int, batches: int, seed: int = 0) -> None:
+    def __init__(self, workers: int, batches: int, seed: int = 0, shape: str = "map") -> None:
         rng = random.Random(seed)
+        self.event = SHAPES[shape]
         self.ts = time.time()
         self.payloads: list[list[bytes]] = []
         self.docs: list[list[int]] = []
         self.markers: list[list[int]] = []
         self.blocks = 0
+        self.requests: list[list[int]] = []  # a sample of request prompts (shared system prompts: many workers hit)
+        self.stored: list[set[int]] = []  # per worker: every block id it stored (the truth answers are checked against)
         prompts = [[rng.randrange(1, 100_000) for _ in range(BS * 8)] for _ in range(16)]
         for w in range(workers):
             out: list[bytes] = []
             doc = [rng.randrange(1, 100_000) for _ in range(max(SIZES))]
             self.docs.append(doc)
             out += self._chain(doc, 64)
-            stored: set[int] = set()
-            for _ in range(batches):
+            stored: set[int] = set(page_ids(doc, BS))
+            for b in range(batches):
                 toks = rng.choice(prompts) + [rng.randrange(1, 100_000) for _ in range(BS * rng.randint(2, 12))]
                 out += self._chain(toks, 1 << 30, stored)
+                if b < 4:
+                    self.requests.append(toks)
             marker = [rng.randrange(1, 100_000) for _ in range(BS * 4)]
             self.markers.append(marker)
             out += self._chain(marker, 1 << 30)
+            stored.update(page_ids(marker, BS))
+            self.stored.append(stored)
             self.payloads.append(out)
 
     def _chain(self, toks: list[int], per_batch: int, stored: set[int] | None = None) -> list[bytes]:
@@ -62,8 +72,8 @@ class Stream:
         out = []
         for i in range(first, len(ids), per_batch):
             j = min(len(ids), i + per_batch)
-            ev = BlockStored(block_hashes=ids[i:j], parent_block_hash=ids[i - 1] if i else None,
-                             token_ids=toks[i * BS: j * BS], block_size=BS, medium="GPU")
+            ev = self.event(block_hashes=ids[i:j], parent_block_hash=ids[i - 1] if i else None,
+                            token_ids=toks[i * BS: j * BS], block_size=BS, medium="GPU")
             out.append(encode_batch(KVEventBatch(self.ts, [ev])))
             self.blocks += j - i
         return out

@@ -22,7 +22,7 @@ Rules (one place each):
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
@@ -126,6 +126,26 @@ class StreamState:
     def expired(self, now: float, policy: LivenessPolicy) -> bool:
         # Only workers that proved they heartbeat can be judged dead by silence.
         return self.heartbeats > 0 and self.silent_for(now) > policy.remove_after_s
+
+
+def statuses(states: Sequence[StreamState], now: float, policy: LivenessPolicy) -> list[str]:
+    """`[s.status(now, policy) for s in states]` in one loop with the calls inlined: every /score
+    answer carries each worker's status, and three method calls per worker were ~3 us of a 1k-token
+    query at 32 workers (tests/test_reconcile.py holds the two equal)."""
+    hb = policy.stale_after_s
+    silent = hb * policy.silent_engine_factor
+    out = []
+    for s in states:
+        last = s.last_msg_at
+        if now - (s.registered_at if last is None else last) > (hb if s.heartbeats else silent):
+            out.append("stale")
+        elif s.resync_until is not None and now < s.resync_until:
+            out.append("resyncing")
+        elif last is None:
+            out.append("connecting")
+        else:
+            out.append("live")
+    return out
 
 
 # --- inputs ------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class ScoreFront:
     FastAPI routes that document them in OpenAPI all call them (docs/service.md, "HTTP stack")."""
 
     __slots__ = ("app", "service", "metrics", "max_body", "default_model", "routes", "fastapi", "bodies",
-                 "limiter", "token", "_kinds")
+                 "limiter", "token", "_kinds", "raw_routes")
 
     def __init__(self, app: ASGIApp, service: IndexerService, native: bool | None = None,
                  limiter: RateLimitedLog | None = None) -> None:
@@ -57,6 +57,8 @@ class ScoreFront:
         self.routes: dict[str, Route] = {
             "/score": ("score", ScoreRequest, service.score_answer),  # answer bytes written in C when it can
             "/query": ("query", QueryRequest, _encoded(service.query_compat))}
+        # the same routes by their raw request-target: the protocol fast path looks that up before parsing it
+        self.raw_routes: dict[bytes, Route] = {path.encode(): r for path, r in self.routes.items()}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None

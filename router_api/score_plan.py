@@ -23,12 +23,12 @@ dp_ranks_of = attrgetter("dp_ranks")
 
 class ScorePlan:
     """What `score` needs of the registry, kept between queries: the model's worker states, their
-    (worker_id, dp_rank) pairs, and the rank counts it was built from (its validity check); and the
+    (worker_id, dp_rank) pairs, and the total rank count it was built from (its validity check); and the
     C answer writer's per-row pieces for the index order last seen (`answer_rows`)."""
 
     __slots__ = ("states", "nranks", "key", "pairs", "pairset", "by_id", "rows")
 
-    def __init__(self, states: list[WorkerState], nranks: list[int], key: tuple[int, int]) -> None:
+    def __init__(self, states: list[WorkerState], nranks: int, key: tuple[int, int]) -> None:
         self.states = states
         self.key = key
         self.nranks = nranks

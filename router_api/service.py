@@ -30,7 +30,7 @@ from router_api.worker_metrics import WorkerGauges
 from router_api.routes import RouteBook, UnknownRouteWorker
 from indexer.pending import PendingRoutes
 from indexer.protocol import Index, ScoringIndex, Subscriber
-from indexer.reconcile import LivenessPolicy
+from indexer.reconcile import LivenessPolicy, statuses
 from router_api.registry import (
     ConflictingBlockSize,
     InvalidRegistration,
@@ -332,9 +332,10 @@ class IndexerService:
         registry's size, for a registry changed from outside the service): no pass over the registry."""
         key = (self._plan_epoch, len(self.registry))
         plan = self._plans.get(model)
-        if plan is None or plan.key != key or plan.nranks != list(map(len, map(dp_ranks_of, plan.states))):
+        # A worker's ranks only grow while it is registered: an unchanged total means unchanged sets.
+        if plan is None or plan.key != key or plan.nranks != sum(map(len, map(dp_ranks_of, plan.states))):
             states = self.registry.of_model(model)
-            plan = self._plans[model] = ScorePlan(states, [len(w.dp_ranks) for w in states], key)
+            plan = self._plans[model] = ScorePlan(states, sum(len(w.dp_ranks) for w in states), key)
         return plan
 
     def score(self, model: str, token_ids: Any, lora_name: str | None = None,
@@ -420,7 +421,7 @@ class IndexerService:
                     policy = self.registry.policy
                     out = writer.write_answer(
                         msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks,
-                        table.rows, rows.heads[i], rows.wix, [w.status(now, policy) for w in states],
+                        table.rows, rows.heads[i], rows.wix, statuses(states, now, policy),
                         [w.last_seq for w in states], fmt.statuses[i])
                     if out is not None:
                         return out

@@ -341,7 +341,8 @@ def _check_parser(parse, ref, raw: bytes, limit: int) -> None:
 
 
 @FUZZ
-@given(toks=st.lists(st.integers(-(2**63), 2**64 - 1) | st.sampled_from([0, 1, U32_MAX, U32_MAX + 1, -1]), max_size=40),
+@given(toks=st.lists(st.integers(0, 9_999_999) | st.integers(-(2**63), 2**64 - 1)
+                     | st.sampled_from([0, 1, U32_MAX, U32_MAX + 1, -1]), max_size=40),
        junk=st.binary(max_size=8), cut=st.integers(0, 400), limit=st.integers(0, 50), seed=st.integers(0, 2**16))
 def test_token_parsers_never_disagree_with_the_typed_decoder(toks, junk, cut, limit, seed) -> None:
     rng = random.Random(seed)
@@ -357,6 +358,26 @@ def test_token_parsers_never_disagree_with_the_typed_decoder(toks, junk, cut, li
                 assert parse(variant, limit) is None, variant
                 continue
             _check_parser(parse, ref, variant, limit)
+
+
+def test_json_tokens_of_every_digit_count_and_position() -> None:
+    # Tokens of 1-7 digits with 8 bytes readable take the word-at-a-time path, others the byte loop:
+    # every digit count, a leading zero, and each distance to the body's end, against the typed decoder.
+    for k in range(1, 12):
+        for lead in ("", "0", "00"):
+            tok = lead + "9876543210"[:k][::-1]
+            for pad in range(0, 10):
+                for body in ("[" + tok + "," + "5" * pad + "]", "[" + "1," * pad + tok + "]",
+                             "[" + tok + " ]" + " " * pad, "[" + tok + ".5," + "7" * pad + "]"):
+                    raw = body.encode()
+                    try:
+                        _json_ref.decode(raw)
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        assert N.json_u32_array(raw, 100) is None, raw
+                        continue
+                    if all(0 <= t <= U32_MAX for t in _json_ref.decode(raw)):
+                        assert N.json_u32_array(raw, 100) is not None, raw  # decided, not left to the decoder
+                    _check_parser(N.json_u32_array, _json_ref, raw, 100)
 
 
 @FUZZ

@@ -1,7 +1,9 @@
 """The indexer's HTTP port bounds what clients can hold (issue 24): a request that does not arrive
 whole within the request timeout is answered 408 and closed (slowloris: partial headers or a
 partial body), a connection past the cap is answered 503 and closed, and an aborted body is a
-counted client disconnect, not an internal error with a traceback."""
+counted client disconnect, not an internal error with a traceback. An idle kept-alive connection is
+closed after the keep-alive timeout, and a connection that served requests still gets the request
+deadline for its next one (one timer per connection watches both)."""
 from __future__ import annotations
 
 import logging
@@ -22,7 +24,8 @@ from support.net import free_port, wait_until
 class Server:
     """One service behind a real uvicorn with the indexer's own protocol settings."""
 
-    def __init__(self, fast: bool, request_timeout_s: float, max_connections: int) -> None:
+    def __init__(self, fast: bool, request_timeout_s: float, max_connections: int,
+                 keep_alive_s: float | None = None) -> None:
         import uvicorn
 
         self.service = IndexerService(ServiceConfig(block_size=4))
@@ -30,6 +33,8 @@ class Server:
         self.port = free_port()
         settings = server_settings("127.0.0.1", self.port, fast, request_timeout_s, max_connections)
         settings["loop"] = "asyncio"  # a test thread, not the main one
+        if keep_alive_s is not None:
+            settings["timeout_keep_alive"] = keep_alive_s
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.service), **settings))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -123,5 +128,35 @@ def test_an_aborted_body_is_a_counted_disconnect_not_an_internal_error(caplog: p
         assert srv.service.metrics.http_rejects.get("/workers", "internal_error") == 0
         assert not [r for r in caplog.records if "internal_error" in r.getMessage() or r.exc_info], \
             [r.getMessage() for r in caplog.records]
+    finally:
+        srv.close()
+
+
+SCORE = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 22\r\n\r\n"
+         b'{"token_ids":[1,2,3,4]}'[:22])
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast_path", "asgi_path"])
+def test_idle_keep_alive_connections_are_closed_and_served_ones_keep_the_deadline(fast: bool) -> None:
+    # keep-alive timeout below the request deadline: an idle connection is closed (no answer
+    # pending, so no 408); one that goes on to send half a request after its answers gets 408.
+    srv = Server(fast, request_timeout_s=2.0, max_connections=1000, keep_alive_s=0.5)
+    try:
+        idle = [_open(srv.port, HEALTH) for _ in range(5)]
+        for s in idle:
+            s.settimeout(30)
+        answers = [_read_all(s) for s in idle]  # returns once the server closed the idle connection
+        assert all(a.startswith(b"HTTP/1.1 200") and a.count(b"HTTP/1.1") == 1 for a in answers), answers
+        assert srv.rejects("request_timeout") == 0
+        # two whole requests and half of a third, in one write: the half one is in progress once the
+        # answers are out, so the request deadline governs it, not the (shorter) keep-alive timeout
+        half = [_open(srv.port, HEALTH + HEALTH + SCORE[:30]) for _ in range(5)]
+        for s in half:
+            got = _read_all(s)
+            assert got.count(b"HTTP/1.1 200") == 2 and got.count(b"HTTP/1.1 408") == 1, got
+        assert srv.rejects("request_timeout") == 5
+        for s in idle + half:
+            s.close()
     finally:
         srv.close()

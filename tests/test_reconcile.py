@@ -184,3 +184,18 @@ def test_liveness_is_a_function_of_the_last_message(inputs: list[tuple], dt: flo
     assert s.expired(later, policy) == (s.heartbeats > 0)
     if inputs and inputs[-1][0] == "tick":
         assert s.reported_status == st_now
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 100), st.none() | st.floats(0, 100), st.integers(0, 2),
+                          st.none() | st.floats(0, 100)), max_size=12),
+       st.floats(0, 200), st.floats(0.5, 20), st.floats(1, 8))
+def test_statuses_equal_each_status(rows, now, stale_after, factor) -> None:
+    # The /score answer's inlined loop is the per-state rule, state by state, in every condition.
+    policy = LivenessPolicy(stale_after_s=stale_after, remove_after_s=1000, silent_engine_factor=factor)
+    states = []
+    for i, (registered, last_msg, heartbeats, resync_until) in enumerate(rows):
+        s = StreamState(f"w{i}", registered)
+        s.last_msg_at, s.heartbeats, s.resync_until = last_msg, heartbeats, resync_until
+        states.append(s)
+    assert reconcile.statuses(states, now, policy) == [s.status(now, policy) for s in states]

@@ -19,6 +19,28 @@ static PyObject *u32_bytes(const uint64_t *t, Py_ssize_t n) {
 
 static inline int json_ws(unsigned char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
+/* How many of the 8 bytes at q are ASCII digits before the first that is not (8: all of them).
+ * A byte is a digit iff its high nibble is 3 and adding 6 keeps it 3 (0x30-0x39). Carries of the
+ * addition only move to later bytes, from a byte that is itself no digit: the first non-digit is exact. */
+static inline int digit_run8(const unsigned char *q) {
+    uint64_t w;
+    memcpy(&w, q, 8);
+    uint64_t c = ((w & 0xF0F0F0F0F0F0F0F0ULL) ^ 0x3030303030303030ULL)
+               | (((w + 0x0606060606060606ULL) & 0xF0F0F0F0F0F0F0F0ULL) ^ 0x3030303030303030ULL);
+    return c ? __builtin_ctzll(c) >> 3 : 8;
+}
+
+/* The value of the k (1-7) ASCII digits at q, 8 bytes readable: the digits moved to the word's top
+ * bytes (zeros, i.e. leading zero digits, below them) and combined in three multiplications. */
+static inline uint32_t digits_value(const unsigned char *q, int k) {
+    uint64_t v;
+    memcpy(&v, q, 8);
+    v = (v << (64 - 8 * k)) & 0x0F0F0F0F0F0F0F0FULL;
+    v = (v * 2561) >> 8;
+    v = ((v & 0x00FF00FF00FF00FFULL) * 6553601) >> 16;
+    return (uint32_t)(((v & 0x0000FFFF0000FFFFULL) * 42949672960001ULL) >> 32);
+}
+
 /* The JSON array at q (whitespace before it skipped): its u32 tokens into o (at most cap of them).
  * Returns the position just past ']' with *n set, or NULL when undecided (not exactly an array of
  * plain u32 integers, or more than cap). */
@@ -32,16 +54,26 @@ static const unsigned char *json_u32_scan(const unsigned char *q, const unsigned
     if (q < end && *q == ']') { *nout = 0; return q + 1; }
     for (;;) {
         unsigned d;
-        if (q >= end || (d = (unsigned)*q - '0') > 9) return NULL;
-        q++;
-        if (d == 0 && q < end && (unsigned)*q - '0' <= 9) return NULL; /* leading zero */
-        uint64_t v = d;
-        /* at most 10 digits fit below 2^32; a leading 0 must stand alone */
-        const unsigned char *lim = end - q > 9 ? q + 9 : end;
-        while (q < lim && (d = (unsigned)*q - '0') <= 9) { v = v * 10 + d; q++; }
-        if (v > 0xFFFFFFFFULL || (q < end && (unsigned)*q - '0' <= 9)) return NULL; /* the typed decoder words it */
-        if (n >= cap) return NULL; /* more than max tokens */
-        o[n++] = (uint32_t)v;
+        int k;
+        if (end - q >= 8 && (k = digit_run8(q)) < 8) {
+            /* a token of 1-7 digits with 8 bytes readable: all of it in a few word operations */
+            if (k == 0) return NULL;
+            if (k > 1 && *q == '0') return NULL; /* leading zero */
+            if (n >= cap) return NULL;
+            o[n++] = digits_value(q, k);
+            q += k;
+        } else {
+            if (q >= end || (d = (unsigned)*q - '0') > 9) return NULL;
+            q++;
+            if (d == 0 && q < end && (unsigned)*q - '0' <= 9) return NULL; /* leading zero */
+            uint64_t v = d;
+            /* at most 10 digits fit below 2^32; a leading 0 must stand alone */
+            const unsigned char *lim = end - q > 9 ? q + 9 : end;
+            while (q < lim && (d = (unsigned)*q - '0') <= 9) { v = v * 10 + d; q++; }
+            if (v > 0xFFFFFFFFULL || (q < end && (unsigned)*q - '0' <= 9)) return NULL; /* the typed decoder words it */
+            if (n >= cap) return NULL; /* more than max tokens */
+            o[n++] = (uint32_t)v;
+        }
         if (q < end && *q == ',') { /* the common case first */
             q++;
             while (q < end && json_ws(*q)) q++;
