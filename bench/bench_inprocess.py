@@ -1,0 +1,297 @@
+"""In-process ceiling: the embedded index's ops/s on a Mooncake-trace-shaped stream, 1 and 2 threads,
+against Dynamo's in-process RadixTree (ai-dynamo-runtime 1.6.1) in the same run.
+
+    bash bench/setup_bench_env.sh && .venv-bench/bin/python bench/bench_inprocess.py [--short]
+
+Workload (bench/mooncake_trace.py, seed 0): a generated trace of the Mooncake trace's shape (23,608
+requests, 512-token blocks, mean input ~7.6k tokens, heavy prefix sharing), replayed on 16 workers of
+2,000 GPU blocks each with KV-aware routing and LRU eviction. Each request is one lookup (every
+worker's prefix match for its full blocks) followed by its apply (BlockStored of the blocks the chosen
+worker lacked, BlockRemoved of what that evicts). ops = lookups + applied blocks (stored + removed);
+ops/s = ops / wall time of the whole replay into a fresh index (best of `--reps`).
+
+Both engines are given what their router would hold: kvatlas gets msgpack KV event batches with the
+blocks' tokens (it hashes them itself, inside the timing) and looks up pre-hashed query keys
+(`score_keys`); Dynamo gets its JSON events with its per-block token hashes pre-computed (outside the
+timing) and looks up pre-computed block hashes (`find_matches`). Token hashing of the lookups is
+excluded on both sides (it is the same work per query for both, and keeping 7.6k-token queries for
+23k requests in memory is not possible here).
+
+Threads: kvatlas 1 = one `KVIndex`; kvatlas 2 = `ShardedIndex(2)` with `router_api.locks.ShardedLock`
+(the service's ingest-shards arrangement), workers split over the shards, one thread per shard
+replaying its workers' requests: the apply holds its shard's lock and runs in C without the GIL
+(`apply_run`), the lookup holds every shard's lock and the GIL. Dynamo 1 / 2 = one `RadixTree`
+called from 1 / 2 Python threads (same worker split); its applies run on its own background thread
+in both cases. Both engines are driven exactly the same way otherwise; the 2-thread lookups see
+interleavings that vary from run to run (only the 1-thread answers are checked exactly, by
+tests/test_bench_inprocess.py).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import mooncake_trace as mt  # noqa: E402
+import numpy as np  # noqa: E402
+
+MODEL = "m"
+WORKERS = 16
+CAPACITY = 2_000
+
+
+class Prepared:
+    """Everything the timed replays read, built once."""
+
+    __slots__ = ("steps", "payloads", "keys", "dyn_events", "dyn_queries", "ops", "applied")
+
+    def __init__(self, steps: list[mt.Step], payloads: list[bytes], keys: list[list[int]],
+                 dyn_events: list[list[bytes]] | None, dyn_queries: list[list[int]] | None) -> None:
+        self.steps, self.payloads, self.keys = steps, payloads, keys
+        self.dyn_events, self.dyn_queries = dyn_events, dyn_queries
+        self.applied = sum(len(s.blocks) - s.stored_from + len(s.removed) for s in steps)
+        self.ops = self.applied + len(steps)
+
+
+def worker_name(w: int) -> str:
+    return f"w{w}"
+
+
+def prepare(records: list[mt.Record], with_dynamo: bool, keep_expected: bool = False,
+            capacity: int = CAPACITY) -> Prepared:
+    from indexer.index import KVIndex
+    from schemas.codec import encode_batch
+    from schemas.events import BlockRemoved, BlockStored, KVEventBatch
+
+    steps = mt.steps(records, WORKERS, capacity, keep_expected)
+    dyn_hash: Callable[[list[int], int], list[int]] | None = None
+    if with_dynamo:
+        from dynamo._core import compute_block_hash_for_seq as dyn_hash
+    key_of: dict[int, int] = {}  # hash id -> kvatlas query key (a hash id fixes its whole prefix)
+    local_of: dict[int, int] = {}  # hash id -> Dynamo's per-block token hash
+    payloads, keys, dyn_events, dyn_queries = [], [], [], []
+    evid = [0] * WORKERS
+    hasher = KVIndex()
+    hasher.ensure_model(MODEL, mt.BLOCK)
+    for s in steps:
+        missing = [h for h in s.blocks if h not in key_of]
+        if missing:
+            # keys chain over the whole prefix: hash the request's tokens as the index would
+            ks = hasher.query_keys(MODEL, np.concatenate([mt.block_tokens(h) for h in s.blocks]))
+            key_of.update(zip(s.blocks, ks))
+        keys.append([key_of[h] for h in s.blocks])
+        new = s.blocks[s.stored_from:]
+        parent = mt.engine_hash(s.blocks[s.stored_from - 1]) if s.stored_from else None
+        events: list[Any] = []
+        if new:
+            tok = [t for h in new for t in mt.block_tokens(h).tolist()]
+            events.append(BlockStored([mt.engine_hash(h) for h in new], parent, tok, mt.BLOCK, medium="GPU"))
+        if s.removed:
+            events.append(BlockRemoved([mt.engine_hash(h) for h in s.removed], medium="GPU"))
+        payloads.append(encode_batch(KVEventBatch(0.0, events)))
+        if dyn_hash is not None:
+            for h in s.blocks:
+                if h not in local_of:
+                    local_of[h] = dyn_hash(mt.block_tokens(h).tolist(), mt.BLOCK)[0]
+            dyn_queries.append([local_of[h] for h in s.blocks])
+            jevs = []
+            if new:
+                jevs.append({"stored": {"parent_hash": parent, "blocks": [
+                    {"block_hash": mt.engine_hash(h), "tokens_hash": local_of[h]} for h in new]}})
+            if s.removed:
+                jevs.append({"removed": {"block_hashes": [mt.engine_hash(h) for h in s.removed]}})
+            out = []
+            for data in jevs:
+                out.append(json.dumps({"event_id": evid[s.worker], "data": data, "dp_rank": 0}).encode())
+                evid[s.worker] += 1
+            dyn_events.append(out)
+    return Prepared(steps, payloads, keys, dyn_events if with_dynamo else None, dyn_queries if with_dynamo else None)
+
+
+# --- kvatlas ----------------------------------------------------------------------------------------
+def _apply(ix: Any, wid: str, payload: bytes) -> None:
+    k, _, extra = ix.apply_run(MODEL, wid, 0, 0, [payload])
+    if k == 0 and extra is None:  # the run path declined it (pure core, orphans): one by one
+        ix.apply_payload(MODEL, wid, 0, payload, rank_from_batch=True)
+
+
+def new_kvatlas(threads: int) -> Any:
+    from indexer.index import KVIndex
+    from indexer.sharded import ShardedIndex
+
+    ix: Any = KVIndex() if threads == 1 else ShardedIndex(threads, placement=lambda w: int(w[1:]) % threads)
+    ix.ensure_model(MODEL, mt.BLOCK)
+    for w in range(WORKERS):
+        ix.register_worker(MODEL, worker_name(w))
+    return ix
+
+
+def replay_kvatlas(p: Prepared, threads: int, answers: list | None = None) -> tuple[float, Any]:
+    """Seconds for the whole replay into a fresh index; `answers` (1 thread) collects each lookup's
+    matched blocks per worker."""
+    from router_api.locks import ShardedLock
+
+    ix = new_kvatlas(threads)
+    names = [worker_name(w) for w in range(WORKERS)]
+    steps, payloads, keys = p.steps, p.payloads, p.keys
+    if threads == 1:
+        t0 = time.perf_counter()
+        for i, s in enumerate(steps):
+            res = ix.score_keys(MODEL, keys[i])
+            if answers is not None:
+                answers.append(res)
+            _apply(ix, names[s.worker], payloads[i])
+        return time.perf_counter() - t0, ix
+    lock = ShardedLock(threads)
+    mine = [[i for i, s in enumerate(steps) if s.worker % threads == t] for t in range(threads)]
+
+    def run(t: int) -> None:
+        shard = lock.shard(t)
+        for i in mine[t]:
+            with lock:
+                ix.score_keys(MODEL, keys[i])
+            with shard:
+                _apply(ix, names[steps[i].worker], payloads[i])
+
+    return _threaded(run, threads), ix
+
+
+# --- Dynamo -----------------------------------------------------------------------------------------
+def replay_dynamo(p: Prepared, threads: int, answers: list | None = None) -> tuple[float, Any]:
+    from dynamo._core import RadixTree
+
+    assert p.dyn_events is not None and p.dyn_queries is not None
+    tree = RadixTree()
+    steps, events, queries = p.steps, p.dyn_events, p.dyn_queries
+    if threads == 1:
+        t0 = time.perf_counter()
+        for i, s in enumerate(steps):
+            res = tree.find_matches(queries[i])
+            if answers is not None:
+                answers.append(res.scores)
+            for e in events[i]:
+                tree.apply_event(s.worker, e)
+        tree.find_matches([0])  # its applies run on a background thread: this waits for its queue
+        return time.perf_counter() - t0, tree
+    mine = [[i for i, s in enumerate(steps) if s.worker % threads == t] for t in range(threads)]
+
+    def run(t: int) -> None:
+        for i in mine[t]:
+            tree.find_matches(queries[i])
+            for e in events[i]:
+                tree.apply_event(steps[i].worker, e)
+
+    dt = _threaded(run, threads, lambda: tree.find_matches([0]))
+    return dt, tree
+
+
+def _threaded(run: Callable[[int], None], threads: int, finish: Callable[[], Any] | None = None) -> float:
+    errors: list[BaseException] = []
+
+    def guarded(t: int) -> None:
+        try:
+            run(t)
+        except BaseException as exc:  # surfaced below: a failed thread must not read as a fast one
+            errors.append(exc)
+
+    ths = [threading.Thread(target=guarded, args=(t,)) for t in range(threads)]
+    t0 = time.perf_counter()
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    if finish is not None:
+        finish()
+    dt = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return dt
+
+
+# --- checks and the run -----------------------------------------------------------------------------
+def kvatlas_matches(res: Any) -> list[int]:
+    got = [0] * WORKERS
+    for row in res.workers:
+        got[int(row.worker_id[1:])] = row.device_blocks
+    return got
+
+
+def dynamo_matches(scores: Any) -> list[int]:
+    got = [0] * WORKERS
+    for k, v in dict(scores).items():
+        w = k[0] if isinstance(k, tuple) else k
+        got[int(w)] = int(v)
+    return got
+
+
+def dynamo_reason() -> str | None:
+    try:
+        from dynamo._core import RadixTree  # noqa: F401
+    except Exception as exc:  # any import failure means: no Dynamo numbers, and say why
+        failed = ROOT / ".venv-bench" / ".dynamo-install-failed"
+        why = failed.read_text().strip() if failed.exists() else f"cannot import dynamo._core ({exc!r})"
+        return why + "; run bench/setup_bench_env.sh and use .venv-bench/bin/python"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--short", action="store_true", help="3,000 requests, 1 rep (< 30 s)")
+    ap.add_argument("--requests", type=int, default=None, help="requests to generate (default 23,608)")
+    ap.add_argument("--reps", type=int, default=None, help="best of this many replays per cell (default 3)")
+    ap.add_argument("--no-dynamo", action="store_true")
+    args = ap.parse_args(argv)
+    n = args.requests or (3_000 if args.short else mt.Shape().n_requests)
+    reps = args.reps or (1 if args.short else 3)
+    reason = "--no-dynamo" if args.no_dynamo else dynamo_reason()
+    t = time.perf_counter()
+    records = mt.generate(mt.Shape(n_requests=n), seed=0)
+    p = prepare(records, reason is None)
+    lens = np.array([r.input_length for r in records])
+    print(f"trace: {n} requests (seed 0), mean input {lens.mean():.0f} tokens, "
+          f"mean output {np.mean([r.output_length for r in records]):.0f}, prefix reuse {mt.prefix_reuse(records):.2f}; "
+          f"{WORKERS} workers x {CAPACITY} blocks of {mt.BLOCK} tokens")
+    stored = sum(len(s.blocks) - s.stored_from for s in p.steps)
+    print(f"ops: {n} lookups + {stored} stored + {p.applied - stored} removed blocks = {p.ops} "
+          f"(prepared in {time.perf_counter() - t:.1f}s); cpus {os.cpu_count()}, best of {reps}")
+    if reason:
+        print(f"Dynamo: not measured: {reason}")
+    engines = [("kvatlas", replay_kvatlas)] + ([] if reason else [("dynamo", replay_dynamo)])
+    best: dict[tuple[str, int], float] = {}
+    for _ in range(reps):  # interleaved: each rep measures every cell once
+        for threads in (1, 2):
+            for name, fn in engines:
+                gc.collect()
+                gc.disable()
+                try:
+                    dt, obj = fn(p, threads)
+                finally:
+                    gc.enable()
+                del obj
+                best[(name, threads)] = min(best.get((name, threads), float("inf")), dt)
+    print(f"{'threads':>7} {'kvatlas ops/s':>14} {'dynamo ops/s':>13} {'kvatlas/dynamo':>15}")
+    for threads in (1, 2):
+        k = p.ops / best[("kvatlas", threads)]
+        d = p.ops / best[("dynamo", threads)] if ("dynamo", threads) in best else None
+        print(f"{threads:>7} {k:>14,.0f} {d or 0:>13,.0f} {(k / d if d else float('nan')):>14.2f}x")
+    k1, k2 = p.ops / best[("kvatlas", 1)], p.ops / best[("kvatlas", 2)]
+    line = f"scaling 2/1 threads: kvatlas {k2 / k1:.2f}x"
+    if ("dynamo", 1) in best:
+        line += f", dynamo {best[('dynamo', 1)] / best[('dynamo', 2)]:.2f}x"
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
