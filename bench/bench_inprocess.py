@@ -247,21 +247,24 @@ def dynamo_reason() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--short", action="store_true", help="3,000 requests, 1 rep (< 30 s)")
+    ap.add_argument("--short", action="store_true", help="3,000 requests on 400-block workers (< 30 s)")
     ap.add_argument("--requests", type=int, default=None, help="requests to generate (default 23,608)")
     ap.add_argument("--reps", type=int, default=None, help="best of this many replays per cell (default 3)")
+    ap.add_argument("--capacity", type=int, default=None,
+                    help=f"blocks per worker (default {CAPACITY}; --short: 400, so evictions happen)")
     ap.add_argument("--no-dynamo", action="store_true")
     args = ap.parse_args(argv)
     n = args.requests or (3_000 if args.short else mt.Shape().n_requests)
-    reps = args.reps or (1 if args.short else 3)
+    reps = args.reps or 3
+    cap = args.capacity or (400 if args.short else CAPACITY)
     reason = "--no-dynamo" if args.no_dynamo else dynamo_reason()
     t = time.perf_counter()
     records = mt.generate(mt.Shape(n_requests=n), seed=0)
-    p = prepare(records, reason is None)
+    p = prepare(records, reason is None, keep_expected=True, capacity=cap)
     lens = np.array([r.input_length for r in records])
     print(f"trace: {n} requests (seed 0), mean input {lens.mean():.0f} tokens, "
           f"mean output {np.mean([r.output_length for r in records]):.0f}, prefix reuse {mt.prefix_reuse(records):.2f}; "
-          f"{WORKERS} workers x {CAPACITY} blocks of {mt.BLOCK} tokens")
+          f"{WORKERS} workers x {cap} blocks of {mt.BLOCK} tokens")
     stored = sum(len(s.blocks) - s.stored_from for s in p.steps)
     print(f"ops: {n} lookups + {stored} stored + {p.applied - stored} removed blocks = {p.ops} "
           f"(prepared in {time.perf_counter() - t:.1f}s); cpus {os.cpu_count()}, best of {reps}")
@@ -285,6 +288,16 @@ def main(argv: list[str] | None = None) -> int:
         k = p.ops / best[("kvatlas", threads)]
         d = p.ops / best[("dynamo", threads)] if ("dynamo", threads) in best else None
         print(f"{threads:>7} {k:>14,.0f} {d or 0:>13,.0f} {(k / d if d else float('nan')):>14.2f}x")
+    # untimed: every 1-thread lookup of both engines against the reference cluster's residency
+    exact = []
+    for name, fn, read in [("kvatlas", replay_kvatlas, kvatlas_matches), ("dynamo", replay_dynamo, dynamo_matches)]:
+        if name == "dynamo" and reason:
+            continue
+        answers: list = []
+        fn(p, 1, answers)
+        bad = sum(1 for s, a in zip(p.steps, answers) if read(a) != s.expected)
+        exact.append(f"{name} {len(answers) - bad}/{len(p.steps)}")
+    print("lookups equal to the reference (1 thread): " + ", ".join(exact))
     k1, k2 = p.ops / best[("kvatlas", 1)], p.ops / best[("kvatlas", 2)]
     line = f"scaling 2/1 threads: kvatlas {k2 / k1:.2f}x"
     if ("dynamo", 1) in best:
