@@ -245,6 +245,58 @@ def dynamo_reason() -> str | None:
     return None
 
 
+def gil_released(call: Callable[[], Any], loops: int = 20) -> bool:
+    """Whether `call` lets another Python thread run while it is inside C: a counter thread waits
+    while the switch interval is 2 s (so the interpreter alone would not hand it the GIL during this
+    short loop), then `call` runs `loops` times; the counter moves only if some call dropped the GIL."""
+    count, stop, go = [0], [False], threading.Event()
+
+    def spin() -> None:
+        go.wait()
+        while not stop[0]:
+            count[0] += 1
+
+    th = threading.Thread(target=spin)
+    th.start()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(2.0)
+    try:
+        go.set()
+        for _ in range(loops):
+            call()
+        moved = count[0] > 0
+    finally:
+        stop[0] = True
+        sys.setswitchinterval(old)
+        th.join()
+    return moved
+
+
+def gil_report(with_dynamo: bool) -> str:
+    """Which of the calls the 2-thread replays make drop the GIL (a 2,000-block chain of one worker)."""
+    from schemas.codec import encode_batch
+    from schemas.events import BlockStored, KVEventBatch
+
+    chain = list(range(2_000))
+    toks = [t for h in chain for t in mt.block_tokens(h).tolist()]
+    payload = encode_batch(KVEventBatch(0.0, [BlockStored([mt.engine_hash(h) for h in chain], None, toks, mt.BLOCK)]))
+    ix = new_kvatlas(1)
+    keys = ix.query_keys(MODEL, np.asarray(toks, dtype=np.uint32))
+    out = [f"kvatlas apply_run {'yes' if gil_released(lambda: _apply(new_kvatlas(1), 'w0', payload), 3) else 'no'}"]
+    _apply(ix, "w0", payload)
+    out.append(f"kvatlas score_keys {'yes' if gil_released(lambda: ix.score_keys(MODEL, keys)) else 'no'}")
+    if with_dynamo:
+        from dynamo._core import RadixTree, compute_block_hash_for_seq
+
+        tree = RadixTree()
+        local = compute_block_hash_for_seq(toks, mt.BLOCK)
+        ev = json.dumps({"event_id": 0, "dp_rank": 0, "data": {"stored": {"parent_hash": None, "blocks": [
+            {"block_hash": mt.engine_hash(h), "tokens_hash": t} for h, t in zip(chain, local)]}}}).encode()
+        out.append(f"dynamo apply_event {'yes' if gil_released(lambda: tree.apply_event(0, ev)) else 'no'}")
+        out.append(f"dynamo find_matches {'yes' if gil_released(lambda: tree.find_matches(local)) else 'no'}")
+    return ", ".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--short", action="store_true", help="3,000 requests on 400-block workers (< 30 s)")
@@ -314,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = sum(1 for s, a in zip(p.steps, answers) if read(a) != s.expected)
         exact.append(f"{name} {len(answers) - bad}/{len(p.steps)}")
     print("lookups equal to the reference (1 thread): " + ", ".join(exact))
+    print("drops the GIL (another Python thread ran during the call): " + gil_report(reason is None))
     k1, k2 = p.ops / best[("kvatlas", 1)], p.ops / best[("kvatlas", 2)]
     line = f"scaling 2/1 threads: kvatlas {k2 / k1:.2f}x"
     if ("dynamo", 1) in best:
