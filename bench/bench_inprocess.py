@@ -14,8 +14,8 @@ Both engines are given what their router would hold: kvatlas gets msgpack KV eve
 blocks' tokens (it hashes them itself, inside the timing) and looks up pre-hashed query keys
 (`score_keys`); Dynamo gets its JSON events with its per-block token hashes pre-computed (outside the
 timing) and looks up pre-computed block hashes (`find_matches`). Token hashing of the lookups is
-excluded on both sides (it is the same work per query for both, and keeping 7.6k-token queries for
-23k requests in memory is not possible here).
+excluded on both sides (it is the same work per query for both, and 23k queries of 7.6k tokens
+held in memory would take ~0.7 GB as u32, several GB as the Python lists Dynamo's hasher takes).
 
 Threads: kvatlas 1 = one `KVIndex`; kvatlas 2 = `ShardedIndex(2)` with `router_api.locks.ShardedLock`
 (the service's ingest-shards arrangement), workers split over the shards, one thread per shard
@@ -23,8 +23,12 @@ replaying its workers' requests: the apply holds its shard's lock and runs in C 
 (`apply_run`), the lookup holds every shard's lock and the GIL. Dynamo 1 / 2 = one `RadixTree`
 called from 1 / 2 Python threads (same worker split); its applies run on its own background thread
 in both cases. Both engines are driven exactly the same way otherwise; the 2-thread lookups see
-interleavings that vary from run to run (only the 1-thread answers are checked exactly, by
-tests/test_bench_inprocess.py).
+interleavings that vary from run to run (only the 1-thread answers are checked exactly: by the bench,
+untimed, after the timings, and by tests/test_bench_inprocess.py).
+
+Also printed: medians beside the best wall times, ops per process CPU-second (all threads: on a
+shared machine wall time mostly measures the other tenants), and which of the calls drop the GIL
+(`gil_released`: does another Python thread run while the call is in C).
 """
 from __future__ import annotations
 
@@ -32,7 +36,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -349,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         k, km = p.ops / best[("kvatlas", threads)], p.ops / med[("kvatlas", threads)]
         d = p.ops / best[("dynamo", threads)] if ("dynamo", threads) in best else None
         dm = p.ops / med[("dynamo", threads)] if ("dynamo", threads) in med else None
-        print(f"{threads:>7} {k:>14,.0f} {d or 0:>13,.0f} {(k / d if d else float('nan')):>14.2f}x"
-              f"   ({km:,.0f} / {dm or 0:,.0f} = {(km / dm if dm else float('nan')):.2f}x)")
+        if d is None or dm is None:
+            print(f"{threads:>7} {k:>14,.0f} {'-':>13} {'-':>15}   ({km:,.0f})")
+            continue
+        print(f"{threads:>7} {k:>14,.0f} {d:>13,.0f} {k / d:>14.2f}x   ({km:,.0f} / {dm:,.0f} = {km / dm:.2f}x)")
     # On a shared machine wall time mostly measures the other tenants; CPU time is the work done.
     line = "ops per process CPU-second (median):"
     for threads in (1, 2):
