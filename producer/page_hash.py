@@ -53,7 +53,7 @@ def _load_native() -> tuple[ModuleType | None, str | None]:
 
     if mod.event_tables() != tables():  # built before a schema change: its encoder would be wrong
         return None, "producer._native._pagehash was built from other schemas: reinstall (pip install -e .)"
-    stale = stale_build(mod.source_digest() if hasattr(mod, "source_digest") else None, PAGEHASH_FILES)
+    stale = stale_build(getattr(mod, "SOURCE_DIGEST", None), PAGEHASH_FILES)
     return (None, stale) if stale else (mod, None)
 
 

@@ -132,15 +132,6 @@ static int build_key_objs(void) {
 }
 
 
-/* source_digest() -> str | None: SOURCE_DIGEST from setup.py (schemas/c_tables.py), None without it */
-static PyObject *py_source_digest(PyObject *self, PyObject *unused) {
-#ifdef SOURCE_DIGEST
-    return PyUnicode_FromString(SOURCE_DIGEST);
-#else
-    Py_RETURN_NONE;
-#endif
-}
-
 static PyMethodDef module_methods[] = {
     {"apply_msgpack", (PyCFunction)(void (*)(void))py_apply_msgpack, METH_VARARGS | METH_KEYWORDS,
      "apply the common case of one worker's raw batch to its maps"},
@@ -155,7 +146,6 @@ static PyMethodDef module_methods[] = {
     {"json_body_u32", py_json_body_u32, METH_VARARGS, "u32 tokens and their span from a whole JSON request body"},
     {"msgpack_body_u32", py_msgpack_body_u32, METH_VARARGS, "u32 tokens and their span from a whole msgpack request body"},
     {"msgpack_u32_array", py_msgpack_u32_array, METH_VARARGS, "u32 tokens from a raw msgpack int array"},
-    {"source_digest", py_source_digest, METH_NOARGS, "the digest of the sources this build was compiled from, or None"},
     {"wire_tables", py_wire_tables, METH_NOARGS, "the generated wire tables this module was built with"},
     {"hybrid_rows", (PyCFunction)(void (*)(void))py_hybrid_rows, METH_FASTCALL,
      "usable-prefix rows (dev, cached, kv, gpu, host, disk, shared) of workers with a hybrid layout"},
@@ -183,5 +173,8 @@ PyMODINIT_FUNC PyInit__kvnative(void) {
     if (!m) return NULL;
     Py_INCREF(&U64MapType);
     if (PyModule_AddObject(m, "U64Map", (PyObject *)&U64MapType) < 0) { Py_DECREF(&U64MapType); Py_DECREF(m); return NULL; }
+#ifdef SOURCE_DIGEST /* from setup.py: the digest of the sources compiled (schemas/c_tables.py) */
+    if (PyModule_AddStringConstant(m, "SOURCE_DIGEST", SOURCE_DIGEST) < 0) { Py_DECREF(m); return NULL; }
+#endif
     return m;
 }

@@ -30,8 +30,7 @@ def _load() -> tuple[ModuleType | None, str | None]:
     tabs = getattr(mod, "wire_tables", None)
     if tabs is None or tabs() != tables():
         return None, "stale build: its wire tables differ from schemas/ (rebuild: pip install -e .)"
-    digest = getattr(mod, "source_digest", None)
-    stale = stale_build(digest() if digest is not None else None, KVNATIVE_FILES)
+    stale = stale_build(getattr(mod, "SOURCE_DIGEST", None), KVNATIVE_FILES)
     return (None, stale) if stale else (mod, None)
 
 

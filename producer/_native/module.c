@@ -4,17 +4,9 @@
  * module; pagehash.h says what each file holds.
  *
  *   SHA_EXTENSIONS: bool -> whether sha256_chain runs the chain on the CPU's SHA unit (else libcrypto)
+ *   SOURCE_DIGEST: str -> the digest of the sources it was compiled from (absent without setup.py)
  */
 #include "pagehash.h"
-
-/* source_digest() -> str | None: SOURCE_DIGEST from setup.py (schemas/c_tables.py), None without it */
-static PyObject *py_source_digest(PyObject *self, PyObject *unused) {
-#ifdef SOURCE_DIGEST
-    return PyUnicode_FromString(SOURCE_DIGEST);
-#else
-    Py_RETURN_NONE;
-#endif
-}
 
 static PyMethodDef methods[] = {
     {"sha256_chain", (PyCFunction)(void (*)(void))py_sha256_chain, METH_VARARGS | METH_KEYWORDS,
@@ -29,7 +21,6 @@ static PyMethodDef methods[] = {
      "sha256_chain always through libcrypto, never the SHA-extension chain (tests)"},
     {"call_chain", py_call_chain, METH_VARARGS,
      "call_chain(fn, tokens, page_size, prior=None) -> (digests, ids), digest_i = fn(digest_{i-1} || page_i)"},
-    {"source_digest", py_source_digest, METH_NOARGS, "the digest of the sources this build was compiled from, or None"},
     {"event_tables", py_event_tables, METH_NOARGS,
      "event_tables() -> dict: the schema tables the event encoder was built with (producer/_native/event_tables.py)"},
     {NULL, NULL, 0, NULL},
@@ -44,7 +35,11 @@ PyMODINIT_FUNC PyInit__pagehash(void) {
     if (m == NULL) return NULL;
     chains_init();
     if (batch_add_type(m) < 0 ||
-        PyModule_AddObjectRef(m, "SHA_EXTENSIONS", sha_extensions ? Py_True : Py_False) < 0) {
+        PyModule_AddObjectRef(m, "SHA_EXTENSIONS", sha_extensions ? Py_True : Py_False) < 0
+#ifdef SOURCE_DIGEST /* from setup.py: the digest of the sources compiled (schemas/c_tables.py) */
+        || PyModule_AddStringConstant(m, "SOURCE_DIGEST", SOURCE_DIGEST) < 0
+#endif
+        ) {
         Py_DECREF(m);
         return NULL;
     }

@@ -23,8 +23,8 @@ from indexer.core.groups import GROUP_CAP
 from producer.publisher import ZmqEventPublisher
 from schemas.events import BlockStored, KVEventBatch
 from schemas.frames import seq_bytes
-from support.hostile import (FLOOD_BLOCKS, FLOOD_BS, GroupFlood, HealthProbe, LargeScores, closed_by_server,
-                             group_limit_drops, honest_hybrid, rss_kb, slowloris)
+from support.hostile import (FLOOD_BS, check_hybrid_beside_flood, check_soak_end, GroupFlood, HealthProbe, honest_hybrid,
+                             LargeScores, rss_kb, slowloris)
 from support.net import free_port, wait_until
 from support.service import KVIndexerProcess, WorkerSim, check_scores, make_prompts
 
@@ -128,7 +128,6 @@ def test_hostile_publishers_beside_honest_ones_on_zmq(tmp_path: Path) -> None:
             raise AssertionError(f"not applied: marks {marks} rows {rows}") from None
         scorer.stop()
         probe.stop()
-        n_health, p50, p99 = probe.summary()
         # Honest answers exact, on the default model and on the hybrid one beside the flood.
         queries = [q for s in honest.values() for q in s.sample_queries(8)]
         others = {w: WorkerSim(0, BS, []) for w in ("big", "u0")}  # hold none of the honest prompts
@@ -139,29 +138,14 @@ def test_hostile_publishers_beside_honest_ones_on_zmq(tmp_path: Path) -> None:
         assert b["big"]["device_blocks"] == len(big_chain) // BS, b["big"]
         z = {x["worker_id"]: x for x in r.client.post("/score", json={"token_ids": z_chain}).json()["workers"]}
         assert z["u0"]["device_blocks"] == len(z_chain) // BS, z["u0"]
-        hyb = {x["worker_id"]: x for x in r.client.post("/score", json={"model": "hyb", "token_ids": hh_prompt})
-               .json()["workers"]}
-        n_hh = len(hh_prompt) // FLOOD_BS
-        assert (hyb["hh"]["device_blocks"], hyb["hh"]["cached_blocks"], hyb["hh"]["kv_blocks"]) == (n_hh,) * 3
-        assert hyb.get("flood", {}).get("kv_blocks", 0) == 0
-        fl = {x["worker_id"]: x for x in scorer.last()["workers"]}
-        assert fl["flood"]["kv_blocks"] == FLOOD_BLOCKS and fl.get("hh", {}).get("kv_blocks", 0) == 0, fl
-        assert scorer.answers and not scorer.errors, scorer.errors[:3]
+        check_hybrid_beside_flood(r.client, hh_prompt, scorer)
         for w in [*honest, "big", "hh"]:
             assert rows[w]["exact"] is True and rows[w]["gaps"] == 0, rows[w]
         assert rows["u0"]["gaps"] == 1  # the opening one, before its first block
         metrics = r.client.get("/metrics").text
-        # every group store past the flood worker's first GROUP_CAP groups was dropped and counted
-        assert group_limit_drops(metrics) >= (flood.group_batch - GROUP_CAP) * flood.batches > 0
-        closed_by_server(slow)  # every slowloris socket answered (408) and closed by the server
-        assert not probe.errors, probe.errors[:3]
-        rss1 = rss_kb(r.proc.pid)
-        print(f"zmq soak: {rounds} rounds, {thefts} theft attempts, {len(slow)} slowloris sockets, "
-              f"{len(scorer.answers)} 480k-token scores, /health p50 {p50:.1f} ms p99 {p99:.1f} ms over {n_health}, "
-              f"RSS {rss0} -> {rss1} kB")
-        assert rss1 < rss0 + 256 * 1024, (rss0, rss1)  # bounded: no growth with the hostile traffic
-        if LONG:
-            assert p99 < 100.0, p99
+        check_soak_end("zmq", metrics, flood, GROUP_CAP, slow, probe, r.proc.pid, rss0, 100.0 if LONG else None,
+                       f"{rounds} rounds, {thefts} theft attempts, {len(slow)} slowloris sockets, "
+                       f"{len(scorer.answers)} 480k-token scores")
     finally:
         if scorer is not None:
             scorer.stop()

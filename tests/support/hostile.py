@@ -238,3 +238,33 @@ def closed_by_server(socks: list[socket.socket]) -> None:
         s.settimeout(30)
         while s.recv(4096):
             pass
+
+
+def check_hybrid_beside_flood(client: httpx.Client, hh_prompt: list[int], scorer: LargeScores) -> None:
+    """The honest hybrid worker `hh` reads its whole prompt beside the group flood, and the flood's
+    480k-token scores read its own chain only: neither worker's events touched the other's rows."""
+    hyb = {x["worker_id"]: x for x in client.post("/score", json={"model": "hyb", "token_ids": hh_prompt})
+           .json()["workers"]}
+    n_hh = len(hh_prompt) // FLOOD_BS
+    assert (hyb["hh"]["device_blocks"], hyb["hh"]["cached_blocks"], hyb["hh"]["kv_blocks"]) == (n_hh,) * 3
+    assert hyb.get("flood", {}).get("kv_blocks", 0) == 0
+    fl = {x["worker_id"]: x for x in scorer.last()["workers"]}
+    assert fl["flood"]["kv_blocks"] == FLOOD_BLOCKS and fl.get("hh", {}).get("kv_blocks", 0) == 0, fl
+    assert scorer.answers and not scorer.errors, scorer.errors[:3]
+
+
+def check_soak_end(label: str, metrics: str, flood: GroupFlood, group_cap: int, slow: list[socket.socket],
+                   probe: HealthProbe, pid: int, rss0: int, p99_bound_ms: float | None, detail: str) -> None:
+    """What both hostile soaks assert at their end: every group store past the flood's first
+    `group_cap` groups dropped and counted, every slowloris socket closed by the server, /health
+    always answered, RSS bounded; the /health p99 bound only where given (the long mode)."""
+    assert group_limit_drops(metrics) >= (flood.group_batch - group_cap) * flood.batches > 0
+    closed_by_server(slow)
+    assert not probe.errors, probe.errors[:3]
+    n_health, p50, p99 = probe.summary()
+    rss1 = rss_kb(pid)
+    print(f"{label} soak: {detail}, /health p50 {p50:.1f} ms p99 {p99:.1f} ms over {n_health}, "
+          f"RSS {rss0} -> {rss1} kB")
+    assert rss1 < rss0 + 256 * 1024, (rss0, rss1)  # bounded: no growth with the hostile traffic
+    if p99_bound_ms is not None:
+        assert p99 < p99_bound_ms, p99
