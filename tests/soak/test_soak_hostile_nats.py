@@ -35,8 +35,8 @@ from schemas.events import BlockStored, KVEventBatch
 from schemas.frames import seq_bytes
 from schemas.jetstream import DEFAULT_KV_BUCKET, event_subject, jetstream_endpoint
 from schemas.natsio import NatsThread
-from support.hostile import (FLOOD_BS, check_hybrid_beside_flood, check_soak_end, GroupFlood, HealthProbe, honest_hybrid,
-                             LargeScores, rss_kb, slowloris)
+from support.hostile import (FLOOD_BS, HighSeqPublisher, start_flood, wait_applied, stop_parties, check_hybrid_beside_flood, check_soak_end, GroupFlood, honest_hybrid,
+                             rss_kb, slowloris)
 from support.jetstream import subject_last_seq
 from support.nats import NatsServer
 from support.net import free_port, wait_until
@@ -103,15 +103,7 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
     # ZeroMQ beside it: an honest engine (q0) and a raw publisher past 2^63 registered directly (u0)
     q_sim = WorkerSim(9, BS, make_prompts(109, BS))
     q_pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
-    u_sock = zmq.Context.instance().socket(zmq.PUB)
-    u_port = u_sock.bind_to_random_port("tcp://127.0.0.1")
-    u_seq = (1 << 63) + 7
-    u_enc = msgspec.msgpack.Encoder()
-
-    def u_send(events: list) -> None:
-        nonlocal u_seq
-        u_sock.send_multipart([b"", seq_bytes(u_seq), u_enc.encode(KVEventBatch(time.time(), events))])
-        u_seq += 1
+    u_pub = HighSeqPublisher()  # honest content, seqs from 2^63 + 7
     rng = random.Random(7)
     flood = GroupFlood(11)
     hh_events, hh_prompt = honest_hybrid(12)
@@ -127,23 +119,19 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
                                                    "model": "hyb", "block_size": FLOOD_BS}).status_code == 201
         wait_until(lambda: "z0" in {x["worker_id"] for x in r.client.get("/workers").json()["workers"]},
                    timeout=20.0, interval=0.05)
-        for wid, ep, rep_ep in (("q0", q_pub.endpoint, q_pub.replay_endpoint), ("u0", f"tcp://127.0.0.1:{u_port}", None)):
+        for wid, ep, rep_ep in (("q0", q_pub.endpoint, q_pub.replay_endpoint), ("u0", u_pub.endpoint, None)):
             body = {"worker_id": wid, "endpoint": ep, "block_size": BS, **({"replay_endpoint": rep_ep} if rep_ep else {})}
             assert r.client.post("/workers", json=body).status_code == 201
 
         def zmq_joined() -> bool:
             q_pub.heartbeat()
-            u_send([])
+            u_pub.send([])
             rows = {x["worker_id"]: x for x in r.client.get("/workers").json()["workers"]}
             return all(rows[w]["last_seq"] is not None for w in ("q0", "u0"))
         wait_until(zmq_joined, timeout=20.0, interval=0.05)
         honest["q0"] = q_sim
         rss0 = rss_kb(r.proc.pid)
-        probe = HealthProbe(r.url)
-        hyb_pubs["hh"].publish(hh_events)
-        for batch in flood.chain():
-            hyb_pubs["flood"].publish(batch)
-        scorer = LargeScores(r.url, flood.score_body)
+        probe, scorer = start_flood(r.url, hyb_pubs["hh"], hyb_pubs["flood"], hh_events, flood)
         big_pub = JetStreamEventPublisher(nats.url, model=MODEL, worker_id="big")
         assert r.client.post("/workers", json={"worker_id": "big", "endpoint": jetstream_endpoint(MODEL, "big"),
                                                "block_size": BS}).status_code == 201
@@ -170,7 +158,7 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
             parent_z = ev.block_hashes[0]
             z_chain.extend(ev.token_ids)
             engine.send([ev])
-            u_send([ev])
+            u_pub.send([ev])
             if rounds % 10 == 0:  # the thief, over HTTP and in the bucket
                 victim = rng.choice(list(honest))
                 resp = r.client.post("/workers", json={"worker_id": f"thief{rounds}", "block_size": BS,
@@ -192,22 +180,14 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
         assert q_pub.flush(20.0)
         marks = {w: subject_last_seq(p) for w, p in pubs.items()}
         marks["q0"] = q_pub.next_seq - 1
-        marks["u0"] = u_seq - 1
+        marks["u0"] = u_pub.last_seq
         target_z = engine.seq - 1
         wait_until(lambda: engine.relay.sub.watermark("z0") == target_z and engine.relay.flush(5.0),
                    timeout=30.0, interval=0.05)
         with engine.lock:
             marks["z0"] = subject_last_seq(engine.relay.pubs["z0"])
 
-        def applied() -> bool:
-            q_pub.heartbeat()  # a lost last batch is noticed (and replayed) at the next message
-            rows = {x["worker_id"]: x for x in r.client.get("/workers").json()["workers"]}
-            return all((rows.get(w, {}).get("last_seq") or 0) >= m for w, m in marks.items())
-        try:
-            wait_until(applied, timeout=60.0, interval=0.1)
-        except AssertionError:
-            rows = {x["worker_id"]: (x["last_seq"], x["status"], x["gaps"]) for x in r.client.get("/workers").json()["workers"]}
-            raise AssertionError(f"not applied: marks {marks} rows {rows}") from None
+        wait_applied(r.client, marks, q_pub.heartbeat, timeout=60.0)
         scorer.stop()
         probe.stop()
         # Honest answers exact; the relayed u64 engine's chain whole.
@@ -229,19 +209,13 @@ def test_hostile_publishers_beside_honest_ones_on_nats(nats: NatsServer, tmp_pat
         assert rows["hh"]["exact"] is True and rows["hh"]["gaps"] == 0, rows["hh"]
         metrics = r.client.get("/metrics").text
         assert 'kvatlas_shared_registry_errors_total{op="apply_put"}' in metrics
-        check_soak_end("nats", metrics, flood, GROUP_CAP, slow, probe, r.proc.pid, rss0, 100.0 if LONG else None,
-                       f"{rounds} rounds, {thefts} theft attempts, {len(slow)} slowloris sockets, "
-                       f"{len(scorer.answers)} 480k-token scores")
+        check_soak_end("nats", metrics, flood, GROUP_CAP, slow, probe, scorer, r.proc.pid, rss0,
+                       100.0 if LONG else None, rounds, thefts)
     finally:
-        if scorer is not None:
-            scorer.stop()
-        if probe is not None:
-            probe.stop()
-        for s in slow:
-            s.close()
+        stop_parties(scorer, probe, slow)
         engine.close()
         q_pub.close()
-        u_sock.close(0)
+        u_pub.close()
         for p in {**pubs, **hyb_pubs}.values():
             p.close()
         bucket.close()

@@ -16,15 +16,12 @@ import random
 import time
 from pathlib import Path
 
-import msgspec
-import zmq
 
 from indexer.core.groups import GROUP_CAP
 from producer.publisher import ZmqEventPublisher
-from schemas.events import BlockStored, KVEventBatch
-from schemas.frames import seq_bytes
-from support.hostile import (FLOOD_BS, check_hybrid_beside_flood, check_soak_end, GroupFlood, HealthProbe, honest_hybrid,
-                             LargeScores, rss_kb, slowloris)
+from schemas.events import BlockStored
+from support.hostile import (FLOOD_BS, HighSeqPublisher, start_flood, wait_applied, stop_parties, check_hybrid_beside_flood, check_soak_end, GroupFlood, honest_hybrid,
+                             rss_kb, slowloris)
 from support.net import free_port, wait_until
 from support.service import KVIndexerProcess, WorkerSim, check_scores, make_prompts
 
@@ -43,15 +40,7 @@ def test_hostile_publishers_beside_honest_ones_on_zmq(tmp_path: Path) -> None:
     r.wait_ready()
     honest = {f"h{i}": WorkerSim(i, BS, make_prompts(100 + i, BS)) for i in range(3)}
     pubs = {w: _pub() for w in (*honest, "big", "flood", "hh")}
-    u_sock = zmq.Context.instance().socket(zmq.PUB)  # honest content, seqs from 2^63 + 7
-    u_port = u_sock.bind_to_random_port("tcp://127.0.0.1")
-    u_seq = (1 << 63) + 7
-    u_enc = msgspec.msgpack.Encoder()
-
-    def u_send(events: list) -> None:
-        nonlocal u_seq
-        u_sock.send_multipart([b"", seq_bytes(u_seq), u_enc.encode(KVEventBatch(time.time(), events))])
-        u_seq += 1
+    u_pub = HighSeqPublisher()  # honest content, seqs from 2^63 + 7
     rng = random.Random(7)
     flood = GroupFlood(11)
     hh_events, hh_prompt = honest_hybrid(12)
@@ -63,22 +52,18 @@ def test_hostile_publishers_beside_honest_ones_on_zmq(tmp_path: Path) -> None:
             body = {"worker_id": w, "endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint,
                     "block_size": FLOOD_BS if hybrid else BS, **({"model": "hyb"} if hybrid else {})}
             assert r.client.post("/workers", json=body).status_code == 201, w
-        assert r.client.post("/workers", json={"worker_id": "u0", "endpoint": f"tcp://127.0.0.1:{u_port}",
+        assert r.client.post("/workers", json={"worker_id": "u0", "endpoint": u_pub.endpoint,
                                                "block_size": BS}).status_code == 201
 
         def joined() -> bool:  # ZeroMQ slow joiner: heartbeats until every worker's first seq is in
             for p in pubs.values():
                 p.heartbeat()
-            u_send([])
+            u_pub.send([])
             rows = r.client.get("/workers").json()["workers"]
             return len(rows) == len(pubs) + 1 and all(x["last_seq"] is not None for x in rows)
         wait_until(joined, timeout=30.0, interval=0.05)
         rss0 = rss_kb(r.proc.pid)
-        probe = HealthProbe(r.url)
-        pubs["hh"].publish(hh_events)
-        for batch in flood.chain():
-            pubs["flood"].publish(batch)
-        scorer = LargeScores(r.url, flood.score_body)
+        probe, scorer = start_flood(r.url, pubs["hh"], pubs["flood"], hh_events, flood)
         big_chain: list[int] = []
         big_parent: int | None = None
         parent_z: int | None = None
@@ -100,7 +85,7 @@ def test_hostile_publishers_beside_honest_ones_on_zmq(tmp_path: Path) -> None:
             ev = BlockStored([rng.randrange(1, 1 << 62)], parent_z, [rng.randrange(1, 1 << 30) for _ in range(BS)], BS)
             parent_z = ev.block_hashes[0]
             z_chain.extend(ev.token_ids)
-            u_send([ev])
+            u_pub.send([ev])
             if rounds % 10 == 0:  # the thief: an honest worker's endpoint under another id
                 victim = rng.choice(list(honest))
                 resp = r.client.post("/workers", json={"worker_id": f"thief{rounds}", "block_size": BS,
@@ -113,19 +98,13 @@ def test_hostile_publishers_beside_honest_ones_on_zmq(tmp_path: Path) -> None:
         for p in pubs.values():
             assert p.flush(30.0)
         marks = {w: p.next_seq - 1 for w, p in pubs.items()}
-        marks["u0"] = u_seq - 1
+        marks["u0"] = u_pub.last_seq
 
-        def applied() -> bool:
+        def nudge() -> None:
             for p in pubs.values():
-                p.heartbeat()  # a lost last batch is noticed (and replayed) at the next message
+                p.heartbeat()
             marks.update({w: p.next_seq - 1 for w, p in pubs.items()})
-            rows = {x["worker_id"]: x for x in r.client.get("/workers").json()["workers"]}
-            return all((rows.get(w, {}).get("last_seq") or 0) >= m for w, m in marks.items())
-        try:
-            wait_until(applied, timeout=90.0, interval=0.1)
-        except AssertionError:
-            rows = {x["worker_id"]: (x["last_seq"], x["status"], x["gaps"]) for x in r.client.get("/workers").json()["workers"]}
-            raise AssertionError(f"not applied: marks {marks} rows {rows}") from None
+        wait_applied(r.client, marks, nudge, timeout=90.0)
         scorer.stop()
         probe.stop()
         # Honest answers exact, on the default model and on the hybrid one beside the flood.
@@ -143,17 +122,11 @@ def test_hostile_publishers_beside_honest_ones_on_zmq(tmp_path: Path) -> None:
             assert rows[w]["exact"] is True and rows[w]["gaps"] == 0, rows[w]
         assert rows["u0"]["gaps"] == 1  # the opening one, before its first block
         metrics = r.client.get("/metrics").text
-        check_soak_end("zmq", metrics, flood, GROUP_CAP, slow, probe, r.proc.pid, rss0, 100.0 if LONG else None,
-                       f"{rounds} rounds, {thefts} theft attempts, {len(slow)} slowloris sockets, "
-                       f"{len(scorer.answers)} 480k-token scores")
+        check_soak_end("zmq", metrics, flood, GROUP_CAP, slow, probe, scorer, r.proc.pid, rss0,
+                       100.0 if LONG else None, rounds, thefts)
     finally:
-        if scorer is not None:
-            scorer.stop()
-        if probe is not None:
-            probe.stop()
-        for s in slow:
-            s.close()
+        stop_parties(scorer, probe, slow)
         for p in pubs.values():
             p.close()
-        u_sock.close(0)
+        u_pub.close()
         r.terminate()

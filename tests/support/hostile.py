@@ -13,14 +13,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import msgspec
 import zmq
 
-from schemas.events import BlockStored
+from schemas.events import BlockStored, KVEventBatch
 from schemas.frames import seq_bytes
+from support.net import wait_until
 
 
 class HostilePublisher:
@@ -254,7 +255,8 @@ def check_hybrid_beside_flood(client: httpx.Client, hh_prompt: list[int], scorer
 
 
 def check_soak_end(label: str, metrics: str, flood: GroupFlood, group_cap: int, slow: list[socket.socket],
-                   probe: HealthProbe, pid: int, rss0: int, p99_bound_ms: float | None, detail: str) -> None:
+                   probe: HealthProbe, scorer: LargeScores, pid: int, rss0: int, p99_bound_ms: float | None,
+                   rounds: int, thefts: int) -> None:
     """What both hostile soaks assert at their end: every group store past the flood's first
     `group_cap` groups dropped and counted, every slowloris socket closed by the server, /health
     always answered, RSS bounded; the /health p99 bound only where given (the long mode)."""
@@ -263,8 +265,65 @@ def check_soak_end(label: str, metrics: str, flood: GroupFlood, group_cap: int, 
     assert not probe.errors, probe.errors[:3]
     n_health, p50, p99 = probe.summary()
     rss1 = rss_kb(pid)
-    print(f"{label} soak: {detail}, /health p50 {p50:.1f} ms p99 {p99:.1f} ms over {n_health}, "
+    print(f"{label} soak: {rounds} rounds, {thefts} theft attempts, {len(slow)} slowloris sockets, "
+          f"{len(scorer.answers)} 480k-token scores, /health p50 {p50:.1f} ms p99 {p99:.1f} ms over {n_health}, "
           f"RSS {rss0} -> {rss1} kB")
     assert rss1 < rss0 + 256 * 1024, (rss0, rss1)  # bounded: no growth with the hostile traffic
     if p99_bound_ms is not None:
         assert p99 < p99_bound_ms, p99
+
+
+class HighSeqPublisher:
+    """A raw ZeroMQ PUB with honest content whose seqs start past 2^63 (wire seqs are u64; issue 24
+    item 5): `send` publishes one batch, `last_seq` is the seq of the last one sent."""
+
+    def __init__(self, first_seq: int = (1 << 63) + 7) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.next_seq = first_seq
+        self._enc = msgspec.msgpack.Encoder()
+
+    @property
+    def last_seq(self) -> int:
+        return self.next_seq - 1
+
+    def send(self, events: list) -> None:
+        self.sock.send_multipart([b"", seq_bytes(self.next_seq), self._enc.encode(KVEventBatch(time.time(), events))])
+        self.next_seq += 1
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def start_flood(url: str, hh_pub, flood_pub, hh_events: list, flood: GroupFlood) -> tuple[HealthProbe, LargeScores]:
+    """Starts what the hostile soaks measure under: the /health probe, the honest hybrid worker's
+    events, the group flood's chain and the back-to-back 480k-token scores of it."""
+    probe = HealthProbe(url)
+    hh_pub.publish(hh_events)
+    for batch in flood.chain():
+        flood_pub.publish(batch)
+    return probe, LargeScores(url, flood.score_body)
+
+
+def wait_applied(client: httpx.Client, marks: dict[str, int], nudge: Callable[[], None], timeout: float) -> None:
+    """Until every worker in `marks` has applied up to its seq there; `nudge` runs before each look
+    (heartbeats: a lost last batch is noticed, and replayed, at the next message)."""
+    def applied() -> bool:
+        nudge()
+        rows = {x["worker_id"]: x for x in client.get("/workers").json()["workers"]}
+        return all((rows.get(w, {}).get("last_seq") or 0) >= m for w, m in marks.items())
+    try:
+        wait_until(applied, timeout=timeout, interval=0.1)
+    except AssertionError:
+        rows = {x["worker_id"]: (x["last_seq"], x["status"], x["gaps"]) for x in client.get("/workers").json()["workers"]}
+        raise AssertionError(f"not applied: marks {marks} rows {rows}") from None
+
+
+def stop_parties(scorer: LargeScores | None, probe: HealthProbe | None, slow: list[socket.socket]) -> None:
+    """The soak's own load and probes, stopped whatever state the soak ended in."""
+    if scorer is not None:
+        scorer.stop()
+    if probe is not None:
+        probe.stop()
+    for s in slow:
+        s.close()
