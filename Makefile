@@ -64,12 +64,14 @@ test-sanitize: $(NATIVE)
 	@mkdir -p $(dir $(SAN_SO))
 	gcc -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
 	    -fno-sanitize-recover=all -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	    -DSOURCE_DIGEST=\"$$($(PY) -c 'from schemas.c_tables import KVNATIVE_FILES as F, source_digest; print(source_digest(F))')\" \
 	    indexer/_native/kvnative.c -o $(SAN_SO)
 	gcc -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
 	    -fno-sanitize-recover=all -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
 	    indexer/_native/zmqdrain.c -o $(SAN_ZMQ_SO) -ldl
 	gcc -shared -fPIC -std=c11 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined \
 	    -fno-sanitize-recover=all -I"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	    -DSOURCE_DIGEST=\"$$($(PY) -c 'from schemas.c_tables import PAGEHASH_FILES as F, source_digest; print(source_digest(F))')\" \
 	    $(SAN_PH_SRC) -o $(SAN_PH_SO) -lcrypto
 	PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	    LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" KVATLAS_NATIVE_PATH="$(CURDIR)/$(SAN_SO)" \

@@ -5,13 +5,25 @@
 If a compiler or headers are missing the build goes on without that one (optional=True) and its
 package falls back to its pure-Python path (the index core says so in a warning at import).
 """
+import importlib.util
 import os
-import sys
 
 from setuptools import Extension, setup
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from schemas.c_tables import KVNATIVE_FILES, PAGEHASH_FILES, PAGEHASH_SOURCES, source_digest  # noqa: E402
+
+def _c_tables():
+    """schemas/c_tables.py loaded by path: the build runs in pip's isolated environment, where the
+    `schemas` package itself (msgspec) cannot be imported; this one module needs only the stdlib."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas", "c_tables.py")
+    spec = importlib.util.spec_from_file_location("kvatlas_c_tables", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_tables = _c_tables()
+KVNATIVE_FILES, PAGEHASH_FILES, PAGEHASH_SOURCES = _tables.KVNATIVE_FILES, _tables.PAGEHASH_FILES, _tables.PAGEHASH_SOURCES
+source_digest = _tables.source_digest
 
 
 def digest_macro(files: tuple[str, ...]) -> list[tuple[str, str]]:
