@@ -16,8 +16,8 @@ octet body). Printed per answer encoding (JSON, msgpack): p50 / p90 microseconds
   c, no routes the same query on a twin service without routes (the exact rows alone, for scale);
 and the ratio msgspec / c of the p50s. Every variant's bytes are checked equal before timing.
 Then the in-flight work both paths share, per answer (p50): the query's node keys (`RouteBook.keys`),
-the sweep (`RouteBook.sweep`), and the rows' pending_blocks / load / busy_until (`pending_columns`,
-`PendingRoutes.run` walking each row's keys past its exact match).
+the sweep (`RouteBook.sweep`), and `pending_columns` (sweep, keys and the rows' pending_blocks / load /
+busy_until: `PendingRoutes.run` walking each row's keys past its exact match).
 """
 from __future__ import annotations
 
@@ -121,14 +121,14 @@ def shared_work(svc: IndexerService, q: np.ndarray, calls: int) -> None:
     from router_api.score_plan import pending_columns
 
     book, index = svc.routes, svc.index
-    keys = book.keys(index, MODEL, BS, q, None, None)
     table = index.score_table(MODEL, q, None, None, None)
     assert table is not None
     pairs = list(zip(table.worker_ids, table.ranks))
     parts: dict[str, Callable[[], object]] = {
         "node keys": lambda: book.keys(index, MODEL, BS, q, None, None),
         "sweep": lambda: book.sweep(index, svc.registry, MODEL, 1000.0),
-        "pending columns": lambda: pending_columns(book, MODEL, keys, 1000.0, pairs, table.rows),
+        "pending columns": lambda: pending_columns(book, index, svc.registry, MODEL, BS, (q, None, None), 1000.0,
+                                                   pairs, table.rows),
     }
     for k, fn in parts.items():
         print(f"  shared   {k:16s} p50 {statistics.median(timed(fn, calls)):8.1f} us")  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from operator import attrgetter
+from typing import Any
 
 from indexer.core.types import ScoreTable
 from router_api import answer
@@ -57,14 +58,20 @@ class ScorePlan:
         return rows
 
 
-def pending_columns(book: RouteBook, model: str, keys: Sequence[int] | None, now: float,
-                    pairs: Sequence[tuple[str, int]], packed: bytes) -> tuple[array, array] | None:
-    """The rows' in-flight fields for `write_answer`, per head (`pairs`, `AnswerRows.pairs`): int64
-    (pending_blocks, pending_requests, pending_prefill_tokens) and busy_until (NaN: None), from the same
-    RouteBook calls `IndexerService._add_pending` makes for the Python path's rows. `keys`: the query's node
-    keys (None: no route holds a block, so no row has pending_blocks). pending_blocks starts past the row's
-    exact match, read from the packed rows (a registered pair the index does not hold: 0).
+def pending_columns(book: RouteBook, index: Any, registry: Any, model: str, block_size: int,
+                    query: tuple[Any, str | None, str | None], now: float, pairs: Sequence[tuple[str, int]],
+                    packed: bytes) -> tuple[array, array] | tuple[()] | None:
+    """The rows' in-flight fields for `write_answer` (under the service's lock), per head (`pairs`,
+    `AnswerRows.pairs`): int64 (pending_blocks, pending_requests, pending_prefill_tokens) and busy_until
+    (NaN: None), after the same sweep and from the same RouteBook calls as `IndexerService._add_pending`
+    for the Python path's rows; () when the sweep leaves nothing in flight. `query`: (token_ids, lora_name,
+    cache_salt), hashed to node keys only while some route holds blocks. pending_blocks starts past the
+    row's exact match, read from the packed rows (a registered pair the index does not hold: 0).
     None: a busy_until that is not a float (msgspec would spell it as given): the caller takes msgspec."""
+    book.sweep(index, registry, model, now)
+    if not book.pending.active(model):
+        return ()
+    keys = book.keys(index, model, block_size, *query) if book.pending.has(model) else None
     n = len(pairs)
     ints = array("q", bytes(8 * 3 * n))
     busy = _NO_BUSY * n

@@ -420,7 +420,7 @@ class IndexerService:
                     fmt = self._formats
                     i = 1 if msgpack else 0
                     policy = self.registry.policy
-                    pend = self._pending_columns(model, block_size, token_ids, lora_name, cache_salt, rows,
+                    pend = self._pending_columns(model, block_size, (token_ids, lora_name, cache_salt), rows.pairs,
                                                  table.rows, now) if self.routes.pending.active(model) else ()
                     out = None if pend is None else writer.write_answer(
                         msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks,
@@ -433,18 +433,11 @@ class IndexerService:
         self.metrics.score_answers.inc("msgspec")
         return (_msgpack if msgpack else _json).encode(res)
 
-    def _pending_columns(self, model: str, block_size: int, token_ids: Any, lora_name: str | None,
-                         cache_salt: str | None, rows: answer.AnswerRows, packed: bytes,
-                         now: float) -> tuple[Any, ...] | None:
+    def _pending_columns(self, model: str, block_size: int, query: tuple[Any, str | None, str | None],
+                         pairs: list[tuple[str, int]], packed: bytes, now: float) -> tuple[Any, ...] | None:
         """`_add_pending` for the C writer (under the lock): the in-flight columns, () for none."""
-        book = self.routes
         try:
-            book.sweep(self.index, self.registry, model, now)
-            if not book.pending.active(model):
-                return ()
-            keys = book.keys(self.index, model, block_size, token_ids, lora_name, cache_salt) \
-                if book.pending.has(model) else None
-            return pending_columns(book, model, keys, now, rows.pairs, packed)
+            return pending_columns(self.routes, self.index, self.registry, model, block_size, query, now, pairs, packed)
         except Exception as exc:  # pending state must never cost the exact answer
             self.metrics.drops.inc("pending_error")
             log.error("event=pending_rows_failed model=%s error=%r", model, exc)

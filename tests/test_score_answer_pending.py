@@ -207,3 +207,26 @@ def test_a_busy_until_msgspec_would_spell_as_given_takes_msgspec() -> None:
     svc.report_route(MODEL, "r2", "w1", q, busy_until=1.5)
     assert svc.score_answer(MODEL, q) == msgspec.json.encode(svc.score(MODEL, q))
     assert svc.metrics.score_answers.get("c") == 1
+
+def test_a_failing_in_flight_lookup_costs_neither_path_its_exact_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The query's node keys failing: both paths count the drop and answer the exact rows alone, the
+    same bytes; the C path still writes it."""
+    from router_api.routes import RouteBook
+
+    clock = _Clock()
+    svc = _service("native", clock)
+    for w in ("w0", "w1"):
+        _register(svc, w)
+    q = list(range(1, 3 * BS + 1))
+    svc.report_route(MODEL, "r0", "w0", q, busy_until=3.5)
+
+    def broken(*args: Any) -> list[int]:
+        raise RuntimeError("keys unavailable")
+
+    monkeypatch.setattr(RouteBook, "keys", staticmethod(broken))
+    for mp, enc in ENCODINGS:
+        got = svc.score_answer(MODEL, q, None, None, mp)
+        assert got == enc(svc.score(MODEL, q))
+        assert b"pending" not in got and b"busy_until" not in got
+    assert svc.metrics.drops.get("pending_error") == 4
+    assert svc.metrics.score_answers.get("c") == 2 and svc.metrics.score_answers.get("msgspec") == 0
