@@ -5,7 +5,9 @@ packed rows (`KVIndex.score_table`), instead of a `WorkerScoreOut` per row encod
 The bytes are msgspec's, exactly: every key and string (worker ids, model, status) is encoded here by
 msgspec itself, once per registration or model, and the C writer only adds numbers (ints in msgspec's
 smallest msgpack form or JSON digits; floats as msgpack float64 or msgspec's JSON spelling) and orders
-the rows like `IndexerService.score` (fresh before stale, score descending, stable).
+the rows like `IndexerService.score` (fresh before stale, score descending, stable). A row's in-flight
+fields (`pending_blocks` ... `busy_until`, docs/reference.md) come as two columns per head
+(`score_plan.pending_columns`) and are written where set, as msgspec's omit_defaults leaves them.
 `tests/test_score_answer.py` holds the two encodings equal over hypothesis-drawn scores, tiers,
 statuses and names. Pure: no state beyond what the caller keeps.
 """
@@ -47,8 +49,8 @@ def layout(mp: bool) -> tuple[bytes, ...]:
     """The fixed pieces of the answer in `write_answer`'s order (its L_* enum)."""
     enc = _msgpack.encode if mp else _json.encode
     k = lambda name, first=False: _key(mp, name, first)  # noqa: E731
-    # kv_blocks is None and the pending fields 0 here: all omitted (omit_defaults; the service writes rows
-    # with pending routes through msgspec)
+    # kv_blocks is None here and the in-flight fields are written only when set (omit_defaults): a msgpack
+    # row opens with the 9 fields always present, and C raises the count by the in-flight ones it writes
     row_fields = len(WorkerScoreOut.__struct_fields__) - 5
     return (
         bytes([0x80 | row_fields]) if mp else b"{",             # L_ROW_OPEN
@@ -64,6 +66,8 @@ def layout(mp: bool) -> tuple[bytes, ...]:
         b"\x82" if mp else b"{", b"" if mp else b"}",           # L_BEST_OPEN, L_BEST_CLOSE
         b"" if mp else b",",                                    # L_SEP
         enc(None), enc(True), enc(False),                       # L_NULL, L_TRUE, L_FALSE
+        k("pending_blocks"), k("pending_requests"),             # L_PBLOCKS, L_PREQS
+        k("pending_prefill_tokens"), k("busy_until"),           # L_PTOKENS, L_BUSY
     )
 
 
@@ -111,12 +115,14 @@ class AnswerRows:
     heads (JSON, msgpack) and each row's worker position in `states` (-1: not registered, skipped).
     Rows past the index's are the registered (worker, rank) pairs it does not hold (zero rows)."""
 
-    __slots__ = ("worker_ids", "heads", "wix")
+    __slots__ = ("worker_ids", "heads", "wix", "pairs")
 
-    def __init__(self, worker_ids: list[str], heads: tuple[tuple[bytes, ...], tuple[bytes, ...]], wix: bytes) -> None:
+    def __init__(self, worker_ids: list[str], heads: tuple[tuple[bytes, ...], tuple[bytes, ...]], wix: bytes,
+                 pairs: list[tuple[str, int]]) -> None:
         self.worker_ids = worker_ids  # the index's list: while it is the same object, so is its order
         self.heads = heads
         self.wix = wix
+        self.pairs = pairs  # (worker_id, dp_rank) per head: the in-flight columns' order
 
     @classmethod
     def build(cls, states: Sequence[Any], pairs: Sequence[tuple[str, int]], worker_ids: list[str],
@@ -126,4 +132,4 @@ class AnswerRows:
         seen = set(scored)
         order = scored + [p for p in pairs if p not in seen]
         heads = (tuple(head(False, w, r) for w, r in order), tuple(head(True, w, r) for w, r in order))
-        return cls(worker_ids, heads, array("i", [pos.get(w, -1) for w, _ in order]).tobytes())
+        return cls(worker_ids, heads, array("i", [pos.get(w, -1) for w, _ in order]).tobytes(), order)

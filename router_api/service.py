@@ -25,7 +25,7 @@ from router_api.config import TIER_KEYS, ServiceConfig, check_ingest_shards, def
 from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import ShardedLock
 from router_api.metrics import ServiceMetrics
-from router_api.score_plan import ScorePlan, by_score, dp_ranks_of, tiers_of
+from router_api.score_plan import ScorePlan, by_score, dp_ranks_of, pending_columns, tiers_of
 from router_api.worker_metrics import WorkerGauges
 from router_api.routes import RouteBook, UnknownRouteWorker
 from indexer.pending import PendingRoutes
@@ -391,9 +391,10 @@ class IndexerService:
                      msgpack: bool = False) -> bytes:
         """`score`, encoded: exactly `msgspec.{json,msgpack}.encode(self.score(...))`. With the native
         core the rows never become objects: the index packs them and C writes the bytes (router_api/answer.py);
-        anything that path does not take (pure core, hybrid models, odd tokens or scores) is `score` + msgspec."""
+        anything that path does not take (pure core, hybrid models, odd tokens or scores) is `score` + msgspec.
+        Rows' in-flight fields go to C as columns (score_plan.pending_columns)."""
         writer = self._writer
-        if writer is not None and not self.routes.pending.active(model):  # pending rows: `score` writes them
+        if writer is not None:
             now = self.clock()
             index = self.index
             with self.lock:
@@ -419,14 +420,28 @@ class IndexerService:
                     fmt = self._formats
                     i = 1 if msgpack else 0
                     policy = self.registry.policy
-                    out = writer.write_answer(
+                    pend = self._pending_columns(model, block_size, (token_ids, lora_name, cache_salt), rows.pairs,
+                                                 table.rows, now) if self.routes.pending.active(model) else ()
+                    out = None if pend is None else writer.write_answer(
                         msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks,
                         table.rows, rows.heads[i], rows.wix, statuses(states, now, policy),
-                        [w.last_seq for w in states], fmt.statuses[i])
+                        [w.last_seq for w in states], fmt.statuses[i], *pend)
                     if out is not None:
+                        self.metrics.score_answers.inc("c")
                         return out
         res = self.score(model, token_ids, lora_name, cache_salt)
+        self.metrics.score_answers.inc("msgspec")
         return (_msgpack if msgpack else _json).encode(res)
+
+    def _pending_columns(self, model: str, block_size: int, query: tuple[Any, str | None, str | None],
+                         pairs: list[tuple[str, int]], packed: bytes, now: float) -> tuple[Any, ...] | None:
+        """`_add_pending` for the C writer (under the lock): the in-flight columns, () for none."""
+        try:
+            return pending_columns(self.routes, self.index, self.registry, model, block_size, query, now, pairs, packed)
+        except Exception as exc:  # pending state must never cost the exact answer
+            self.metrics.drops.inc("pending_error")
+            log.error("event=pending_rows_failed model=%s error=%r", model, exc)
+            return ()
 
     def _add_pending(self, model: str, block_size: int, token_ids: Any, lora_name: str | None,
                      cache_salt: str | None, fresh: list[WorkerScoreOut], stale: list[WorkerScoreOut],

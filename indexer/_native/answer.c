@@ -2,18 +2,25 @@
  * score_walk.c (it reads the packed PRow rows). */
 
 /* ---------------------------------------------------------------- /score answer bytes
- * write_answer(msgpack, layout, prefix, query_blocks, rows, heads, wix, statuses, seqs, status_map) -> bytes | None
+ * write_answer(msgpack, layout, prefix, query_blocks, rows, heads, wix, statuses, seqs, status_map
+ *              [, pend_ints, pend_busy]) -> bytes | None
  * The body `POST /score` answers, byte for byte what msgspec encodes for the ScoreResponse the Python
  * path builds (router_api/answer.py passes the pieces; tests/test_score_answer.py holds the two equal):
  *  - rows: packed PRow (score_rows with row type None), best first; heads[s] / wix[s] belong to the row
  *    of slot s; heads past the rows are registered pairs the index does not hold (zero rows, appended);
  *  - heads: the pre-encoded `worker_id` / `dp_rank` pairs (None or wix < 0: not registered, skipped);
  *  - wix: int32 per head, the row's worker in statuses / seqs (its liveness status and last_seq);
- *  - status_map: status str -> (encoded status, is stale); layout: the pre-encoded keys and punctuation.
+ *  - status_map: status str -> (encoded status, is stale); layout: the pre-encoded keys and punctuation;
+ *  - optional pend_ints, pend_busy: the rows' in-flight fields per head (router_api/score_plan.py):
+ *    int64 (pending_blocks, pending_requests, pending_prefill_tokens) and a double busy_until (NaN: None).
+ *    Each is written after `status` when it is not its default (0 / None), as omit_defaults writes it.
  * Rows are ordered like the Python path: fresh before stale, each by score descending, stable.
- * None (the caller encodes with msgspec): a non-finite score, a status or last_seq it does not know. */
+ * None (the caller encodes with msgspec): a non-finite score or busy_until, a status or last_seq it does
+ * not know. */
 enum { L_ROW_OPEN, L_DEV, L_CACH, L_TIERS, L_HOST, L_DISK, L_SHARED, L_SCORE, L_STALE, L_SEQ, L_STATUS,
-       L_ROW_CLOSE, L_WORKERS, L_AFTER, L_END, L_BEST_OPEN, L_BEST_CLOSE, L_SEP, L_NULL, L_TRUE, L_FALSE, L_COUNT };
+       L_ROW_CLOSE, L_WORKERS, L_AFTER, L_END, L_BEST_OPEN, L_BEST_CLOSE, L_SEP, L_NULL, L_TRUE, L_FALSE,
+       L_PBLOCKS, L_PREQS, L_PTOKENS, L_BUSY, L_COUNT };
+#define PEND_INTS 3 /* per head in pend_ints: pending_blocks, pending_requests, pending_prefill_tokens */
 
 /* Writers into a buffer the caller sized for the worst case (answer_bound): no checks per piece. */
 static inline char *put(char *q, const char *s, Py_ssize_t n) {
@@ -116,9 +123,10 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     int mp;
     PyObject *layout, *prefix, *heads, *statuses, *seqs, *smap;
     Py_ssize_t qb;
-    Py_buffer rows, wixb;
-    if (!PyArg_ParseTuple(args, "pO!O!ny*O!y*O!O!O!", &mp, &PyTuple_Type, &layout, &PyBytes_Type, &prefix, &qb, &rows,
-                          &PyTuple_Type, &heads, &wixb, &PyList_Type, &statuses, &PyList_Type, &seqs, &PyDict_Type, &smap))
+    Py_buffer rows, wixb, pib = {0}, pbb = {0};
+    if (!PyArg_ParseTuple(args, "pO!O!ny*O!y*O!O!O!|y*y*", &mp, &PyTuple_Type, &layout, &PyBytes_Type, &prefix, &qb,
+                          &rows, &PyTuple_Type, &heads, &wixb, &PyList_Type, &statuses, &PyList_Type, &seqs,
+                          &PyDict_Type, &smap, &pib, &pbb))
         return NULL;
     PyObject *out = NULL;
     ARow *ar = NULL;
@@ -131,6 +139,17 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     int ok = rows.len % (Py_ssize_t)sizeof(PRow) == 0 && PyTuple_GET_SIZE(layout) == L_COUNT && nh >= nrows &&
              wixb.len == nh * 4 && PyList_GET_SIZE(seqs) == nw && qb >= 0;
     for (Py_ssize_t i = 0; ok && i < L_COUNT; i++) ok = PyBytes_CheckExact(PyTuple_GET_ITEM(layout, i));
+    /* the in-flight columns come together, one entry per head; a msgpack row opens with a fixmap header
+     * the writer raises by the fields present (up to 4 more) */
+    const char *pint = pib.buf, *pbusy = pbb.buf; /* read by memcpy: a buffer's bytes need not be aligned */
+    int pend = pib.obj != NULL;
+    if (ok && pend != (pbb.obj != NULL)) ok = 0;
+    if (ok && pend) ok = pib.len == nh * PEND_INTS * 8 && pbb.len == nh * 8;
+    if (ok && mp) {
+        PyObject *ro = PyTuple_GET_ITEM(layout, L_ROW_OPEN);
+        unsigned char h0 = PyBytes_GET_SIZE(ro) == 1 ? (unsigned char)PyBytes_AS_STRING(ro)[0] : 0;
+        ok = (h0 & 0xF0) == 0x80 && (h0 & 0x0F) + 4 <= 15;
+    }
     if (!ok) goto none;
     ar = PyMem_RawMalloc(sizeof(ARow) * (size_t)(nh ? nh : 1));
     seq = PyMem_RawMalloc(sizeof(int64_t) * (size_t)(nw ? nw : 1));
@@ -190,7 +209,9 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     }
     Py_ssize_t fixed = LEN(L_SEP) + LEN(L_ROW_OPEN) + LEN(L_DEV) + LEN(L_CACH) + LEN(L_TIERS) + LEN(L_HOST) +
                        LEN(L_DISK) + LEN(L_SHARED) + LEN(L_SCORE) + LEN(L_STALE) + LEN(L_TRUE) + LEN(L_FALSE) +
-                       LEN(L_SEQ) + LEN(L_NULL) + LEN(L_STATUS) + LEN(L_ROW_CLOSE) + 7 * INT_MAX_CHARS + DBL_MAX_CHARS;
+                       LEN(L_SEQ) + LEN(L_NULL) + LEN(L_STATUS) + LEN(L_ROW_CLOSE) + 7 * INT_MAX_CHARS + DBL_MAX_CHARS +
+                       (pend ? LEN(L_PBLOCKS) + LEN(L_PREQS) + LEN(L_PTOKENS) + LEN(L_BUSY) + PEND_INTS * INT_MAX_CHARS +
+                                   DBL_MAX_CHARS : 0);
     bound = PyBytes_GET_SIZE(prefix) + INT_MAX_CHARS + LEN(L_WORKERS) + 5 + row + na * fixed + LEN(L_AFTER) +
             LEN(L_NULL) + LEN(L_BEST_OPEN) + maxhead + LEN(L_BEST_CLOSE) + LEN(L_END);
     char *buf = PyMem_RawMalloc((size_t)bound), *q = buf;
@@ -210,7 +231,16 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
         const PRow *p = a->p;
         if (best < 0 && !a->stale && a->score > 0) best = i;
         if (i) q = put_obj(q, LY(L_SEP));
+        int64_t pi[PEND_INTS] = {0, 0, 0};
+        double busy = NAN;
+        if (pend) {
+            memcpy(pi, pint + a->h * PEND_INTS * 8, sizeof pi);
+            memcpy(&busy, pbusy + a->h * 8, sizeof busy);
+        }
+        int has_busy = !isnan(busy);
+        if (has_busy && !isfinite(busy)) { PyMem_RawFree(buf); goto none; } /* msgspec's JSON: null; not ours */
         q = put_obj(q, LY(L_ROW_OPEN));
+        if (mp) q[-1] = (char)((unsigned char)q[-1] + (pi[0] != 0) + (pi[1] != 0) + (pi[2] != 0) + has_busy);
         q = put_obj(q, PyTuple_GET_ITEM(heads, a->h));
         q = put_obj(q, LY(L_DEV)); INT(p ? p->dev : 0);
         q = put_obj(q, LY(L_CACH)); INT(p ? p->cach : 0);
@@ -227,6 +257,15 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
         if (stl[a->w] & 2) q = put_obj(q, LY(L_NULL)); else INT(seq[a->w]);
         q = put_obj(q, LY(L_STATUS));
         q = put_obj(q, senc[a->w]);
+        /* kv_blocks (None on this path) is omitted; the in-flight fields follow, when set */
+        if (pi[0]) { q = put_obj(q, LY(L_PBLOCKS)); INT(pi[0]); }
+        if (pi[1]) { q = put_obj(q, LY(L_PREQS)); INT(pi[1]); }
+        if (pi[2]) { q = put_obj(q, LY(L_PTOKENS)); INT(pi[2]); }
+        if (has_busy) {
+            q = put_obj(q, LY(L_BUSY));
+            q = mp ? mp_double(q, busy) : json_double(q, busy);
+            if (!q) { PyMem_RawFree(buf); goto done; }
+        }
         q = put_obj(q, LY(L_ROW_CLOSE));
     }
     q = put_obj(q, LY(L_AFTER));
@@ -253,5 +292,7 @@ done:
     PyMem_RawFree(stl);
     PyBuffer_Release(&rows);
     PyBuffer_Release(&wixb);
+    PyBuffer_Release(&pib); /* no-ops when not passed (obj NULL) */
+    PyBuffer_Release(&pbb);
     return out;
 }
