@@ -5,13 +5,21 @@
 If a compiler or headers are missing the build goes on without that one (optional=True) and its
 package falls back to its pure-Python path (the index core says so in a warning at import).
 """
+import importlib.util
 import os
-import sys
 
 from setuptools import Extension, setup
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from schemas.c_tables import KVNATIVE_FILES, PAGEHASH_FILES, PAGEHASH_SOURCES, source_digest  # noqa: E402
+# c_tables is loaded by its path, not as `schemas.c_tables`: importing the package runs
+# schemas/__init__.py, which needs msgspec, absent from pip's isolated build environment.
+_spec = importlib.util.spec_from_file_location(
+    "_kvatlas_c_tables", os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas", "c_tables.py")
+)
+assert _spec is not None and _spec.loader is not None
+_c_tables = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_c_tables)
+KVNATIVE_FILES, PAGEHASH_FILES = _c_tables.KVNATIVE_FILES, _c_tables.PAGEHASH_FILES
+PAGEHASH_SOURCES, source_digest = _c_tables.PAGEHASH_SOURCES, _c_tables.source_digest
 
 
 def digest_macro(files: tuple[str, ...]) -> list[tuple[str, str]]:
