@@ -218,7 +218,7 @@ class ServiceMetrics:
     __slots__ = (
         "events", "drops", "batches", "gaps", "replays", "resyncs", "restarts", "worker_lag",
         "worker_blocks", "request_latency", "http_rejects", "snapshots", "snapshot_requests",
-        "recent_score", "index_core", "native_declines", "visibility", "_all",
+        "recent_score", "index_core", "native_declines", "visibility", "offload_pending", "_all",
     )
 
     def __init__(self) -> None:
@@ -249,8 +249,10 @@ class ServiceMetrics:
         self.native_declines = Gauge(
             p + "native_declines", "Raw batches the C accelerator's whole-batch walk handed to the pure core "
             "since start, by reason (the answers are the same; the pure core is slower)", ("reason",))
+        self.offload_pending = Gauge(p + "http_offload_pending", "Large /score and /query bodies' answers queued "
+                                     "or running off the event loop (router_api/offload.py)")
         self._all: tuple[_Metric, ...] = (
-            self.index_core, self.native_declines,
+            self.index_core, self.native_declines, self.offload_pending,
             self.events, self.drops, self.batches, self.gaps, self.replays, self.resyncs,
             self.restarts, self.worker_lag, self.worker_blocks, self.request_latency,
             self.http_rejects, self.snapshots, self.snapshot_requests,

@@ -28,7 +28,7 @@ class AnswerPool:
     answered on the loop: `kvatlas indexer --http-offload-bytes 0`, for comparison). Threads start on
     the first large body."""
 
-    __slots__ = ("min_bytes", "threads", "max_pending", "_slots", "_executor", "_lock", "pending")
+    __slots__ = ("min_bytes", "threads", "max_pending", "_slots", "_executor", "_lock", "pending", "on_pending")
 
     def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES, threads: int = OFFLOAD_THREADS,
                  max_pending: int = OFFLOAD_MAX_PENDING) -> None:
@@ -40,7 +40,8 @@ class AnswerPool:
         self._slots = threading.BoundedSemaphore(max_pending)
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self.pending = 0  # queued + running (read by /metrics)
+        self.pending = 0  # queued + running
+        self.on_pending: Callable[[int], None] | None = None  # told each new `pending` (the /metrics gauge)
 
     def wants(self, size: int) -> bool:
         """True when a body of `size` bytes is answered off the loop."""
@@ -52,6 +53,8 @@ class AnswerPool:
             return None
         with self._lock:
             self.pending += 1
+            if self.on_pending is not None:
+                self.on_pending(self.pending)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvatlas-answer")
         try:
@@ -65,6 +68,8 @@ class AnswerPool:
     def _done(self, _fut: Future | None) -> None:
         with self._lock:
             self.pending -= 1
+            if self.on_pending is not None:
+                self.on_pending(self.pending)
         self._slots.release()
 
     def close(self) -> None:

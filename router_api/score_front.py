@@ -49,6 +49,9 @@ class ScoreFront:
                  limiter: RateLimitedLog | None = None, pool: AnswerPool | None = None) -> None:
         self.app = app
         self.pool = pool if pool is not None else AnswerPool()  # large bodies' answers, off the loop
+        gauge = service.metrics.offload_pending
+        gauge.set(value=float(self.pool.pending))
+        self.pool.on_pending = lambda n: gauge.set(value=float(n))
         self.limiter = limiter if limiter is not None else RateLimitedLog()
         self.bodies = TokenBodies(native)
         self.fastapi = app

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import socket
 import threading
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -26,7 +27,10 @@ from router_api.offload import OFFLOAD_MIN_BYTES, AnswerPool
 from router_api.service import IndexerService
 from schemas.api import RegisterWorker, ScoreRequest
 from schemas.events import BlockStored, KVEventBatch
+from producer.publisher import ZmqEventPublisher
+from support.hostile import FLOOD_BLOCKS, FLOOD_BS, GroupFlood, LargeScores
 from support.net import free_port, wait_until
+from support.service import KVIndexerProcess
 
 pytestmark = pytest.mark.skipif(not native_core.available(), reason="native module not built")
 
@@ -121,6 +125,57 @@ def test_health_answers_while_a_large_score_is_in_progress(served: Served, path:
     assert status == 200 and resp.content == direct
     row = resp.json()["workers"][0]
     assert (row["worker_id"], row["device_blocks"], resp.json()["query_blocks"]) == ("w0", HELD, len(PROMPT) // BS)
+
+
+def _offload_pending(metrics: str) -> float:
+    line = next(x for x in metrics.splitlines() if x.startswith("kvatlas_http_offload_pending "))
+    return float(line.split()[1])
+
+
+def test_a_real_indexer_answers_while_a_large_score_runs(tmp_path: Path) -> None:
+    """`kvatlas indexer` with a 30,000-block chain scored at 480k tokens back to back by two clients:
+    a /metrics scrape — answered on the event loop — finds an off-loop answer queued or running (the
+    loop served it meanwhile; on the loop no request is read while a score runs), /health answers
+    throughout, and every score is exact."""
+    r = KVIndexerProcess(free_port(), "--block-size", "4", log_path=tmp_path / "indexer.log")
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*")
+    scorers: list[LargeScores] = []
+    try:
+        r.wait_ready()
+        flood = GroupFlood(3)
+        assert r.client.post("/workers", json={"worker_id": "w0", "endpoint": pub.endpoint, "block_size": FLOOD_BS,
+                                               "model": "hyb"}).status_code == 201
+
+        def joined() -> bool:
+            pub.heartbeat()
+            return r.client.get("/workers").json()["workers"][0]["last_seq"] is not None
+        wait_until(joined, timeout=30, interval=0.05)
+        for batch in flood.chain():
+            pub.publish(batch)
+        assert pub.flush(30)
+        mark = pub.next_seq - 1
+        wait_until(lambda: (r.client.get("/workers").json()["workers"][0]["last_seq"] or 0) >= mark, timeout=60,
+                   interval=0.05)
+        scorers = [LargeScores(r.url, flood.score_body) for _ in range(2)]
+        seen: list[float] = []
+
+        def caught_in_progress() -> bool:
+            assert r.client.get("/health").status_code == 200
+            seen.append(_offload_pending(r.client.get("/metrics").text))
+            return seen[-1] >= 1
+        wait_until(caught_in_progress, timeout=120, interval=0.002)
+        for sc in scorers:
+            sc.stop()
+        assert all(sc.answers and not sc.errors for sc in scorers), [sc.errors[:2] for sc in scorers]
+        for sc in scorers:
+            for ans in sc.answers:
+                assert ans["workers"][0]["device_blocks"] == FLOOD_BLOCKS
+        assert _offload_pending(r.client.get("/metrics").text) == 0
+    finally:
+        for sc in scorers:
+            sc.stop()
+        pub.close()
+        r.terminate()
 
 
 def _post(path: bytes, body: bytes) -> bytes:
