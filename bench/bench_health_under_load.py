@@ -2,15 +2,17 @@
 kvatlas answering large bodies off the event loop (the default, router_api/offload.py) vs on it
 (`--http-offload-bytes 0`, the behaviour before), in the same run.
 
-  .venv/bin/python bench/bench_health_under_load.py [--seconds 10] [--rounds 2] [--scorers 1]
+  .venv/bin/python bench/bench_health_under_load.py [--seconds 10] [--rounds 2] [--scorers 1] [--base-tree DIR]
 
 Per round and mode a fresh `kvatlas indexer` starts; one worker (a real ZeroMQ publisher) stores a
 30,000-block chain (block size 16); `--scorers` clients POST the whole chain's 480k tokens as JSON
 (~3.2 MB) back to back while a separate process GETs /health every 10 ms (its own process: the bench's
 threads and GIL add nothing to its latencies). Every /score answer must report the worker's 30,000
 blocks (else exit 1). The modes alternate round by round (on a shared, loaded host, load hits both).
-Printed: /health p50 / p99 / max and the /score rate per mode and round, then the ratios
-offload-on / offload-off of the medians over rounds (lower is better for /health).
+`--base-tree DIR` adds a third mode, `base`: the indexer of another checkout (e.g. a `git worktree` of
+the base commit, with its own built .venv), run the same way. Printed: /health p50 / p99 / max and the
+/score rate per mode and round, then the ratios of the medians over rounds against offload-off (and
+against base) — lower is better for /health.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from producer.publisher import ZmqEventPublisher  # noqa: E402
 from schemas.events import BlockStored  # noqa: E402
 
 BS = 16
+BASE_PYTHON: str | None = None  # --base-python
 BLOCKS = 30_000
 
 _PROBE = """
@@ -73,12 +76,15 @@ def wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-de
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def one(mode: str, seconds: float, scorers: int, tokens: list[int], hashes: list[int], body: bytes) -> dict:
+def one(mode: str, seconds: float, scorers: int, tokens: list[int], hashes: list[int], body: bytes,
+        base: Path | None) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     extra = ["--http-offload-bytes", "0"] if mode == "off" else []
-    proc = subprocess.Popen([sys.executable, "-m", "router_api.cli", "indexer", "--port", str(port), "--block-size",
-                             str(BS), *extra], cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tree, python = (base, BASE_PYTHON or str(base / ".venv/bin/python")) if mode == "base" and base else \
+        (REPO, sys.executable)
+    proc = subprocess.Popen([python, "-m", "router_api.cli", "indexer", "--port", str(port), "--block-size",
+                             str(BS), *extra], cwd=str(tree), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pub = ZmqEventPublisher("tcp://127.0.0.1:*")
     client = httpx.Client(base_url=url, timeout=60.0)
     try:
@@ -129,7 +135,8 @@ def one(mode: str, seconds: float, scorers: int, tokens: list[int], hashes: list
         if bad or got["errors"]:
             raise SystemExit(f"wrong answers or /health errors in mode {mode}: {bad[:3]} {got['errors'][:3]}")
         ms = got["ms"]
-        return {"p50": statistics.median(ms), "p99": statistics.quantiles(ms, n=100)[98], "max": max(ms),
+        return {"p50": statistics.median(ms), "p99": statistics.quantiles(ms, n=100, method="inclusive")[98],
+                "max": max(ms),
                 "n": len(ms), "scores_s": len(answers) / dt}
     finally:
         client.close()
@@ -143,25 +150,31 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per round and mode")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--scorers", type=int, default=1, help="clients scoring the 480k-token query back to back")
+    ap.add_argument("--base-tree", type=Path, help="also run the indexer of this checkout (mode `base`)")
+    ap.add_argument("--base-python", help="the interpreter for --base-tree (default: DIR/.venv/bin/python)")
     args = ap.parse_args()
+    global BASE_PYTHON
+    BASE_PYTHON = args.base_python
     rng = random.Random(11)
     tokens = [rng.randrange(1, 50_000) for _ in range(BLOCKS * BS)]
     hashes = rng.sample(range(1, 1 << 62), BLOCKS)
     body = json.dumps({"token_ids": tokens}).encode()
     print(f"/score body: {len(tokens)} tokens, {len(body)} bytes; {args.scorers} scorer(s); /health every 10 ms")
-    res: dict[str, list[dict]] = {"off": [], "on": []}
+    modes = ["off", "on"] + (["base"] if args.base_tree else [])
+    res: dict[str, list[dict]] = {m: [] for m in modes}
     for rnd in range(args.rounds):
-        for mode in (("off", "on") if rnd % 2 == 0 else ("on", "off")):
-            r = one(mode, args.seconds, args.scorers, tokens, hashes, body)
+        for mode in (modes if rnd % 2 == 0 else modes[::-1]):
+            r = one(mode, args.seconds, args.scorers, tokens, hashes, body, args.base_tree)
             res[mode].append(r)
-            print(f"round {rnd} offload {mode:3}: /health p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  "
+            print(f"round {rnd} {'offload ' + mode if mode != 'base' else 'base tree  '}: /health p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  "
                   f"max {r['max']:7.2f} ms  ({r['n']} samples)  /score {r['scores_s']:.1f}/s", flush=True)
     med = {m: {k: statistics.median(r[k] for r in rs) for k in ("p50", "p99", "max", "scores_s")} for m, rs in res.items()}
-    for k in ("p50", "p99", "max"):
-        print(f"/health {k}: offload on {med['on'][k]:.2f} ms, off {med['off'][k]:.2f} ms, "
-              f"ratio on/off {med['on'][k] / med['off'][k]:.3f}")
-    print(f"/score rate: on {med['on']['scores_s']:.1f}/s, off {med['off']['scores_s']:.1f}/s, "
-          f"ratio {med['on']['scores_s'] / med['off']['scores_s']:.3f}")
+    for k in ("p50", "p99", "max", "scores_s"):
+        what = "/score rate (per s)" if k == "scores_s" else f"/health {k} (ms)"
+        line = f"{what}: offload on {med['on'][k]:.2f}, off {med['off'][k]:.2f}, ratio on/off {med['on'][k] / med['off'][k]:.3f}"
+        if "base" in med:
+            line += f"; base {med['base'][k]:.2f}, ratio on/base {med['on'][k] / med['base'][k]:.3f}"
+        print(line)
     return 0
 
 
