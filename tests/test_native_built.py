@@ -43,8 +43,11 @@ def test_builds_carry_the_digest_of_the_sources_beside_them() -> None:
     from indexer._native import _kvnative
     from producer._native import _pagehash
 
-    assert _kvnative.source_digest() == source_digest(KVNATIVE_FILES)
-    assert _pagehash.source_digest() == source_digest(PAGEHASH_FILES)
+    # `make test-sanitize` loads its ASan builds by path (KVATLAS_*_PATH); they carry no digest
+    if not os.environ.get("KVATLAS_NATIVE_PATH"):
+        assert _kvnative.source_digest() == source_digest(KVNATIVE_FILES)
+    if not os.environ.get("KVATLAS_PAGEHASH_PATH"):
+        assert _pagehash.source_digest() == source_digest(PAGEHASH_FILES)
     assert stale_build(_kvnative.source_digest(), KVNATIVE_FILES) is None
     assert "stale build" in (stale_build("0" * 64, KVNATIVE_FILES) or "")
     assert stale_build(None, KVNATIVE_FILES) is None  # the sanitizer build carries none: not judged
