@@ -26,6 +26,7 @@ from router_api.bodies import ApiError, check_length, content_kind, decode_body
 from router_api.http_log import RateLimitedLog, escape_log
 from router_api.registry import RegistryError
 from router_api.routes import UnknownRouteWorker
+from router_api.offload import AnswerPool
 from router_api.score_front import ASGIApp, Route, ScoreFront
 from router_api.service import IndexerService, UnknownModel
 from schemas.api import (
@@ -92,10 +93,11 @@ class BearerAuth:
         await resp(scope, receive, send)
 
 
-def create_app(service: IndexerService, native_bodies: bool | None = None) -> ASGIApp:
+def create_app(service: IndexerService, native_bodies: bool | None = None, pool: AnswerPool | None = None) -> ASGIApp:
     """The service's ASGI app: bearer check (when configured) -> ScoreFront -> FastAPI.
     The FastAPI app itself is reachable as `.fastapi` on the result. `native_bodies` picks the
-    /score body decoder like `indexer.core.native.select` (None: native when built)."""
+    /score body decoder like `indexer.core.native.select` (None: native when built); `pool` answers
+    large /score and /query bodies off the event loop (None: the defaults of router_api/offload.py)."""
     cfg = service.config
     metrics = service.metrics
     max_body = cfg.max_body_bytes
@@ -228,7 +230,7 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
                       escape_log(request.url.path), exc_info=exc)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    front: Any = ScoreFront(app, service, native_bodies, limiter)
+    front: Any = ScoreFront(app, service, native_bodies, limiter, pool)
 
     async def served(request: Request, route: Route) -> Response:
         """/score and /query through FastAPI: the front's own path (reached when the app is mounted
@@ -241,7 +243,8 @@ def create_app(service: IndexerService, native_bodies: bool | None = None) -> AS
         except ApiError as exc:
             status, out, hdr = front.rejected(route[0], exc)
         else:
-            status, out, hdr = front.answer(route, kind, _hb(h.get("accept")), request.scope["query_string"], body, t0)
+            status, out, hdr = await front.respond(route, kind, _hb(h.get("accept")), request.scope["query_string"],
+                                                   body, t0)
         return Response(out, status_code=status, media_type=hdr[1].decode())
 
     docs = openapi_docs()

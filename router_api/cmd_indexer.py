@@ -92,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-fast-path", choices=("on", "off"),
                    help="answer /score and /query in uvicorn's protocol callbacks (default on; off: through "
                         "the ASGI front, for comparison)")
+    p.add_argument("--http-offload-bytes", type=int, metavar="N",
+                   help="/score and /query bodies of at least N bytes are answered on a worker thread, off the "
+                        "event loop (default 262144; 0: every body on the loop, for comparison; docs/limits.md)")
     p.add_argument("--log-format", choices=("text", "json"), help="log line format (default text)")
     # The JetStream event plane (docs/jetstream.md); the logic lives in router_api.nats_plane.
     p.add_argument("--nats", metavar="URL", help="consume every worker of the shared registry from NATS JetStream")
@@ -424,7 +427,17 @@ def run(args: argparse.Namespace) -> int:
         from router_api.route_plane import RouteFanout
 
         service.route_fanout = RouteFanout(plane.nats, service)  # pending routes reach every replica
-    app = create_app(service)
+    from router_api.offload import OFFLOAD_MIN_BYTES, AnswerPool
+
+    offload = getattr(args, "http_offload_bytes", None)
+    if offload is not None and offload < 0:
+        print("kvatlas indexer: --http-offload-bytes must be >= 0", file=sys.stderr)
+        service.stop(final_snapshot=False)
+        if plane is not None:
+            plane.close()
+        return 2
+    pool = AnswerPool(OFFLOAD_MIN_BYTES if offload is None else offload)
+    app = create_app(service, pool=pool)
     # Everything imported and built so far lives as long as the process: keep it out of the
     # collector's full passes, which would otherwise walk it during /score requests (p99).
     import gc
@@ -448,6 +461,7 @@ def run(args: argparse.Namespace) -> int:
         server.run()  # returns on SIGINT/SIGTERM
     finally:
         log.info("event=shutting_down served_s=%.1f", time.monotonic() - t0)
+        pool.close()
         service.stop()
         if service.route_fanout is not None:
             service.route_fanout.close()

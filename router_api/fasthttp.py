@@ -5,7 +5,10 @@ Measured on this host, uvicorn's per-request machinery (scope dict, RequestRespo
 asyncio Event and Task, the ASGI message dicts and their awaits) costs ~0.1 ms — as much as the
 whole 1k-token score. For the two hot routes this protocol skips it: the body is collected in
 `on_body`, and `on_message_complete` calls the ASGI front's `prepare` / `answer` (the one
-validation / negotiation path) and writes the response in one `transport.write`. Everything else
+validation / negotiation path) and writes the response in one `transport.write`. A large body's
+answer comes from the front's answer pool (router_api/offload.py) and is written when it is ready; an
+`_OffLoop` marker stands as uvicorn's cycle meanwhile, so a request pipelined behind it waits in
+uvicorn's pipeline (and the connection's shutdown and disconnect handling see it). Everything else
 — other routes, methods other than POST, pipelined requests behind a running one, `Expect:
 100-continue`, upgrades, a root path, a request without a valid bearer token — takes uvicorn's
 path unchanged (where the ASGI front and BearerAuth answer it). uvicorn keeps the server: sockets,
@@ -25,6 +28,7 @@ checks them, and `router_api.cmd_indexer.server_settings` falls back to plain ht
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import httptools
@@ -201,6 +205,32 @@ class _Pending:
         self.done = False  # answered early (413) and closing: the rest of the request is ignored
 
 
+class _Event:
+    """What uvicorn sets on a cycle's message event at disconnect: nobody waits on this one."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+
+_NO_WAITER = _Event()
+
+
+class _OffLoop:
+    """uvicorn's cycle while an answer is computed off the loop (the attributes uvicorn and
+    GuardedHttpProtocol read or set on `self.cycle`)."""
+
+    __slots__ = ("response_complete", "response_started", "disconnected", "keep_alive", "message_event")
+
+    def __init__(self, keep_alive: bool) -> None:
+        self.response_complete = False
+        self.response_started = False
+        self.disconnected = False
+        self.keep_alive = keep_alive  # uvicorn's shutdown clears it: the answer then closes the connection
+        self.message_event = _NO_WAITER
+
+
 class ScoreHttpProtocol(GuardedHttpProtocol):
     """See the module docstring. Without a ScoreFront in the app it is plain HttpToolsProtocol."""
 
@@ -308,8 +338,36 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
             ans = front.rejected(p.route[0], p.error)
         else:
             body = p.chunks[0] if len(p.chunks) == 1 else b"".join(p.chunks)
-            ans = front.answer(p.route, p.kind, p.accept, p.query, body, p.t0)
+            got = front.dispatch(p.route, p.kind, p.accept, p.query, body, p.t0)
+            if isinstance(got, Future):
+                self._later(got, p.keep_alive)
+                return
+            ans = got
         self._reply(ans, close=not p.keep_alive)
+
+    def _later(self, fut: Future, keep_alive: bool) -> None:
+        """Write the off-loop answer `fut` on the loop once it is ready (see `_OffLoop`)."""
+        mark = self.cycle = _OffLoop(keep_alive)  # type: ignore[assignment]
+        loop = self.loop
+
+        def ready(f: Future) -> None:  # on the pool's thread
+            try:
+                loop.call_soon_threadsafe(self._answered, mark, f)
+            except RuntimeError:  # the loop is closed: the server is gone, nobody to answer
+                pass
+        fut.add_done_callback(ready)
+
+    def _answered(self, mark: _OffLoop, fut: Future) -> None:
+        mark.response_complete = True
+        if mark.disconnected or self.transport.is_closing():
+            return
+        try:
+            ans = fut.result()
+        except BaseException as exc:  # `answer` never raises; a cancelled future (pool shut down) does
+            front = self._front
+            assert front is not None
+            ans = front.rejected("http", ApiError(503, f"not answered: {type(exc).__name__}", "offload_cancelled"))
+        self._reply(ans, close=not mark.keep_alive)
 
     # -- response ----------------------------------------------------------------------------
     def _reply(self, ans: Answer, close: bool) -> None:

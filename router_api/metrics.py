@@ -218,7 +218,7 @@ class ServiceMetrics:
     __slots__ = (
         "events", "drops", "batches", "gaps", "replays", "resyncs", "restarts", "worker_lag",
         "worker_blocks", "request_latency", "http_rejects", "snapshots", "snapshot_requests",
-        "recent_score", "index_core", "native_declines", "visibility", "score_answers", "_all",
+        "recent_score", "index_core", "native_declines", "visibility", "score_answers", "offload_pending", "_all",
     )
 
     def __init__(self) -> None:
@@ -252,8 +252,10 @@ class ServiceMetrics:
         self.score_answers = Counter(
             p + "score_answers_total", "/score answers by writer: c (the native writer, in-flight rows included) "
             "or msgspec (pure core, hybrid models, input the C path defers)", ("writer",))
+        self.offload_pending = Gauge(p + "http_offload_pending", "Large /score and /query bodies' answers queued "
+                                     "or running off the event loop (router_api/offload.py)")
         self._all: tuple[_Metric, ...] = (
-            self.index_core, self.native_declines, self.score_answers,
+            self.index_core, self.native_declines, self.score_answers, self.offload_pending,
             self.events, self.drops, self.batches, self.gaps, self.replays, self.resyncs,
             self.restarts, self.worker_lag, self.worker_blocks, self.request_latency,
             self.http_rejects, self.snapshots, self.snapshot_requests,

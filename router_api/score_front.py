@@ -5,7 +5,9 @@ query. `prepare` + `answer` are also what the uvicorn protocol fast path (router
 FastAPI routes that document the two endpoints call (docs/service.md, "HTTP stack")."""
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import Future
 from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl
 
@@ -14,6 +16,7 @@ import msgspec
 from router_api import score_text
 from router_api.bodies import ApiError, TokenBodies, check_length, content_kind, octet_tokens
 from router_api.http_log import RateLimitedLog
+from router_api.offload import AnswerPool
 from router_api.service import IndexerService, UnknownModel
 from schemas.api import ErrorResponse, QueryRequest, ScoreRequest
 
@@ -40,11 +43,15 @@ class ScoreFront:
     FastAPI routes that document them in OpenAPI all call them (docs/service.md, "HTTP stack")."""
 
     __slots__ = ("app", "service", "metrics", "max_body", "default_model", "routes", "fastapi", "bodies",
-                 "limiter", "token", "_kinds", "raw_routes")
+                 "limiter", "token", "_kinds", "raw_routes", "pool")
 
     def __init__(self, app: ASGIApp, service: IndexerService, native: bool | None = None,
-                 limiter: RateLimitedLog | None = None) -> None:
+                 limiter: RateLimitedLog | None = None, pool: AnswerPool | None = None) -> None:
         self.app = app
+        self.pool = pool if pool is not None else AnswerPool()  # large bodies' answers, off the loop
+        gauge = service.metrics.offload_pending
+        gauge.set(value=float(self.pool.pending))
+        self.pool.on_pending = lambda n: gauge.set(value=float(n))
         self.limiter = limiter if limiter is not None else RateLimitedLog()
         self.bodies = TokenBodies(native)
         self.fastapi = app
@@ -86,7 +93,7 @@ class ScoreFront:
         except ApiError as exc:
             await _send(send, *self.rejected(route[0], exc))
             return
-        await _send(send, *self.answer(route, kind, accept, scope["query_string"], body, t0))
+        await _send(send, *await self.respond(route, kind, accept, scope["query_string"], body, t0))
 
     def prepare(self, ctype: bytes | None, clen: bytes | None) -> str:
         """Before any body byte: the body kind from Content-Type; 413 for a declared length over the limit."""
@@ -108,6 +115,27 @@ class ScoreFront:
             self.limiter.warning(exc.reason, "event=rejected endpoint=%s reason=%s status=%d",
                                  endpoint, exc.reason, exc.status)
         return exc.status, _json.encode(ErrorResponse(error=exc.message)), _JSON_HEADERS
+
+    def dispatch(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes,
+                 t0: float) -> Answer | Future:
+        """`answer` on the caller's thread for a small body; for a large one (router_api/offload.py) a
+        Future of it from the answer pool, or 503 at once when the pool is full. The one place that
+        decides: this front (`respond`), the FastAPI routes and the protocol fast path all call it."""
+        pool = self.pool
+        if not pool.wants(len(body)):
+            return self.answer(route, kind, accept, query_string, body, t0)
+        fut = pool.submit(self.answer, route, kind, accept, query_string, body, t0)
+        if fut is None:
+            return self.rejected(route[0], ApiError(
+                503, f"busy: {pool.max_pending} large request bodies are already being answered; retry",
+                "offload_full"))
+        return fut
+
+    async def respond(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes,
+                      t0: float) -> Answer:
+        """`dispatch`, awaited."""
+        ans = self.dispatch(route, kind, accept, query_string, body, t0)
+        return await asyncio.wrap_future(ans) if isinstance(ans, Future) else ans
 
     def answer(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes,
                t0: float) -> Answer:

@@ -9,6 +9,18 @@
  * caller decodes the body with the typed msgspec decoder, so every reject is judged, and worded,
  * exactly as before. */
 
+/* Without the GIL: a large body's scan runs with the GIL released, so the event loop thread keeps
+ * serving (/health, small requests) while a worker thread parses a multi-MB body (router_api/offload.py).
+ * Only where it is provably safe: the body is an exact `bytes` (immutable, and the caller's reference
+ * keeps it alive), its buffer view is held, the scan writes only into memory allocated before it
+ * (an output object nobody else has seen yet) or with PyMem_Raw*, and it touches no Python object,
+ * raises nothing and takes no lock. Small bodies keep the GIL: the release would cost more than the scan. */
+#define NOGIL_BODY_BYTES (64 * 1024)
+
+static inline int body_nogil(PyObject *body, Py_ssize_t len) {
+    return len >= NOGIL_BODY_BYTES && PyBytes_CheckExact(body);
+}
+
 static PyObject *u32_bytes(const uint64_t *t, Py_ssize_t n) {
     PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
     if (!out) return NULL;
@@ -108,8 +120,13 @@ static PyObject *py_json_u32_array(PyObject *self, PyObject *args) {
     if (cap > maxn) cap = maxn < 0 ? 0 : maxn;
     PyObject *out = PyBytes_FromStringAndSize(NULL, cap * 4);
     if (!out) { PyBuffer_Release(&view); return NULL; }
-    q = json_u32_scan(q, end, (uint32_t *)PyBytes_AS_STRING(out), cap, &n);
+    uint32_t *o = (uint32_t *)PyBytes_AS_STRING(out);
+    /* a msgspec.Raw of an exact bytes body is read-only too, but only bytes is checked: anything else keeps the GIL */
+    int nogil = body_nogil(raw, view.len);
+    PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+    q = json_u32_scan(q, end, o, cap, &n);
     if (q) while (q < end && json_ws(*q)) q++;
+    if (ts) PyEval_RestoreThread(ts);
     PyBuffer_Release(&view);
     if (q != end) { Py_DECREF(out); Py_RETURN_NONE; }
     return u32_exact(out, n, cap);
@@ -144,6 +161,47 @@ static const unsigned char *json_skip_value(const unsigned char *q, const unsign
     return NULL;
 }
 
+/* The scan of json_body_u32 over [base, end): pure C (no Python object, no GIL needed). Returns 1 with
+ * the tokens in o[0..*n) and the array's span [*a0, *a1), or 0 when undecided. */
+static int json_body_scan(const unsigned char *base, const unsigned char *end, uint32_t *o, Py_ssize_t cap,
+                          Py_ssize_t *nout, const unsigned char **a0out, const unsigned char **a1out) {
+    const unsigned char *q = base, *a0 = NULL, *a1 = NULL;
+    Py_ssize_t n = 0;
+    while (q < end && json_ws(*q)) q++;
+    if (q >= end || *q != '{') return 0;
+    q++;
+    for (;;) {
+        while (q < end && json_ws(*q)) q++;
+        if (q >= end || *q != '"') return 0; /* incl. '}' of an empty object: token_ids is required */
+        int esc;
+        const unsigned char *k0 = q + 1, *k1 = json_skip_string(q, end, &esc);
+        if (!k1 || esc) return 0; /* an escaped key could alias "token_ids": the typed decoder judges */
+        int is_tokens = k1 - 1 - k0 == 9 && memcmp(k0, "token_ids", 9) == 0;
+        q = k1;
+        while (q < end && json_ws(*q)) q++;
+        if (q >= end || *q != ':') return 0;
+        q++;
+        while (q < end && json_ws(*q)) q++;
+        if (is_tokens) {
+            if (a0) return 0; /* repeated: the typed decoder says what that means */
+            a0 = q;
+            q = json_u32_scan(q, end, o, cap, &n);
+            if (!q) return 0;
+            a1 = q;
+        } else if (!(q = json_skip_value(q, end))) return 0;
+        while (q < end && json_ws(*q)) q++;
+        if (q < end && *q == ',') { q++; continue; }
+        if (q < end && *q == '}') { q++; break; }
+        return 0;
+    }
+    while (q < end && json_ws(*q)) q++;
+    if (q != end || !a0) return 0;
+    *nout = n;
+    *a0out = a0;
+    *a1out = a1;
+    return 1;
+}
+
 /* json_body_u32(body, max_tokens) -> (u32 bytes, start, end) | None
  * One pass over a whole JSON /score or /query body: the top-level object's "token_ids" array is parsed
  * into u32 (as json_u32_array), and [start, end) is its span in the body. The caller decodes the body
@@ -157,47 +215,19 @@ static PyObject *py_json_body_u32(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "On", &body, &maxn)) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
-    const unsigned char *base = view.buf, *q = base, *end = q + view.len, *a0 = NULL, *a1 = NULL;
+    const unsigned char *base = view.buf, *end = base + view.len, *a0 = NULL, *a1 = NULL;
     Py_ssize_t cap = view.len / 2 + 1, n = 0;
     if (cap > maxn) cap = maxn < 0 ? 0 : maxn;
     PyObject *out = PyBytes_FromStringAndSize(NULL, cap * 4);
     if (!out) { PyBuffer_Release(&view); return NULL; }
-    while (q < end && json_ws(*q)) q++;
-    if (q >= end || *q != '{') goto undecided;
-    q++;
-    for (;;) {
-        while (q < end && json_ws(*q)) q++;
-        if (q >= end || *q != '"') goto undecided; /* incl. '}' of an empty object: token_ids is required */
-        int esc;
-        const unsigned char *k0 = q + 1, *k1 = json_skip_string(q, end, &esc);
-        if (!k1 || esc) goto undecided; /* an escaped key could alias "token_ids": the typed decoder judges */
-        int is_tokens = k1 - 1 - k0 == 9 && memcmp(k0, "token_ids", 9) == 0;
-        q = k1;
-        while (q < end && json_ws(*q)) q++;
-        if (q >= end || *q != ':') goto undecided;
-        q++;
-        while (q < end && json_ws(*q)) q++;
-        if (is_tokens) {
-            if (a0) goto undecided; /* repeated: the typed decoder says what that means */
-            a0 = q;
-            q = json_u32_scan(q, end, (uint32_t *)PyBytes_AS_STRING(out), cap, &n);
-            if (!q) goto undecided;
-            a1 = q;
-        } else if (!(q = json_skip_value(q, end))) goto undecided;
-        while (q < end && json_ws(*q)) q++;
-        if (q < end && *q == ',') { q++; continue; }
-        if (q < end && *q == '}') { q++; break; }
-        goto undecided;
-    }
-    while (q < end && json_ws(*q)) q++;
-    if (q != end || !a0) goto undecided;
+    uint32_t *o = (uint32_t *)PyBytes_AS_STRING(out);
+    PyThreadState *ts = body_nogil(body, view.len) ? PyEval_SaveThread() : NULL;
+    int ok = json_body_scan(base, end, o, cap, &n, &a0, &a1);
+    if (ts) PyEval_RestoreThread(ts);
     PyBuffer_Release(&view);
+    if (!ok) { Py_DECREF(out); Py_RETURN_NONE; }
     out = u32_exact(out, n, cap);
     return out ? Py_BuildValue("(Nnn)", out, (Py_ssize_t)(a0 - base), (Py_ssize_t)(a1 - base)) : NULL;
-undecided:
-    PyBuffer_Release(&view);
-    Py_DECREF(out);
-    Py_RETURN_NONE;
 }
 
 static PyObject *py_msgpack_u32_array(PyObject *self, PyObject *args) {
@@ -303,23 +333,23 @@ static const unsigned char *mp_str(const unsigned char *p, const unsigned char *
     return p + len;
 }
 
-static PyObject *py_msgpack_body_u32(PyObject *self, PyObject *args) {
-    PyObject *body, *out = NULL;
-    Py_ssize_t maxn;
-    if (!PyArg_ParseTuple(args, "On", &body, &maxn)) return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
-    const unsigned char *base = view.buf, *p = base, *end = p + view.len, *a0 = NULL, *a1 = NULL;
-    uint64_t npairs;
-    if (p >= end) goto undecided;
+/* The scan of msgpack_body_u32 over [base, end): pure C (no Python object, no GIL needed; memory from
+ * PyMem_Raw*). Returns 1 with the n tokens in *tout (the caller frees it) and the array's span [*a0, *a1),
+ * 0 when undecided, -1 when out of memory (no Python error set: the caller sets it with the GIL). */
+static int msgpack_body_scan(const unsigned char *base, const unsigned char *end, Py_ssize_t maxn, uint32_t **tout,
+                             Py_ssize_t *nout, const unsigned char **a0out, const unsigned char **a1out) {
+    const unsigned char *p = base, *a0 = NULL, *a1 = NULL;
+    uint32_t *o = NULL;
+    uint64_t npairs, n = 0;
+    if (p >= end) return 0;
     if ((*p & 0xF0) == 0x80) npairs = *p++ & 0x0F;
     else if (*p == 0xDE || *p == 0xDF) {
         int nb = *p == 0xDE ? 2 : 4;
-        if (end - p < 1 + nb) goto undecided;
+        if (end - p < 1 + nb) return 0;
         npairs = be_uint(p + 1, nb);
         p += 1 + nb;
-    } else goto undecided;
-    if (npairs > (uint64_t)(end - p)) goto undecided;
+    } else return 0;
+    if (npairs > (uint64_t)(end - p)) return 0;
     for (uint64_t k = 0; k < npairs; k++) {
         const unsigned char *ks;
         Py_ssize_t kn;
@@ -330,7 +360,6 @@ static PyObject *py_msgpack_body_u32(PyObject *self, PyObject *args) {
         }
         if (a0 || p >= end) goto undecided; /* repeated: the typed decoder says what that means */
         a0 = p;
-        uint64_t n;
         unsigned char c = *p++;
         if ((c & 0xF0) == 0x90) n = c & 0x0F;
         else if (c == 0xDC || c == 0xDD) {
@@ -340,9 +369,8 @@ static PyObject *py_msgpack_body_u32(PyObject *self, PyObject *args) {
             p += nb;
         } else goto undecided;
         if (n > (uint64_t)(end - p) || n > (uint64_t)(maxn < 0 ? 0 : maxn)) goto undecided;
-        out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n * 4);
-        if (!out) { PyBuffer_Release(&view); return NULL; }
-        uint32_t *o = (uint32_t *)PyBytes_AS_STRING(out);
+        o = PyMem_RawMalloc((size_t)(n ? n : 1) * 4);
+        if (!o) return -1;
         for (uint64_t i = 0; i < n; i++) {
             if (p >= end) goto undecided;
             unsigned char t = *p++;
@@ -366,10 +394,32 @@ static PyObject *py_msgpack_body_u32(PyObject *self, PyObject *args) {
         a1 = p;
     }
     if (p != end || !a0) goto undecided;
-    PyBuffer_Release(&view);
-    return Py_BuildValue("(Nnn)", out, (Py_ssize_t)(a0 - base), (Py_ssize_t)(a1 - base));
+    *tout = o;
+    *nout = (Py_ssize_t)n;
+    *a0out = a0;
+    *a1out = a1;
+    return 1;
 undecided:
+    PyMem_RawFree(o);
+    return 0;
+}
+
+static PyObject *py_msgpack_body_u32(PyObject *self, PyObject *args) {
+    PyObject *body;
+    Py_ssize_t maxn;
+    if (!PyArg_ParseTuple(args, "On", &body, &maxn)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(body, &view, PyBUF_SIMPLE) < 0) { PyErr_Clear(); Py_RETURN_NONE; }
+    const unsigned char *base = view.buf, *a0 = NULL, *a1 = NULL;
+    uint32_t *t = NULL;
+    Py_ssize_t n = 0;
+    PyThreadState *ts = body_nogil(body, view.len) ? PyEval_SaveThread() : NULL;
+    int rc = msgpack_body_scan(base, base + view.len, maxn, &t, &n, &a0, &a1);
+    if (ts) PyEval_RestoreThread(ts);
     PyBuffer_Release(&view);
-    Py_XDECREF(out);
-    Py_RETURN_NONE;
+    if (rc < 0) return PyErr_NoMemory();
+    if (rc == 0) Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize((const char *)t, n * 4);
+    PyMem_RawFree(t);
+    return out ? Py_BuildValue("(Nnn)", out, (Py_ssize_t)(a0 - base), (Py_ssize_t)(a1 - base)) : NULL;
 }

@@ -193,6 +193,12 @@ static void digests_u32_avx2(const unsigned char *b, Py_ssize_t nk, Py_ssize_t b
 }
 #endif
 
+/* From this many tokens up the digests run without the GIL (a 480k-token query: ~1 ms), so the event
+ * loop thread serves meanwhile (router_api/offload.py). Safe: the buffer view is held (its memory can
+ * be neither freed nor resized), the loop reads it and writes PyMem_Raw memory only, touching no Python
+ * object. Callers hold the GIL on entry (never inside batch_apply's NOGIL section). */
+#define NOGIL_HASH_TOKENS 16384
+
 /* The chained keys of a u32 token buffer (what the /score bodies become), hashed in place: the same
  * keys as tokens_u64 + block_digest without the u64 copy. 1: done (*k allocated, *zero set when a
  * key is 0); 0: not a 1-d u32 buffer (the general path reads it); -1: memory error. */
@@ -210,6 +216,7 @@ static int u32_keys(PyObject *toks, uint64_t seed, Py_ssize_t bs, uint64_t **kou
     uint64_t *k = PyMem_RawMalloc((size_t)(nk ? nk : 1) * sizeof(uint64_t));
     uint64_t *cols = col_table(bs);
     if (!k || !cols) { PyMem_RawFree(k); PyMem_RawFree(cols); PyBuffer_Release(&view); PyErr_NoMemory(); return -1; }
+    PyThreadState *ts = view.len / 4 >= NOGIL_HASH_TOKENS ? PyEval_SaveThread() : NULL;
 #ifdef HAVE_AVX2_DIGESTS
     if (bs >= 4 && __builtin_cpu_supports("avx2")) digests_u32_avx2(view.buf, nk, bs, cols, k);
     else digests_u32(view.buf, nk, bs, cols, k);
@@ -222,6 +229,7 @@ static int u32_keys(PyObject *toks, uint64_t seed, Py_ssize_t bs, uint64_t **kou
         k[j] = seed;
         z |= !seed;
     }
+    if (ts) PyEval_RestoreThread(ts);
     PyMem_RawFree(cols);
     PyBuffer_Release(&view);
     *kout = k;
