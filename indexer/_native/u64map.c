@@ -431,6 +431,8 @@ static PyObject *U64Map_sparse(PyObject *cls, PyObject *u) {
     return (PyObject *)m;
 }
 
+static PyObject *U64Map_load(U64Map *m, PyObject *const *args, Py_ssize_t nargs); /* node_maps.c */
+
 static PyMethodDef U64Map_methods[] = {
     {"sparse", (PyCFunction)U64Map_sparse, METH_CLASS | METH_NOARGS, "a map kept at most half full (churning group maps)"},
     {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
@@ -439,6 +441,8 @@ static PyMethodDef U64Map_methods[] = {
     {"items", (PyCFunction)U64Map_items, METH_NOARGS, "list of (key, value)"},
     {"clear", (PyCFunction)U64Map_clear, METH_NOARGS, "remove everything"},
     {"narrow", (PyCFunction)U64Map_narrow, METH_NOARGS, "drop unused value words; returns the width"},
+    {"load", (PyCFunction)(void (*)(void))U64Map_load, METH_FASTCALL,
+     "load(stores) -> entries | None: dump stores (ext, hashes, keys, pos) in one call (indexer/core/dump.py)"},
     {NULL, NULL, 0, NULL},
 };
 
