@@ -212,6 +212,15 @@ static int load_args(PyObject *st, U64Map **ext, PyObject **hs, PyObject **ks, i
     return 1;
 }
 
+/* Random probes dominate a load: the slot of the key LOAD_AHEAD entries on is fetched meanwhile. */
+#ifndef LOAD_AHEAD
+#define LOAD_AHEAD 8
+#endif
+static inline void load_prefetch(const U64Map *nodes, PyObject *keys, Py_ssize_t j) {
+    uint64_t k;
+    if (LOAD_AHEAD && j < PyList_GET_SIZE(keys) && dump_key(PyList_GET_ITEM(keys, j), &k)) pf_slot(nodes, k);
+}
+
 /* nodes.load(stores) -> int | None
  * Twin of indexer/core/dump.py `put_entries` over a list of stores (ext, hashes, keys, pos), in
  * order: each pair whose key is a u64 maps the hash to it in `ext` and sets residency bit `pos` of
@@ -238,6 +247,7 @@ static PyObject *U64Map_load(U64Map *nodes, PyObject *const *args, Py_ssize_t na
         load_args(PyList_GET_ITEM(stores, s), &ext, &hs, &ks, &pos);
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ks); i++) {
             uint64_t k;
+            load_prefetch(nodes, ks, i + LOAD_AHEAD);
             if (!dump_key(PyList_GET_ITEM(ks, i), &k) || !k) continue; /* key 0: the side dict, no width */
             int f;
             if (find_or_insert(nodes, k, &f) < 0) return NULL;
@@ -250,6 +260,7 @@ static PyObject *U64Map_load(U64Map *nodes, PyObject *const *args, Py_ssize_t na
         load_args(PyList_GET_ITEM(stores, s), &ext, &hs, &ks, &pos);
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ks); i++) {
             uint64_t k;
+            load_prefetch(nodes, ks, i + LOAD_AHEAD);
             if (!dump_key(PyList_GET_ITEM(ks, i), &k)) continue;
             if (!k) nodes->pool = 1; /* as a store into the side dict marks it (U64Map_ass) */
             if (set_u64(ext, PyList_GET_ITEM(hs, i), k) < 0 || node_bit(nodes, k, pos, 1) < 0) return NULL;
