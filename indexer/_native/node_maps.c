@@ -216,6 +216,9 @@ static int load_args(PyObject *st, U64Map **ext, PyObject **hs, PyObject **ks, i
 #ifndef LOAD_AHEAD
 #define LOAD_AHEAD 8
 #endif
+#ifndef LOAD_KEYS_FIRST
+#define LOAD_KEYS_FIRST 16 /* words (256 worker slots); bench/bench_restore.py */
+#endif
 static inline void load_prefetch(const U64Map *nodes, PyObject *keys, Py_ssize_t j) {
     uint64_t k;
     if (LOAD_AHEAD && j < PyList_GET_SIZE(keys) && dump_key(PyList_GET_ITEM(keys, j), &k)) pf_slot(nodes, k);
@@ -242,18 +245,28 @@ static PyObject *U64Map_load(U64Map *nodes, PyObject *const *args, Py_ssize_t na
         int r = load_args(PyList_GET_ITEM(stores, s), &ext, &hs, &ks, &pos);
         if (r <= 0) { if (r < 0) return NULL; Py_RETURN_NONE; }
     }
-    /* keys first: growth moves 1 + width words a slot, so the table grows while it is narrow */
+    /* the width the loaded bits need: each store's position, if one of its keys goes in the table */
     for (Py_ssize_t s = 0; s < PyList_GET_SIZE(stores); s++) {
         load_args(PyList_GET_ITEM(stores, s), &ext, &hs, &ks, &pos);
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ks); i++) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ks) && (pos >> 6) + 1 > words; i++) {
             uint64_t k;
-            load_prefetch(nodes, ks, i + LOAD_AHEAD);
-            if (!dump_key(PyList_GET_ITEM(ks, i), &k) || !k) continue; /* key 0: the side dict, no width */
-            int f;
-            if (find_or_insert(nodes, k, &f) < 0) return NULL;
-            if ((pos >> 6) + 1 > words) words = (pos >> 6) + 1;
+            if (dump_key(PyList_GET_ITEM(ks, i), &k) && k) words = (pos >> 6) + 1; /* key 0: side dict */
         }
     }
+    /* A wide table goes in keys first, while it is narrow (growth moves 1 + width words a slot),
+     * then is re-laid once; a narrow one is laid out at its width at once (a second pass of random
+     * probes costs more than its growth moves). */
+    if (words > LOAD_KEYS_FIRST)
+        for (Py_ssize_t s = 0; s < PyList_GET_SIZE(stores); s++) {
+            load_args(PyList_GET_ITEM(stores, s), &ext, &hs, &ks, &pos);
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ks); i++) {
+                uint64_t k;
+                load_prefetch(nodes, ks, i + LOAD_AHEAD);
+                if (!dump_key(PyList_GET_ITEM(ks, i), &k) || !k) continue;
+                int f;
+                if (find_or_insert(nodes, k, &f) < 0) return NULL;
+            }
+        }
     if (widen(nodes, words) < 0) return NULL;
     Py_ssize_t loaded = 0;
     for (Py_ssize_t s = 0; s < PyList_GET_SIZE(stores); s++) {
