@@ -77,7 +77,7 @@ PutEntries = Callable[[Any, Any, list[Any], list[Any], int], int]
 def put_entries(nodes: Any, ext: Any, hashes: list[Any], keys: list[Any], pos: int) -> int:
     """One store's entries: each hash maps to its key in `ext` and the key's node gets residency bit
     `pos`. Keys that are not u64 are skipped. Returns the entries loaded. The reference of the
-    accelerator's `U64Map.load` (one C call per store)."""
+    accelerator's `U64Map.load` (all of a dump's stores in one C call)."""
     bit = 1 << pos
     loaded = 0
     for h, key in zip(hashes, keys):
