@@ -271,6 +271,7 @@ static PyObject *U64Map_load(U64Map *nodes, PyObject *const *args, Py_ssize_t na
     Py_ssize_t loaded = 0;
     for (Py_ssize_t s = 0; s < PyList_GET_SIZE(stores); s++) {
         load_args(PyList_GET_ITEM(stores, s), &ext, &hs, &ks, &pos);
+        if (reserve(ext, ext->used + PyList_GET_SIZE(hs)) < 0) return NULL; /* hashes in slot order */
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ks); i++) {
             uint64_t k;
             load_prefetch(nodes, ks, i + LOAD_AHEAD);

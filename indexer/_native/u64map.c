@@ -150,6 +150,15 @@ static Py_ssize_t insert_at(U64Map *m, Py_ssize_t i, uint64_t k) {
     return i;
 }
 
+/* Grow the table now to the capacity `n` entries would grow it to one insert at a time. Keys that
+ * come in the order of their home slots (a dump lists a worker's blocks in its map's slot order)
+ * would otherwise all land in the first part of a smaller table: one long run, probed per insert. */
+static int reserve(U64Map *m, Py_ssize_t n) {
+    Py_ssize_t cap = m->cap;
+    while (n * m->load_den > cap * m->load_num) cap += cap / GROW_DIV;
+    return cap == m->cap ? 0 : rehash(m, cap, m->width);
+}
+
 /* Slot for k, inserting it (value zero) when absent. -1 on memory error. */
 static Py_ssize_t find_or_insert(U64Map *m, uint64_t k, int *found) {
     Py_ssize_t i = find(m, k, found);
