@@ -412,6 +412,8 @@ class KVIndex:
         m = self._models.get(model)
         trust = m.trust if m is not None else self.trust_engine_hashes
         self._models[model] = fresh = self._new_model(model, block_size, trust)
+        if self._accel is not None:
+            return self._accel.load_dump(fresh, dump)
         return load_model_dump(fresh, dump) + load_groups(fresh, dump)
 
     def num_nodes(self, model: str) -> int:

@@ -177,3 +177,109 @@ static int node_drop(U64Map *m, uint64_t key) {
     if (f) erase(m, i);
     return 0;
 }
+
+/* ---------------------------------------------------------------- restore (nodes.load) */
+
+/* A dump's content key: 1 when `o` is an exact int in [0, 2^64) (`type(key) is int`: no bools or
+ * subclasses), *k set; 0 when the entry is skipped. */
+static inline int dump_key(PyObject *o, uint64_t *k) {
+    if (!PyLong_CheckExact(o)) return 0;
+    if (int_u64(o, k)) return 1;
+    *k = 0;
+    return int_sign(o) == 0; /* 0 is a key (the side dict's); negative or >= 2^64 is not */
+}
+
+/* One store's (ext, hashes, keys, pos) when the C loop takes it: a U64Map, exact lists of one length
+ * whose hashes are exact ints or bytes (so no map write can fail on a key type or run Python code),
+ * a bit position in range. 1 taken, 0 not (the Python loop judges it), -1 error. */
+static int load_args(PyObject *st, U64Map **ext, PyObject **hs, PyObject **ks, int *pos) {
+    if (!PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 4 || !PyObject_TypeCheck(PyTuple_GET_ITEM(st, 0), &U64MapType))
+        return 0;
+    *ext = (U64Map *)PyTuple_GET_ITEM(st, 0);
+    *hs = PyTuple_GET_ITEM(st, 1);
+    *ks = PyTuple_GET_ITEM(st, 2);
+    if (!PyList_CheckExact(*hs) || !PyList_CheckExact(*ks) || PyList_GET_SIZE(*hs) != PyList_GET_SIZE(*ks)) return 0;
+    PyObject *po = PyTuple_GET_ITEM(st, 3);
+    if (!PyLong_CheckExact(po)) return 0;
+    long p = PyLong_AsLong(po);
+    if (p == -1 && PyErr_Occurred()) return -1;
+    if (p < 0 || p >= 4 * MAX_SLOT) return 0;
+    *pos = (int)p;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(*hs); i++) {
+        PyObject *h = PyList_GET_ITEM(*hs, i);
+        if (!PyLong_CheckExact(h) && !PyBytes_CheckExact(h)) return 0;
+    }
+    return 1;
+}
+
+/* Random probes dominate a load: the slot of the key LOAD_AHEAD entries on is fetched meanwhile. */
+#ifndef LOAD_AHEAD
+#define LOAD_AHEAD 8
+#endif
+#ifndef LOAD_KEYS_FIRST
+#define LOAD_KEYS_FIRST 16 /* words (256 worker slots); bench/bench_restore.py */
+#endif
+static inline void load_prefetch(const U64Map *nodes, PyObject *keys, Py_ssize_t j) {
+    uint64_t k;
+    if (LOAD_AHEAD && j < PyList_GET_SIZE(keys) && dump_key(PyList_GET_ITEM(keys, j), &k)) pf_slot(nodes, k);
+}
+
+/* nodes.load(stores) -> int | None
+ * Twin of indexer/core/dump.py `put_entries` over a list of stores (ext, hashes, keys, pos), in
+ * order: each pair whose key is a u64 maps the hash to it in `ext` and sets residency bit `pos` of
+ * its node. Returns the pairs loaded; None (nothing touched) when a store is not one `load_args`
+ * takes. Why: restore ran that loop per entry over Python ints as wide as the fleet, and each new
+ * word of slots re-laid the whole table (43 s for 320k entries at 10k workers, docs/scaling.md).
+ * Here the keys go in first at the table's current width, the table is re-laid once at the width
+ * the loaded bits need (the width and capacity the Python loop ends with), then the bits are set. */
+static PyObject *U64Map_load(U64Map *nodes, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "load(stores: list[tuple[U64Map, list, list, int]])");
+        return NULL;
+    }
+    PyObject *stores = args[0];
+    U64Map *ext;
+    PyObject *hs, *ks;
+    int pos, words = 0;
+    for (Py_ssize_t s = 0; s < PyList_GET_SIZE(stores); s++) {
+        int r = load_args(PyList_GET_ITEM(stores, s), &ext, &hs, &ks, &pos);
+        if (r <= 0) { if (r < 0) return NULL; Py_RETURN_NONE; }
+    }
+    /* the width the loaded bits need: each store's position, if one of its keys goes in the table */
+    for (Py_ssize_t s = 0; s < PyList_GET_SIZE(stores); s++) {
+        load_args(PyList_GET_ITEM(stores, s), &ext, &hs, &ks, &pos);
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ks) && (pos >> 6) + 1 > words; i++) {
+            uint64_t k;
+            if (dump_key(PyList_GET_ITEM(ks, i), &k) && k) words = (pos >> 6) + 1; /* key 0: side dict */
+        }
+    }
+    /* A wide table goes in keys first, while it is narrow (growth moves 1 + width words a slot),
+     * then is re-laid once; a narrow one is laid out at its width at once (a second pass of random
+     * probes costs more than its growth moves). */
+    if (words > LOAD_KEYS_FIRST)
+        for (Py_ssize_t s = 0; s < PyList_GET_SIZE(stores); s++) {
+            load_args(PyList_GET_ITEM(stores, s), &ext, &hs, &ks, &pos);
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ks); i++) {
+                uint64_t k;
+                load_prefetch(nodes, ks, i + LOAD_AHEAD);
+                if (!dump_key(PyList_GET_ITEM(ks, i), &k) || !k) continue;
+                int f;
+                if (find_or_insert(nodes, k, &f) < 0) return NULL;
+            }
+        }
+    if (widen(nodes, words) < 0) return NULL;
+    Py_ssize_t loaded = 0;
+    for (Py_ssize_t s = 0; s < PyList_GET_SIZE(stores); s++) {
+        load_args(PyList_GET_ITEM(stores, s), &ext, &hs, &ks, &pos);
+        if (reserve(ext, ext->used + PyList_GET_SIZE(hs)) < 0) return NULL; /* hashes in slot order */
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ks); i++) {
+            uint64_t k;
+            load_prefetch(nodes, ks, i + LOAD_AHEAD);
+            if (!dump_key(PyList_GET_ITEM(ks, i), &k)) continue;
+            if (!k) nodes->pool = 1; /* as a store into the side dict marks it (U64Map_ass) */
+            if (set_u64(ext, PyList_GET_ITEM(hs, i), k) < 0 || node_bit(nodes, k, pos, 1) < 0) return NULL;
+            loaded++;
+        }
+    }
+    return PyLong_FromSsize_t(loaded);
+}

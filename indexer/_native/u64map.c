@@ -150,6 +150,15 @@ static Py_ssize_t insert_at(U64Map *m, Py_ssize_t i, uint64_t k) {
     return i;
 }
 
+/* Grow the table now to the capacity `n` entries would grow it to one insert at a time. Keys that
+ * come in the order of their home slots (a dump lists a worker's blocks in its map's slot order)
+ * would otherwise all land in the first part of a smaller table: one long run, probed per insert. */
+static int reserve(U64Map *m, Py_ssize_t n) {
+    Py_ssize_t cap = m->cap;
+    while (n * m->load_den > cap * m->load_num) cap += cap / GROW_DIV;
+    return cap == m->cap ? 0 : rehash(m, cap, m->width);
+}
+
 /* Slot for k, inserting it (value zero) when absent. -1 on memory error. */
 static Py_ssize_t find_or_insert(U64Map *m, uint64_t k, int *found) {
     Py_ssize_t i = find(m, k, found);
@@ -431,6 +440,8 @@ static PyObject *U64Map_sparse(PyObject *cls, PyObject *u) {
     return (PyObject *)m;
 }
 
+static PyObject *U64Map_load(U64Map *m, PyObject *const *args, Py_ssize_t nargs); /* node_maps.c */
+
 static PyMethodDef U64Map_methods[] = {
     {"sparse", (PyCFunction)U64Map_sparse, METH_CLASS | METH_NOARGS, "a map kept at most half full (churning group maps)"},
     {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
@@ -439,6 +450,8 @@ static PyMethodDef U64Map_methods[] = {
     {"items", (PyCFunction)U64Map_items, METH_NOARGS, "list of (key, value)"},
     {"clear", (PyCFunction)U64Map_clear, METH_NOARGS, "remove everything"},
     {"narrow", (PyCFunction)U64Map_narrow, METH_NOARGS, "drop unused value words; returns the width"},
+    {"load", (PyCFunction)(void (*)(void))U64Map_load, METH_FASTCALL,
+     "load(stores) -> entries | None: dump stores (ext, hashes, keys, pos) in one call (indexer/core/dump.py)"},
     {NULL, NULL, 0, NULL},
 };
 

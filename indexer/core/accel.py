@@ -18,6 +18,8 @@ from types import ModuleType
 from typing import Any
 
 from indexer.core.apply import KNOWN_EXT_LIMIT, apply_events, decode_or_drop, finite_ts
+from indexer.core.dump import dump_stores, put_entries
+from indexer.core.groupdump import load_groups
 from indexer.core.groups import learn_store
 from indexer.core.state import ModelState, WorkerState
 from indexer.core.types import (
@@ -178,6 +180,23 @@ class Accelerator:
         """`ModelState.tier_counts` in one C pass (the pure core when the maps hold odd values)."""
         res = self.mod.tier_counts(w.ext, m.nodes, w.shift)
         return list(res) if res is not None else m.tier_counts(w)
+
+    # --- restore ----------------------------------------------------------------------------
+    @staticmethod
+    def put(nodes: Any, ext: Any, hashes: list[Any], keys: list[Any], pos: int) -> int:
+        """`dump.put_entries` in one C call (`U64Map.load`); the Python loop for what it does not take."""
+        n = nodes.load([(ext, hashes, keys, pos)])
+        return put_entries(nodes, ext, hashes, keys, pos) if n is None else n
+
+    def load_dump(self, m: ModelState, dump: list[tuple[str, int, list[Any]]]) -> int:
+        """`load_model_dump` + `load_groups` with the main tree's stores in one C call, which lays the
+        residency table out once at its final width (the per-entry loop re-laid it once per new word
+        of slots: ~600 times at 10k workers, docs/scaling.md); groups one C call per store."""
+        stores = dump_stores(m, dump)
+        n = m.nodes.load([(s.worker.ext, s.hashes, s.keys, s.worker.shift + s.tier) for s in stores])
+        if n is None:  # a store the C loop does not take (odd hashes): the reference, store by store
+            n = sum(self.put(m.nodes, s.worker.ext, s.hashes, s.keys, s.worker.shift + s.tier) for s in stores)
+        return n + load_groups(m, dump, self.put)
 
     @staticmethod
     def narrow(m: ModelState) -> None:

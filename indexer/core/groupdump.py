@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from indexer.core.dump import PutEntries, put_entries
 from indexer.core.groups import FULL, Layout, table
 from indexer.core.state import NIBBLE
 from indexer.core.types import MEDIUM_NAMES
-from indexer.hashing import MASK64
 from schemas.events import BlockStored
 
 if TYPE_CHECKING:
@@ -68,8 +68,9 @@ def dump_groups(m: ModelState, out: list[tuple[str, int, list[Any]]]) -> None:
             evs.extend(_worker_groups(w))
 
 
-def load_groups(m: ModelState, dump: list[tuple[str, int, list[Any]]]) -> int:
-    """The group part of a dump (`dump_groups`) into `m`; returns group entries loaded."""
+def load_groups(m: ModelState, dump: list[tuple[str, int, list[Any]]], put: PutEntries = put_entries) -> int:
+    """The group part of a dump (`dump_groups`) into `m`; returns group entries loaded. `put` loads one
+    store's entries (dump.py's `put_entries`, or the accelerator's one call per store)."""
     loaded = 0
     for worker_id, dp_rank, events in dump:
         for ev in events:
@@ -100,12 +101,5 @@ def load_groups(m: ModelState, dump: list[tuple[str, int, list[Any]]]) -> int:
             keys = ev.extra_keys or []
             if len(keys) != len(ev.block_hashes):
                 continue
-            gext = g.slot_map(w.slot)
-            bit = 1 << (w.shift + MEDIUM_NAMES.index(ev.medium))
-            for h, key in zip(ev.block_hashes, keys):
-                if type(key) is not int or not 0 <= key <= MASK64:
-                    continue
-                gext[h] = key
-                g.nodes[key] = g.nodes.get(key, 0) | bit
-                loaded += 1
+            loaded += put(g.nodes, g.slot_map(w.slot), ev.block_hashes, keys, w.shift + MEDIUM_NAMES.index(ev.medium))
     return loaded
