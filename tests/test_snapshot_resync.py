@@ -34,7 +34,7 @@ def test_loss_beyond_replay_buffer_is_repaired_by_an_in_stream_snapshot() -> Non
                                                 seed=3)))
     random.Random(3).shuffle(requests)
     lost: set[int] = set()
-    sub = Subscriber(replay_timeout=1.0, drop_live=lambda _w, seq: seq in lost)
+    sub = Subscriber(replay_timeout=5.0, drop_live=lambda _w, seq: seq in lost)
     sub.add(WID, pub.endpoint, pub.replay_endpoint)
     index = KVIndex()
     index.ensure_model(MODEL, PAGE)
@@ -53,38 +53,39 @@ def test_loss_beyond_replay_buffer_is_repaired_by_an_in_stream_snapshot() -> Non
                 index.clear_worker(MODEL, d.worker_id)
 
     def caught_up() -> bool:
-        pub.flush(5.0)
+        pub.flush(30.0)
         pump()
         return applied["seq"] >= pub.next_seq - 1
 
     try:
         pub.heartbeat()
-        assert wait_until(lambda: (pub.heartbeat(), caught_up())[1], timeout=10)  # slow joiner
+        assert wait_until(lambda: (pub.heartbeat(), caught_up())[1], timeout=60)  # slow joiner
         half = len(requests) // 2
         for tokens in requests[:half]:
             driver.serve(tokens)
-        cache.wait_transfers(10.0)
+        cache.wait_transfers(60.0)
         cache.step()
-        assert wait_until(caught_up, timeout=10)
+        assert wait_until(caught_up, timeout=60)
         assert index_view(index) == cache_view(cache)
 
         # Lose 10 batches on the wire: far more than the 3-batch replay buffer holds.
         lost.update(range(pub.next_seq, pub.next_seq + 10))
         for tokens in requests[half:half + 10]:
             driver.serve(tokens)  # one step, one batch each
-        cache.wait_transfers(10.0)
+        cache.wait_transfers(60.0)
         cache.step()
         while pub.next_seq <= max(lost) + 1:  # a step with nothing to say sends no batch: top up
             pub.heartbeat()
-            pub.flush(5.0)
+            pub.flush(30.0)
         # the first live batch after the lost range reveals the gap
-        assert wait_until(lambda: (pump(), applied["unrecovered"])[1] == 1, timeout=10)
-        assert applied["snapshots_asked"] == 1
+        assert wait_until(lambda: (pump(), applied["unrecovered"])[1] >= 1, timeout=60)
+        assert applied["unrecovered"] == applied["snapshots_asked"] == 1, applied
         # The producer sees the request on its replay socket; its next step publishes the state.
-        assert wait_until(lambda: pub.stats.snapshot_requests == 1, timeout=10)
+        assert wait_until(lambda: pub.stats.snapshot_requests >= 1, timeout=60)
+        assert pub.stats.snapshot_requests == 1
         snap_seq = pub.next_seq
         cache.step()
-        assert wait_until(lambda: (pump(), applied["seq"] >= snap_seq)[1], timeout=10)
+        assert wait_until(lambda: (pump(), applied["seq"] >= snap_seq)[1], timeout=60)
         # Exact right after the snapshot batch — not only after later churn happens to refresh it.
         assert cache.stats.get("snapshots") == 1
         assert index_view(index) == cache_view(cache)
@@ -93,9 +94,9 @@ def test_loss_beyond_replay_buffer_is_repaired_by_an_in_stream_snapshot() -> Non
         # And the stream goes on exactly from there.
         for tokens in requests[half + 10:]:
             driver.serve(tokens)
-        cache.wait_transfers(10.0)
+        cache.wait_transfers(60.0)
         cache.step()
-        assert wait_until(caught_up, timeout=10)
+        assert wait_until(caught_up, timeout=60)
         assert index_view(index) == cache_view(cache)
     finally:
         cache.transfer.close()
