@@ -39,26 +39,7 @@ BS = 16
 BASE_PYTHON: str | None = None  # --base-python
 BLOCKS = 30_000
 
-_PROBE = """
-import json, sys, threading, time
-import httpx
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-ms, errors = [], []
-with httpx.Client(base_url=sys.argv[1], timeout=60.0) as c:
-    while not stop.is_set():
-        t = time.perf_counter()
-        try:
-            code = c.get("/health").status_code
-        except httpx.HTTPError as exc:
-            errors.append(repr(exc))
-        else:
-            ms.append((time.perf_counter() - t) * 1e3)
-            if code != 200:
-                errors.append(f"status {code}")
-        stop.wait(0.01)
-print(json.dumps({"ms": ms, "errors": errors}))
-"""
+_PROBE = str(REPO / "bench" / "health_probe.py")  # GET /health every 10 ms from its own process
 
 
 def free_port() -> int:
@@ -107,7 +88,7 @@ def one(mode: str, seconds: float, scorers: int, tokens: list[int], hashes: list
         pub.flush(30)
         mark = pub.next_seq - 1
         wait(lambda: (client.get("/workers").json()["workers"][0]["last_seq"] or 0) >= mark, 60, "the chain")
-        probe = subprocess.Popen([sys.executable, "-c", _PROBE, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        probe = subprocess.Popen([sys.executable, _PROBE, url, "10"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  text=True)
         stop = threading.Event()
         answers: list[int] = []

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Iterator
 
 import httpx
 import pytest

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -138,26 +139,8 @@ def honest_hybrid(seed: int, blocks: int = 64) -> tuple[list, list[int]]:
                          kv_cache_spec_sliding_window=64)], toks)
 
 
-_PROBE = """
-import json, sys, threading, time
-import httpx
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-ms, errors = [], []
-with httpx.Client(base_url=sys.argv[1], timeout=30.0) as c:
-    while not stop.is_set():
-        t = time.perf_counter()
-        try:
-            code = c.get("/health").status_code
-        except httpx.HTTPError as exc:
-            errors.append(repr(exc))
-        else:
-            ms.append((time.perf_counter() - t) * 1e3)
-            if code != 200:
-                errors.append(f"status {code}")
-        stop.wait(0.02)
-print(json.dumps({"ms": ms, "errors": errors}))
-"""
+# The probe process (shared with bench/bench_health_under_load.py): GET /health every 20 ms.
+_PROBE = str(Path(__file__).resolve().parents[2] / "bench" / "health_probe.py")
 
 
 class HealthProbe:
@@ -168,7 +151,7 @@ class HealthProbe:
         self.ms: list[float] = []
         self.errors: list[str] = []
         self._proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-c", _PROBE, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [sys.executable, _PROBE, url, "20"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def stop(self) -> None:
         if self._proc is None:
