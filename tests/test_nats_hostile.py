@@ -105,9 +105,9 @@ def _relay_until(relay: Relay, replica: Replica, engine: ZmqEventPublisher, wid:
         relay.step(20)
         replica.pump(0)
         return relay.sub.watermark(wid) is not None and relay.sub.watermark(wid) >= target and relay.flush(5.0)
-    wait_until(relayed, timeout=30.0, interval=0.0)
+    wait_until(relayed, timeout=90.0, interval=0.0)
     last = subject_last_seq(relay.pubs[wid])
-    wait_until(lambda: (replica.pump(10), (replica.sub.watermark(wid) or 0) >= last)[1], timeout=30.0, interval=0.0)
+    wait_until(lambda: (replica.pump(10), (replica.sub.watermark(wid) or 0) >= last)[1], timeout=90.0, interval=0.0)
 
 
 def test_a_relayed_batch_over_max_payload_is_stored_in_parts_never_a_hole(nats: NatsServer) -> None:
@@ -115,7 +115,7 @@ def test_a_relayed_batch_over_max_payload_is_stored_in_parts_never_a_hole(nats: 
     it as parts of one seq and the replica applies it whole: no gap, no resync, exact answers."""
     engine = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
     relay = Relay(nats.url, [RelayWorker("w0", engine.endpoint, engine.replay_endpoint, MODEL, BS)],
-                  replay_timeout=1.0, subscriber=Subscriber(replay_timeout=1.0))
+                  replay_timeout=5.0, subscriber=Subscriber(replay_timeout=5.0))
     replica = Replica(nats.url, BS)
     replica.add("w0")
     ref = KVIndex()  # the same batches applied directly (the reference model is too slow at 70k blocks)
@@ -123,7 +123,7 @@ def test_a_relayed_batch_over_max_payload_is_stored_in_parts_never_a_hole(nats: 
     rng = random.Random(3)
     try:
         wait_until(lambda: (engine.heartbeat(), engine.flush(1.0), relay.step(20),
-                            relay.sub.watermark("w0") is not None)[-1], timeout=10.0, interval=0.0)
+                            relay.sub.watermark("w0") is not None)[-1], timeout=60.0, interval=0.0)
         small = _big_store(rng, 8)
         big = _big_store(rng, 70_000, parent=small.block_hashes[-1])
         after = _big_store(rng, 8, parent=big.block_hashes[-1])
@@ -144,7 +144,7 @@ def test_a_relayed_batch_over_max_payload_is_stored_in_parts_never_a_hole(nats: 
         late = Replica(nats.url, BS)
         late.add("w0")
         try:
-            late.catch_up({"w0": subject_last_seq(pub)})
+            late.catch_up({"w0": subject_last_seq(pub)}, timeout=90.0)
             assert scores(late.index, queries) == scores(ref, queries)
         finally:
             late.close()
