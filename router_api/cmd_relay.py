@@ -56,19 +56,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     settings = StreamSettings(name=args.stream, prefix=args.subject_prefix, max_age_s=args.max_age,
                               max_bytes=args.max_bytes, storage=args.storage)
-    try:
-        relay = Relay(args.nats, args.worker, stream=settings,
-                      registry_bucket=None if args.no_register else args.registry_bucket,
-                      replay_timeout=args.replay_timeout)
-    except (NatsUnavailable, ValueError) as exc:
-        print(f"kvatlas relay: {exc}", file=sys.stderr)
-        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         stop.set()
 
+    # Before the relay starts (it registers the workers): a SIGTERM from then on is a clean stop.
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        relay = Relay(args.nats, args.worker, stream=settings,
+                      registry_bucket=None if args.no_register else args.registry_bucket,
+                      replay_timeout=args.replay_timeout)
+    except (NatsUnavailable, ValueError) as exc:
+        for s, h in old.items():
+            signal.signal(s, h)
+        print(f"kvatlas relay: {exc}", file=sys.stderr)
+        return 2
     deadline = None if args.duration is None else time.monotonic() + args.duration
     log.info("event=relay_started workers=%d stream=%s", len(args.worker), settings.name)
     try:
