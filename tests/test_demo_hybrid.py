@@ -37,7 +37,12 @@ def test_hybrid_demo_short(family: str, tmp_path: Path) -> None:
     # arrived (a prediction of KV the family cannot resume from would be "held less")
     line = next(ln for ln in text.splitlines() if ln.startswith("precise_tiered "))
     assert CAUSES["evicted"] not in line and CAUSES["extra"] not in line, text
-    assert rows[1]["prediction_accuracy"] >= 0.9, text
+    # Its other misses are timing (events not yet visible when it was routed: more of them on a loaded
+    # machine, so no accuracy floor here), each one attributed to a cause.
+    tiered = rows[1]
+    misses = round((1.0 - tiered["prediction_accuracy"]) * tiered["requests"])
+    assert set(tiered["causes"]) <= {"unseen", "unlanded", "lost"}, text
+    assert sum(tiered["causes"].values()) == misses, text
 
 
 def test_hybrid_demo_rejects_other_modes() -> None:

@@ -229,5 +229,5 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
 
 def rows_json(rows: Sequence[PolicyRow]) -> bytes:
     keys = ("policy", "routers", "requests", "hit_ratio", "prefill_tokens", "ttft_mean_s", "ttft_p90_s",
-            "prediction_accuracy")
+            "prediction_accuracy", "causes")  # causes: the "why not exact" counts, by cause
     return msgspec.json.encode({"policies": [{k: getattr(r, k) for k in keys} for r in rows]})
