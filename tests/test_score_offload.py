@@ -21,7 +21,6 @@ from indexer.core import native as native_core
 from indexer.index import KVIndex
 from router_api.app import create_app
 from router_api.bodies import ApiError, TokenBodies
-from router_api.cmd_indexer import server_settings
 from router_api.config import ServiceConfig
 from router_api.offload import OFFLOAD_MIN_BYTES, AnswerPool
 from router_api.service import IndexerService
@@ -29,6 +28,7 @@ from schemas.api import RegisterWorker, ScoreRequest
 from schemas.events import BlockStored, KVEventBatch
 from producer.publisher import ZmqEventPublisher
 from support.hostile import FLOOD_BLOCKS, FLOOD_BS, GroupFlood, LargeScores
+from support.service import serve_both_fronts
 from support.net import free_port, wait_until
 from support.service import KVIndexerProcess
 
@@ -43,8 +43,6 @@ class Served:
     """One service behind two real uvicorn servers (`fast`: the protocol fast path; `asgi`)."""
 
     def __init__(self, pool: AnswerPool | None = None) -> None:
-        import uvicorn
-
         self.service = IndexerService(ServiceConfig(block_size=BS, max_body_bytes=8 << 20, ingest_shards=1))
         svc = self.service
         svc.index.ensure_model("default", BS)
@@ -54,15 +52,7 @@ class Served:
             BlockStored(list(range(1, HELD + 1)), None, PROMPT[:HELD * BS], BS)]))
         self.app = create_app(svc, pool=pool)
         self.front = self.app
-        self.servers: dict[str, tuple[Any, threading.Thread, int]] = {}
-        for name, fast in (("fast", True), ("asgi", False)):
-            port = free_port()
-            server = uvicorn.Server(uvicorn.Config(self.app, **server_settings("127.0.0.1", port, fast)))
-            t = threading.Thread(target=server.run, name=f"uvicorn-{name}", daemon=True)
-            t.start()
-            self.servers[name] = (server, t, port)
-        for server, _t, _p in self.servers.values():
-            wait_until(lambda s=server: s.started, timeout=20)
+        self.servers = serve_both_fronts(self.app)
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.servers[name][2]}"

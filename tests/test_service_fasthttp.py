@@ -5,7 +5,6 @@ Expect: 100-continue, oversize bodies (declared and streamed), bearer auth."""
 from __future__ import annotations
 
 import socket
-import threading
 from typing import Iterator
 
 import httpx
@@ -13,7 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from support.net import free_port, wait_until
+from support.service import serve_both_fronts
 from router_api import fasthttp
 from router_api.app import create_app
 from router_api.cmd_indexer import server_settings
@@ -28,23 +27,13 @@ class Served:
     """One service behind two real uvicorn servers: `fast` (the protocol fast path) and `asgi`."""
 
     def __init__(self, auth: str | None = None, max_body: int = 1 << 20) -> None:
-        import uvicorn
-
         self.service = IndexerService(ServiceConfig(block_size=4, auth_token=auth, max_body_bytes=max_body))
         self.service.index.ensure_model("default", 4)
         self.service.registry.add(RegisterWorker(worker_id="w0", endpoint="tcp://127.0.0.1:1", block_size=4),
                                   self.service.clock())
         self.service.index.register_worker("default", "w0", 0)
         app = create_app(self.service)
-        self.servers: dict[str, tuple[uvicorn.Server, threading.Thread, int]] = {}
-        for name, fast in (("fast", True), ("asgi", False)):
-            port = free_port()
-            server = uvicorn.Server(uvicorn.Config(app, **{**server_settings("127.0.0.1", port, fast)}))
-            t = threading.Thread(target=server.run, name=f"uvicorn-{name}", daemon=True)
-            t.start()
-            self.servers[name] = (server, t, port)
-        for server, _t, _p in self.servers.values():
-            wait_until(lambda s=server: s.started, timeout=10)
+        self.servers = serve_both_fronts(app)
 
     def port(self, name: str) -> int:
         return self.servers[name][2]

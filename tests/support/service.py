@@ -336,3 +336,24 @@ def snapshot_marks(path: Path) -> dict[str, int]:
     if data is None:
         return {}
     return {w.reg.worker_id: w.last_seq for w in decode_snapshot(data).workers if w.last_seq is not None}
+
+
+def serve_both_fronts(app: Any) -> dict[str, tuple[Any, Any, int]]:
+    """The indexer app on two in-process uvicorn servers: "fast" (the protocol fast path) and "asgi"
+    (plain uvicorn), each on its own port and thread, started: name -> (server, thread, port)."""
+    import threading
+
+    import uvicorn
+
+    from router_api.cmd_indexer import server_settings
+
+    servers: dict[str, tuple[Any, Any, int]] = {}
+    for name, fast in (("fast", True), ("asgi", False)):
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, **server_settings("127.0.0.1", port, fast)))
+        t = threading.Thread(target=server.run, name=f"uvicorn-{name}", daemon=True)
+        t.start()
+        servers[name] = (server, t, port)
+    for server, _t, _p in servers.values():
+        wait_until(lambda s=server: s.started, timeout=20)
+    return servers
