@@ -6,57 +6,85 @@
  * Returns 0, or -1 on memory error. */
 typedef struct { Py_ssize_t dev, cach, sp[4]; } WRow;
 
-/* The end of a walk: the last run counted for the workers still in it, whose depths it reached. */
-static inline void finish_rows(WRow *rows, Py_ssize_t ns, const unsigned char *ac, const unsigned char *ad,
-                               const unsigned char *ct, Py_ssize_t run, Py_ssize_t depth) {
-    for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
+/* The workers still in a walk are a list of row indices, not a flag per row: after the first node
+ * only its holders are left (plus everyone while a shared-pool bit holds them in), so each later
+ * node costs what its holders cost, not the fleet's width. `ad` / `ct` per row: still on device,
+ * current tier. */
+typedef struct { Py_ssize_t *live, n; unsigned char *ad, *ct; } Alive;
+
+static int alive_init(Alive *a, Py_ssize_t ns) {
+    a->live = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(ns ? ns : 1));
+    a->ad = PyMem_RawMalloc((size_t)(ns ? ns : 1) * 2);
+    if (!a->live || !a->ad) { PyMem_RawFree(a->live); PyMem_RawFree(a->ad); PyErr_NoMemory(); return -1; }
+    a->ct = a->ad + ns;
+    for (Py_ssize_t s = 0; s < ns; s++) { a->live[s] = s; a->ad[s] = 1; a->ct[s] = 0; }
+    a->n = ns;
+    return 0;
+}
+
+static void alive_free(Alive *a) { PyMem_RawFree(a->live); PyMem_RawFree(a->ad); }
+
+/* A run of equal nodes ends: its length counts for the workers still in the walk. */
+static inline void add_run(WRow *rows, const Alive *a, Py_ssize_t run) {
+    if (run) for (Py_ssize_t i = 0; i < a->n; i++) { Py_ssize_t s = a->live[i]; rows[s].sp[a->ct[s]] += run; }
+}
+
+/* A worker meets a node where its nibble is `nib` (pool: some worker holds the node in the shared
+ * pool): 0 when it leaves the walk (cached prefix ends at `depth`). */
+static inline int meet(WRow *r, Alive *a, Py_ssize_t s, int nib, int pool, Py_ssize_t depth) {
+    if (a->ad[s] && !(nib & 1)) { r->dev = depth; a->ad[s] = 0; }
+    if (!(nib & 7) && !pool) { r->cach = depth; return 0; }
+    a->ct[s] = (nib & 1) ? 0 : (nib & 2) ? 1 : (nib & 4) ? 2 : 3;
+    return 1;
+}
+
+/* The end of a walk: the last run counted for the workers still in it, whose depths it reached
+ * (a worker still on device is still cached: it leaves both at once). */
+static inline void finish_rows(WRow *rows, const Alive *a, Py_ssize_t run, Py_ssize_t depth) {
+    add_run(rows, a, run);
     depth += run;
-    for (Py_ssize_t s = 0; s < ns; s++) {
-        if (ad[s]) rows[s].dev = depth;
-        if (ac[s]) rows[s].cach = depth;
+    for (Py_ssize_t i = 0; i < a->n; i++) {
+        Py_ssize_t s = a->live[i];
+        if (a->ad[s]) rows[s].dev = depth;
+        rows[s].cach = depth;
     }
 }
 
 static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ssize_t *slot, Py_ssize_t ns, WRow *rows) {
-    /* per slot: alive_c, alive_d, current tier */
-    unsigned char *st = PyMem_RawCalloc((size_t)(ns ? ns : 1), 3);
+    Alive a;
     uint64_t *prev = PyMem_RawCalloc((size_t)m->width, sizeof(uint64_t));
-    if (!st || !prev) { PyMem_RawFree(st); PyMem_RawFree(prev); PyErr_NoMemory(); return -1; }
-    unsigned char *ac = st, *ad = st + ns, *ct = st + 2 * ns;
+    if (!prev) { PyErr_NoMemory(); return -1; }
+    if (alive_init(&a, ns) < 0) { PyMem_RawFree(prev); return -1; }
     memset(rows, 0, sizeof(WRow) * (size_t)ns);
-    for (Py_ssize_t s = 0; s < ns; s++) ac[s] = ad[s] = 1;
-    Py_ssize_t nalive = ns, depth = 0, run = 0;
+    Py_ssize_t depth = 0, run = 0;
     int W = m->width, have_prev = 0;
     enum { PF_AHEAD = 4 }; /* 8, 16, 24 measured no better (docs/index-core.md) */
-    for (Py_ssize_t j = 0; j < nk && nalive; j++) {
+    for (Py_ssize_t j = 0; j < nk && a.n; j++) {
         if (j + PF_AHEAD < nk) pf_slot(m, keys[j + PF_AHEAD]);
         uint64_t k = keys[j];
         int f = 0;
         Py_ssize_t i = k ? find(m, k, &f) : 0;
         if (!f) break; /* callers never pass key 0 (it lives in the side dict): Python walks those */
         const uint64_t *v = VALS(m, i);
-        int same = have_prev;
-        for (int w = 0; w < W && same; w++) same = v[w] == prev[w]; /* a word or two: no memcmp call */
-        if (same) { run++; continue; }
-        for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
+        if (have_prev && (W <= 2 ? v[0] == prev[0] && (W == 1 || v[1] == prev[1])
+                                 : memcmp(v, prev, sizeof(uint64_t) * (size_t)W) == 0)) { run++; continue; }
+        add_run(rows, &a, run);
         depth += run;
-        run = 0;
         int pool = 0;
-        for (int w = 0; w < W; w++) if (v[w] & 0x8888888888888888ULL) { pool = 1; break; }
-        for (Py_ssize_t s = 0; s < ns; s++) {
-            if (!ac[s]) continue;
-            Py_ssize_t word = slot[s] >> 4;
+        for (int w = 0; w < W; w++) if (v[w] & POOL_BITS) { pool = 1; break; }
+        Py_ssize_t kept = 0;
+        for (Py_ssize_t x = 0; x < a.n; x++) {
+            Py_ssize_t s = a.live[x], word = slot[s] >> 4;
             int nib = word < W ? (int)((v[word] >> (4 * (slot[s] & 15))) & 0xF) : 0;
-            if (ad[s] && !(nib & 1)) { rows[s].dev = depth; ad[s] = 0; }
-            if (!(nib & 7) && !pool) { rows[s].cach = depth; ac[s] = 0; nalive--; continue; }
-            ct[s] = (nib & 1) ? 0 : (nib & 2) ? 1 : (nib & 4) ? 2 : 3;
+            if (meet(rows + s, &a, s, nib, pool, depth)) a.live[kept++] = s;
         }
+        a.n = kept;
         memcpy(prev, v, sizeof(uint64_t) * W);
         have_prev = 1;
         run = 1;
     }
-    finish_rows(rows, ns, ac, ad, ct, run, depth);
-    PyMem_RawFree(st);
+    finish_rows(rows, &a, run, depth);
+    alive_free(&a);
     PyMem_RawFree(prev);
     return 0;
 }
@@ -71,7 +99,8 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
                       Py_ssize_t ns, WRow *rows) {
     int W = 1;
     for (Py_ssize_t t = 0; t < nm; t++) if (ms[t]->width > W) W = ms[t]->width;
-    unsigned char *st = PyMem_RawCalloc((size_t)(ns ? ns : 1), 3);
+    Alive a;
+    if (alive_init(&a, ns) < 0) return -1;
     /* per shard: this key's value (or NULL) and the previous run's (copied, found flag in pf) */
     const uint64_t **cur = PyMem_RawCalloc((size_t)nm, sizeof(uint64_t *));
     uint64_t *prev = PyMem_RawCalloc((size_t)(nm * W), sizeof(uint64_t));
@@ -80,18 +109,17 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
      * bit, cannot change the outcome for the rest (a key only it holds ends the walk for them either
      * way): it is not probed. For one worker's document that is about one probe per key. */
     Py_ssize_t *talive = PyMem_RawCalloc((size_t)nm, sizeof(Py_ssize_t));
-    if (!st || !cur || !prev || !pf || !talive) {
-        PyMem_RawFree(st); PyMem_RawFree(cur); PyMem_RawFree(prev); PyMem_RawFree(pf); PyMem_RawFree(talive);
+    if (!cur || !prev || !pf || !talive) {
+        alive_free(&a); PyMem_RawFree(cur); PyMem_RawFree(prev); PyMem_RawFree(pf); PyMem_RawFree(talive);
         PyErr_NoMemory();
         return -1;
     }
-    unsigned char *ac = st, *ad = st + ns, *ct = st + 2 * ns;
     memset(rows, 0, sizeof(WRow) * (size_t)ns);
-    for (Py_ssize_t s = 0; s < ns; s++) { ac[s] = ad[s] = 1; talive[slot[s] % nm]++; }
-    Py_ssize_t nalive = ns, depth = 0, run = 0;
+    for (Py_ssize_t s = 0; s < ns; s++) talive[slot[s] % nm]++;
+    Py_ssize_t depth = 0, run = 0;
     int have_prev = 0;
     enum { PF_AHEAD = 4 };
-    for (Py_ssize_t j = 0; j < nk && nalive; j++) {
+    for (Py_ssize_t j = 0; j < nk && a.n; j++) {
         if (j + PF_AHEAD < nk)
             for (Py_ssize_t t = 0; t < nm; t++) if (talive[t] || ms[t]->pool) pf_slot(ms[t], keys[j + PF_AHEAD]);
         uint64_t k = keys[j];
@@ -107,23 +135,22 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
         int same = have_prev;
         for (Py_ssize_t t = 0; t < nm && same; t++) {
             if ((cur[t] != NULL) != pf[t]) { same = 0; break; }
-            if (cur[t]) for (int w = 0; w < ms[t]->width && same; w++) same = cur[t][w] == prev[t * W + w];
+            if (cur[t]) same = memcmp(cur[t], prev + t * W, sizeof(uint64_t) * (size_t)ms[t]->width) == 0;
         }
         if (same) { run++; continue; }
-        for (Py_ssize_t s = 0; s < ns; s++) if (ac[s]) rows[s].sp[ct[s]] += run;
+        add_run(rows, &a, run);
         depth += run;
-        run = 0;
         int pool = 0;
         for (Py_ssize_t t = 0; t < nm && !pool; t++)
             if (cur[t]) for (int w = 0; w < ms[t]->width; w++) if (cur[t][w] & POOL_BITS) { pool = 1; break; }
-        for (Py_ssize_t s = 0; s < ns; s++) {
-            if (!ac[s]) continue;
-            Py_ssize_t t = slot[s] % nm, l = slot[s] / nm, word = l >> 4;
+        Py_ssize_t kept = 0;
+        for (Py_ssize_t x = 0; x < a.n; x++) {
+            Py_ssize_t s = a.live[x], t = slot[s] % nm, l = slot[s] / nm, word = l >> 4;
             int nib = cur[t] && word < ms[t]->width ? (int)((cur[t][word] >> (4 * (l & 15))) & 0xF) : 0;
-            if (ad[s] && !(nib & 1)) { rows[s].dev = depth; ad[s] = 0; }
-            if (!(nib & 7) && !pool) { rows[s].cach = depth; ac[s] = 0; nalive--; talive[t]--; continue; }
-            ct[s] = (nib & 1) ? 0 : (nib & 2) ? 1 : (nib & 4) ? 2 : 3;
+            if (meet(rows + s, &a, s, nib, pool, depth)) a.live[kept++] = s;
+            else talive[t]--;
         }
+        a.n = kept;
         for (Py_ssize_t t = 0; t < nm; t++) {
             pf[t] = cur[t] != NULL;
             if (cur[t]) memcpy(prev + t * W, cur[t], sizeof(uint64_t) * (size_t)ms[t]->width);
@@ -131,8 +158,8 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
         have_prev = 1;
         run = 1;
     }
-    finish_rows(rows, ns, ac, ad, ct, run, depth);
-    PyMem_RawFree(st); PyMem_RawFree(cur); PyMem_RawFree(prev); PyMem_RawFree(pf); PyMem_RawFree(talive);
+    finish_rows(rows, &a, run, depth);
+    alive_free(&a); PyMem_RawFree(cur); PyMem_RawFree(prev); PyMem_RawFree(pf); PyMem_RawFree(talive);
     return 0;
 }
 
@@ -177,17 +204,36 @@ static int ranked_cmp(const void *a, const void *b) {
     return x->idx < y->idx ? -1 : x->idx > y->idx; /* cached desc is folded into idx order below */
 }
 
-/* idx sorts by (-cached, rank): cached <= query blocks, so one integer key holds both */
+/* idx sorts by (-cached, rank): cached <= query blocks, so one integer key holds both.
+ * Only rows with a block are sorted: the rows with none (most of a wide fleet's, for any one query)
+ * share one score and cached 0, so they stand in idx order already (ascending s) and are merged in
+ * after. The order is the full sort's (idx is unique: the comparison is a total order). */
+static inline int zero_row(const WRow *w) {
+    return !(w->cach | w->dev | w->sp[0] | w->sp[1] | w->sp[2] | w->sp[3]);
+}
+
 static void rank_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssize_t bs, Ranked *rk) {
-    Py_ssize_t maxc = 0;
+    Py_ssize_t maxc = 0, na = 0;
     for (Py_ssize_t s = 0; s < ns; s++) if (rows[s].cach > maxc) maxc = rows[s].cach;
     for (Py_ssize_t s = 0; s < ns; s++) {
+        if (zero_row(rows + s)) continue;
         const Py_ssize_t *sp = rows[s].sp;
         double x = (double)sp[0] * wt[0] + (double)sp[1] * wt[1] + (double)sp[2] * wt[2] + (double)sp[3] * wt[3];
-        rk[s].score = (double)bs * x;
-        rk[s].idx = (maxc - rows[s].cach) * ns + s;
+        rk[na].score = (double)bs * x;
+        rk[na++].idx = (maxc - rows[s].cach) * ns + s;
     }
-    qsort(rk, (size_t)ns, sizeof(Ranked), ranked_cmp);
+    qsort(rk, (size_t)na, sizeof(Ranked), ranked_cmp);
+    /* the same expression as a row's with every count 0: 0.0, or -0.0 when every weight is negative */
+    const Py_ssize_t z0 = 0;
+    Ranked z = {(double)bs * ((double)z0 * wt[0] + (double)z0 * wt[1] + (double)z0 * wt[2] + (double)z0 * wt[3]), 0};
+    /* merge from the back, in place: the sorted rows end at ns - 1, zero rows come by descending s */
+    Py_ssize_t i = na - 1, s = ns - 1, o = ns - 1;
+    for (; o > i; o--) {
+        while (!zero_row(rows + s)) s--; /* o > i: a zero row is left */
+        z.idx = maxc * ns + s;
+        if (i >= 0 && ranked_cmp(&rk[i], &z) > 0) rk[o] = rk[i--];
+        else { rk[o] = z; s--; }
+    }
 }
 
 /* The ranked rows as `cls` objects; with `kv` (hybrid rows) each also gets its kv_blocks. */

@@ -232,9 +232,24 @@ static PyObject *val_obj(const U64Map *m, Py_ssize_t i) {
     return r;
 }
 
+/* Widths past LADDER_FROM words come from a fixed ladder (each step 1/LADDER_DIV wider, rounded up),
+ * not the exact need: a fleet's new worker slots open one word (16 slots) at a time, and each exact
+ * step re-laid the whole table — at 10k workers 625 re-lays of a table up to 663 MB, ~5 ms of CPU per
+ * new worker (docs/scaling.md). On the ladder the re-lays are ~log(width) in all and the table is at
+ * most 1/LADDER_DIV wider than its widest value. A fixed ladder (not "1.25x the current width") so a
+ * restore, laid out once, ends at the width that growing one slot at a time reaches. */
+#define LADDER_FROM 8
+#define LADDER_DIV 4
+static int ladder_width(int need) {
+    if (need <= LADDER_FROM) return need;
+    int w = LADDER_FROM;
+    while (w < need) w += (w + LADDER_DIV - 1) / LADDER_DIV;
+    return w < MAX_WIDTH ? w : MAX_WIDTH;
+}
+
 static int widen(U64Map *m, int width) {
     if (width <= m->width) return 0;
-    return rehash(m, m->cap, width);
+    return rehash(m, m->cap, ladder_width(width));
 }
 
 /* Store the one-word value x under inline key k (inserted when absent; the upper words zeroed). */
@@ -421,6 +436,7 @@ static PyObject *U64Map_narrow(U64Map *m, PyObject *u) {
         const uint64_t *v = VALS(m, i);
         for (int w = m->width - 1; w >= need; w--) if (v[w]) { need = w + 1; break; }
     }
+    need = ladder_width(need);
     if (need < m->width && rehash(m, m->cap, need) < 0) return NULL;
     return PyLong_FromLong(m->width);
 }
