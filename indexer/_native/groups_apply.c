@@ -245,12 +245,24 @@ static int node_unset(U64Map *m, uint64_t key, int shift, int tier, int *nib) {
     return was;
 }
 
+/* Prefetch the group node of an int hash the group's map holds. */
+static inline void pf_node(const GLay *g, const HRef *h) {
+    if (h->b || !h->k) return;
+    int f;
+    Py_ssize_t i = find(g->ext, h->k, &f);
+    if (f) pf_slot(g->nodes, VALS(g->ext, i)[0]);
+}
+
 /* Twin of groups.route_remove for a group of the worker's layout (state.unset_tier per block). */
 static int gp_remove(FCtx *c, const GLay *g, const FEv *e, const HRef *hs) {
-    for (Py_ssize_t j = 0; j < e->nh && j < 8; j++) if (!hs[j].b) pf_slot(g->ext, hs[j].k);
+    /* two strides ahead: the map slot 16 blocks on, and the node of the block 8 on (its key read
+     * from the map, whose slot is warm by then; only a prefetch, the block's own step probes again) */
+    for (Py_ssize_t j = 0; j < e->nh && j < 16; j++) if (!hs[j].b) pf_slot(g->ext, hs[j].k);
+    for (Py_ssize_t j = 0; j < e->nh && j < 8; j++) pf_node(g, hs + j);
     for (Py_ssize_t j = 0; j < e->nh; j++) {
         uint64_t key;
-        if (j + 8 < e->nh && !hs[j + 8].b) pf_slot(g->ext, hs[j + 8].k);
+        if (j + 16 < e->nh && !hs[j + 16].b) pf_slot(g->ext, hs[j + 16].k);
+        if (j + 8 < e->nh) pf_node(g, hs + j + 8);
         Py_ssize_t ei = -1; /* an int hash's slot: deleted there, no second probe (nodes is another map) */
         int r;
         if (!hs[j].b && hs[j].k) {
