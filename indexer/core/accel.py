@@ -39,22 +39,21 @@ def _pure_only(w: WorkerState) -> bool:
 def _groups_arg(m: ModelState, w: WorkerState) -> tuple | None:
     """The worker's layout for the C walk (groups_apply.c): per group (group_idx, kind, has_window,
     window, nodes, the worker's map); a window outside [0, 2^63) makes its group never match there.
-    Built once per layout version and slot (`Layout.accel`): a hybrid worker's every batch passes it."""
+    Built once per group table version and slot (`Layout.accel`): a hybrid worker's every batch passes it."""
     lay = w.layout
     if lay is None:
         return None
-    stamp = (m.groups.version, w.slot)
-    cached = lay.accel
-    if cached is not None and cached[0] == stamp:
-        return cached[1]
+    version = m.groups.version
+    if lay.accel_at == version and lay.accel_slot == w.slot:
+        return lay.accel
     out = []
     for gi, g in lay.groups.items():
         win = g.window
         ok = win is None or (type(win) is int and 0 <= win < 2**63)
         out.append((gi, g.kind if ok else -1, int(win is not None), win if ok and win is not None else 0, g.nodes,
                     g.slot_map(w.slot)))
-    arg = tuple(out)
-    lay.accel = (stamp, arg)
+    arg = lay.accel = tuple(out)
+    lay.accel_at, lay.accel_slot = version, w.slot
     return arg
 
 
@@ -121,8 +120,13 @@ class Accelerator:
             fresh = w is None
             if fresh:
                 w = m.worker(worker_id, rank)
+            lay = w.layout
             # positional: keyword parsing costs more than the walk of a small batch (docs/index-core.md)
-            if m.groups is None and not fresh:
+            if lay is not None and lay.learn is not None and lay.accel_at == m.groups.version and lay.accel_slot == w.slot:
+                # a hybrid worker's steady state: its groups tuple and callback as last built
+                res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT,
+                                    None, 0, lay.accel, lay.learn)
+            elif m.groups is None and not fresh:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT)
             else:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT,

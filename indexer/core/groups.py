@@ -127,15 +127,17 @@ class Group:
 class Layout:
     """One worker's (one dp rank's) groups: its main tree's group_idx and its other groups."""
 
-    __slots__ = ("primary", "groups", "accel", "learn")
+    __slots__ = ("primary", "groups", "accel", "accel_at", "accel_slot", "learn")
 
     def __init__(self, primary: int | None) -> None:
         self.primary = primary  # None until a full-attention group is seen (or the worker held KV first)
         self.groups: dict[int, Group] = {}
-        # The C walk's view of this layout (indexer/core/accel.py): ((table version, slot), the groups
-        # tuple), and its learn callback. A table version bump (a layout or a group map changed) or
-        # a slot move makes the tuple stale.
-        self.accel: tuple[tuple[int, int], tuple] | None = None
+        # The C walk's view of this layout (indexer/core/accel.py): the groups tuple, built at group
+        # table version `accel_at` for slot `accel_slot` (a version bump, i.e. a layout or a group map
+        # changed, or a slot move makes it stale), and its learn callback.
+        self.accel: tuple | None = None
+        self.accel_at = -1
+        self.accel_slot = -1
         self.learn: Callable[[int, int, int | None], tuple | None] | None = None
 
     @property
