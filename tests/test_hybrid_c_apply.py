@@ -169,3 +169,30 @@ def test_group_store_shortcuts_hold_to_the_pure_core(batches: list[list[Any]]) -
             payload = encode_batch(KVEventBatch(0.0, evs))
             assert nat.apply_payload(M, wid, 0, payload) == pure.apply_payload(M, wid, 0, payload)
     _same(nat, pure, [T, T[:8]])
+
+
+@pytest.mark.parametrize("n", [5, 130, 700])
+def test_group_store_growing_its_map_mid_event_holds_to_the_pure_core(monkeypatch, n: int) -> None:
+    """A window store of n new blocks with repeated hashes: the group's map grows (rehashes) while the
+    event is written, so the slots the first pass kept go stale (the write probes again), and a hash
+    seen earlier in the same event is written twice, as the pure core does. Above 128 blocks the
+    keys, slots and flags live on the heap."""
+    pure_calls = []
+    real = accel_mod.apply_events
+    monkeypatch.setattr(accel_mod, "apply_events", lambda *a, **kw: (pure_calls.append(a), real(*a, **kw))[1])
+    rng = random.Random(n)
+    hs = [9_000 + i for i in range(n)]
+    rep = hs + [hs[rng.randrange(n)] for _ in range(3)] + [hs[0]]
+    toks = [rng.randrange(50) for _ in range(BS * len(rep))]
+    nat, pure = _pair()
+    for wid in ("w", "x"):
+        for evs in (
+            [_kv(rep, toks), _swa(rep, toks)],  # the window store's keys read from the KV store's
+            [_swa(rep, toks[::-1])],  # other tokens: keys from the group's map and the KV map
+            [BlockRemoved(hs[: n // 2], "GPU", group_idx=1), _swa(rep, toks)],  # half re-inserted
+        ):
+            payload = encode_batch(KVEventBatch(0.0, evs))
+            assert nat.apply_payload(M, wid, 0, payload) == pure.apply_payload(M, wid, 0, payload)
+    assert pure_calls == []  # every event was the C walk's
+    _same(nat, pure, [toks, toks[: BS * (n // 2)]])
+
