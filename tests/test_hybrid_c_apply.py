@@ -151,6 +151,11 @@ def _swa(hs=H, toks=T, parent=None) -> BlockStored:
     [[_kv(), _swa(H, [9] * 16)]],
     [[_kv(), _kv([701, 702], T[:8]), _swa()]],
     [[_kv([801, 802, 801], T[:12]), _swa([801, 802, 801], T[:12])]],
+    # window blocks in neither map: their keys hashed from a parent in the KV map, in the window's
+    # map, or in none (group_orphan: nothing stored)
+    [[_kv(), _swa([601, 602], T[:8], parent=504)]],
+    [[_kv(), _swa(), BlockRemoved(H, "GPU", group_idx=0), _swa([601, 602], T[:8], parent=504)]],
+    [[_kv(), _swa([601, 602], T[:8], parent=999)]],
     # a placeholder KV store (host tier) then the window's placeholder
     [[_kv(), _swa()], [BlockStored(H, None, [], 0, None, "CPU_PINNED", group_idx=0, kv_cache_spec_kind="full_attention"),
                        BlockStored(H, None, [], 0, None, "CPU_PINNED", group_idx=1, kv_cache_spec_kind="sliding_window",
@@ -160,8 +165,8 @@ def _swa(hs=H, toks=T, parent=None) -> BlockStored:
     [[_kv(), _swa()], [_kv(), BlockStored(H, None, T, BS, None, "GPU", group_idx=1, kv_cache_spec_kind="sliding_window",
                                           kv_cache_spec_sliding_window=99)]],
     [[_swa(), _kv()], [_kv(), _swa()]],
-], ids=["kv-removed", "kv-removed-some", "kv-removed-2", "other-tokens", "kv-between", "repeated-hash", "placeholders", "reset",
-        "group-first"])
+], ids=["kv-removed", "kv-removed-some", "kv-removed-2", "other-tokens", "kv-between", "repeated-hash",
+        "parent-in-kv", "parent-in-window", "parent-unknown", "placeholders", "reset", "group-first"])
 def test_group_store_shortcuts_hold_to_the_pure_core(batches: list[list[Any]]) -> None:
     nat, pure = _pair()
     for wid in ("w", "x"):  # x: its first layout learnt in the walk once the model has groups

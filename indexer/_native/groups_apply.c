@@ -156,13 +156,11 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
         if (e->bsz != 1) { c->drops[D_BLOCK_SIZE_MISMATCH] += n; rc = 0; goto out; }
         Py_ssize_t nfull = e->nt / c->bs < n ? e->nt / c->bs : n;
         c->drops[D_PARTIAL_BLOCK] += n - nfull;
+        /* The parent's key starts the chain only when block 0 is in neither map (once a block is
+         * resolved its key does): looked up then, which spares a Mamba store (one block, its parent
+         * in no group map) a probe of the worker's big map. The lookups only read. */
         uint64_t state = c->seed;
         int have = 1;
-        if (e->has_parent) {
-            if ((r = href_get(gx, &e->parent, &state)) < 0) goto out;
-            if (!r && (r = href_get(c->ext, &e->parent, &state)) < 0) goto out;
-            have = r;
-        }
         for (Py_ssize_t j = 0; j < nfull && j < 8; j++) if (!hs[j].b) { pf_slot(gx, hs[j].k); if (j >= nkv) pf_slot(c->ext, hs[j].k); }
         for (Py_ssize_t j = 0; j < nfull; j++) {
             uint64_t key;
@@ -174,6 +172,11 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
             had[j] = (unsigned char)r; /* j == nk until the loop breaks */
             if (!r && (r = KV_GET(j, &key)) < 0) goto out;
             if (!r) {
+                if (j == 0 && e->has_parent) {
+                    if ((r = href_get(gx, &e->parent, &state)) < 0) goto out;
+                    if (!r && (r = href_get(c->ext, &e->parent, &state)) < 0) goto out;
+                    have = r;
+                }
                 if (!have) { c->drops[D_GROUP_ORPHAN] += nfull - j; break; }
                 key = state * P_MUL + block_digest(toks + j * c->bs, c->bs, 0, c->cols);
             }
