@@ -151,6 +151,11 @@ def _swa(hs=H, toks=T, parent=None) -> BlockStored:
     [[_kv(), _swa(H, [9] * 16)]],
     [[_kv(), _kv([701, 702], T[:8]), _swa()]],
     [[_kv([801, 802, 801], T[:12]), _swa([801, 802, 801], T[:12])]],
+    # window blocks in neither map: their keys hashed from a parent in the KV map, in the window's
+    # map, or in none (group_orphan: nothing stored)
+    [[_kv(), _swa([601, 602], T[:8], parent=504)]],
+    [[_kv(), _swa(), BlockRemoved(H, "GPU", group_idx=0), _swa([601, 602], T[:8], parent=504)]],
+    [[_kv(), _swa([601, 602], T[:8], parent=999)]],
     # a placeholder KV store (host tier) then the window's placeholder
     [[_kv(), _swa()], [BlockStored(H, None, [], 0, None, "CPU_PINNED", group_idx=0, kv_cache_spec_kind="full_attention"),
                        BlockStored(H, None, [], 0, None, "CPU_PINNED", group_idx=1, kv_cache_spec_kind="sliding_window",
@@ -160,8 +165,8 @@ def _swa(hs=H, toks=T, parent=None) -> BlockStored:
     [[_kv(), _swa()], [_kv(), BlockStored(H, None, T, BS, None, "GPU", group_idx=1, kv_cache_spec_kind="sliding_window",
                                           kv_cache_spec_sliding_window=99)]],
     [[_swa(), _kv()], [_kv(), _swa()]],
-], ids=["kv-removed", "kv-removed-some", "kv-removed-2", "other-tokens", "kv-between", "repeated-hash", "placeholders", "reset",
-        "group-first"])
+], ids=["kv-removed", "kv-removed-some", "kv-removed-2", "other-tokens", "kv-between", "repeated-hash",
+        "parent-in-kv", "parent-in-window", "parent-unknown", "placeholders", "reset", "group-first"])
 def test_group_store_shortcuts_hold_to_the_pure_core(batches: list[list[Any]]) -> None:
     nat, pure = _pair()
     for wid in ("w", "x"):  # x: its first layout learnt in the walk once the model has groups
@@ -169,3 +174,30 @@ def test_group_store_shortcuts_hold_to_the_pure_core(batches: list[list[Any]]) -
             payload = encode_batch(KVEventBatch(0.0, evs))
             assert nat.apply_payload(M, wid, 0, payload) == pure.apply_payload(M, wid, 0, payload)
     _same(nat, pure, [T, T[:8]])
+
+
+@pytest.mark.parametrize("n", [5, 130, 700])
+def test_group_store_growing_its_map_mid_event_holds_to_the_pure_core(monkeypatch, n: int) -> None:
+    """A window store of n new blocks with repeated hashes: the group's map grows (rehashes) while the
+    event is written, so the slots the first pass kept go stale (the write probes again), and a hash
+    seen earlier in the same event is written twice, as the pure core does. Above 128 blocks the
+    keys, slots and flags live on the heap."""
+    pure_calls = []
+    real = accel_mod.apply_events
+    monkeypatch.setattr(accel_mod, "apply_events", lambda *a, **kw: (pure_calls.append(a), real(*a, **kw))[1])
+    rng = random.Random(n)
+    hs = [9_000 + i for i in range(n)]
+    rep = hs + [hs[rng.randrange(n)] for _ in range(3)] + [hs[0]]
+    toks = [rng.randrange(50) for _ in range(BS * len(rep))]
+    nat, pure = _pair()
+    for wid in ("w", "x"):
+        for evs in (
+            [_kv(rep, toks), _swa(rep, toks)],  # the window store's keys read from the KV store's
+            [_swa(rep, toks[::-1])],  # other tokens: keys from the group's map and the KV map
+            [BlockRemoved(hs[: n // 2], "GPU", group_idx=1), _swa(rep, toks)],  # half re-inserted
+        ):
+            payload = encode_batch(KVEventBatch(0.0, evs))
+            assert nat.apply_payload(M, wid, 0, payload) == pure.apply_payload(M, wid, 0, payload)
+    assert pure_calls == []  # every event was the C walk's
+    _same(nat, pure, [toks, toks[: BS * (n // 2)]])
+

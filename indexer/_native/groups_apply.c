@@ -110,24 +110,43 @@ static int gp_learn(FCtx *c, const FEv *e) {
     return 1;
 }
 
-/* Twin of groups._group_store for a group of the worker's layout. 0 done, -1 error. */
+/* A group map's lookup of h, with the slot its probe ended at (-1: a key of the side dict). */
+static inline int g_get(U64Map *gx, const HRef *h, Py_ssize_t *slot, uint64_t *out) {
+    if (!h->b && h->k) {
+        int f;
+        *slot = find(gx, h->k, &f);
+        if (f) *out = VALS(gx, *slot)[0];
+        return f;
+    }
+    *slot = -1;
+    return href_get(gx, h, out);
+}
+
+/* Twin of groups._group_store for a group of the worker's layout. 0 done, -1 error.
+ * Keys are resolved for the whole event first (the pure core reads the group's map before writing
+ * it), then written. An int hash's probe of the group's map in the first pass keeps its slot: the
+ * write reuses it while the table has not moved and the slot is still empty (linear probing only
+ * fills slots, so the key is still absent there), one probe per block instead of two. */
 static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const uint64_t *toks) {
     Py_ssize_t n = e->nh, nk = 0;
     uint64_t stackbuf[128], *keys = n <= 128 ? stackbuf : PyMem_RawMalloc((size_t)n * sizeof(uint64_t));
+    Py_ssize_t slotbuf[128], *slot = n <= 128 ? slotbuf : PyMem_RawMalloc((size_t)n * sizeof(Py_ssize_t));
     unsigned char hadbuf[128], *had = n <= 128 ? hadbuf : PyMem_RawMalloc((size_t)n); /* in the group's map already */
-    if (!keys || !had) {
+    if (!keys || !had || !slot) {
         if (keys != stackbuf) PyMem_RawFree(keys);
         if (had != hadbuf) PyMem_RawFree(had);
+        if (slot != slotbuf) PyMem_RawFree(slot);
         gil_need(); PyErr_NoMemory(); return -1;
     }
     int rc = -1, r;
+    U64Map *gx = g->ext;
     /* the blocks of the last main-tree store, whose keys the walk just set in ext: read from there */
     const uint64_t *kv = c->kc_n && e->h0 == c->kc_h0 ? c->kc : NULL;
     Py_ssize_t nkv = kv ? c->kc_n : 0;
 #define KV_GET(j, out) ((j) < nkv ? (*(out) = kv[j], 1) : href_get(c->ext, hs + (j), (out)))
     if (e->bsz == 0 || e->nt == 0) { /* placeholder: blocks this worker maps (in this group or as KV) */
         for (Py_ssize_t j = 0; j < n; j++) {
-            if ((r = href_get(g->ext, hs + j, &keys[j])) < 0) goto out;
+            if ((r = g_get(gx, hs + j, slot + j, &keys[j])) < 0) goto out;
             had[j] = (unsigned char)r;
             if (!r && (r = KV_GET(j, &keys[j])) < 0) goto out;
             if (!r) { c->drops[D_PLACEHOLDER_UNKNOWN] += n; rc = 0; goto out; }
@@ -137,24 +156,27 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
         if (e->bsz != 1) { c->drops[D_BLOCK_SIZE_MISMATCH] += n; rc = 0; goto out; }
         Py_ssize_t nfull = e->nt / c->bs < n ? e->nt / c->bs : n;
         c->drops[D_PARTIAL_BLOCK] += n - nfull;
+        /* The parent's key starts the chain only when block 0 is in neither map (once a block is
+         * resolved its key does): looked up then, which spares a Mamba store (one block, its parent
+         * in no group map) a probe of the worker's big map. The lookups only read. */
         uint64_t state = c->seed;
         int have = 1;
-        if (e->has_parent) {
-            if ((r = href_get(g->ext, &e->parent, &state)) < 0) goto out;
-            if (!r && (r = href_get(c->ext, &e->parent, &state)) < 0) goto out;
-            have = r;
-        }
-        for (Py_ssize_t j = 0; j < nfull && j < 8; j++) if (!hs[j].b) { pf_slot(g->ext, hs[j].k); if (j >= nkv) pf_slot(c->ext, hs[j].k); }
+        for (Py_ssize_t j = 0; j < nfull && j < 8; j++) if (!hs[j].b) { pf_slot(gx, hs[j].k); if (j >= nkv) pf_slot(c->ext, hs[j].k); }
         for (Py_ssize_t j = 0; j < nfull; j++) {
             uint64_t key;
             if (j + 8 < nfull && !hs[j + 8].b) { /* random probes: overlap their misses */
-                pf_slot(g->ext, hs[j + 8].k);
+                pf_slot(gx, hs[j + 8].k);
                 if (j + 8 >= nkv) pf_slot(c->ext, hs[j + 8].k);
             }
-            if ((r = href_get(g->ext, hs + j, &key)) < 0) goto out;
-            had[nk] = (unsigned char)r;
+            if ((r = g_get(gx, hs + j, slot + j, &key)) < 0) goto out;
+            had[j] = (unsigned char)r; /* j == nk until the loop breaks */
             if (!r && (r = KV_GET(j, &key)) < 0) goto out;
             if (!r) {
+                if (j == 0 && e->has_parent) {
+                    if ((r = href_get(gx, &e->parent, &state)) < 0) goto out;
+                    if (!r && (r = href_get(c->ext, &e->parent, &state)) < 0) goto out;
+                    have = r;
+                }
                 if (!have) { c->drops[D_GROUP_ORPHAN] += nfull - j; break; }
                 key = state * P_MUL + block_digest(toks + j * c->bs, c->bs, 0, c->cols);
             }
@@ -164,21 +186,26 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
         }
     }
     int pos = c->shift + e->tier;
-    for (Py_ssize_t j = 0; j < nk; j++) pf_slot(g->nodes, keys[j]);
+    for (Py_ssize_t j = 0; j < nk && j < 16; j++) pf_slot(g->nodes, keys[j]);
+    const uint64_t *tab = gx->tab; /* the slots kept above hold while the table stays */
+    Py_ssize_t cap = gx->cap;
     for (Py_ssize_t j = 0; j < nk; j++) {
+        if (j + 16 < nk) pf_slot(g->nodes, keys[j + 16]);
         /* had[j]: mapped before this event, to keys[j] (nothing to write). Else it may have been mapped
          * by an earlier block of this event (a repeated hash): counted as mapped, and overwritten as
          * the pure core's `gext[h] = key` does. */
         int seen = had[j];
-        if (!seen && !hs[j].b && hs[j].k) { /* an int hash: found or inserted in one probe */
-            Py_ssize_t ei = find_or_insert(g->ext, hs[j].k, &seen);
-            if (ei < 0) goto out;
-            uint64_t *dst = VALS(g->ext, ei);
-            for (int w = 1; w < g->ext->width; w++) dst[w] = 0;
+        if (!seen && slot[j] >= 0) { /* an int hash: found or inserted in one probe */
+            Py_ssize_t ei;
+            if (gx->tab == tab && gx->cap == cap && !KEY(gx, slot[j])) {
+                if ((ei = insert_at(gx, slot[j], hs[j].k)) < 0) goto out;
+            } else if ((ei = find_or_insert(gx, hs[j].k, &seen)) < 0) goto out;
+            uint64_t *dst = VALS(gx, ei);
+            for (int w = 1; w < gx->width; w++) dst[w] = 0;
             dst[0] = keys[j];
         } else if (!seen) {
             uint64_t old;
-            if ((seen = href_get(g->ext, hs + j, &old)) < 0 || href_set(g->ext, hs + j, keys[j]) < 0) goto out;
+            if ((seen = href_get(gx, hs + j, &old)) < 0 || href_set(gx, hs + j, keys[j]) < 0) goto out;
         }
         int was = node_bit(g->nodes, keys[j], pos, 1);
         if (was < 0) goto out;
@@ -189,6 +216,7 @@ out:
 #undef KV_GET
     if (keys != stackbuf) PyMem_RawFree(keys);
     if (had != hadbuf) PyMem_RawFree(had);
+    if (slot != slotbuf) PyMem_RawFree(slot);
     return rc;
 }
 
@@ -220,12 +248,24 @@ static int node_unset(U64Map *m, uint64_t key, int shift, int tier, int *nib) {
     return was;
 }
 
+/* Prefetch the group node of an int hash the group's map holds. */
+static inline void pf_node(const GLay *g, const HRef *h) {
+    if (h->b || !h->k) return;
+    int f;
+    Py_ssize_t i = find(g->ext, h->k, &f);
+    if (f) pf_slot(g->nodes, VALS(g->ext, i)[0]);
+}
+
 /* Twin of groups.route_remove for a group of the worker's layout (state.unset_tier per block). */
 static int gp_remove(FCtx *c, const GLay *g, const FEv *e, const HRef *hs) {
-    for (Py_ssize_t j = 0; j < e->nh && j < 8; j++) if (!hs[j].b) pf_slot(g->ext, hs[j].k);
+    /* two strides ahead: the map slot 16 blocks on, and the node of the block 8 on (its key read
+     * from the map, whose slot is warm by then; only a prefetch, the block's own step probes again) */
+    for (Py_ssize_t j = 0; j < e->nh && j < 16; j++) if (!hs[j].b) pf_slot(g->ext, hs[j].k);
+    for (Py_ssize_t j = 0; j < e->nh && j < 8; j++) pf_node(g, hs + j);
     for (Py_ssize_t j = 0; j < e->nh; j++) {
         uint64_t key;
-        if (j + 8 < e->nh && !hs[j + 8].b) pf_slot(g->ext, hs[j + 8].k);
+        if (j + 16 < e->nh && !hs[j + 16].b) pf_slot(g->ext, hs[j + 16].k);
+        if (j + 8 < e->nh) pf_node(g, hs + j + 8);
         Py_ssize_t ei = -1; /* an int hash's slot: deleted there, no second probe (nodes is another map) */
         int r;
         if (!hs[j].b && hs[j].k) {

@@ -41,11 +41,44 @@ static inline int rd_int(Rd *r, uint64_t *v, int *neg) {
     return 1;
 }
 
-/* n msgpack ints into t (the bulk of a payload: the widths tokenizers produce are decoded inline). */
+/* One token at byte o of a 16-byte window w (little-endian: byte i of the payload is bits 8i..):
+ * a positive fixint or a uint8/16/32, the widths tokenizers produce; its length, or 0 for anything
+ * else (the byte-wise loop reads it). Needs o <= 11, so that the widest (5 bytes) is in the window. */
+static inline unsigned tok_at(unsigned __int128 w, unsigned o, uint64_t *out) {
+    uint64_t lo = (uint64_t)(w >> (8 * o));
+    unsigned c = (unsigned)(lo & 0xFF);
+    if (c <= 0x7F) { *out = c; return 1; }
+    unsigned idx = c - 0xCC; /* uint8/16/32: no data-dependent branch between widths */
+    if (idx > 2) return 0;
+    unsigned nb = 1u << idx;
+    *out = (__builtin_bswap64(lo) << 8) >> (64 - 8 * nb);
+    return 1 + nb;
+}
+
+/* n msgpack ints into t (the bulk of a payload: the widths tokenizers produce are decoded inline).
+ * Three tokens per 16-byte load where they fit (each at most 5 bytes): the next token's position
+ * then waits on register shifts, not on a load, which is what bounds a byte-wise decode. */
 static int rd_tokens(Rd *r, uint64_t *t, Py_ssize_t n) {
     const unsigned char *p = r->p;
     Py_ssize_t pos = r->pos, len = r->len;
-    for (Py_ssize_t j = 0; j < n; j++) {
+    Py_ssize_t j = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    while (j + 3 <= n && pos + 16 <= len) {
+        uint64_t a, b;
+        memcpy(&a, p + pos, 8);
+        memcpy(&b, p + pos + 8, 8);
+        unsigned __int128 w = ((unsigned __int128)b << 64) | a; /* x86-64: loads are little-endian */
+        unsigned l0 = tok_at(w, 0, t + j);
+        if (!l0) break;
+        unsigned l1 = tok_at(w, l0, t + j + 1);
+        if (!l1) { j += 1; pos += l0; break; }
+        unsigned l2 = tok_at(w, l0 + l1, t + j + 2);
+        if (!l2) { j += 2; pos += l0 + l1; break; }
+        j += 3;
+        pos += l0 + l1 + l2;
+    }
+#endif
+    for (; j < n; j++) {
         if (pos + 8 <= len) {
             unsigned char c = p[pos];
             if (c <= 0x7F) { t[j] = c; pos += 1; continue; }

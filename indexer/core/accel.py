@@ -36,32 +36,44 @@ def _pure_only(w: WorkerState) -> bool:
     return lay is not None and lay.primary != 0
 
 
-def _groups_arg(w: WorkerState) -> tuple | None:
+def _groups_arg(m: ModelState, w: WorkerState) -> tuple | None:
     """The worker's layout for the C walk (groups_apply.c): per group (group_idx, kind, has_window,
-    window, nodes, the worker's map); a window outside [0, 2^63) makes its group never match there."""
+    window, nodes, the worker's map); a window outside [0, 2^63) makes its group never match there.
+    Built once per group table version and slot (`Layout.accel`): a hybrid worker's every batch passes it."""
     lay = w.layout
     if lay is None:
         return None
+    version = m.groups.version
+    if lay.accel_at == version and lay.accel_slot == w.slot:
+        return lay.accel
     out = []
     for gi, g in lay.groups.items():
         win = g.window
         ok = win is None or (type(win) is int and 0 <= win < 2**63)
         out.append((gi, g.kind if ok else -1, int(win is not None), win if ok and win is not None else 0, g.nodes,
                     g.slot_map(w.slot)))
-    return tuple(out)
+    arg = lay.accel = tuple(out)
+    lay.accel_at, lay.accel_slot = version, w.slot
+    return arg
 
 
 def _learner(m: ModelState, w: WorkerState, fresh: bool) -> Callable[[int, int, int | None], tuple | None] | None:
     """The C walk's callback for a store of a group outside `w`'s layout (groups_apply.c, gp_learn):
     `groups.learn_store`, then the new layout tuple, or None (the pure core judges the event). Given
     once the model has groups, and on a worker's first batch (a model's first layout); else None: a
-    batch of a model without groups pays nothing for it, and its first group event is the pure core's."""
+    batch of a model without groups pays nothing for it, and its first group event is the pure core's.
+    A worker with a layout keeps its closure on the layout (made once)."""
     if m.groups is None and not fresh:
         return None
+    lay = w.layout
+    if lay is not None and lay.learn is not None:
+        return lay.learn
 
     def learn(gi: int, kind: int, window: int | None) -> tuple | None:
-        return _groups_arg(w) if learn_store(m, w, gi, kind, window) else None
+        return _groups_arg(m, w) if learn_store(m, w, gi, kind, window) else None
 
+    if lay is not None:
+        lay.learn = learn
     return learn
 
 
@@ -108,12 +120,17 @@ class Accelerator:
             fresh = w is None
             if fresh:
                 w = m.worker(worker_id, rank)
+            lay = w.layout
             # positional: keyword parsing costs more than the walk of a small batch (docs/index-core.md)
-            if m.groups is None and not fresh:
+            if lay is not None and lay.learn is not None and lay.accel_at == m.groups.version and lay.accel_slot == w.slot:
+                # a hybrid worker's steady state: its groups tuple and callback as last built
+                res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT,
+                                    None, 0, lay.accel, lay.learn)
+            elif m.groups is None and not fresh:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT)
             else:
                 res = apply_msgpack(payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT,
-                                    None, 0, _groups_arg(w), _learner(m, w, fresh))
+                                    None, 0, _groups_arg(m, w), _learner(m, w, fresh))
             if res is None:
                 if fresh:
                     m.remove(w)  # a payload the C walk does not take must not register its worker
@@ -132,7 +149,7 @@ class Accelerator:
                 w = m.worker(worker_id, rank)
             res = apply_msgpack(
                 payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT, rank, default,
-                _groups_arg(w), _learner(m, w, fresh),
+                _groups_arg(m, w), _learner(m, w, fresh),
             )
             if res is None:
                 if fresh:
@@ -167,7 +184,7 @@ class Accelerator:
             return 0, ApplyStats(), None
         k, counts, drops, ts, n_events, partial = self.mod.apply_msgpack_run(
             payloads, w.ext, m.nodes, m.known_ext if m.trust else None, w.shift, m.block_size, m.seed0,
-            KNOWN_EXT_LIMIT, rank, default, max_payload, _groups_arg(w), _learner(m, w, False),
+            KNOWN_EXT_LIMIT, rank, default, max_payload, _groups_arg(m, w), _learner(m, w, False),
         )
         extra = None
         if partial is not None:  # payloads[k] stopped at an orphan: the pure core finishes it

@@ -127,11 +127,18 @@ class Group:
 class Layout:
     """One worker's (one dp rank's) groups: its main tree's group_idx and its other groups."""
 
-    __slots__ = ("primary", "groups")
+    __slots__ = ("primary", "groups", "accel", "accel_at", "accel_slot", "learn")
 
     def __init__(self, primary: int | None) -> None:
         self.primary = primary  # None until a full-attention group is seen (or the worker held KV first)
         self.groups: dict[int, Group] = {}
+        # The C walk's view of this layout (indexer/core/accel.py): the groups tuple, built at group
+        # table version `accel_at` for slot `accel_slot` (a version bump, i.e. a layout or a group map
+        # changed, or a slot move makes it stale), and its learn callback.
+        self.accel: tuple | None = None
+        self.accel_at = -1
+        self.accel_slot = -1
+        self.learn: Callable[[int, int, int | None], tuple | None] | None = None
 
     @property
     def hybrid(self) -> bool:
@@ -146,7 +153,7 @@ class GroupTable:
     def __init__(self) -> None:
         self.classes: dict[ClassKey, Group] = {}
         self.by_worker: dict[str, dict[ClassKey, int]] = {}  # worker id -> group -> its ranks using it
-        self.version = 0  # bumped whenever a layout changes (views built over layouts check it)
+        self.version = 0  # bumped whenever a layout or a worker's group map changes (views over layouts check it)
 
     def join(self, m: ModelState, w: WorkerState, gi: int, kind: int, window: int | None) -> Group | None:
         """The group (gi, kind, window) added to `w`'s layout; None when its worker id is at the cap."""

@@ -163,6 +163,7 @@ class ModelState:
         if w.layout is not None:
             for g in w.layout.groups.values():
                 g.clear_slot(w.slot)
+            self.groups.version += 1  # its group maps are new ones
         n = len(w.ext)
         w.ext = self.new_map()
         w.pending = []
