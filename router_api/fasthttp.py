@@ -36,7 +36,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router_api.app import bearer_ok
 from router_api.bodies import ApiError
-from router_api.http_head import HEAD, fields
+from router_api.http_head import SimplePost, simple_post
 from router_api.score_front import Answer, Route, ScoreFront
 
 HEALTH: Route = ("health", type(None), lambda *a: None)  # marks a GET /health in flight
@@ -251,38 +251,18 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
         front = self._front
         if front is not None and self._between and data.startswith(b"POST /") and not self.pipeline \
                 and (self.cycle is None or self.cycle.response_complete):
-            m = HEAD.match(data)
-            if m is not None:
-                route = front.raw_routes.get(m[1])
-                if route is not None and self._whole(front, route, m, data):
+            head = simple_post(data)
+            if head is not None:
+                route = front.raw_routes.get(head[0])
+                if route is not None and self._whole(front, route, head, data):
                     return
         super().data_received(data)
 
-    def _whole(self, front: ScoreFront, route: Route, m: Any, data: bytes) -> bool:
-        """Answer the request `m` matched when `data` is exactly that request; False (nothing done)
-        for anything the parser's path must judge: framing headers, a body not whole or followed by
-        more bytes, an oversize or unauthorised request."""
-        ctype = accept = clen = None
-        keep_alive = True
-        headers = fields(m[2])
-        for k, v in headers:
-            if k == b"content-type":
-                ctype = v
-            elif k == b"accept":
-                accept = v
-            elif k == b"content-length":
-                if clen is not None or not v.isdigit():
-                    return False
-                clen = v
-            elif k == b"connection":
-                v = v.lower()
-                if v == b"close":
-                    keep_alive = False
-                elif v != b"keep-alive":
-                    return False
-            elif k == b"transfer-encoding" or k == b"upgrade" or k == b"expect":
-                return False
-        end = m.end()
+    def _whole(self, front: ScoreFront, route: Route, head: SimplePost, data: bytes) -> bool:
+        """Answer the request `head` begins when `data` is exactly that request; False (nothing done)
+        when the parser's path must judge it: a body not whole or followed by more bytes, an oversize
+        or unauthorised request."""
+        _target, headers, ctype, accept, clen, keep_alive, end = head
         size = int(clen) if clen is not None else 0
         if size > front.max_body or len(data) - end != size:
             return False
