@@ -90,6 +90,8 @@ def test_table_lane_follows_every_change(seed: int, n_ops: int, n: int) -> None:
     for ix in (one, sharded):
         ix.ensure_model(MODEL, BS)
     probes = [toks for toks, _ in prompts][:4] + [[1, 2, 3, 4, 5, 6, 7, 8]]
+    for toks in probes:  # an empty model first (a history may deliver nothing)
+        assert _table(sharded, toks) == _table(one, toks)
     for d in deliveries:
         run(one, [d])
         run(sharded, [d])
