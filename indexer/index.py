@@ -40,7 +40,7 @@ scoring — through `indexer.core.accel`; both give identical keys, scores and s
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -357,6 +357,14 @@ class KVIndex:
         if self._accel is None or type(token_ids) not in _SEQ_TYPES:
             return None
         return self.score_table_model(self._model(model), token_ids, lora_name, cache_salt, workers)
+
+    def table_lane(self, m: Any) -> Callable[[Any], ScoreTable | None] | None:
+        """`score_table_model(m, tokens, None, None, None)` for u32 / int token containers, bound to `m`
+        as it is now (valid while `m`'s membership, groups and identity are unchanged: the caller
+        checks); None where that call takes another path (no accelerator, a model with groups)."""
+        if self._accel is None or m.groups is not None:
+            return None
+        return self._accel.table_lane(m, m.seed(None, None), self.weights)
 
     def score_table_model(
         self, m: Any, token_ids: Sequence[int] | np.ndarray, lora_name: str | None, cache_salt: str | None,

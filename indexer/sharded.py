@@ -30,7 +30,7 @@ import numpy as np
 from indexer.core.groups import Layout
 from indexer.core.state import ModelState, WorkerState
 from indexer.core.types import ApplyStats, ScoreResult, ScoreTable
-from indexer.index import KVIndex
+from indexer.index import _SEQ_TYPES, KVIndex
 from schemas.events import KVEvent, KVEventBatch
 from schemas.rules import NIBBLE, SLOT_BITS, slot_shift
 
@@ -134,7 +134,7 @@ class _Merged:
 class ShardedIndex:
     """`n` KVIndex shards, workers split by id (module docstring)."""
 
-    __slots__ = ("shards", "_views", "_placement", "_placed")
+    __slots__ = ("shards", "_views", "_lanes", "_placement", "_placed")
 
     def __init__(self, n: int = 2, placement: Callable[[str], int] | None = None, **kvindex_kwargs: Any) -> None:
         """`placement(worker_id) -> shard` (default: a stable hash of the id); it must not change its
@@ -148,6 +148,8 @@ class ShardedIndex:
         # model -> (per shard: the model, its `ranked` cache, its groups and their count, the view was
         # built from; the view)
         self._views: dict[str, tuple[list[Any], _Merged]] = {}
+        # model -> (the `_views` entry it was bound to, that view's `table_lane`)
+        self._lanes: dict[str, tuple[tuple[list[Any], _Merged], Callable[[Any], ScoreTable | None]]] = {}
         self._placement = placement
         self._placed: dict[str, int] = {}  # worker id -> shard, computed once
 
@@ -222,17 +224,26 @@ class ShardedIndex:
             out.update(s.worker_stats(model))
         return out
 
+    def _fresh(self, model: str, sig: list[Any]) -> bool:
+        """Whether the shards' `model` is still what `sig` (a view's) was taken from: `_view`'s test,
+        written as one loop over the shards' own tables, for the per-query path (each call and
+        comprehension is paid again on every /score, with cold caches on a busy host)."""
+        for s, (m0, r0, g0, v0) in zip(self.shards, sig):
+            m = s._models.get(model)  # (the shards are this index's own KVIndex objects)
+            if m is not m0 or m._ranked is not r0 or m.groups is not g0 or (g0 is not None and g0.version != v0):
+                return False  # (an unbuilt `ranked` cache is None: never the view's)
+        return True
+
     def _view(self, model: str) -> _Merged:
         """The merged view of `model`, rebuilt when a shard's model, membership or groups changed."""
+        hit = self._views.get(model)
+        if hit is not None and self._fresh(model, hit[0]):
+            return hit[1]
         ms = [s.model_state(model) for s in self.shards]
         # identities: the model objects (load_dump replaces them), their `ranked` caches (reset on every
         # membership change) and group tables (a table appears with a model's first layout; its version
         # moves with every layout change)
         sig = [(m, m.ranked(), m.groups, m.groups.version if m.groups is not None else 0) for m in ms]
-        hit = self._views.get(model)
-        if hit is not None and all(a[0] is b[0] and a[1] is b[1] and a[2] is b[2] and a[3] == b[3]
-                                   for a, b in zip(hit[0], sig)):
-            return hit[1]
         view = _Merged(ms)
         self._views[model] = (sig, view)
         return view
@@ -248,6 +259,18 @@ class ShardedIndex:
         self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
         cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None,
     ) -> ScoreTable | None:
+        if workers is None and lora_name is None and cache_salt is None and type(token_ids) in _SEQ_TYPES:
+            # every /score of the service: the view's bound C call while the view holds (`table_lane`)
+            hit = self._lanes.get(model)
+            if hit is not None and hit[0] is self._views.get(model) and self._fresh(model, hit[0][0]):
+                return hit[1](token_ids)
+            view = self._view(model)
+            lane = self.shards[0].table_lane(view)
+            if lane is None:
+                self._lanes.pop(model, None)
+            else:
+                self._lanes[model] = (self._views[model], lane)
+                return lane(token_ids)
         return self.shards[0].score_table_model(self._view(model), token_ids, lora_name, cache_salt, workers)
 
     def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:

@@ -36,6 +36,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router_api.app import bearer_ok
 from router_api.bodies import ApiError
+from router_api.http_head import SimplePost, simple_post
 from router_api.score_front import Answer, Route, ScoreFront
 
 HEALTH: Route = ("health", type(None), lambda *a: None)  # marks a GET /health in flight
@@ -240,11 +241,53 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
         self._pending: _Pending | None = None
         self._head_key: object = None
         self._head = b""
+        self._between = True  # the parser is between messages (no request of it under way)
+
+    # -- one read, one whole request -----------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        # A router's keep-alive query arrives whole in one read: a plain POST is answered from these
+        # bytes (router_api/http_head.py) without the parser's eight callbacks. Whatever the strict
+        # subset leaves out, and any read that is not exactly one request, takes the parser's path.
+        front = self._front
+        if front is not None and self._between and data.startswith(b"POST /") and not self.pipeline \
+                and (self.cycle is None or self.cycle.response_complete):
+            head = simple_post(data)
+            if head is not None:
+                route = front.raw_routes.get(head[0])
+                if route is not None and self._whole(front, route, head, data):
+                    return
+        super().data_received(data)
+
+    def _whole(self, front: ScoreFront, route: Route, head: SimplePost, data: bytes) -> bool:
+        """Answer the request `head` begins when `data` is exactly that request; False (nothing done)
+        when the parser's path must judge it: a body not whole or followed by more bytes, an oversize
+        or unauthorised request."""
+        _target, headers, ctype, accept, clen, keep_alive, end = head
+        size = int(clen) if clen is not None else 0
+        if size > front.max_body or len(data) - end != size:
+            return False
+        if front.token is not None and not bearer_ok(headers, front.token):
+            return False  # uvicorn's path: BearerAuth answers 401
+        t0 = time.perf_counter()
+        # the request is whole: neither its read deadline nor keep-alive's governs until the answer is out
+        self._idle_until = self._request_until = None
+        try:
+            kind = front.prepare(ctype, clen)
+        except ApiError as exc:  # (never 413: the size was checked above)
+            self._reply(front.rejected(route[0], exc), close=not keep_alive)
+            return True
+        got = front.dispatch(route, kind, accept, b"", data[end:], t0)
+        if isinstance(got, Future):
+            self._later(got, keep_alive)
+        else:
+            self._reply(got, close=not keep_alive)
+        return True
 
     # -- parser callbacks --------------------------------------------------------------------
     def on_message_begin(self) -> None:
         # uvicorn builds the ASGI scope dict here; the fast path never reads it, so it is built only
         # when uvicorn takes the request (`_to_uvicorn`)
+        self._between = False
         if self._front is None:
             super().on_message_begin()
             return
@@ -322,6 +365,7 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
         p.chunks.append(body)
 
     def on_message_complete(self) -> None:
+        self._between = True
         p = self._pending
         if p is None:
             super().on_message_complete()

@@ -159,3 +159,22 @@ def test_idle_keep_alive_connections_are_closed_and_served_ones_keep_the_deadlin
             s.close()
     finally:
         srv.close()
+
+
+def test_a_request_whole_in_one_read_leaves_the_connection_to_the_keep_alive_timeout() -> None:
+    # The one-read path (router_api/http_head.py) answers without the parser's callbacks: the
+    # connection's first-request deadline must still be lifted, so the idle connection is closed by
+    # the (shorter) keep-alive timeout with its one answer, never answered 408 by the request deadline.
+    srv = Server(True, request_timeout_s=2.0, max_connections=1000, keep_alive_s=0.5)
+    body = b'{"token_ids":[1,2,3,4]}'
+    one = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+           % len(body)) + body
+    try:
+        conns = [_open(srv.port, one) for _ in range(5)]
+        for s in conns:
+            got = _read_all(s)
+            assert got.startswith(b"HTTP/1.1 200") and got.count(b"HTTP/1.1") == 1, got
+            s.close()
+        assert srv.rejects("request_timeout") == 0
+    finally:
+        srv.close()

@@ -74,6 +74,43 @@ def test_sharded_index_answers_like_one_index(native: bool, seed: int, n_ops: in
     same_answers(single, one, prompts, random.Random(seed))
 
 
+def _table(ix, toks) -> tuple | None:
+    t = ix.score_table(MODEL, toks)
+    return None if t is None else (t.query_blocks, t.block_size, list(t.worker_ids), list(t.ranks), t.rows)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n_ops=st.integers(5, 80), n=st.sampled_from([2, 3]))
+def test_table_lane_follows_every_change(seed: int, n_ops: int, n: int) -> None:
+    """/score's table comes from a C call bound to the merged view (`table_lane`): queried after
+    every delivery (workers joining, leaving, clearing; a model replaced by a dump), it answers what
+    one KVIndex answers, and what the sharded index's general path answers for the same query."""
+    prompts, deliveries = build_history(seed, n_ops, trust=False)
+    one, sharded = KVIndex(native=True), spread(n)
+    for ix in (one, sharded):
+        ix.ensure_model(MODEL, BS)
+    probes = [toks for toks, _ in prompts][:4] + [[1, 2, 3, 4, 5, 6, 7, 8]]
+    for toks in probes:  # an empty model first (a history may deliver nothing)
+        assert _table(sharded, toks) == _table(one, toks)
+    for d in deliveries:
+        run(one, [d])
+        run(sharded, [d])
+        for toks in probes:
+            lane = _table(sharded, toks)
+            assert lane == _table(one, toks), (d[0], toks)
+            general = sharded.shards[0].score_table_model(sharded._view(MODEL), toks, None, None, None)
+            assert lane == (None if general is None else (general.query_blocks, general.block_size,
+                            list(general.worker_ids), list(general.ranks), general.rows))
+    # the lane served (a model with group tables, from a history's multimodal stores, takes the general path)
+    assert bool(sharded._lanes) == all(s.model_state(MODEL).groups is None for s in sharded.shards)
+    sharded.load_dump(MODEL, BS, sharded.dump(MODEL))  # new model objects: the lane must not outlive them
+    for toks in probes:
+        assert _table(sharded, toks) == _table(one, toks)
+    sharded.drop_model(MODEL)
+    with pytest.raises(KeyError):
+        sharded.score_table(MODEL, probes[0])
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(family=st.sampled_from(["mamba", "swa", "dsa"]), opt_in=st.booleans(), seqs=st.lists(ops(30), min_size=3,
        max_size=3), seed=st.integers(0, 2**16))

@@ -291,6 +291,18 @@ class Accelerator:
             return None
         return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
 
+    def table_lane(self, m: Any, seed: int, weights: TierWeights) -> Callable[[object], ScoreTable | None]:
+        """`score_table(m, tokens, seed, weights, None)` with all but the tokens bound, for a caller that
+        scores an unchanged model many times and knows when it changed (indexer/sharded.py's views): per
+        query, one call into C and the ScoreTable, not the selection and argument building again."""
+        _, slots, wids, ranks = m.ranked()
+        score_rows, nodes, bs, wt = self.mod.score_rows, m.nodes, m.block_size, weights.as_tuple()
+
+        def table(tokens: object) -> ScoreTable | None:
+            res = score_rows(nodes, None, tokens, seed, bs, slots, wids, ranks, wt, None, TIER_NAMES)
+            return None if res is None else ScoreTable(res[0], bs, wids, ranks, res[1])
+        return table
+
     def score_table(
         self, m: ModelState, tokens: object, seed: int, weights: TierWeights, workers: list[tuple[str, int]] | None,
     ) -> ScoreTable | None:

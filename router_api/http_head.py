@@ -1,0 +1,59 @@
+"""The head of a plain `POST` request that arrived whole in one read, parsed with two compiled
+regexes instead of httptools' per-field callbacks (router_api/fasthttp.py's one-read path;
+docs/service.md, "HTTP stack").
+
+Only a strict subset is taken (`simple_post`): the request line `POST <target> HTTP/1.1`; header
+names of token characters; values of visible ASCII with spaces or tabs inside, none trailing;
+no `Transfer-Encoding`, `Upgrade` or `Expect`; `Connection` only `close` or `keep-alive`; at most
+one `Content-Length`, all digits. Anything else — HTTP/1.0, obs-fold, control or non-ASCII bytes,
+trailing whitespace, a bare LF, framing the subset does not read — is None, and the caller gives the
+bytes to httptools unchanged, so every request the subset leaves out is judged exactly as before.
+Every head it takes is one httptools parses without error to the same target, (name, value) pairs
+and keep-alive (tests/test_http_head.py holds the two equal).
+"""
+from __future__ import annotations
+
+import re
+
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_VALUE = rb"(?:[!-~](?:[ \t!-~]*[!-~])?)?"  # visible ASCII; inner spaces and tabs; may be empty
+HEAD = re.compile(rb"POST (/[!-~]*) HTTP/1\.1\r\n((?:" + _TOKEN + rb":[ \t]*" + _VALUE + rb"\r\n)*)\r\n")
+FIELD = re.compile(rb"(" + _TOKEN + rb"):[ \t]*(" + _VALUE + rb")\r\n")
+
+
+def fields(block: bytes) -> list[tuple[bytes, bytes]]:
+    """The (lower-case name, value) pairs of a header block HEAD matched (its group 2), in order."""
+    return [(k.lower(), v) for k, v in FIELD.findall(block)]
+
+
+# (target, headers, content-type, accept, content-length, keep-alive, end of the head)
+SimplePost = tuple[bytes, list[tuple[bytes, bytes]], "bytes | None", "bytes | None", "bytes | None", bool, int]
+
+
+def simple_post(data: bytes) -> SimplePost | None:
+    """The head at the start of `data` when it is in the subset (module doc), else None. The last
+    of a repeated Content-Type or Accept counts (as the fast path's header loop reads them)."""
+    m = HEAD.match(data)
+    if m is None:
+        return None
+    ctype = accept = clen = None
+    keep_alive = True
+    headers = fields(m[2])
+    for k, v in headers:
+        if k == b"content-type":
+            ctype = v
+        elif k == b"accept":
+            accept = v
+        elif k == b"content-length":
+            if clen is not None or not v.isdigit():
+                return None
+            clen = v
+        elif k == b"connection":
+            v = v.lower()
+            if v == b"close":
+                keep_alive = False
+            elif v != b"keep-alive":
+                return None
+        elif k == b"transfer-encoding" or k == b"upgrade" or k == b"expect":
+            return None
+    return m[1], headers, ctype, accept, clen, keep_alive, m.end()

@@ -1,0 +1,109 @@
+"""The one-read head parser (router_api/http_head.py) against httptools: every head `simple_post`
+takes is one httptools parses without error to the same method, target, version, (lower-case name,
+value) pairs and keep-alive, ending at the same byte; heads outside its strict subset are left to
+httptools (None)."""
+from __future__ import annotations
+
+from typing import Any
+
+import httptools
+from hypothesis import given, settings, strategies as st
+
+from router_api.http_head import simple_post
+
+
+class _Seen:
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.done = False
+        self.parser: Any = None
+        self.keep_alive: bool | None = None
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))  # as uvicorn's on_header keeps them
+
+    def on_headers_complete(self) -> None:
+        self.done = True
+        # read here, as the fast path reads it: once the message completes the parser starts afresh
+        self.keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+
+
+def _httptools(head: bytes) -> tuple[Any, _Seen]:
+    seen = _Seen()
+    p = seen.parser = httptools.HttpRequestParser(seen)
+    p.feed_data(head)
+    return p, seen
+
+
+def _same(data: bytes) -> bool:
+    """True when HEAD takes `data` (and then httptools agrees); False when it leaves it."""
+    got = simple_post(data)
+    if got is None:
+        return False
+    target, headers, _ctype, _accept, clen, keep_alive, end = got
+    p, seen = _httptools(data[:end])
+    assert seen.done, data
+    assert p.get_method() == b"POST" and p.get_http_version() == "1.1"
+    assert seen.url == target
+    assert seen.headers == headers, data
+    assert seen.keep_alive == keep_alive, data
+    assert clen is None or clen.isdigit()
+    return True
+
+
+TAKEN = [
+    b"POST /score HTTP/1.1\r\nHost: 127.0.0.1:8700\r\nContent-Type: application/json\r\nContent-Length: 5\r\n\r\n",
+    b"POST /query HTTP/1.1\r\nhost: x\r\naccept: application/msgpack\r\ncontent-length: 0\r\n\r\n",
+    b"POST /score HTTP/1.1\r\nX-Empty:\r\nX-Tab:\tv\r\nX-Inner: a b\tc\r\n\r\n",
+    b"POST /score HTTP/1.1\r\n\r\n",
+    b"POST /score?model=m HTTP/1.1\r\nHost: x\r\n\r\n",  # taken; the route lookup then declines the target
+    b"POST /score HTTP/1.1\r\nConnection: close\r\nContent-Length: 0012\r\n\r\n",
+    b"POST /score HTTP/1.1\r\nconnection: Keep-Alive\r\n\r\n",
+]
+LEFT = [
+    b"POST /score HTTP/1.0\r\nHost: x\r\n\r\n",  # HTTP/1.0: keep-alive rules differ
+    b"post /score HTTP/1.1\r\n\r\n",
+    b"GET /score HTTP/1.1\r\n\r\n",
+    b"POST /score HTTP/1.1\nHost: x\n\n",  # bare LF
+    b"POST /score HTTP/1.1\r\nHost : x\r\n\r\n",  # space before the colon
+    b"POST /score HTTP/1.1\r\nHost: x \r\n\r\n",  # trailing whitespace
+    b"POST /score HTTP/1.1\r\nHost: x\r\n folded\r\n\r\n",  # obs-fold
+    b"POST /score HTTP/1.1\r\nHost: \xc3\xa9\r\n\r\n",  # non-ASCII value
+    b"POST /score HTTP/1.1\r\nHost: a\x7fb\r\n\r\n",  # DEL
+    b"POST /score HTTP/1.1\r\nHost: a\x00b\r\n\r\n",
+    b"POST  /score HTTP/1.1\r\n\r\n",
+    b"POST /score HTTP/1.1\r\nHost: x\r\n",  # head not ended
+    b"POST /score HTTP/1.1\r\nContent-Length:\r\n\r\n",  # empty Content-Length: httptools' 400
+    b"POST /score HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\n",
+    b"POST /score HTTP/1.1\r\nContent-Length: +1\r\n\r\n",
+    b"POST /score HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"POST /score HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n",
+    b"POST /score HTTP/1.1\r\nExpect: 100-continue\r\n\r\n",
+]
+
+
+def test_known_heads() -> None:
+    assert all(_same(h) for h in TAKEN)
+    assert not any(_same(h) for h in LEFT)
+
+
+_NAME = st.sampled_from([b"Host", b"Content-Type", b"content-length", b"Content-Length", b"Accept", b"X-A", b"Connection",
+                         b"Transfer-Encoding", b"Expect", b"Authorization", b"a b", b"", b"X\x80", b"X:Y"])
+_VALUE = st.binary(max_size=12).map(lambda b: b.replace(b"\r\n", b"")) | st.sampled_from(
+    [b"application/json", b" x", b"x ", b"\tx\t", b"a  b", b"close", b"keep-alive", b"Close", b"1\r\n x", b"",
+     b"12", b"0", b"007", b"99999999999999999999999", b"1 2", b"chunked"])
+_SEP = st.sampled_from([b": ", b":", b":\t", b" : ", b": \t"])
+_EOL = st.sampled_from([b"\r\n", b"\r\n", b"\r\n", b"\n", b"\r"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(line=st.sampled_from([b"POST /score HTTP/1.1", b"POST /query HTTP/1.1", b"POST /score HTTP/1.0",
+                             b"POST /sc\x00re HTTP/1.1", b"POST / HTTP/1.1", b"POST /score HTTP/1.1 "]),
+       hs=st.lists(st.tuples(_NAME, _SEP, _VALUE, _EOL), max_size=6), end=_EOL)
+def test_generated_heads(line: bytes, hs: list[tuple[bytes, bytes, bytes, bytes]], end: bytes) -> None:
+    data = line + b"\r\n" + b"".join(n + s + v + e for n, s, v, e in hs) + end
+    _same(data)  # asserts agreement whenever the subset takes the head
