@@ -120,6 +120,8 @@ class RequestRecord(Struct, omit_defaults=True):
     queue_s: Optional[float] = None
     error: Optional[str] = None
     predicted_pending: Optional[int] = None  # of predicted_cached: tokens of in-flight routes (pending_blocks)
+    wait_s: Optional[float] = None           # wall seconds its forward waited for routes' admission (causal forwarding)
+    wait_timeout: bool = False               # that wait ended at its deadline, some route not admitted
 
 
 class RouterReport(Struct, omit_defaults=True):
