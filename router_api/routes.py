@@ -150,14 +150,17 @@ class RouteBook:
         self._notify()
 
     # -- waiting for admission -----------------------------------------------------------------
-    def awaiting(self, model: str, request_ids: Sequence[str]) -> list[str]:
-        """Those of the routes that are held and not admitted yet."""
+    def awaiting(self, model: str, request_ids: Sequence[str], now: float | None = None) -> list[str]:
+        """Those of the routes that are held and not admitted yet (at `now`: expired ones go first)."""
+        if now is not None and self.pending.expire(now):
+            self._notify()
         return [rid for rid in request_ids if self.pending.awaiting(model, rid)]
 
-    def watch(self, model: str, request_ids: Sequence[str], wake: Callable[[], None]) -> int | None:
+    def watch(self, model: str, request_ids: Sequence[str], wake: Callable[[], None],
+              now: float | None = None) -> int | None:
         """Call `wake` (once, under the lock) when none of the routes awaits admission any more:
         admitted, released, confirmed, expired or cleared. None (and no call): none awaits now."""
-        ids = tuple(self.awaiting(model, request_ids))
+        ids = tuple(self.awaiting(model, request_ids, now))
         if not ids:
             return None
         token = next(self._watch_ids)
@@ -245,7 +248,9 @@ class RouteBook:
                   for k in ("reported", "admitted", "dependent", "waits", "wait_timeouts")]
         lines += [f"# HELP {p}admission_wait_seconds_total Time waits for admission blocked",
                   f"# TYPE {p}admission_wait_seconds_total counter",
-                  f"{p}admission_wait_seconds_total {a.wait_seconds:.6f}"]
+                  f"{p}admission_wait_seconds_total {a.wait_seconds:.6f}",
+                  f"# HELP {p}admission_waiting Waits for admission blocked now", f"# TYPE {p}admission_waiting gauge",
+                  f"{p}admission_waiting {len(self._watchers)}"]
         lines += [f"# HELP {p}routes In-flight routes held now", f"# TYPE {p}routes gauge",
                   f"{p}routes {len(self.pending)}",
                   f"# HELP {p}blocks Block keys held by in-flight routes now", f"# TYPE {p}blocks gauge",
@@ -262,7 +267,7 @@ class RouteBook:
         a = self.admission
         return {"routes": len(self.pending), "blocks": self.pending.blocks,
                 "outcomes": dict(self.pending.counts.items()),
-                "admission": {k: getattr(a, k) for k in a.__slots__},
+                "admission": {**{k: getattr(a, k) for k in a.__slots__}, "waiting": len(self._watchers)},
                 "visibility": {"count": len(self.visibility),
                                "p50_ms": None if p50 is None else p50 * 1e3,
                                "p99_ms": None if p99 is None else p99 * 1e3}}

@@ -519,14 +519,14 @@ class IndexerService:
     def watch_routes(self, model: str, request_ids: Sequence[str], wake: Callable[[], None]) -> int | None:
         """`wake()` once none of the routes awaits admission (RouteBook.watch); None: none does now."""
         with self.lock:
-            return self.routes.watch(model, request_ids, wake)
+            return self.routes.watch(model, request_ids, wake, self.clock())
 
     def end_wait(self, model: str, request_ids: Sequence[str], token: int | None, seconds: float) -> list[str]:
         """A wait (`watch_routes`) is over: the routes still awaiting admission (the wait timed out
         when some are), counted."""
         with self.lock:
             self.routes.unwatch(token)
-            left = self.routes.awaiting(model, request_ids)
+            left = self.routes.awaiting(model, request_ids, self.clock())
             if token is not None:
                 self.routes.waited(seconds, bool(left))
         return left

@@ -21,6 +21,7 @@ import numpy as np
 
 from router_api.router.policies import Policy, RouteInput, ScoreRow, shared_backlog
 from router_api.router.trace import TokenExpander, TraceRequest
+from schemas.api import MAX_WAIT_ROUTES, MAX_WAIT_S
 from producer.sim.api import GenerateResponse, LoadResponse, RequestRecord, SimModel, WorkerHealth
 
 log = logging.getLogger("kvatlas.router")
@@ -176,8 +177,8 @@ class RouterCore:
         counted (their routers report it), at most `admission_timeout_s`; (wall seconds, timed out)."""
         assert self.indexer is not None
         t0 = time.monotonic()
-        body = _mp_enc.encode({"model": self.model, "request_ids": request_ids,
-                               "timeout_s": self.admission_timeout_s})
+        body = _mp_enc.encode({"model": self.model, "request_ids": request_ids[:MAX_WAIT_ROUTES],
+                               "timeout_s": min(self.admission_timeout_s, MAX_WAIT_S)})
         try:
             r = await self.client.post(f"{self.indexer}/routes/wait", content=body,
                                        headers={"Content-Type": "application/msgpack", **self.indexer_auth},
