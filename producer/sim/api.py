@@ -149,6 +149,12 @@ class PolicyRow(Struct):
     # Measured causes of the mismatches (report.mismatch_cause): cause -> requests
     causes: dict[str, int] = msgspec.field(default_factory=dict)
     held_accuracy: Optional[float] = None  # predicted == what the worker held at arrival (second figure)
+    # causal forwarding: requests whose forward waited for routes' admission, of them those that timed
+    # out, and their wall-clock wait (median, largest; milliseconds)
+    waits: int = 0
+    wait_timeouts: int = 0
+    wait_p50_ms: Optional[float] = None
+    wait_max_ms: Optional[float] = None
 
 
 json_encoder = msgspec.json.Encoder()
