@@ -203,8 +203,8 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
 
     @app.post("/routes/wait")
     async def route_wait(request: Request) -> Response:
-        """Answers once none of the named routes awaits admission, or at the timeout (a long poll on
-        this loop: no thread is held while it waits)."""
+        """Answers once one of the named routes no longer awaits admission, or at the timeout (a long
+        poll on this loop: no thread is held while it waits)."""
         try:
             kind = content_kind(request.headers.get("content-type", "application/json"))
             if kind == "octet":

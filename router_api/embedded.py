@@ -145,8 +145,8 @@ class EmbeddedIndexer:
         return self.service.admit_route(model or self.model, request_id)
 
     def wait_routes(self, model: str | None, request_ids: Sequence[str], timeout_s: float = 2.0) -> list[str]:
-        """Block until none of the routes awaits admission or the timeout (like `POST /routes/wait`);
-        returns those still awaiting (non-empty: it timed out, counted)."""
+        """Block until one of the routes no longer awaits admission, or the timeout (like
+        `POST /routes/wait`); returns those still awaiting (all of them: it timed out, counted)."""
         return self.service.wait_routes(model or self.model, request_ids, timeout_s)
 
     # -- membership --------------------------------------------------------------------------

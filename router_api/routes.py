@@ -5,7 +5,7 @@ workers that restarted, resynced or left, and the `pending_blocks` of `/score` r
 
 Causal forwarding: a route reported with `admits` names, in its answer, the routes its prediction
 depends on that the worker has not admitted yet (`after`); their routers report admission (`admit`),
-and a waiter (`watch`) is called once none of the routes it waits for is awaiting admission.
+and a waiter (`watch`) is called once one of the routes it waits for no longer awaits admission.
 
 Every method but `keys` runs under the service's lock (it reads the index and the registry);
 `now` is the service clock's value. No threads of its own: work happens when routes are reported,
@@ -158,10 +158,11 @@ class RouteBook:
 
     def watch(self, model: str, request_ids: Sequence[str], wake: Callable[[], None],
               now: float | None = None) -> int | None:
-        """Call `wake` (once, under the lock) when none of the routes awaits admission any more:
-        admitted, released, confirmed, expired or cleared. None (and no call): none awaits now."""
-        ids = tuple(self.awaiting(model, request_ids, now))
-        if not ids:
+        """Call `wake` (once, under the lock) when one of the routes no longer awaits admission:
+        admitted, released, confirmed, expired or cleared (any of `after` suffices: each holds every
+        block the prediction counted). None (and no call): one of them does not await now."""
+        ids = tuple(dict.fromkeys(request_ids))
+        if not ids or len(self.awaiting(model, ids, now)) < len(ids):
             return None
         token = next(self._watch_ids)
         self._watchers[token] = (model, ids, wake)
@@ -182,7 +183,7 @@ class RouteBook:
             return
         pend = self.pending
         for token, (model, ids, wake) in list(self._watchers.items()):
-            if not any(pend.awaiting(model, rid) for rid in ids):
+            if not all(pend.awaiting(model, rid) for rid in ids):
                 del self._watchers[token]
                 wake()
 

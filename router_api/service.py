@@ -517,23 +517,24 @@ class IndexerService:
         return ok
 
     def watch_routes(self, model: str, request_ids: Sequence[str], wake: Callable[[], None]) -> int | None:
-        """`wake()` once none of the routes awaits admission (RouteBook.watch); None: none does now."""
+        """`wake()` once one of the routes no longer awaits admission (RouteBook.watch); None: one
+        does not now."""
         with self.lock:
             return self.routes.watch(model, request_ids, wake, self.clock())
 
     def end_wait(self, model: str, request_ids: Sequence[str], token: int | None, seconds: float) -> list[str]:
-        """A wait (`watch_routes`) is over: the routes still awaiting admission (the wait timed out
-        when some are), counted."""
+        """A wait (`watch_routes`) is over: the routes still awaiting admission (all of them: it timed
+        out), counted."""
         with self.lock:
             self.routes.unwatch(token)
             left = self.routes.awaiting(model, request_ids, self.clock())
             if token is not None:
-                self.routes.waited(seconds, bool(left))
+                self.routes.waited(seconds, len(set(left)) == len(set(request_ids)))
         return left
 
     def wait_routes(self, model: str, request_ids: Sequence[str], timeout_s: float) -> list[str]:
-        """Block until none of the routes awaits admission or `timeout_s` passes (embedded routers; the
-        HTTP endpoint waits on its event loop instead); returns those still awaiting."""
+        """Block until one of the routes no longer awaits admission or `timeout_s` passes (embedded
+        routers; the HTTP endpoint waits on its event loop instead); returns those still awaiting."""
         done = threading.Event()
         t0 = time.monotonic()
         token = self.watch_routes(model, request_ids, done.set)

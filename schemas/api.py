@@ -184,7 +184,7 @@ class RouteAnswer(Struct):
     (before this route is added): `cached_blocks` exactly held (any tier) + `pending_blocks` past them
     held by earlier in-flight routes to that worker; `blocks`: the request's full blocks now pending;
     `after` (reports with `admits`): the routes holding the last pending block counted whose admission
-    by the worker is not reported yet: forward this request once they are (`POST /routes/wait`)."""
+    by the worker is not reported yet: forward this request once one of them is (`POST /routes/wait`)."""
 
     request_id: str
     pending_blocks: int
@@ -205,7 +205,8 @@ class RouteAdmitted(Struct, forbid_unknown_fields=True):
 
 
 class RouteWait(Struct, forbid_unknown_fields=True):
-    """`POST /routes/wait`: answer once none of the routes awaits admission, or after `timeout_s`."""
+    """`POST /routes/wait`: answer once one of the routes no longer awaits admission (admitted or gone;
+    at once if one does not await now), or after `timeout_s`."""
 
     request_ids: Annotated[list[Name], Meta(max_length=MAX_WAIT_ROUTES)]
     model: Name = "default"
@@ -213,7 +214,7 @@ class RouteWait(Struct, forbid_unknown_fields=True):
 
 
 class RouteWaitAnswer(Struct):
-    """The routes of the wait still awaiting admission (non-empty: it timed out), and how long it took."""
+    """The routes of the wait still awaiting admission (all of them: it timed out), and how long it took."""
 
     waiting: list[str]
     waited_s: float

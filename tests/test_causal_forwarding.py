@@ -171,7 +171,11 @@ def test_embedded_indexer_waits_for_admission() -> None:
         toks = list(range(1, 3 * BS + 1))
         assert idx.route(None, "q", "e0", toks).after == []
         assert idx.route(None, "r", "e0", toks + [7] * BS).after == ["q"]
+        assert sorted(idx.route(None, "s", "e0", toks).after) == ["q", "r"]  # both hold its last block
         assert idx.wait_routes(None, ["q"], timeout_s=0.05) == ["q"]  # not admitted: timed out
+        assert idx.wait_routes(None, ["q", "gone"], timeout_s=60) == ["q"]  # one is not awaiting: at once
+        assert idx.admit_route(None, "r")
+        assert idx.wait_routes(None, ["q", "r"], timeout_s=60) == ["q"]  # one admitted suffices
         admitter = threading.Thread(target=lambda: idx.admit_route(None, "q"))
         done: list[list[str]] = []
         waiter = threading.Thread(target=lambda: done.append(idx.wait_routes(None, ["q"], timeout_s=60)))
@@ -181,6 +185,6 @@ def test_embedded_indexer_waits_for_admission() -> None:
         admitter.join(90)
         assert done == [[]]
         stats = idx.service.routes.admission
-        assert stats.admitted == 1 and stats.wait_timeouts >= 1
+        assert stats.admitted == 2 and stats.wait_timeouts == 1
     finally:
         idx.close()

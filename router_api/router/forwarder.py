@@ -173,8 +173,9 @@ class RouterCore:
         return _score_dec.decode(r.content)
 
     async def wait_admitted(self, request_ids: list[str]) -> tuple[float, bool]:
-        """Causal forwarding: wait until the worker admitted the routes this request's prediction
-        counted (their routers report it), at most `admission_timeout_s`; (wall seconds, timed out)."""
+        """Causal forwarding: wait until the worker admitted one of the routes holding the blocks this
+        request's prediction counted (their routers report it), at most `admission_timeout_s`;
+        (wall seconds, timed out)."""
         assert self.indexer is not None
         t0 = time.monotonic()
         body = _mp_enc.encode({"model": self.model, "request_ids": request_ids[:MAX_WAIT_ROUTES],
@@ -188,7 +189,8 @@ class RouterCore:
             self.route_errors += 1
             log.debug("admission wait for %s failed: %s", request_ids, exc)
             left = request_ids
-        return time.monotonic() - t0, bool(left)
+        # one admitted suffices: each of them holds every block the prediction counted
+        return time.monotonic() - t0, len(set(left)) >= len(set(request_ids[:MAX_WAIT_ROUTES]))
 
     def admitted(self, request_id: str) -> None:
         """The worker began its answer, so it has the request queued: tell the indexer (in the
