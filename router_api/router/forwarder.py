@@ -1,6 +1,7 @@
 """The router's shell: asks the indexer (`POST /score`, raw u32 body) and polls worker load, lets
-the policy decide, forwards `POST /generate` and records predicted vs actual cached tokens.
-Also replays a trace at scaled speed (docs/end-to-end.md, "The router").
+the policy decide, reports the route, forwards `POST /generate` — once the worker admitted the
+in-flight requests whose blocks the prediction counted (causal forwarding) — and records predicted
+vs actual cached tokens. Also replays a trace at scaled speed (docs/end-to-end.md, "The router").
 
 Several replicas may run against one indexer; each knows only its own in-flight requests, the
 shared index and the workers' own load reports.
