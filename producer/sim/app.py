@@ -2,8 +2,9 @@
 and the OpenAI-compatible routes of `producer.sim.openai` (`/v1/completions`, `/v1/chat/completions`, ...).
 
 Bodies are msgspec-decoded (`producer.sim.api`); bad bodies get 400/422 with a message. A request's
-response headers go out when the engine has admitted it (a streaming engine's do the same; routers
-use them for causal forwarding, docs/CONTRACTS.md "Pending routes"); its body is held until its
+response headers go out when the engine has queued it (its queue is served in order; a streaming
+engine's headers come at that point too; routers use them for causal forwarding, docs/CONTRACTS.md
+"Pending routes"); its body is held until its
 simulated completion on the wall clock (virtual e2e / speed), so a router's in-flight counts mean
 what they would with a real engine (docs/end-to-end.md).
 """
@@ -73,33 +74,49 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
             return _error(422, f"arrival_s {req.arrival_s} is more than {MAX_AHEAD_S:g}s past the worker's clock "
                                f"({now:.3f})")
         arrival = now if req.arrival_s is None else req.arrival_s
-        try:
-            served = await asyncio.wrap_future(engine.submit(req.token_ids, req.max_tokens, arrival))
-        except QueueFull as exc:
+        if engine.full(arrival):
             counters["generate_rejected"] += 1
-            return _error(503, f"queue full: {exc}")
-        answer = _enc.encode(GenerateResponse(
-            worker_id=wid, request_id=req.request_id, input_tokens=len(req.token_ids),
-            output_tokens=req.max_tokens, arrival_cached=served.arrival_cached, served=served.tokens,
-            queue_s=served.queue_s, load_s=served.load_s, prefill_s=served.prefill_s,
-            ttft_s=served.ttft_s, e2e_s=served.e2e_s))
-        done = [False]
+            return _error(503, f"queue full: {engine.sim.max_queue} requests already waiting")
+        # The engine serves its queue in order: from here on this request is admitted, and the headers
+        # go out now, as a streaming engine's do once it queued a request (a router forwards the
+        # requests that count on this one's blocks when it sees them: docs/CONTRACTS.md "Causal
+        # forwarding"). The body follows at the simulated completion (a pacing wait, not a sync).
+        fut = engine.submit(req.token_ids, req.max_tokens, arrival)
+        state: dict[str, Any] = {"served": None, "done": False}
 
         async def body() -> AsyncIterator[bytes]:
-            # The headers go out now, at admission, as a streaming engine's do (a router forwards the
-            # requests that count on this one's blocks once it sees them: docs/CONTRACTS.md); the body
-            # is held until the simulated request completes (a pacing wait, not a sync). A client that
-            # disconnects first cancels it, freeing its batch slot on the timeline.
+            try:
+                served = await asyncio.wrap_future(fut)
+            except QueueFull as exc:  # filled up between the check and its turn: the status is sent
+                counters["generate_rejected"] += 1
+                state["done"] = True
+                yield _enc.encode({"error": f"queue full: {exc}"})
+                return
+            state["served"] = served
+            answer = _enc.encode(GenerateResponse(
+                worker_id=wid, request_id=req.request_id, input_tokens=len(req.token_ids),
+                output_tokens=req.max_tokens, arrival_cached=served.arrival_cached, served=served.tokens,
+                queue_s=served.queue_s, load_s=served.load_s, prefill_s=served.prefill_s,
+                ttft_s=served.ttft_s, e2e_s=served.e2e_s))
+            # A client that disconnects first cancels it, freeing its batch slot on the timeline.
             if await client_left_within(request, t_wall + served.e2e_s / clock.speed - time.monotonic()):
                 return
-            done[0] = True
+            state["done"] = True
             counters["generate_ok"] += 1
             yield answer
 
+        def cancel(f: Any) -> None:
+            if not f.cancelled() and f.exception() is None:
+                engine.cancel(f.result(), clock.now())
+
         def ended() -> None:
-            if not done[0]:
-                engine.cancel(served, clock.now())
-                counters["generate_cancelled"] += 1
+            if state["done"]:
+                return
+            counters["generate_cancelled"] += 1
+            if state["served"] is not None:
+                engine.cancel(state["served"], clock.now())
+            elif not fut.cancel():  # the engine has it already: free its slot once it is placed
+                fut.add_done_callback(cancel)
 
         return PacedStream(body(), ended, media_type=_JSON)
 
