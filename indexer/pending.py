@@ -24,10 +24,10 @@ Pair = tuple[str, int]  # (worker_id, dp_rank)
 
 
 class PendingRoute:
-    __slots__ = ("model", "request_id", "pair", "keys", "expires_at", "gen", "prefill")
+    __slots__ = ("model", "request_id", "pair", "keys", "expires_at", "gen", "prefill", "awaiting")
 
     def __init__(self, model: str, request_id: str, pair: Pair, keys: tuple[int, ...], expires_at: float,
-                 gen: int, prefill: int = 0) -> None:
+                 gen: int, prefill: int = 0, awaiting: bool = False) -> None:
         self.model = model
         self.request_id = request_id
         self.pair = pair
@@ -35,6 +35,7 @@ class PendingRoute:
         self.expires_at = expires_at
         self.gen = gen  # distinguishes a re-reported id from its earlier entry in the expiry heap
         self.prefill = prefill  # tokens the worker will compute for it (not cached nor pending when reported)
+        self.awaiting = awaiting  # its router will report the worker's admission of it, not done yet
 
 
 class PairLoad:
@@ -72,10 +73,15 @@ class PendingRoutes:
     tokens they bring (each route's own, given when it is added). `busy_until(model, pair, now)` is the
     largest `busy_until` routes to the pair carried (a reporting router's own estimate of when that worker
     is done with what was routed to it; opaque here), kept for the TTL after it was reported whether or
-    not its route is still pending: an end time, it does not end when the worker's events land."""
+    not its route is still pending: an end time, it does not end when the worker's events land.
+
+    Admission (causal forwarding): a route added with `admits` is *awaiting* until `admit` says the
+    worker accepted it into its queue (or the route goes). `blockers(model, pair, key)` names the
+    awaiting routes to a pair that hold a key: a later route whose prediction counted that key is
+    forwarded only once they are admitted, so it reaches the worker after them."""
 
     __slots__ = ("ttl_s", "max_routes", "max_blocks", "counts", "_routes", "_held", "_ends", "_heap", "_gen",
-                 "_blocks", "_load", "_busy")
+                 "_blocks", "_load", "_busy", "_awaiting")
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_routes: int = DEFAULT_MAX_ROUTES,
                  max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
@@ -93,6 +99,7 @@ class PendingRoutes:
         self._blocks = 0
         self._load: dict[str, dict[Pair, PairLoad]] = {}                   # model -> pair -> in-flight load
         self._busy: dict[str, dict[Pair, tuple[float, float]]] = {}        # model -> pair -> (busy_until, expires)
+        self._awaiting: dict[str, dict[Pair, dict[str, PendingRoute]]] = {}  # model -> pair -> id -> route
 
     # -- size ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -118,10 +125,11 @@ class PendingRoutes:
     # -- changes -------------------------------------------------------------------------------
     def add(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: Sequence[int],
             now: float, ttl_s: float | None = None, prefill_tokens: int = 0,
-            busy_until: float | None = None) -> int:
+            busy_until: float | None = None, admits: bool = False) -> int:
         """Record a route (replacing an earlier one with the same id); returns the blocks it holds.
-        `prefill_tokens`: what the worker will compute for it (its `load`); `busy_until`: see the class.
-        Beyond the caps the oldest routes are dropped (counted)."""
+        `prefill_tokens`: what the worker will compute for it (its `load`); `busy_until`: see the class;
+        `admits`: its router will report the worker's admission (`admit`). Beyond the caps the oldest
+        routes are dropped (counted)."""
         self._remove(model, request_id)
         keys = tuple(keys)
         if len(keys) > self.max_blocks:
@@ -134,8 +142,11 @@ class PendingRoutes:
             cur = busy.get((worker_id, dp_rank))
             if cur is None or cur[1] <= now or busy_until >= cur[0]:
                 busy[(worker_id, dp_rank)] = (busy_until, expires)
-        r = PendingRoute(model, request_id, (worker_id, dp_rank), keys, expires, self._gen, max(0, prefill_tokens))
+        r = PendingRoute(model, request_id, (worker_id, dp_rank), keys, expires, self._gen, max(0, prefill_tokens),
+                         admits and bool(keys))  # a route holding no block is nobody's dependency
         self._routes.setdefault(model, {})[request_id] = r
+        if r.awaiting:
+            self._awaiting.setdefault(model, {}).setdefault(r.pair, {})[request_id] = r
         ld = self._load.setdefault(model, {}).setdefault(r.pair, PairLoad())
         ld.requests += 1
         ld.prefill_tokens += r.prefill
@@ -158,6 +169,14 @@ class PendingRoutes:
             return 0
         self.counts.released += 1
         return len(r.keys)
+
+    def admit(self, model: str, request_id: str) -> bool:
+        """The worker accepted the route's request into its queue; True if it was awaiting that."""
+        r = self._routes.get(model, {}).get(request_id)
+        if r is None or not r.awaiting:
+            return False
+        self._settle(r)
+        return True
 
     def confirm(self, model: str, request_id: str) -> int:
         """The worker's store events cover the route: exact residency takes over."""
@@ -228,6 +247,22 @@ class PendingRoutes:
                 n -= 1
         return n
 
+    def blockers(self, model: str, worker_id: str, dp_rank: int, key: int, but: str = "") -> list[str]:
+        """Ids of the routes to (worker_id, dp_rank) awaiting admission that hold `key` (but `but`);
+        none when a route not awaiting it holds the key too (admitted: the worker has the request, so
+        the key is there for whatever it takes next; or from a router that does not report admission)."""
+        waiting = self._awaiting.get(model, {}).get((worker_id, dp_rank))
+        if not waiting:
+            return []
+        ids = [rid for rid, r in waiting.items() if rid != but and key in r.keys]
+        holders = self._held.get(model, {}).get((worker_id, dp_rank), {}).get(key, 0)
+        return ids if holders <= len(ids) + (but in waiting and key in waiting[but].keys) else []
+
+    def awaiting(self, model: str, request_id: str) -> bool:
+        """The route is held and its admission not reported yet."""
+        r = self._routes.get(model, {}).get(request_id)
+        return r is not None and r.awaiting
+
     def load(self, model: str, worker_id: str, dp_rank: int) -> PairLoad | None:
         """The pair's in-flight load (None: no route pending there)."""
         return self._load.get(model, {}).get((worker_id, dp_rank))
@@ -238,11 +273,24 @@ class PendingRoutes:
         return None if got is None or got[1] <= now else got[0]
 
     # -- internals -----------------------------------------------------------------------------
+    def _settle(self, r: PendingRoute) -> None:
+        """The route no longer awaits admission."""
+        r.awaiting = False
+        by_pair = self._awaiting[r.model]
+        waiting = by_pair[r.pair]
+        del waiting[r.request_id]
+        if not waiting:
+            del by_pair[r.pair]
+            if not by_pair:
+                del self._awaiting[r.model]
+
     def _remove(self, model: str, request_id: str) -> PendingRoute | None:
         routes = self._routes.get(model)
         r = routes.pop(request_id, None) if routes else None
         if r is None:
             return None
+        if r.awaiting:
+            self._settle(r)
         if not routes:
             del self._routes[model]
         loads = self._load[model]

@@ -9,6 +9,7 @@ input is counted per endpoint and reason.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from pathlib import Path
@@ -34,8 +35,11 @@ from schemas.api import (
     QueryRequest,
     QueryResponse,
     RegisterWorker,
+    RouteAdmitted,
     RouteRelease,
     RouteReport,
+    RouteWait,
+    RouteWaitAnswer,
     ScoreRequest,
     ScoreResponse,
 )
@@ -177,13 +181,53 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
                 raise ApiError(415, "report a route with a JSON or msgpack body", "bad_content_type")
             r = decode_body(kind, await read_body(request), RouteReport)
             answer = service.report_route(r.model, r.request_id, r.worker_id, r.token_ids, r.dp_rank,
-                                          r.lora_name, r.cache_salt, r.busy_until)
+                                          r.lora_name, r.cache_salt, r.busy_until, r.admits)
         except ApiError as exc:
             return reject("routes", exc)
         except (UnknownModel, UnknownRouteWorker) as exc:
             return reject("routes", ApiError(404, str(exc).strip("'\""), "unknown_worker"))
         observe("routes", t0)
         return encode_for(request, answer)
+
+    @app.post("/routes/admitted")
+    async def route_admitted(request: Request) -> Response:
+        """The worker accepted a routed request into its queue: routes waiting for it may go."""
+        try:
+            kind = content_kind(request.headers.get("content-type", "application/json"))
+            if kind == "octet":
+                raise ApiError(415, "report an admission with a JSON or msgpack body", "bad_content_type")
+            a = decode_body(kind, await read_body(request), RouteAdmitted)
+        except ApiError as exc:
+            return reject("routes_admitted", exc)
+        return encode_for(request, {"admitted": service.admit_route(a.model, a.request_id)})
+
+    @app.post("/routes/wait")
+    async def route_wait(request: Request) -> Response:
+        """Answers once one of the named routes no longer awaits admission, or at the timeout (a long
+        poll on this loop: no thread is held while it waits)."""
+        try:
+            kind = content_kind(request.headers.get("content-type", "application/json"))
+            if kind == "octet":
+                raise ApiError(415, "wait with a JSON or msgpack body", "bad_content_type")
+            w = decode_body(kind, await read_body(request), RouteWait)
+        except ApiError as exc:
+            return reject("routes_wait", exc)
+        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def wake() -> None:  # under the service lock, maybe on another thread (a replica's admission)
+            loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+
+        token = service.watch_routes(w.model, w.request_ids, wake)
+        try:
+            if token is not None:
+                await asyncio.wait_for(woken, w.timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            left = service.end_wait(w.model, w.request_ids, token, time.monotonic() - t0)
+        return encode_for(request, RouteWaitAnswer(left, time.monotonic() - t0))
 
     @app.delete("/routes/{request_id:path}")
     async def release_route(request: Request, request_id: str, model: str = "default") -> Response:

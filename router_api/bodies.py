@@ -15,7 +15,9 @@ from schemas.api import (
     QueryRequest,
     QueryRequestRaw,
     RegisterWorker,
+    RouteAdmitted,
     RouteReport,
+    RouteWait,
     ScoreRequest,
     ScoreRequestRaw,
 )
@@ -28,8 +30,9 @@ _dec_json: dict[type, msgspec.json.Decoder[Any]] = {
 _dec_msgpack: dict[type, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(t) for t in (ScoreRequest, QueryRequest, RegisterWorker)
 }
-_dec_json[RouteReport] = msgspec.json.Decoder(RouteReport)
-_dec_msgpack[RouteReport] = msgspec.msgpack.Decoder(RouteReport)
+for _t in (RouteReport, RouteAdmitted, RouteWait):
+    _dec_json[_t] = msgspec.json.Decoder(_t)
+    _dec_msgpack[_t] = msgspec.msgpack.Decoder(_t)
 _RAW_TWIN: dict[type, type] = {ScoreRequest: ScoreRequestRaw, QueryRequest: QueryRequestRaw}
 _dec_raw: dict[tuple[str, type], Any] = {
     ("json", t): msgspec.json.Decoder(r) for t, r in _RAW_TWIN.items()} | {

@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-pages", type=int, default=320, help="GPU pages per worker (default 320)")
     p.add_argument("--host-pages", type=int, default=960, help="host pages per worker (default 960)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--admission-timeout", type=float, default=2.0,
+                   help="routers' causal forwarding: wall seconds a request waits at most for the in-flight "
+                        "requests its prediction counts on to be admitted (0 = off; default 2)")
     p.add_argument("--family", choices=("full", "mamba", "swa", "dsa"), default="full",
                    help="the workers' model family (kvatlas worker --family): a hybrid's default runs put "
                         "precise_kv_only (routing on kv_blocks, as group-blind indexers do) beside precise_tiered "
@@ -77,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--requests must be positive")
     if args.speed <= 0:
         raise SystemExit("--speed must be positive")
+    if not 0 <= args.admission_timeout <= 30:
+        raise SystemExit("--admission-timeout must be within [0, 30] seconds")
     if args.family != "full" and (args.in_process or args.openai):
         raise SystemExit("--family runs the process demo (not --in-process or --openai)")
     if args.in_process:
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     kw = {"policies": policies} if policies else {}
     s = DemoSettings(trace=args.trace, requests=args.requests or 300, speed=args.speed, routers=args.routers,
                      workers=args.workers, gpu_pages=args.gpu_pages, host_pages=args.host_pages, seed=args.seed,
-                     family=args.family, **kw)
+                     family=args.family, admission_timeout=args.admission_timeout, **kw)
     if args.trace and args.trace not in ("builtin", "builtin-chat"):
         from router_api.router.trace import TraceError, load_trace
         try:

@@ -24,7 +24,7 @@ from router_api import score_text
 from indexer.pending import DEFAULT_TTL_S, PendingRoutes
 from router_api.config import ServiceConfig
 from router_api.service import IndexerService
-from schemas.api import QueryResponse, RegisterWorker, ScoreResponse, WorkersResponse, WorkerStatus
+from schemas.api import QueryResponse, RegisterWorker, RouteAnswer, ScoreResponse, WorkersResponse, WorkerStatus
 
 WorkerSpec = RegisterWorker | Mapping[str, Any]
 
@@ -130,6 +130,24 @@ class EmbeddedIndexer:
     def release_route(self, model: str | None, request_id: str) -> int:
         """The request finished or failed (like `DELETE /routes/{id}`); idempotent, unknown id: 0."""
         return self.service.release_route(model or self.model, request_id)
+
+    def route(self, model: str | None, request_id: str, worker_id: str, token_ids: Sequence[int] | Any,
+              dp_rank: int = 0, lora_name: str | None = None, cache_salt: str | None = None,
+              busy_until: float | None = None, admits: bool = True) -> RouteAnswer:
+        """`report_route` answering in full (like `POST /routes`): `cached_blocks`, `pending_blocks`
+        and, with `admits` (the router calls `admit_route` when the worker accepts the request),
+        `after`: the routes to forward it after (`wait_routes`; docs/CONTRACTS.md, "Pending routes")."""
+        return self.service.report_route(model or self.model, request_id, worker_id, token_ids, dp_rank,
+                                         lora_name, cache_salt, busy_until, admits)
+
+    def admit_route(self, model: str | None, request_id: str) -> bool:
+        """The worker accepted the request into its queue (like `POST /routes/admitted`)."""
+        return self.service.admit_route(model or self.model, request_id)
+
+    def wait_routes(self, model: str | None, request_ids: Sequence[str], timeout_s: float = 2.0) -> list[str]:
+        """Block until one of the routes no longer awaits admission, or the timeout (like
+        `POST /routes/wait`); returns those still awaiting (all of them: it timed out, counted)."""
+        return self.service.wait_routes(model or self.model, request_ids, timeout_s)
 
     # -- membership --------------------------------------------------------------------------
     def add_worker(self, worker: WorkerSpec) -> WorkerStatus:

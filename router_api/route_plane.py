@@ -1,11 +1,12 @@
 """`kvatlas indexer --nats`: pending routes carried to every indexer replica (docs/CONTRACTS.md,
 "Pending routes").
 
-A route reported to (or released at) one replica is published on a core NATS subject as the
+A route reported to (released at, admitted at) one replica is published on a core NATS subject as the
 index's block keys (the same keys on every replica: the same hashing of the same model); every
 other replica applies it to its own `RouteBook`. Routes are short-lived and rebuilt by the next
 reports, so plain publish/subscribe (no stream) fits: a replica that misses one counts it nowhere
-and lets the TTL or the worker's events settle it. Messages from this replica come back and are
+and lets the TTL or the worker's events settle it (a missed admission: a router waiting on that
+replica for it times out, counted). Messages from this replica come back and are
 skipped by origin. Received messages are applied by a private thread (the NATS callback only
 queues them: it must never wait for the service lock).
 """
@@ -30,7 +31,7 @@ _STOP = object()
 
 class RouteMsg(msgspec.Struct, array_like=True, omit_defaults=True):
     origin: str
-    op: str                    # "add" | "release"
+    op: str                    # "add" | "release" | "admit"
     model: str
     request_id: str
     worker_id: str = ""
@@ -38,6 +39,7 @@ class RouteMsg(msgspec.Struct, array_like=True, omit_defaults=True):
     keys: list[int] = []
     tokens: int = -1           # the prompt's length ("add"; -1: not sent)
     busy_until: Optional[float] = None  # the reporting router's end-time estimate for the worker ("add")
+    admits: bool = False       # its router reports the worker's admission of it ("add")
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -69,12 +71,15 @@ class RouteFanout:
 
     # -- out ---------------------------------------------------------------------------------
     def added(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: Sequence[int],
-              tokens: int = -1, busy_until: float | None = None) -> None:
+              tokens: int = -1, busy_until: float | None = None, admits: bool = False) -> None:
         self._send(RouteMsg(self.origin, "add", model, request_id, worker_id, dp_rank, list(keys), tokens,
-                            busy_until))
+                            busy_until, admits))
 
     def released(self, model: str, request_id: str) -> None:
         self._send(RouteMsg(self.origin, "release", model, request_id))
+
+    def admitted(self, model: str, request_id: str) -> None:
+        self._send(RouteMsg(self.origin, "admit", model, request_id))
 
     def _send(self, m: RouteMsg) -> None:
         data = _enc.encode(m)
@@ -102,11 +107,14 @@ class RouteFanout:
             try:
                 if m.op == "add":
                     ok = self.service.apply_route(m.model, m.request_id, m.worker_id, m.dp_rank, m.keys,
-                                                  None if m.tokens < 0 else m.tokens, m.busy_until)
+                                                  None if m.tokens < 0 else m.tokens, m.busy_until, m.admits)
                     self.counts.inc("in", "add" if ok else "unknown_worker")
                 elif m.op == "release":
                     self.service.release_route(m.model, m.request_id, fanout=False)
                     self.counts.inc("in", "release")
+                elif m.op == "admit":
+                    self.service.admit_route(m.model, m.request_id, fanout=False)
+                    self.counts.inc("in", "admit")
                 else:
                     self.counts.inc("in", "bad")
             except Exception as exc:  # one bad message must not stop the follower

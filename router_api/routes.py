@@ -3,13 +3,19 @@ index's keys, confirming routes once the worker's own events cover them, forgett
 workers that restarted, resynced or left, and the `pending_blocks` of `/score` rows
 (docs/CONTRACTS.md, "Pending routes").
 
+Causal forwarding: a route reported with `admits` names, in its answer, the routes its prediction
+depends on that the worker has not admitted yet (`after`); their routers report admission (`admit`),
+and a waiter (`watch`) is called once one of the routes it waits for no longer awaits admission.
+
 Every method but `keys` runs under the service's lock (it reads the index and the registry);
-`now` is the service clock's value. No threads of its own: work happens when routes are reported
-or released and when `/score` asks.
+`now` is the service clock's value. No threads of its own: work happens when routes are reported,
+admitted or released and when `/score` asks; watchers' callbacks run under the lock (they must only
+hand a wake-up to their own thread or loop).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from indexer.protocol import ScoringIndex
@@ -36,15 +42,32 @@ def _epoch(w: Any) -> tuple[int, int, float]:
     return (w.restarts, w.resyncs, w.registered_at)
 
 
+class AdmissionCounts:
+    """Causal forwarding's totals (the service exports them as counters)."""
+
+    __slots__ = ("reported", "admitted", "dependent", "waits", "wait_timeouts", "wait_seconds")
+
+    def __init__(self) -> None:
+        self.reported = 0       # routes added with `admits` (their routers report admission)
+        self.admitted = 0       # admissions applied (a route awaiting it, here or from another replica)
+        self.dependent = 0      # routes answered with a non-empty `after`
+        self.waits = 0          # waits that had to block (a route in `after` still awaiting)
+        self.wait_timeouts = 0  # of which ended by their deadline, some route still awaiting
+        self.wait_seconds = 0.0  # their total time
+
+
 class RouteBook:
-    __slots__ = ("pending", "visibility", "_marks")
+    __slots__ = ("pending", "visibility", "admission", "_marks", "_watchers", "_watch_ids")
 
     def __init__(self, pending: PendingRoutes | None = None, visibility: RecentWindow | None = None) -> None:
         self.pending = pending if pending is not None else PendingRoutes()
         # Publish time -> applied in the index (visible to /score), per batch with a timestamp (seconds;
         # the ingest loop adds them): what a route's pending entry bridges.
         self.visibility = visibility if visibility is not None else RecentWindow(4096)
+        self.admission = AdmissionCounts()
         self._marks: dict[tuple[str, str], _Mark] = {}
+        self._watchers: dict[int, tuple[str, tuple[str, ...], Callable[[], None]]] = {}
+        self._watch_ids = itertools.count()
 
     @staticmethod
     def keys(index: ScoringIndex, model: str, block_size: int, token_ids: Any, lora_name: str | None,
@@ -55,11 +78,13 @@ class RouteBook:
     # -- changes -------------------------------------------------------------------------------
     def report(self, index: ScoringIndex, registry: Any, model: str, request_id: str, worker_id: str, dp_rank: int,
                keys: Sequence[int], now: float, block_size: int, tokens: int | None = None,
-               busy_until: float | None = None) -> tuple[int, int, int]:
-        """Add the route; returns (cached, pending, blocks): the worker's exact match of the request
-        and the pending blocks past it before this route, and the blocks the route holds. The route's
-        share of the worker's in-flight load is its `tokens` (the prompt's length; unknown: its full
-        blocks) less what the worker holds or has pending of it now: the tokens it will prefill."""
+               busy_until: float | None = None, admits: bool = False) -> tuple[int, int, int, list[str]]:
+        """Add the route; returns (cached, pending, blocks, after): the worker's exact match of the
+        request and the pending blocks past it before this route, the blocks the route holds, and the
+        routes awaiting admission that hold the last pending block counted (the route must reach the
+        worker after them; empty unless `admits`). The route's share of the worker's in-flight load is
+        its `tokens` (the prompt's length; unknown: its full blocks) less what the worker holds or has
+        pending of it now: the tokens it will prefill."""
         w = registry.get(worker_id)
         if w is None or w.reg.model != model:
             raise UnknownRouteWorker(f"worker {worker_id!r} is not registered for model {model!r}")
@@ -74,8 +99,15 @@ class RouteBook:
         pend = self.pending.run(model, worker_id, dp_rank, keys, cached, ends_only=hybrid)
         n = len(keys) * block_size if tokens is None else tokens
         prefill = max(0, n - (cached + pend) * block_size)
-        return cached, pend, self.pending.add(model, request_id, worker_id, dp_rank, keys, now,
-                                              prefill_tokens=prefill, busy_until=busy_until)
+        after: list[str] = []
+        if admits and pend:
+            after = self.pending.blockers(model, worker_id, dp_rank, keys[cached + pend - 1], but=request_id)
+            self.admission.dependent += bool(after)
+        held = self.pending.add(model, request_id, worker_id, dp_rank, keys, now, prefill_tokens=prefill,
+                                busy_until=busy_until, admits=admits)
+        self.admission.reported += admits
+        self._notify()
+        return cached, pend, held, after
 
     @classmethod
     def _held(cls, index: ScoringIndex, model: str, keys: Sequence[int], pair: tuple[str, int]) -> int:
@@ -93,22 +125,78 @@ class RouteBook:
 
     def release(self, model: str, request_id: str, now: float) -> int:
         self.pending.expire(now)
-        return self.pending.release(model, request_id)
+        n = self.pending.release(model, request_id)
+        self._notify()
+        return n
+
+    def admit(self, model: str, request_id: str) -> bool:
+        """The worker accepted the route's request (its router saw the forward's response begin)."""
+        ok = self.pending.admit(model, request_id)
+        self.admission.admitted += ok
+        if ok:
+            self._notify()
+        return ok
 
     def forget_worker(self, model: str, worker_id: str) -> None:
         self.pending.clear_worker(model, worker_id)
         self._marks.pop((model, worker_id), None)
+        self._notify()
 
     def forget_model(self, model: str) -> None:
         """The model was dropped with its last worker: its routes go too."""
         self.pending.clear_model(model)
         for key in [k for k in self._marks if k[0] == model]:
             del self._marks[key]
+        self._notify()
+
+    # -- waiting for admission -----------------------------------------------------------------
+    def awaiting(self, model: str, request_ids: Sequence[str], now: float | None = None) -> list[str]:
+        """Those of the routes that are held and not admitted yet (at `now`: expired ones go first)."""
+        if now is not None and self.pending.expire(now):
+            self._notify()
+        return [rid for rid in request_ids if self.pending.awaiting(model, rid)]
+
+    def watch(self, model: str, request_ids: Sequence[str], wake: Callable[[], None],
+              now: float | None = None) -> int | None:
+        """Call `wake` (once, under the lock) when one of the routes no longer awaits admission:
+        admitted, released, confirmed, expired or cleared (any of `after` suffices: each holds every
+        block the prediction counted). None (and no call): one of them does not await now."""
+        ids = tuple(dict.fromkeys(request_ids))
+        if not ids or len(self.awaiting(model, ids, now)) < len(ids):
+            return None
+        token = next(self._watch_ids)
+        self._watchers[token] = (model, ids, wake)
+        return token
+
+    def unwatch(self, token: int | None) -> None:
+        if token is not None:
+            self._watchers.pop(token, None)
+
+    def waited(self, seconds: float, timed_out: bool) -> None:
+        """A wait that blocked ended (its endpoint measures it)."""
+        self.admission.waits += 1
+        self.admission.wait_timeouts += timed_out
+        self.admission.wait_seconds += seconds
+
+    def _notify(self) -> None:
+        if not self._watchers:
+            return
+        pend = self.pending
+        for token, (model, ids, wake) in list(self._watchers.items()):
+            if not all(pend.awaiting(model, rid) for rid in ids):
+                del self._watchers[token]
+                wake()
 
     # -- scoring -------------------------------------------------------------------------------
     def sweep(self, index: Any, registry: Any, model: str, now: float) -> None:
         """Expire; forget routes of workers gone or restarted/resynced; confirm routes whose blocks
         the worker's events now cover (checked only for workers with new events since last time)."""
+        try:
+            self._sweep(index, registry, model, now)
+        finally:
+            self._notify()
+
+    def _sweep(self, index: Any, registry: Any, model: str, now: float) -> None:
         pend = self.pending
         pend.expire(now)
         if not pend.has(model):
@@ -152,6 +240,18 @@ class RouteBook:
                  "worker's events, expired by TTL, dropped over the cap, cleared with their worker)",
                  f"# TYPE {p}routes_total counter"]
         lines += [f'{p}routes_total{{outcome="{k}"}} {v}' for k, v in self.pending.counts.items()]
+        a = self.admission
+        lines += [f"# HELP {p}admission_total Causal forwarding: routes reported with admission tracking, "
+                  "admissions applied, routes answered with routes to follow (after), waits that blocked and "
+                  "of them those that timed out",
+                  f"# TYPE {p}admission_total counter"]
+        lines += [f'{p}admission_total{{what="{k}"}} {getattr(a, k)}'
+                  for k in ("reported", "admitted", "dependent", "waits", "wait_timeouts")]
+        lines += [f"# HELP {p}admission_wait_seconds_total Time waits for admission blocked",
+                  f"# TYPE {p}admission_wait_seconds_total counter",
+                  f"{p}admission_wait_seconds_total {a.wait_seconds:.6f}",
+                  f"# HELP {p}admission_waiting Waits for admission blocked now", f"# TYPE {p}admission_waiting gauge",
+                  f"{p}admission_waiting {len(self._watchers)}"]
         lines += [f"# HELP {p}routes In-flight routes held now", f"# TYPE {p}routes gauge",
                   f"{p}routes {len(self.pending)}",
                   f"# HELP {p}blocks Block keys held by in-flight routes now", f"# TYPE {p}blocks gauge",
@@ -165,8 +265,10 @@ class RouteBook:
 
     def stats(self) -> dict[str, Any]:
         p50, p99 = self.visibility.quantiles((0.5, 0.99))
+        a = self.admission
         return {"routes": len(self.pending), "blocks": self.pending.blocks,
                 "outcomes": dict(self.pending.counts.items()),
+                "admission": {**{k: getattr(a, k) for k in a.__slots__}, "waiting": len(self._watchers)},
                 "visibility": {"count": len(self.visibility),
                                "p50_ms": None if p50 is None else p50 * 1e3,
                                "p99_ms": None if p99 is None else p99 * 1e3}}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import msgspec
@@ -464,10 +465,11 @@ class IndexerService:
     # -- in-flight routes --------------------------------------------------------------------
     def report_route(self, model: str, request_id: str, worker_id: str, token_ids: Any, dp_rank: int = 0,
                      lora_name: str | None = None, cache_salt: str | None = None,
-                     busy_until: float | None = None) -> RouteAnswer:
+                     busy_until: float | None = None, admits: bool = False) -> RouteAnswer:
         """A router chose `worker_id` for this request: its full blocks count as pending there until
         the worker's events cover them, `release_route`, or the TTL. Answers what the worker will
-        serve from cache as the index sees it now (schemas.api.RouteAnswer).
+        serve from cache as the index sees it now (schemas.api.RouteAnswer); with `admits` (the router
+        will report the worker's admission, `admit_route`) also the routes to forward it after.
         Raises UnknownModel / UnknownRouteWorker."""
         with self.lock:
             block_size = self.index.models().get(model)
@@ -475,14 +477,15 @@ class IndexerService:
             raise UnknownModel(f"unknown model {model!r}")
         keys = self.routes.keys(self.index, model, block_size, token_ids, lora_name, cache_salt)
         with self.lock:
-            cached, pend, n = self.routes.report(self.index, self.registry, model, request_id, worker_id, dp_rank,
-                                                 keys, self.clock(), block_size, len(token_ids), busy_until)
+            cached, pend, n, after = self.routes.report(self.index, self.registry, model, request_id, worker_id,
+                                                        dp_rank, keys, self.clock(), block_size, len(token_ids),
+                                                        busy_until, admits)
         if self.route_fanout is not None:
-            self.route_fanout.added(model, request_id, worker_id, dp_rank, keys, len(token_ids), busy_until)
-        return RouteAnswer(request_id, pend, cached, n)
+            self.route_fanout.added(model, request_id, worker_id, dp_rank, keys, len(token_ids), busy_until, admits)
+        return RouteAnswer(request_id, pend, cached, n, after)
 
     def apply_route(self, model: str, request_id: str, worker_id: str, dp_rank: int, keys: list[int],
-                    tokens: int | None = None, busy_until: float | None = None) -> bool:
+                    tokens: int | None = None, busy_until: float | None = None, admits: bool = False) -> bool:
         """A route another indexer replica took (already hashed; `tokens`: the prompt's length, None from
         a replica that does not send it); False if the worker or model is unknown here."""
         with self.lock:
@@ -491,7 +494,7 @@ class IndexerService:
                 return False
             try:
                 self.routes.report(self.index, self.registry, model, request_id, worker_id, dp_rank, keys,
-                                   self.clock(), block_size, tokens, busy_until)
+                                   self.clock(), block_size, tokens, busy_until, admits)
             except UnknownRouteWorker:
                 return False
         return True
@@ -503,6 +506,41 @@ class IndexerService:
         if fanout and self.route_fanout is not None:
             self.route_fanout.released(model, request_id)
         return n
+
+    def admit_route(self, model: str, request_id: str, fanout: bool = True) -> bool:
+        """The worker accepted the route's request into its queue (causal forwarding): routes that
+        wait for it may go. False: unknown, or not awaiting admission (idempotent)."""
+        with self.lock:
+            ok = self.routes.admit(model, request_id)
+        if fanout and self.route_fanout is not None:
+            self.route_fanout.admitted(model, request_id)
+        return ok
+
+    def watch_routes(self, model: str, request_ids: Sequence[str], wake: Callable[[], None]) -> int | None:
+        """`wake()` once one of the routes no longer awaits admission (RouteBook.watch); None: one
+        does not now."""
+        with self.lock:
+            return self.routes.watch(model, request_ids, wake, self.clock())
+
+    def end_wait(self, model: str, request_ids: Sequence[str], token: int | None, seconds: float) -> list[str]:
+        """A wait (`watch_routes`) is over: the routes still awaiting admission (all of them: it timed
+        out), counted."""
+        with self.lock:
+            self.routes.unwatch(token)
+            left = self.routes.awaiting(model, request_ids, self.clock())
+            if token is not None:
+                self.routes.waited(seconds, len(set(left)) == len(set(request_ids)))
+        return left
+
+    def wait_routes(self, model: str, request_ids: Sequence[str], timeout_s: float) -> list[str]:
+        """Block until one of the routes no longer awaits admission or `timeout_s` passes (embedded
+        routers; the HTTP endpoint waits on its event loop instead); returns those still awaiting."""
+        done = threading.Event()
+        t0 = time.monotonic()
+        token = self.watch_routes(model, request_ids, done.set)
+        if token is not None:
+            done.wait(timeout_s)
+        return self.end_wait(model, request_ids, token, time.monotonic() - t0)
 
     def query_compat(self, model: str, token_ids: Any, lora_name: str | None,
                      cache_salt: str | None) -> QueryResponse:

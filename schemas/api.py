@@ -174,17 +174,50 @@ class RouteReport(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # the router's own estimate of when the worker is done with the work routed to it, this request
     # included, on a clock every router replica shares (seconds; the indexer only keeps the largest)
     busy_until: Optional[Annotated[float, Meta(ge=-1e12, le=1e12)]] = None
+    # the router reports when the worker admits the request (`POST /routes/admitted`) and forwards
+    # it only after the routes the answer's `after` names were admitted (causal forwarding)
+    admits: bool = False
 
 
 class RouteAnswer(Struct):
     """What the chosen worker will serve this request from cache, as the index sees it at the report
     (before this route is added): `cached_blocks` exactly held (any tier) + `pending_blocks` past them
-    held by earlier in-flight routes to that worker; `blocks`: the request's full blocks now pending."""
+    held by earlier in-flight routes to that worker; `blocks`: the request's full blocks now pending;
+    `after` (reports with `admits`): the routes holding the last pending block counted whose admission
+    by the worker is not reported yet: forward this request once one of them is (`POST /routes/wait`)."""
 
     request_id: str
     pending_blocks: int
     cached_blocks: int = 0
     blocks: int = 0
+    after: list[str] = []
+
+
+MAX_WAIT_ROUTES = 1024   # route ids one wait may name
+MAX_WAIT_S = 30.0        # the longest one wait may block
+
+
+class RouteAdmitted(Struct, forbid_unknown_fields=True):
+    """`POST /routes/admitted`: the worker accepted request `request_id` into its queue."""
+
+    request_id: Name
+    model: Name = "default"
+
+
+class RouteWait(Struct, forbid_unknown_fields=True):
+    """`POST /routes/wait`: answer once one of the routes no longer awaits admission (admitted or gone;
+    at once if one does not await now), or after `timeout_s`."""
+
+    request_ids: Annotated[list[Name], Meta(max_length=MAX_WAIT_ROUTES)]
+    model: Name = "default"
+    timeout_s: Annotated[float, Meta(ge=0.0, le=MAX_WAIT_S)] = 2.0
+
+
+class RouteWaitAnswer(Struct):
+    """The routes of the wait still awaiting admission (all of them: it timed out), and how long it took."""
+
+    waiting: list[str]
+    waited_s: float
 
 
 class RouteRelease(Struct):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["policy", "routers", "requests", "hit_ratio", "prefill_tokens", "ttft_mean_s", "ttft_p90_s",
-        "prediction_accuracy", "causes"]
+        "prediction_accuracy", "causes", "waits", "wait_timeouts", "wait_p50_ms", "wait_max_ms"]
 
 
 def test_demo_on_processes_short(tmp_path: Path) -> None:
@@ -41,6 +41,10 @@ def test_demo_on_processes_short(tmp_path: Path) -> None:
         misses = round((1.0 - x["prediction_accuracy"]) * x["requests"])
         assert x["prediction_accuracy"] >= 0.5 and sum(x["causes"].values()) == misses, text
     assert rows[1]["hit_ratio"] >= rows[0]["hit_ratio"]
+    # causal forwarding: only requests whose prediction counted another's in-flight blocks wait
+    assert rows[0]["waits"] == rows[2]["waits"] == 0 and rows[0]["wait_p50_ms"] is None
+    for x in rows[1], rows[3]:
+        assert x["waits"] >= x["wait_timeouts"] >= 0 and (x["wait_max_ms"] is None) == (x["waits"] == 0)
 
 
 def test_demo_rejects_bad_arguments() -> None:
@@ -48,6 +52,7 @@ def test_demo_rejects_bad_arguments() -> None:
     exe = [sys.executable, "-m", "router_api.cli", "demo"]
     for args, msg in ((["--policies", "magic"], "--policies"), (["--requests", "0"], "--requests must be positive"),
                       (["--speed", "0"], "--speed must be positive"),
+                      (["--admission-timeout", "-1"], "--admission-timeout"),
                       (["--trace", "/nonexistent.jsonl"], "cannot read trace")):
         r = subprocess.run([*exe, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and msg in r.stderr, (args, r.stderr)

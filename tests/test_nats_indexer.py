@@ -244,3 +244,41 @@ def test_pending_routes_reach_every_replica(nats: NatsServer, tmp_path: Path) ->
     finally:
         a.terminate()
         b.terminate()
+
+
+def test_admissions_reach_every_replica(nats: NatsServer, tmp_path: Path) -> None:
+    """Causal forwarding across `--nats` replicas: a route reported with `admits` to replica a is one
+    that replica b's reports depend on (`after`); a router waiting on b is released by the admission
+    reported to a (router_api/route_plane.py)."""
+    import threading
+
+    a = _replica(nats.url, tmp_path, "a")
+    b = _replica(nats.url, tmp_path, "b")
+    try:
+        _register(a, "w0")
+        wait_until(lambda: "w0" in _rows(b), timeout=20)
+        toks = list(range(1, 3 * BS + 2))
+        got = a.client.post("/routes", json={"request_id": "q1", "worker_id": "w0", "token_ids": toks,
+                                             "admits": True})
+        assert got.status_code == 200 and got.json()["after"] == [], got.text
+        wait_until(lambda: b.client.post("/routes", json={
+            "request_id": "q2", "worker_id": "w0", "token_ids": toks + [9] * BS, "admits": True}).json()["after"]
+            == ["q1"], timeout=20)
+        waited: list[dict] = []
+        waiter = threading.Thread(target=lambda: waited.append(b.client.post(
+            "/routes/wait", json={"request_ids": ["q1"], "timeout_s": 30}, timeout=60).json()))
+        waiter.start()
+        wait_until(lambda: b.client.get("/stats").json()["pending"]["admission"]["waiting"] == 1, timeout=20)
+        assert a.client.post("/routes/admitted", json={"request_id": "q1"}).json() == {"admitted": True}
+        waiter.join(60)
+        assert waited and waited[0]["waiting"] == [], waited
+        # both replicas agree: q1 no longer holds anyone back, q2 (reported to b) still does
+        for r in (a, b):
+            wait_until(lambda: r.client.post("/routes", json={
+                "request_id": "q3", "worker_id": "w0", "token_ids": toks + [9] * BS + [8] * BS,
+                "admits": True}).json()["after"] == ["q2"], timeout=20)
+            r.client.delete("/routes/q3")
+        assert 'kvatlas_route_fanout_total{direction="in",outcome="admit"} 1' in b.client.get("/metrics").text
+    finally:
+        a.terminate()
+        b.terminate()

@@ -185,8 +185,9 @@ KINDS = ["python", "sharded"] + (["native"] if HAVE_NATIVE else [])
 
 op = st.one_of(
     st.tuples(st.just("events"), st.integers(0, 2), st.integers(1, 3)),
-    st.tuples(st.just("report"), st.integers(0, 2), st.integers(0, 8)),
+    st.tuples(st.just("report"), st.integers(0, 2), st.integers(0, 8), st.booleans()),
     st.tuples(st.just("release"), st.integers(0, 8)),
+    st.tuples(st.just("admit"), st.integers(0, 8)),
     st.tuples(st.just("clock"), st.floats(0.0, 4.0)),
     st.tuples(st.just("rejoin"), st.integers(0, 2)),
 )
@@ -206,6 +207,7 @@ def test_pending_never_changes_the_exact_view(kind: str, ops: list[tuple], seed:
     sims = {w: WorkerSim(seed + i, BS, prompts) for i, w in enumerate(wids)}
     rng = random.Random(seed)
     model: dict[str, tuple[str, list[int], float]] = {}  # request id -> (worker, keys, expires_at)
+    awaiting: set[str] = set()  # of them: reported with `admits`, admission not reported yet
     seed0 = namespace_seed(BS)
 
     def queries() -> list[list[int]]:
@@ -223,16 +225,33 @@ def test_pending_never_changes_the_exact_view(kind: str, ops: list[tuple], seed:
             w = wids[o[1]]
             q = rng.choice(queries())
             rid = f"r{o[2]}"
-            ans = routed.report_route(MODEL, rid, w, q)
+            keys = query_keys(q, BS, seed0)
+            ans = routed.report_route(MODEL, rid, w, q, admits=o[3])
             assert ans.blocks == len(q) // BS
+            # causal forwarding: `after` names the routes awaiting admission that hold the last pending
+            # block counted, unless a route not awaiting it holds that block too
+            want: list[str] = []
+            if o[3] and ans.pending_blocks:
+                last = keys[ans.cached_blocks + ans.pending_blocks - 1]
+                holders = [r for r, (w2, ks, _) in model.items() if w2 == w and last in ks]
+                if all(r in awaiting for r in holders):
+                    want = [r for r in holders if r != rid]
+            assert sorted(ans.after) == sorted(want), (ans, holders, awaiting)
             model.pop(rid, None)  # a re-reported id replaces its route
-            model[rid] = (w, query_keys(q, BS, seed0), clock.t + 5.0)
+            awaiting.discard(rid)
+            model[rid] = (w, keys, clock.t + 5.0)
+            if o[3] and keys:
+                awaiting.add(rid)
             while len(model) > 6:  # the cap drops the oldest (earliest expiry)
                 del model[min(model, key=lambda k: model[k][2])]
         elif o[0] == "release":
             got = routed.release_route(MODEL, f"r{o[1]}")
             entry = model.pop(f"r{o[1]}", None)
             assert got == (0 if entry is None or entry[2] <= clock.t else len(entry[1]))
+        elif o[0] == "admit":
+            rid = f"r{o[1]}"
+            assert routed.admit_route(MODEL, rid) == (rid in awaiting and rid in model)
+            awaiting.discard(rid)
         elif o[0] == "clock":
             clock.t += o[1]
         else:  # the worker leaves and comes back empty: the index and its routes forget it
@@ -243,6 +262,8 @@ def test_pending_never_changes_the_exact_view(kind: str, ops: list[tuple], seed:
             sims[w].clear()
             model = {k: v for k, v in model.items() if v[0] != w}
         model = {k: v for k, v in model.items() if v[2] > clock.t}
+        awaiting &= model.keys()
+        assert sorted(routed.routes.awaiting(MODEL, [f"r{i}" for i in range(9)], clock.t)) == sorted(awaiting)
         for q in queries():
             assert _exact(routed, q) == _exact(plain, q)
             keys = query_keys(q, BS, seed0)

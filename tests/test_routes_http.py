@@ -51,7 +51,7 @@ def test_report_score_release_over_http(live: LiveIndexer) -> None:
     assert all(w.get("pending_blocks", 0) == 0 for w in _rows(live, toks).values())
     r = live.client.post("/routes", json={"request_id": "h1", "worker_id": "rw1", "token_ids": toks})
     assert r.status_code == 200, r.text
-    assert r.json() == {"request_id": "h1", "pending_blocks": 0, "cached_blocks": 0, "blocks": 3}
+    assert r.json() == {"request_id": "h1", "pending_blocks": 0, "cached_blocks": 0, "blocks": 3, "after": []}
     rows = _rows(live, toks + [9] * BS)
     assert rows["rw1"]["pending_blocks"] == 3 and rows["rw1"]["cached_blocks"] == 0
     assert rows["rw1"]["device_blocks"] == 0 and rows["rw1"]["tiers"] == {"gpu": 0, "host": 0, "disk": 0, "shared": 0}
@@ -59,7 +59,7 @@ def test_report_score_release_over_http(live: LiveIndexer) -> None:
     # a second route to the same worker sees the first one's blocks as pending there (msgpack body)
     body = msgspec.msgpack.encode({"request_id": "h2", "worker_id": "rw1", "token_ids": toks[:2 * BS]})
     r = live.client.post("/routes", content=body, headers={"Content-Type": "application/msgpack"})
-    assert r.json() == {"request_id": "h2", "pending_blocks": 2, "cached_blocks": 0, "blocks": 2}
+    assert r.json() == {"request_id": "h2", "pending_blocks": 2, "cached_blocks": 0, "blocks": 2, "after": []}
     assert live.client.delete("/routes/h1").json() == {"released": 3}
     assert live.client.delete("/routes/h1").json() == {"released": 0}  # idempotent
     assert _rows(live, toks)["rw1"]["pending_blocks"] == 2

@@ -120,6 +120,8 @@ class RequestRecord(Struct, omit_defaults=True):
     queue_s: Optional[float] = None
     error: Optional[str] = None
     predicted_pending: Optional[int] = None  # of predicted_cached: tokens of in-flight routes (pending_blocks)
+    wait_s: Optional[float] = None           # wall seconds its forward waited for routes' admission (causal forwarding)
+    wait_timeout: bool = False               # that wait ended at its deadline, some route not admitted
 
 
 class RouterReport(Struct, omit_defaults=True):
@@ -147,6 +149,12 @@ class PolicyRow(Struct):
     # Measured causes of the mismatches (report.mismatch_cause): cause -> requests
     causes: dict[str, int] = msgspec.field(default_factory=dict)
     held_accuracy: Optional[float] = None  # predicted == what the worker held at arrival (second figure)
+    # causal forwarding: requests whose forward waited for routes' admission, of them those that timed
+    # out, and their wall-clock wait (median, largest; milliseconds)
+    waits: int = 0
+    wait_timeouts: int = 0
+    wait_p50_ms: Optional[float] = None
+    wait_max_ms: Optional[float] = None
 
 
 json_encoder = msgspec.json.Encoder()

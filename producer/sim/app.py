@@ -2,13 +2,17 @@
 and the OpenAI-compatible routes of `producer.sim.openai` (`/v1/completions`, `/v1/chat/completions`, ...).
 
 Bodies are msgspec-decoded (`producer.sim.api`); bad bodies get 400/422 with a message. A request's
-response is held until its simulated completion on the wall clock (virtual e2e / speed), so a
-router's in-flight counts mean what they would with a real engine (docs/end-to-end.md).
+response headers go out when the engine has queued it (its queue is served in order; a streaming
+engine's headers come at that point too; routers use them for causal forwarding, docs/CONTRACTS.md
+"Pending routes"); its body is held until its
+simulated completion on the wall clock (virtual e2e / speed), so a router's in-flight counts mean
+what they would with a real engine (docs/end-to-end.md).
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -35,7 +39,7 @@ def _error(status: int, message: str) -> Response:
 def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, tokenizer: Any = None) -> FastAPI:
     """`tokenizer`: the model's router_api.tokenization.ChatTokenizer for the OpenAI routes' text
     (producer/sim/openai.py); without one they take token-id prompts only."""
-    from producer.sim.openai import OpenAIFront, mount_openai, vllm_metric_lines
+    from producer.sim.openai import OpenAIFront, PacedStream, mount_openai, vllm_metric_lines
 
     app = FastAPI(title=f"kvatlas worker {health.worker_id}", docs_url=None, redoc_url=None)
     front = OpenAIFront(engine, clock, health.worker_id, health.model, tokenizer)
@@ -70,24 +74,51 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
             return _error(422, f"arrival_s {req.arrival_s} is more than {MAX_AHEAD_S:g}s past the worker's clock "
                                f"({now:.3f})")
         arrival = now if req.arrival_s is None else req.arrival_s
-        try:
-            served = await asyncio.wrap_future(engine.submit(req.token_ids, req.max_tokens, arrival))
-        except QueueFull as exc:
+        if engine.full(arrival):
             counters["generate_rejected"] += 1
-            return _error(503, f"queue full: {exc}")
-        # Hold the answer until the simulated request completes (a pacing wait, not a sync); a client
-        # that disconnects first cancels it, freeing its batch slot on the timeline.
-        delay = t_wall + served.e2e_s / clock.speed - time.monotonic()
-        if delay > 0 and await client_left_within(request, delay):
-            engine.cancel(served, clock.now())
+            return _error(503, f"queue full: {engine.sim.max_queue} requests already waiting")
+        # The engine serves its queue in order: from here on this request is admitted, and the headers
+        # go out now, as a streaming engine's do once it queued a request (a router forwards the
+        # requests that count on this one's blocks when it sees them: docs/CONTRACTS.md "Causal
+        # forwarding"). The body follows at the simulated completion (a pacing wait, not a sync).
+        fut = engine.submit(req.token_ids, req.max_tokens, arrival)
+        state: dict[str, Any] = {"served": None, "done": False}
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                served = await asyncio.wrap_future(fut)
+            except QueueFull as exc:  # filled up between the check and its turn: the status is sent
+                counters["generate_rejected"] += 1
+                state["done"] = True
+                yield _enc.encode({"error": f"queue full: {exc}"})
+                return
+            state["served"] = served
+            answer = _enc.encode(GenerateResponse(
+                worker_id=wid, request_id=req.request_id, input_tokens=len(req.token_ids),
+                output_tokens=req.max_tokens, arrival_cached=served.arrival_cached, served=served.tokens,
+                queue_s=served.queue_s, load_s=served.load_s, prefill_s=served.prefill_s,
+                ttft_s=served.ttft_s, e2e_s=served.e2e_s))
+            # A client that disconnects first cancels it, freeing its batch slot on the timeline.
+            if await client_left_within(request, t_wall + served.e2e_s / clock.speed - time.monotonic()):
+                return
+            state["done"] = True
+            counters["generate_ok"] += 1
+            yield answer
+
+        def cancel(f: Any) -> None:
+            if not f.cancelled() and f.exception() is None:
+                engine.cancel(f.result(), clock.now())
+
+        def ended() -> None:
+            if state["done"]:
+                return
             counters["generate_cancelled"] += 1
-            return Response(status_code=499)  # never read: the client is gone
-        counters["generate_ok"] += 1
-        return _json(GenerateResponse(
-            worker_id=wid, request_id=req.request_id, input_tokens=len(req.token_ids),
-            output_tokens=req.max_tokens, arrival_cached=served.arrival_cached, served=served.tokens,
-            queue_s=served.queue_s, load_s=served.load_s, prefill_s=served.prefill_s,
-            ttft_s=served.ttft_s, e2e_s=served.e2e_s))
+            if state["served"] is not None:
+                engine.cancel(state["served"], clock.now())
+            elif not fut.cancel():  # the engine has it already: free its slot once it is placed
+                fut.add_done_callback(cancel)
+
+        return PacedStream(body(), ended, media_type=_JSON)
 
     @app.get("/load")
     async def load(at: float | None = None) -> Response:

@@ -82,6 +82,11 @@ class Engine:
         self._jobs.put((list(tokens), max_tokens, arrival_s, fut))
         return fut
 
+    def full(self, arrival_s: float) -> bool:
+        """`max_queue` requests already wait at that time: a submission now would be refused."""
+        with self.lock:
+            return self.schedule.queued_at(arrival_s) >= self.sim.max_queue
+
     def load(self, at: float | None) -> tuple[float, int, int, float, float]:
         with self.lock:
             s = self.schedule

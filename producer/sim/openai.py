@@ -58,7 +58,7 @@ def _max_tokens(body: dict[str, Any], key_order: tuple[str, ...]) -> int:
     return 16
 
 
-class _Stream(StreamingResponse):
+class PacedStream(StreamingResponse):
     """An SSE reply that calls `on_end` once it is over, however it ended: completed, ended short, cancelled
     by Starlette on the client's disconnect (possibly before the body began), or failed on a send."""
 
@@ -183,7 +183,7 @@ class OpenAIFront:
             done = asyncio.Event()
             gen = self._stream(request, done, rid, created, model, chat, ids, pieces, served, t_wall,
                                bool(opts.get("include_usage")), extra)
-            return _Stream(gen, functools.partial(self._stream_ended, served, done), media_type="text/event-stream",
+            return PacedStream(gen, functools.partial(self._stream_ended, served, done), media_type="text/event-stream",
                            headers=headers)
         if not await self.paced(request, t_wall, served.e2e_s):
             self.cancelled(served)
@@ -220,7 +220,7 @@ class OpenAIFront:
             return b"data: " + _enc.encode(c) + b"\n\n"
 
         # A client that goes is seen here while pacing (the stream then ends short) or by Starlette,
-        # which cancels the stream; `_Stream` cancels the request on the timeline unless [DONE] went out.
+        # which cancels the stream; `PacedStream` cancels the request on the timeline unless [DONE] went out.
         if not await self.paced(request, t_wall, served.ttft_s):
             return
         if chat:

@@ -16,7 +16,7 @@ import msgspec
 
 from router_api.demo.procs import Child, free_port, http_json, kvatlas_cmd, wait_healthy
 from router_api.router.progress import Progress
-from router_api.router.report import format_table, summarize
+from router_api.router.report import format_table, format_waits, summarize
 from router_api.router.trace import DEFAULT_TRACE
 from producer.sim.api import PolicyRow, RouterReport
 
@@ -35,6 +35,7 @@ class DemoSettings(msgspec.Struct, kw_only=True, frozen=True):
     gpu_pages: int = 320
     host_pages: int = 960
     seed: int = 0
+    admission_timeout: float = 2.0  # routers' causal forwarding wait bound (0: off; kvatlas router --admission-timeout)
     family: str = "full"      # the workers' model family (kvatlas worker --family)
 
 
@@ -96,6 +97,7 @@ class Run:
                                "--port", "0", "--requests", str(self.s.requests), "--speed", str(self.s.speed),
                                "--replicas", str(self.routers), "--replica-index", str(i), "--report", str(report),
                                "--exit-after-replay", "--seed", str(self.s.seed),
+                               "--admission-timeout", str(self.s.admission_timeout),
                                "--start-at", f"{start_at:.3f}", "--trace", self.s.trace or str(DEFAULT_TRACE),
                                *[a for c, wid, u in self.workers for a in ("--worker", f"{wid}={u}")])
             self.router_children.append((Child(f"router-{i}", argv, self.dir), "", report))
@@ -220,6 +222,9 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
                 run.stop()
             idx.stop()
     p(format_table(rows))
+    waits = format_waits(rows)
+    if waits:
+        p(f"\n{waits}")
     p(f"\n{vis}")
     p("\nhit ratio: prompt tokens served from any tier / all prompt tokens. prefill tokens: tokens computed.")
     p("TTFT: queue + load-back + prefill on the simulated model's clock. prediction: share of requests")
@@ -229,5 +234,6 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
 
 def rows_json(rows: Sequence[PolicyRow]) -> bytes:
     keys = ("policy", "routers", "requests", "hit_ratio", "prefill_tokens", "ttft_mean_s", "ttft_p90_s",
-            "prediction_accuracy", "causes")  # causes: the "why not exact" counts, by cause
+            "prediction_accuracy", "causes", "waits", "wait_timeouts", "wait_p50_ms", "wait_max_ms")
+    # causes: the "why not exact" counts, by cause; waits: causal forwarding's (docs/end-to-end.md)
     return msgspec.json.encode({"policies": [{k: getattr(r, k) for k in keys} for r in rows]})

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", default=None, help="write the per-request report here (JSON) after the replay")
     p.add_argument("--exit-after-replay", action="store_true", help="exit once the replay is done")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--admission-timeout", type=float, default=2.0,
+                   help="sim: wall seconds a request waits at most for the worker to admit the in-flight requests "
+                        "its prediction counts on (causal forwarding, docs/CONTRACTS.md; 0 = off; default 2)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--api", choices=("openai", "sim"), default=None,
                    help="openai: OpenAI-compatible proxy (/v1/completions, /v1/chat/completions) in front of "
@@ -109,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("need --replicas >= 1 and 0 <= --replica-index < --replicas")
         if args.speed <= 0 or args.requests < 0:
             raise ValueError("--speed must be positive and --requests >= 0")
+        if not 0 <= args.admission_timeout <= 30:
+            raise ValueError("--admission-timeout must be within [0, 30] seconds")
         reqs = select_requests(args) if args.trace else None
     except (ValueError, TraceError) as exc:
         print(f"kvatlas router: {exc}", file=sys.stderr)
@@ -141,7 +146,8 @@ async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[An
         return 2
     sim = healths[0].sim
     policy = make_policy(args.policy, list(workers), sim, seed=args.seed + args.replica_index)
-    core = RouterCore(policy, workers, args.indexer, args.model, sizes.pop(), sim, speed=args.speed)
+    core = RouterCore(policy, workers, args.indexer, args.model, sizes.pop(), sim, speed=args.speed,
+                      admission_timeout_s=args.admission_timeout)
     token = indexer_token(args.indexer_token_file)
     if token:
         core.indexer_auth = {"Authorization": f"Bearer {token}"}

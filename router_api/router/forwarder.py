@@ -1,6 +1,7 @@
 """The router's shell: asks the indexer (`POST /score`, raw u32 body) and polls worker load, lets
-the policy decide, forwards `POST /generate` and records predicted vs actual cached tokens.
-Also replays a trace at scaled speed (docs/end-to-end.md, "The router").
+the policy decide, reports the route, forwards `POST /generate` — once the worker admitted the
+in-flight requests whose blocks the prediction counted (causal forwarding) — and records predicted
+vs actual cached tokens. Also replays a trace at scaled speed (docs/end-to-end.md, "The router").
 
 Several replicas may run against one indexer; each knows only its own in-flight requests, the
 shared index and the workers' own load reports.
@@ -21,6 +22,7 @@ import numpy as np
 
 from router_api.router.policies import Policy, RouteInput, ScoreRow, shared_backlog
 from router_api.router.trace import TokenExpander, TraceRequest
+from schemas.api import MAX_WAIT_ROUTES, MAX_WAIT_S
 from producer.sim.api import GenerateResponse, LoadResponse, RequestRecord, SimModel, WorkerHealth
 
 log = logging.getLogger("kvatlas.router")
@@ -51,7 +53,7 @@ class RouterCore:
 
     def __init__(self, policy: Policy, workers: dict[str, str], indexer: str | None, model: str,
                  block_size: int, sim: SimModel, *, speed: float = 1.0, load_poll_s: float = 0.05,
-                 timeout_s: float = 600.0, serial: bool = True) -> None:
+                 timeout_s: float = 600.0, serial: bool = True, admission_timeout_s: float = 2.0) -> None:
         self.policy = policy
         self.workers = workers  # worker id -> base URL
         self.indexer = indexer.rstrip("/") if indexer else None
@@ -68,6 +70,10 @@ class RouterCore:
         self.records: list[RequestRecord] = []
         self.indexer_auth: dict[str, str] = {}  # {"Authorization": "Bearer ..."} for an indexer run with auth
         self.route_errors = 0
+        # Causal forwarding: wall seconds a request waits at most for the routes its prediction counted
+        # to be admitted by their worker (0: it does not wait, nor report admissions)
+        self.admission_timeout_s = admission_timeout_s
+        self._admits: set[asyncio.Task[None]] = set()  # admission reports in flight
         self._deciding = asyncio.Lock()
         self.serial = serial
         self.route_prefix = os.urandom(4).hex()  # request ids unique across router replicas
@@ -81,6 +87,8 @@ class RouterCore:
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        if self._admits:
+            await asyncio.gather(*self._admits, return_exceptions=True)
         await self.client.aclose()
 
     # -- load ------------------------------------------------------------------------------
@@ -150,7 +158,8 @@ class RouterCore:
         expects for that worker's work (`busy_until`, on the replay clock the replicas share)."""
         assert self.indexer is not None
         body = _mp_enc.encode({"model": self.model, "request_id": request_id, "worker_id": worker_id,
-                               "token_ids": tokens.tolist(), "busy_until": self.busy_until[worker_id]})
+                               "token_ids": tokens.tolist(), "busy_until": self.busy_until[worker_id],
+                               "admits": self.admission_timeout_s > 0})
         try:
             r = await self.client.post(f"{self.indexer}/routes", content=body,
                                        headers={"Content-Type": "application/msgpack"}, timeout=30.0)
@@ -163,6 +172,45 @@ class RouterCore:
             log.debug("route report %s -> %s: HTTP %d %s", request_id, worker_id, r.status_code, r.text[:200])
             return None
         return _score_dec.decode(r.content)
+
+    async def wait_admitted(self, request_ids: list[str]) -> tuple[float, bool]:
+        """Causal forwarding: wait until the worker admitted one of the routes holding the blocks this
+        request's prediction counted (their routers report it), at most `admission_timeout_s`;
+        (wall seconds, timed out)."""
+        assert self.indexer is not None
+        t0 = time.monotonic()
+        body = _mp_enc.encode({"model": self.model, "request_ids": request_ids[:MAX_WAIT_ROUTES],
+                               "timeout_s": min(self.admission_timeout_s, MAX_WAIT_S)})
+        try:
+            r = await self.client.post(f"{self.indexer}/routes/wait", content=body,
+                                       headers={"Content-Type": "application/msgpack", **self.indexer_auth},
+                                       timeout=self.admission_timeout_s + 30.0)
+            left = _score_dec.decode(r.content)["waiting"] if r.status_code == 200 else request_ids
+        except (httpx.HTTPError, msgspec.DecodeError, KeyError, TypeError) as exc:
+            self.route_errors += 1
+            log.debug("admission wait for %s failed: %s", request_ids, exc)
+            left = request_ids
+        # one admitted suffices: each of them holds every block the prediction counted
+        return time.monotonic() - t0, len(set(left)) >= len(set(request_ids[:MAX_WAIT_ROUTES]))
+
+    def admitted(self, request_id: str) -> None:
+        """The worker began its answer, so it has the request queued: tell the indexer (in the
+        background: the forward goes on), so the routes that wait for it may go."""
+        assert self.indexer is not None
+        body = _mp_enc.encode({"model": self.model, "request_id": request_id})
+
+        async def send() -> None:
+            try:
+                await self.client.post(f"{self.indexer}/routes/admitted", content=body,
+                                       headers={"Content-Type": "application/msgpack", **self.indexer_auth},
+                                       timeout=30.0)
+            except httpx.HTTPError as exc:  # a waiter times out instead
+                self.route_errors += 1
+                log.debug("admission report %s failed: %s", request_id, exc)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._admits.add(task)
+        task.add_done_callback(self._admits.discard)
 
     async def release_route(self, request_id: str) -> None:
         assert self.indexer is not None
@@ -181,6 +229,7 @@ class RouterCore:
         rec = RequestRecord(index=index, worker_id="", input_tokens=len(tokens))
         rid = request_id or str(index)
         route_id = f"{self.route_prefix}-{rid}" if pol.uses_index else None
+        after: list[str] = []
         try:
             # One decision at a time per replica (score -> choose -> report): each sees the routes this
             # replica reported before it, and requests reach the workers in trace order even when the
@@ -204,18 +253,27 @@ class RouterCore:
                             (scores or {}).get(w), got["cached_blocks"], got["pending_blocks"])
                         rec.predicted_cached = min(len(tokens), blocks * b)
                         rec.predicted_pending = got["pending_blocks"] * b
+                        after = got.get("after") or []
         except (httpx.HTTPError, msgspec.DecodeError, KeyError, TypeError) as exc:
             rec.error = f"route: {exc}"
             self.records.append(rec)
             if rec.worker_id:
                 self.inflight[rec.worker_id] -= 1
             return rec, None
+        if after and self.admission_timeout_s > 0:
+            # Its prediction counts blocks of routes the worker has not admitted yet: reaching the
+            # worker before them, it would compute what it was promised from cache (a FIFO queue then
+            # runs it after them). Outside the decision lock: other requests are decided meanwhile.
+            rec.wait_s, rec.wait_timeout = await self.wait_admitted(after)
         body = _enc.encode({"token_ids": tokens.tolist(), "max_tokens": max_tokens, "arrival_s": now,
                             "request_id": rid})
         resp = None
         try:
-            r = await self.client.post(f"{self.workers[w]}/generate", content=body,
-                                       headers={"Content-Type": "application/json"})
+            async with self.client.stream("POST", f"{self.workers[w]}/generate", content=body,
+                                          headers={"Content-Type": "application/json"}) as r:
+                if r.status_code == 200 and route_id is not None and self.admission_timeout_s > 0:
+                    self.admitted(route_id)  # its answer began: the worker has queued it
+                await r.aread()
             if r.status_code != 200:
                 rec.error = f"worker {w}: HTTP {r.status_code} {r.text[:200]}"
             else:

@@ -65,6 +65,7 @@ def summarize(policy: str, routers: int, records: Iterable[RequestRecord]) -> Po
         c = mismatch_cause(r)
         if c is not None:
             causes[c] = causes.get(c, 0) + 1
+    waits = sorted(r.wait_s for r in recs if r.wait_s is not None)
     return PolicyRow(
         policy=policy, routers=routers, requests=len(ok),
         hit_ratio=round(cached / total, 4) if total else 0.0,
@@ -73,7 +74,17 @@ def summarize(policy: str, routers: int, records: Iterable[RequestRecord]) -> Po
         ttft_p90_s=round(quantile(ttft, 0.9), 4),
         prediction_accuracy=None if accuracy is None else round(accuracy, 4),
         errors=len(recs) - len(ok), index_behind=behind, index_ahead=ahead, causes=causes,
-        held_accuracy=round(held_ok / len(held), 4) if held else None)
+        held_accuracy=round(held_ok / len(held), 4) if held else None,
+        waits=len(waits), wait_timeouts=sum(1 for r in recs if r.wait_timeout),
+        wait_p50_ms=round(1e3 * quantile(waits, 0.5), 2) if waits else None,
+        wait_max_ms=round(1e3 * waits[-1], 2) if waits else None)
+
+
+def format_waits(rows: Sequence[PolicyRow]) -> str:
+    """One line per run whose requests waited for admission (causal forwarding); empty if none did."""
+    return "\n".join(f"causal forwarding, {r.policy} x{r.routers}: {r.waits} requests waited for the admission of "
+                     f"routes their prediction counted (median {r.wait_p50_ms:.1f} ms, max {r.wait_max_ms:.1f} ms "
+                     f"wall clock), {r.wait_timeouts} timed out" for r in rows if r.waits)
 
 
 def format_table(rows: Sequence[PolicyRow]) -> str:
