@@ -344,7 +344,8 @@ def run_hybrid(scale: float, dyn_reason: str | None = "not requested") -> None:
         for ix in built.values():
             ix.ensure_model("m", BS)
         for i in range(len(full)):  # batch i of each stream: the same request, with and without its groups
-            for name, batches in streams:
+            # which stream goes first alternates: the second of a pair runs faster (warm caches)
+            for name, batches in (streams if i % 2 else streams[::-1]):
                 w, payload = batches[i]
                 t0 = clock()
                 built[name].apply_payload("m", f"w{w}", 0, payload)
@@ -423,8 +424,10 @@ def run_shapes(scale: float, reps: int) -> None:
         spent = {k: 0.0 for k in shapes}
         for ix in ixs.values():
             ix.ensure_model("m", BS)
+        order = list(shapes.items())
         for i in range(len(wl.batches)):
-            for kind, batches in shapes.items():
+            # which shape goes first alternates: the second one of a pair runs ~15% faster (warm caches)
+            for kind, batches in (order if i % 2 else order[::-1]):
                 w, payload = batches[i]
                 t0 = clock()
                 ixs[kind].apply_payload("m", names[w], 0, payload)
@@ -448,8 +451,9 @@ def run_shapes(scale: float, reps: int) -> None:
         spent = {k: 0.0 for k in shapes}
         for ix in ixs.values():
             ix.ensure_model("m", BS)
+        order = list(shapes.items())
         for i in range(len(hybrid)):
-            for kind, batches in shapes.items():
+            for kind, batches in (order if i % 2 else order[::-1]):  # the first of a pair alternates, as above
                 w, payload = batches[i]
                 t0 = time.thread_time()
                 ixs[kind].apply_payload("m", f"w{w}", 0, payload)
