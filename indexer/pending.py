@@ -170,6 +170,10 @@ class PendingRoutes:
         self.counts.released += 1
         return len(r.keys)
 
+    def discard(self, model: str, request_id: str) -> None:
+        """Forget a route about to be reported again (uncounted: `add` replaces it)."""
+        self._remove(model, request_id)
+
     def admit(self, model: str, request_id: str) -> bool:
         """The worker accepted the route's request into its queue; True if it was awaiting that."""
         r = self._routes.get(model, {}).get(request_id)
@@ -247,16 +251,16 @@ class PendingRoutes:
                 n -= 1
         return n
 
-    def blockers(self, model: str, worker_id: str, dp_rank: int, key: int, but: str = "") -> list[str]:
-        """Ids of the routes to (worker_id, dp_rank) awaiting admission that hold `key` (but `but`);
-        none when a route not awaiting it holds the key too (admitted: the worker has the request, so
-        the key is there for whatever it takes next; or from a router that does not report admission)."""
+    def blockers(self, model: str, worker_id: str, dp_rank: int, key: int) -> list[str]:
+        """Ids of the routes to (worker_id, dp_rank) awaiting admission that hold `key`; none when a
+        route not awaiting it holds the key too (admitted: the worker has the request, so the key is
+        there for whatever it takes next; or from a router that does not report admission)."""
         waiting = self._awaiting.get(model, {}).get((worker_id, dp_rank))
         if not waiting:
             return []
-        ids = [rid for rid, r in waiting.items() if rid != but and key in r.keys]
+        ids = [rid for rid, r in waiting.items() if key in r.keys]
         holders = self._held.get(model, {}).get((worker_id, dp_rank), {}).get(key, 0)
-        return ids if holders <= len(ids) + (but in waiting and key in waiting[but].keys) else []
+        return ids if holders <= len(ids) else []
 
     def awaiting(self, model: str, request_id: str) -> bool:
         """The route is held and its admission not reported yet."""

@@ -95,13 +95,14 @@ class RouteBook:
             mark = None
         if mark is None:
             self._marks[(model, worker_id)] = _Mark(w.last_seq, _epoch(w))
+        self.pending.discard(model, request_id)  # a re-reported id: its own earlier route is not ahead of it
         cached, hybrid = self._match(index, model, keys, (worker_id, dp_rank))
         pend = self.pending.run(model, worker_id, dp_rank, keys, cached, ends_only=hybrid)
         n = len(keys) * block_size if tokens is None else tokens
         prefill = max(0, n - (cached + pend) * block_size)
         after: list[str] = []
         if admits and pend:
-            after = self.pending.blockers(model, worker_id, dp_rank, keys[cached + pend - 1], but=request_id)
+            after = self.pending.blockers(model, worker_id, dp_rank, keys[cached + pend - 1])
             self.admission.dependent += bool(after)
         held = self.pending.add(model, request_id, worker_id, dp_rank, keys, now, prefill_tokens=prefill,
                                 busy_until=busy_until, admits=admits)
