@@ -178,12 +178,13 @@ class Service:
 class Kvatlas(Service):
     name = "kvatlas"
 
-    def __init__(self, *extra: str, name: str = "kvatlas") -> None:
+    def __init__(self, *extra: str, name: str = "kvatlas", root: Path = ROOT) -> None:
+        """`root`: the source tree the service runs from (another checkout, built in place: an A/B)."""
         self.name = name
         self.port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING", "indexer", "--port", str(self.port),
-             "--block-size", str(BS), "--stale-after", "600", "--remove-after", "3600", *extra], cwd=str(ROOT))
+             "--block-size", str(BS), "--stale-after", "600", "--remove-after", "3600", *extra], cwd=str(root))
         self.wait_up()
 
     def register(self, i: int, ep: str, rep: str) -> None:
