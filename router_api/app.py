@@ -13,7 +13,7 @@ import asyncio
 import hmac
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -47,6 +47,8 @@ from schemas.api import (
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
+
+T = TypeVar("T")
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -138,6 +140,13 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
             return Response(_msgpack.encode(obj), status_code=status, media_type="application/msgpack")
         return Response(_json.encode(obj), status_code=status, media_type="application/json")
 
+    async def structured_body(request: Request, typ: type[T], refusal: str) -> T:
+        """The request's JSON or msgpack body as `typ`; a raw u32 body is refused with 415 (`refusal`)."""
+        kind = content_kind(request.headers.get("content-type", "application/json"))
+        if kind == "octet":
+            raise ApiError(415, refusal, "bad_content_type")
+        return decode_body(kind, await read_body(request), typ)
+
     def observe(endpoint: str, t0: float) -> None:
         metrics.request_latency.observe(time.perf_counter() - t0, endpoint)
 
@@ -145,10 +154,7 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
     async def register(request: Request) -> Response:
         t0 = time.perf_counter()
         try:
-            kind = content_kind(request.headers.get("content-type", "application/json"))
-            if kind == "octet":
-                raise ApiError(415, "register with a JSON or msgpack body", "bad_content_type")
-            reg = decode_body(kind, await read_body(request), RegisterWorker)
+            reg = await structured_body(request, RegisterWorker, "register with a JSON or msgpack body")
             # Off the event loop: it resolves host names and waits for the subscription.
             status = await run_in_threadpool(service.register, reg)
             if service.plane is not None:  # `--nats`: every replica follows it (docs/jetstream.md)
@@ -176,10 +182,7 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
         """A router's decision: the request's blocks count as pending on that worker (docs/CONTRACTS.md)."""
         t0 = time.perf_counter()
         try:
-            kind = content_kind(request.headers.get("content-type", "application/json"))
-            if kind == "octet":
-                raise ApiError(415, "report a route with a JSON or msgpack body", "bad_content_type")
-            r = decode_body(kind, await read_body(request), RouteReport)
+            r = await structured_body(request, RouteReport, "report a route with a JSON or msgpack body")
             answer = service.report_route(r.model, r.request_id, r.worker_id, r.token_ids, r.dp_rank,
                                           r.lora_name, r.cache_salt, r.busy_until, r.admits)
         except ApiError as exc:
@@ -193,10 +196,7 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
     async def route_admitted(request: Request) -> Response:
         """The worker accepted a routed request into its queue: routes waiting for it may go."""
         try:
-            kind = content_kind(request.headers.get("content-type", "application/json"))
-            if kind == "octet":
-                raise ApiError(415, "report an admission with a JSON or msgpack body", "bad_content_type")
-            a = decode_body(kind, await read_body(request), RouteAdmitted)
+            a = await structured_body(request, RouteAdmitted, "report an admission with a JSON or msgpack body")
         except ApiError as exc:
             return reject("routes_admitted", exc)
         return encode_for(request, {"admitted": service.admit_route(a.model, a.request_id)})
@@ -206,10 +206,7 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
         """Answers once one of the named routes no longer awaits admission, or at the timeout (a long
         poll on this loop: no thread is held while it waits)."""
         try:
-            kind = content_kind(request.headers.get("content-type", "application/json"))
-            if kind == "octet":
-                raise ApiError(415, "wait with a JSON or msgpack body", "bad_content_type")
-            w = decode_body(kind, await read_body(request), RouteWait)
+            w = await structured_body(request, RouteWait, "wait with a JSON or msgpack body")
         except ApiError as exc:
             return reject("routes_wait", exc)
         t0 = time.monotonic()
