@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -405,63 +406,49 @@ def array_like(payload: bytes) -> bytes:
     return msgspec.msgpack.encode([ts, out, *rest])
 
 
-def run_shapes(scale: float, reps: int) -> None:
-    """Ingest rate of the main workload in the map shape (SGLang, vLLM 0.33) and in vLLM's array-like
-    shape, same content, batch by batch in turn in one process (issue 22: within 10%)."""
+def _apply_shapes(shapes: dict[str, list], reps: int, clock: Callable[[], float]) -> tuple[dict[str, float], dict]:
+    """Best-of-`reps` apply time of each shape's (worker, payload) stream, one fresh index per shape fed
+    batch by batch in turn (a load spike of the shared machine hits both), and the C walk's declines."""
     from indexer.core import native
     from indexer.index import KVIndex
 
-    wl = build(scale)
-    shapes = {"map": wl.batches, "array": [(w, array_like(p)) for w, p in wl.batches]}
-    names = [f"w{w}" for w in range(W)]
     best = {k: float("inf") for k in shapes}
     before = native.declines()
-    clock = time.perf_counter
+    order = list(shapes.items())
+    n = len(order[0][1])
     for _ in range(reps):
-        # one index per shape, fed batch by batch in turn: a load spike of the shared machine hits both
         gc.collect()
         ixs = {k: KVIndex() for k in shapes}
         spent = {k: 0.0 for k in shapes}
         for ix in ixs.values():
             ix.ensure_model("m", BS)
-        order = list(shapes.items())
-        for i in range(len(wl.batches)):
+        for i in range(n):
             # which shape goes first alternates: the second one of a pair runs ~15% faster (warm caches)
             for kind, batches in (order if i % 2 else order[::-1]):
                 w, payload = batches[i]
                 t0 = clock()
-                ixs[kind].apply_payload("m", names[w], 0, payload)
+                ixs[kind].apply_payload("m", f"w{w}", 0, payload)
                 spent[kind] += clock() - t0
         for kind in shapes:
             best[kind] = min(best[kind], spent[kind])
     after = native.declines()
-    declined = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    return best, {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def run_shapes(scale: float, reps: int) -> None:
+    """Ingest rate of the main workload in the map shape (SGLang, vLLM 0.33) and in vLLM's array-like
+    shape, same content, batch by batch in turn in one process (issue 22: within 10%)."""
+    wl = build(scale)
+    best, declined = _apply_shapes({"map": wl.batches, "array": [(w, array_like(p)) for w, p in wl.batches]},
+                                   reps, time.perf_counter)
     for kind, dt in best.items():
         print(f"shape {kind:5s}: apply {wl.stored_blocks / dt / 1e3:7.0f}k blocks/s ({dt:.2f}s, best of {reps})")
     print(f"ratio array / map (same run): {best['map'] / best['array']:.2f}x (target >= 0.9) | "
           f"C walk declines: {declined or 'none'}")
     # the hybrid row's stream (three groups per block) in both shapes, CPU time of this thread
     hybrid, _, blocks, _, _ = hybrid_streams(scale)
-    shapes = {"map": hybrid, "array": [(w, array_like(p)) for w, p in hybrid]}
-    best = {k: float("inf") for k in shapes}
-    before = native.declines()
-    for _ in range(max(3, reps)):
-        gc.collect()
-        ixs = {k: KVIndex() for k in shapes}
-        spent = {k: 0.0 for k in shapes}
-        for ix in ixs.values():
-            ix.ensure_model("m", BS)
-        order = list(shapes.items())
-        for i in range(len(hybrid)):
-            for kind, batches in (order if i % 2 else order[::-1]):  # the first of a pair alternates, as above
-                w, payload = batches[i]
-                t0 = time.thread_time()
-                ixs[kind].apply_payload("m", f"w{w}", 0, payload)
-                spent[kind] += time.thread_time() - t0
-        for kind in shapes:
-            best[kind] = min(best[kind], spent[kind])
-    after = native.declines()
-    declined = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    best, declined = _apply_shapes({"map": hybrid, "array": [(w, array_like(p)) for w, p in hybrid]},
+                                   max(3, reps), time.thread_time)
     for kind, dt in best.items():
         print(f"hybrid shape {kind:5s}: apply {blocks / dt / 1e3:7.0f}k KV blocks/s (CPU {dt * 1e3:.1f} ms)")
     print(f"ratio hybrid array / map (same run): {best['map'] / best['array']:.2f}x (target 0.9-1.1) | "
