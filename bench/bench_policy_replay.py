@@ -1,0 +1,127 @@
+"""The routing policies on one fleet, in process: a fast, deterministic stand-in for `kvatlas demo`
+with one router (full-attention model).
+
+N simulated workers (each the cache and engine `kvatlas worker` builds: GPU + host pages, a file L3,
+driven from this thread on the virtual clock), a trace replayed in arrival order, one router. The
+precise policies read each worker's row straight from its cache (what the index shows once the
+worker's events landed; every request here reaches its worker before the next decision, so there
+are no pending routes) and its backlog from its timeline; `approximate` keeps its own tree and counts
+a request in flight until its simulated completion. Per policy: prefill tokens, TTFT mean / p90 and
+prediction accuracy, then precise_tiered's ratios to the others.
+
+Its figures track the demo's ×1 rows but are not identical (no processes, no event lag, copies
+between tiers land before the next request; `approximate` here sees its requests reach the workers in
+trace order, as the demo's does only when the machine keeps up).
+
+    .venv/bin/python bench/bench_policy_replay.py [--trace builtin-chat] [--seed 1] [--requests 300]
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import os
+import sys
+import tempfile
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from producer.components.base import DEVICE, HOST, STORAGE  # noqa: E402
+from producer.sim import cmd as worker_cmd  # noqa: E402
+from producer.sim.api import SimModel  # noqa: E402
+from producer.sim.engine import Engine  # noqa: E402
+from producer.storage.config import make_storage_backend  # noqa: E402
+from producer.storage.worker import StorageWorker  # noqa: E402
+from router_api.demo.fleet import MODEL_BLOCK  # noqa: E402
+from router_api.router.forwarder import block_keys  # noqa: E402
+from router_api.router.policies import RouteInput, ScoreRow, make_policy  # noqa: E402
+from router_api.router.report import quantile  # noqa: E402
+from router_api.router.trace import TokenExpander, requests_for  # noqa: E402
+
+P = MODEL_BLOCK
+
+
+def make_engine(l3_dir: str, gpu_pages: int, host_pages: int) -> Engine:
+    p = argparse.ArgumentParser()
+    worker_cmd.add_arguments(p)
+    args = p.parse_args(["--block-size", str(P), "--gpu-pages", str(gpu_pages), "--host-pages", str(host_pages)])
+    storage = StorageWorker(make_storage_backend("file", {"root": l3_dir}))
+    engine = Engine(worker_cmd._make_cache(args, storage, None), SimModel())
+    engine.close()  # served from this thread: the cache's only user
+    return engine
+
+
+def score_row(engine: Engine, tokens: list[int]) -> ScoreRow:
+    """The worker's row as the index answers it once its events landed (blocks per tier)."""
+    c = engine.cache
+    path, _ = c.tree.match(c.tree.page_key(tokens), c.tick, c._usable)
+    dev, host, best, _ = c.usable_pages(path)
+    return ScoreRow(dev, best, host - dev, best - host, 0, 0)
+
+
+def replay(policy_name: str, reqs: list, tokens: list[list[int]], workers: int, seed: int,
+           gpu_pages: int, host_pages: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="kvatlas-policy-replay-") as tmp:
+        engines = [make_engine(f"{tmp}/l3-{j}", gpu_pages, host_pages) for j in range(workers)]
+        ids = [f"w{j}" for j in range(workers)]
+        policy = make_policy(policy_name, ids, engines[0].sim, seed)
+        ttft: list[float] = []
+        ends: dict[str, list[float]] = {w: [] for w in ids}  # completion times of each worker's requests
+        counts: Counter[str] = Counter()
+        for r, t in zip(reqs, tokens):
+            for e in engines:
+                e.cache.wait_transfers(10.0)
+                e.cache.step()
+            rows = {w: score_row(e, t) for w, e in zip(ids, engines)} if policy.uses_index else None
+            backlog = {w: e.schedule.backlog_at(r.arrival_s) for w, e in zip(ids, engines)}
+            inflight = {w: len(ends[w]) - bisect.bisect_right(ends[w], r.arrival_s) for w in ids}
+            keys = block_keys(t, P) if policy_name == "approximate" else []
+            d = policy.choose(RouteInput(len(t), keys, P, rows, backlog, inflight))
+            s = engines[ids.index(d.worker_id)]._serve(t, r.output_length, r.arrival_s)
+            bisect.insort(ends[d.worker_id], r.arrival_s + s.e2e_s)
+            ttft.append(s.ttft_s)
+            counts["prefill"] += s.tokens.computed
+            if d.predicted_cached is not None:
+                counts["predicted"] += 1
+                counts["exact"] += d.predicted_cached == s.tokens.cached
+        for e in engines:
+            if e.cache.transfer is not None:
+                e.cache.transfer.close()
+            e.cache.storage.close()
+    acc = counts["exact"] / counts["predicted"] if counts["predicted"] else float("nan")
+    return {"prefill": counts["prefill"], "mean": sum(ttft) / len(ttft), "p90": quantile(ttft, 0.9),
+            "accuracy": acc}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", default=None, help="as kvatlas demo --trace (default: the bundled trace)")
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--gpu-pages", type=int, default=320)
+    ap.add_argument("--host-pages", type=int, default=960)
+    ap.add_argument("--policies", default="round_robin,approximate,precise_tiered")
+    a = ap.parse_args()
+    reqs = requests_for(a.trace, a.requests, a.seed)
+    ex = TokenExpander()
+    tokens = [ex.tokens(r) for r in reqs]
+    print(f"trace {a.trace or 'bundled'} (seed {a.seed}), {len(reqs)} requests, {a.workers} workers, "
+          f"in-process replay, one router")
+    res = {}
+    for pol in a.policies.split(","):
+        res[pol] = m = replay(pol, reqs, tokens, a.workers, a.seed, a.gpu_pages, a.host_pages)
+        acc = "-" if m["accuracy"] != m["accuracy"] else f"{100 * m['accuracy']:5.1f}%"
+        print(f"{pol:<16} prefill {m['prefill']:>11,}  TTFT mean {m['mean']:5.2f}s  p90 {m['p90']:5.2f}s  "
+              f"prediction {acc}", flush=True)
+    if "precise_tiered" in res:
+        t = res["precise_tiered"]
+        for other, o in res.items():
+            if other != "precise_tiered":
+                print(f"precise_tiered / {other}: prefill {t['prefill'] / o['prefill']:.4f}x, "
+                      f"p90 TTFT {t['p90'] / o['p90']:.4f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
