@@ -160,6 +160,17 @@ def _advertised(bound: str, host: str | None) -> str:
     return f"tcp://{host}:{port}"
 
 
+def server_config(app: Any, host: str, port: int) -> Any:
+    """The worker's uvicorn settings: idle connections close after WORKER_KEEPALIVE_S, later than
+    the routers' clients drop theirs (producer.sim.httpbody)."""
+    import uvicorn
+
+    from producer.sim.httpbody import WORKER_KEEPALIVE_S
+
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                          timeout_keep_alive=WORKER_KEEPALIVE_S)
+
+
 def run(args: argparse.Namespace) -> int:
     import msgspec
     import uvicorn
@@ -242,8 +253,7 @@ def run(args: argparse.Namespace) -> int:
             _register(args.indexer, {"worker_id": args.worker_id, "endpoint": endpoint, "replay_endpoint": replay,
                                      "model": args.model, "block_size": args.block_size},
                       token=indexer_token(args.indexer_token_file))
-        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                      access_log=False, lifespan="off")).run()
+        uvicorn.Server(server_config(app, args.host, args.port)).run()
     finally:
         engine.close()
         recorder.close(time.monotonic())

@@ -9,6 +9,12 @@ from starlette.requests import Request
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_OUTPUT_TOKENS = 32768  # per request: 2^20 would hold a batch slot for hours of simulated time
 MAX_AHEAD_S = 3600.0  # how far past the worker's clock a request's virtual arrival may lie
+# Idle keep-alive: the worker's server closes a connection idle this long (uvicorn's default, and
+# vLLM's), and the routers' clients drop theirs sooner. Were they equal, a client could send a request
+# on a pooled connection in the instant the server closes it: the forward fails with a connection
+# reset (httpx ReadError) though the worker never saw the request.
+WORKER_KEEPALIVE_S = 5.0
+CLIENT_KEEPALIVE_S = 2.0
 
 
 async def read_capped(request: Request, max_bytes: int) -> bytes | None:

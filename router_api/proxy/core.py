@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 
 from producer.sim.api import SimModel
+from producer.sim.httpbody import CLIENT_KEEPALIVE_S
 from router_api.router.policies import Decision, Policy, RouteInput, ScoreRow, make_policy, shared_backlog
 from router_api.tokenization import ChatTokenizer, TokenizerError
 from router_api.proxy.load import LoadPoller
@@ -95,7 +96,8 @@ class ProxyCore:
         self.seed = seed
         make_policy(policy, list(workers), self.sim, seed)  # fail at start on a bad name
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
-                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+                                                            keepalive_expiry=CLIENT_KEEPALIVE_S))
         self.poller = LoadPoller(workers, self.client, interval_s=metrics_interval_s)
         self._policies: dict[tuple[str, ...], Policy] = {}
         self.inflight = {w: 0 for w in workers}

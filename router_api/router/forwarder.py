@@ -23,6 +23,7 @@ import numpy as np
 from router_api.router.policies import Policy, RouteInput, ScoreRow, shared_backlog
 from router_api.router.trace import TokenExpander, TraceRequest
 from schemas.api import MAX_WAIT_ROUTES, MAX_WAIT_S
+from producer.sim.httpbody import CLIENT_KEEPALIVE_S
 from producer.sim.api import GenerateResponse, LoadResponse, RequestRecord, SimModel, WorkerHealth
 
 log = logging.getLogger("kvatlas.router")
@@ -62,7 +63,9 @@ class RouterCore:
         self.sim = sim
         self.speed = speed
         self.load_poll_s = load_poll_s
-        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512))
+        # idle connections go before the worker's server closes them (CLIENT_KEEPALIVE_S)
+        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(
+            max_connections=512, keepalive_expiry=CLIENT_KEEPALIVE_S))
         self.inflight = {w: 0 for w in workers}
         self.polled_end: dict[str, float] = {w: 0.0 for w in workers}  # virtual time the worker frees up
         self.busy_until: dict[str, float] = {w: 0.0 for w in workers}  # our own overlay of what we sent
