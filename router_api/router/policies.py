@@ -233,21 +233,29 @@ class PreciseGpu(Policy):
         `pending`: fresher than the score the decision used)."""
         return cached + pending
 
-    def key(self, backlog: float, work: float) -> float:
+    def key(self, backlog: float, work: float, excess: float = 0.0) -> float:
         """Expected TTFT on a worker (its queue, then this request's own work), plus the delay that work
         imposes on the requests that will queue behind it: `work_weight - 1` more times the work on a
         busy worker (backlog >= `busy_s`), less on a quieter one, down to `min_share` of that on an idle
         one (requests still arrive while it works). On a busy worker a recompute is paid several times,
         so conversations stay where their cache is; a cold worker (one that has not seen a shared prefix
-        yet) is still cheaper than a queue, so it is never locked out."""
+        yet) is still cheaper than a queue, so it is never locked out.
+
+        `excess`: the part of the work another worker would not do (it holds more of the prompt): the
+        fleet does it twice. It is charged `work_weight - 1` more times whatever this worker's queue:
+        an idle worker's capacity is not free, the router fills it with the next requests, so a
+        recompute anywhere takes capacity the fleet's later requests would have had. A conversation
+        leaves the worker holding its prefix only for a queue there several times longer than the
+        recompute."""
         share = max(self.min_share, min(1.0, backlog / self.busy_s))
-        return backlog + work * (1.0 + (self.work_weight - 1.0) * share)
+        return backlog + work * (1.0 + (self.work_weight - 1.0) * share) + (self.work_weight - 1.0) * excess
 
     def choose(self, inp: RouteInput) -> Decision:
         scores = inp.scores or {}
         empty = ScoreRow()
         costs = {w: self.cost(inp, scores.get(w, empty)) for w in self.workers}
-        key = {w: self.key(inp.backlog.get(w, 0.0), costs[w]) for w in self.workers}
+        least = min(costs.values())
+        key = {w: self.key(inp.backlog.get(w, 0.0), costs[w], costs[w] - least) for w in self.workers}
         best = min(key.values())
         # Ties (e.g. an idle fleet and no cache anywhere) go to the worker sent the least work so far,
         # not always to the first: new conversations spread, and their later turns follow them.
