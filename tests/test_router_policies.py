@@ -171,6 +171,27 @@ def test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix() -> None:
     assert d.worker_id == "a" and d.predicted_cached == 22 * 512
 
 
+def test_a_conversation_leaves_its_cache_only_for_a_queue_several_times_its_recompute() -> None:
+    # 'a' holds 27 of the prompt's 28 blocks behind a 2.6 s queue; 'b' and 'c' are idle and hold nothing.
+    # On 'b' the request would start at once (TTFT 0.92 s against 2.72 s on 'a'), but 'b' would
+    # recompute 0.79 s of work the fleet need not do: charged (work_weight - 1) more times, it outweighs
+    # the queue (the bundled trace's case: 6 such moves cost 3% more prefill than approximate x1).
+    scores = {"a": ScoreRow(0, 27, host=27), "b": ScoreRow(), "c": ScoreRow()}
+    p = make_policy("precise_tiered", W, SIM)
+    d = p.choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 2.6}))
+    assert d.worker_id == "a" and d.predicted_cached == 27 * 512
+    work_a, work_b = p.cost(inp(tokens=28 * 512), scores["a"]), p.cost(inp(tokens=28 * 512), scores["b"])
+    assert work_b - work_a == pytest.approx(27 * 512 / SIM.prefill_tokens_per_s - SIM.load_s(27 * 512, 0, 0))
+    assert p.key(0.0, work_b, work_b - work_a) == pytest.approx(work_b * 2 + 2 * (work_b - work_a))
+    # the recompute is what another worker would not do: without it (no excess) 'b' would have won
+    assert p.key(0.0, work_b) < p.key(2.6, work_a) < p.key(0.0, work_b, work_b - work_a)
+    # a 4 s queue, five times the recompute: the conversation moves
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 4.0}))
+    assert d.worker_id in ("b", "c") and d.predicted_cached == 0
+    # the shared system prompt a cold worker lacks is excess too, yet a cold idle worker still takes a
+    # new conversation from busy ones (test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix)
+
+
 def test_shared_backlog_adds_every_replicas_unconfirmed_prefill() -> None:
     from router_api.router.policies import shared_backlog
 
