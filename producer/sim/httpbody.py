@@ -9,11 +9,15 @@ from starlette.requests import Request
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_OUTPUT_TOKENS = 32768  # per request: 2^20 would hold a batch slot for hours of simulated time
 MAX_AHEAD_S = 3600.0  # how far past the worker's clock a request's virtual arrival may lie
-# Idle keep-alive: the worker's server closes a connection idle this long (uvicorn's default, and
-# vLLM's), and the routers' clients drop theirs sooner. Were they equal, a client could send a request
-# on a pooled connection in the instant the server closes it: the forward fails with a connection
-# reset (httpx ReadError) though the worker never saw the request.
-WORKER_KEEPALIVE_S = 5.0
+# Idle keep-alive. A client must not send on a pooled connection in the instant the server closes it
+# for idleness (a connection reset, httpx ReadError from BrokenResourceError, the server never saw the
+# request): so the worker's server keeps idle connections WORKER_KEEPALIVE_S, longer than any pause
+# of a router's traffic, and a `kvatlas router`'s client never expires them itself (httpcore 1.0.9 can
+# close an expiring connection its pool has just handed to a request: ReadError from
+# ClosedResourceError, seen in the loaded demo; encode/httpcore#1110). The OpenAI proxy's engines
+# close idle connections after 5 s (vLLM's and uvicorn's default): it drops its own after
+# CLIENT_KEEPALIVE_S, before they do.
+WORKER_KEEPALIVE_S = 75.0
 CLIENT_KEEPALIVE_S = 2.0
 
 

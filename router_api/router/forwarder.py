@@ -23,7 +23,6 @@ import numpy as np
 from router_api.router.policies import Policy, RouteInput, ScoreRow, shared_backlog
 from router_api.router.trace import TokenExpander, TraceRequest
 from schemas.api import MAX_WAIT_ROUTES, MAX_WAIT_S
-from producer.sim.httpbody import CLIENT_KEEPALIVE_S
 from producer.sim.api import GenerateResponse, LoadResponse, RequestRecord, SimModel, WorkerHealth
 
 log = logging.getLogger("kvatlas.router")
@@ -49,6 +48,17 @@ def block_keys(tokens: np.ndarray, block: int) -> list[bytes]:
     return out
 
 
+def describe(exc: BaseException) -> str:
+    """An HTTP error with the chain under it: a bare `ReadError` says neither who closed the connection
+    (ClosedResourceError: this client; BrokenResourceError: the peer) nor why."""
+    parts = []
+    e: BaseException | None = exc
+    while e is not None and len(parts) < 4:
+        parts.append(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+        e = e.__cause__ or e.__context__
+    return " <- ".join(parts)
+
+
 class RouterCore:
     """One router replica's state and its async I/O."""
 
@@ -63,9 +73,9 @@ class RouterCore:
         self.sim = sim
         self.speed = speed
         self.load_poll_s = load_poll_s
-        # idle connections go before the worker's server closes them (CLIENT_KEEPALIVE_S)
-        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(
-            max_connections=512, keepalive_expiry=CLIENT_KEEPALIVE_S))
+        # idle connections are kept until the worker closes them (producer.sim.httpbody, WORKER_KEEPALIVE_S)
+        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512,
+                                                                               keepalive_expiry=None))
         self.inflight = {w: 0 for w in workers}
         self.polled_end: dict[str, float] = {w: 0.0 for w in workers}  # virtual time the worker frees up
         self.busy_until: dict[str, float] = {w: 0.0 for w in workers}  # our own overlay of what we sent
@@ -286,7 +296,7 @@ class RouterCore:
                 rec.ttft_s = resp.ttft_s
                 rec.queue_s = resp.queue_s
         except (httpx.HTTPError, msgspec.DecodeError) as exc:
-            rec.error = f"worker {w}: {type(exc).__name__}: {exc}"
+            rec.error = f"worker {w}: {describe(exc)}"
         finally:
             self.inflight[w] -= 1
             if route_id is not None:
