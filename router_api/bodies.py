@@ -144,15 +144,19 @@ class TokenBodies:
         return req, req.token_ids
 
 
-def octet_tokens(body: bytes) -> np.ndarray:
-    """Raw little-endian u32 tokens, viewed in place (no copy, no Python ints); empty = no tokens."""
+_U32 = np.dtype("<u4")  # built once: a dtype string is parsed again on every call
+
+
+def octet_tokens(body: bytes | memoryview) -> np.ndarray:
+    """Raw little-endian u32 tokens, viewed in place (no copy, no Python ints); empty = no tokens.
+    `body` may be a view of the read that carried it (the protocol fast path's)."""
     if len(body) % 4:
         raise ApiError(422, f"octet-stream body of {len(body)} bytes is not a whole number of "
                             "little-endian u32 tokens", "invalid")
     if len(body) // 4 > MAX_QUERY_TOKENS:
         raise ApiError(422, f"{len(body) // 4} tokens exceeds the {MAX_QUERY_TOKENS}-token limit",
                        "invalid")
-    return np.frombuffer(body, dtype="<u4")
+    return np.frombuffer(body, dtype=_U32)
 
 
 def check_length(value: str | bytes | None, max_body: int) -> None:

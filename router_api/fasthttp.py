@@ -276,7 +276,8 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
         except ApiError as exc:  # (never 413: the size was checked above)
             self._reply(front.rejected(route[0], exc), close=not keep_alive)
             return True
-        got = front.dispatch(route, kind, accept, b"", data[end:], t0)
+        # a raw u32 body is viewed in the read's bytes (octet_tokens); a copy of it was ~5 µs at 8k tokens
+        got = front.dispatch(route, kind, accept, b"", memoryview(data)[end:] if kind == "octet" else data[end:], t0)
         if isinstance(got, Future):
             self._later(got, keep_alive)
         else:

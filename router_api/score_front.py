@@ -116,7 +116,7 @@ class ScoreFront:
                                  endpoint, exc.reason, exc.status)
         return exc.status, _json.encode(ErrorResponse(error=exc.message)), _JSON_HEADERS
 
-    def dispatch(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes,
+    def dispatch(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes | memoryview,
                  t0: float) -> Answer | Future:
         """`answer` on the caller's thread for a small body; for a large one (router_api/offload.py) a
         Future of it from the answer pool, or 503 at once when the pool is full. The one place that
@@ -137,7 +137,7 @@ class ScoreFront:
         ans = self.dispatch(route, kind, accept, query_string, body, t0)
         return await asyncio.wrap_future(ans) if isinstance(ans, Future) else ans
 
-    def answer(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes,
+    def answer(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes | memoryview,
                t0: float) -> Answer:
         """(status, body, content-type header) for a whole request body; never raises."""
         endpoint, typ, handler = route

@@ -54,6 +54,32 @@ def test_u64map_matches_dict_under_random_ops() -> None:
     assert len(m) == 0 and m.get(pool[0]) is None
 
 
+def test_u64map_big_tables_like_a_dict() -> None:
+    """Tables of 2 MB and more are their own aligned mappings of whole 2 MB pages (u64map.c
+    tab_alloc): grown, widened, narrowed, shrunk by deletes and cleared past that size, the map still
+    holds exactly what a dict holds (the ASan build checks the accesses; docs/service.md, "Tables")."""
+    rng = random.Random(11)
+    m, d = N.U64Map(), {}
+    keys = [rng.getrandbits(64) | 1 for _ in range(200_000)]  # 16-byte entries: ~3-5 MB tables
+    for i, k in enumerate(keys):
+        m[k] = d[k] = i
+    wide = keys[::997]
+    for k in wide:  # a 2-word value re-lays the whole table wider (24-byte entries)
+        m[k] = d[k] = (1 << 100) | d[k]
+    assert m.width == 2 and len(m) == len(d)
+    for k in keys[::3]:
+        del m[k]
+        del d[k]
+    for k in wide:
+        if k in d:
+            m[k] = d[k] = d[k] & MASK
+    assert m.narrow() == 1
+    assert len(m) == len(d) and all(m.get(k) == d.get(k) for k in keys)
+    assert sorted(m.items()) == sorted(d.items())
+    m.clear()
+    assert len(m) == 0 and m.get(keys[1]) is None
+
+
 def test_u64map_rejects_bad_values() -> None:
     m = N.U64Map()
     with pytest.raises(ValueError):

@@ -73,3 +73,24 @@ def test_the_file_lists_name_every_c_source() -> None:
     assert index_c - {"indexer/_native/zmqdrain.c"} == set(KVNATIVE_FILES)
     producer_c = {str(p.relative_to(ROOT)) for p in (ROOT / "producer/_native").rglob("*.[ch]")}
     assert producer_c == set(PAGEHASH_FILES)
+
+
+def test_the_walks_prefetches_are_compiled_in() -> None:
+    """`pf_slot` is always_inline: out of line, GCC judged it pure and deleted every call, and no build
+    had a prefetch instruction (docs/index-core.md, score_rows). Read with objdump where there is one."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if os.environ.get(ENV_ALLOW, "") not in ("", "0"):
+        return
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump on this machine")
+    from indexer._native import _kvnative
+
+    asm = subprocess.run([objdump, "-d", _kvnative.__file__], capture_output=True, text=True, check=True).stdout
+    if "x86-64" not in subprocess.run([objdump, "-f", _kvnative.__file__], capture_output=True, text=True).stdout:
+        pytest.skip("prefetch opcode checked on x86-64 only")
+    assert asm.count("prefetcht0") >= 8  # the walks', the applies', tier_counts' and restore's

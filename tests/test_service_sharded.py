@@ -446,11 +446,13 @@ def test_sharded_lock() -> None:
             ShardedLock(bad)
 
 
-def test_whole_lock_never_holds_a_shard_while_waiting_for_another() -> None:
+@pytest.mark.parametrize("busy_shard", [0, 1, 2])
+def test_whole_lock_never_holds_a_shard_while_waiting_for_another(busy_shard: int) -> None:
     """A /score (the whole lock) that waits for a busy pipeline's shard must not sit on the other
-    shards meanwhile: that stalled every pipeline behind one chunk (docs/service.md, "Ingest shards")."""
+    shards meanwhile: that stalled every pipeline behind one chunk (docs/service.md, "Ingest shards").
+    Each shard busy in turn: the uncontended fast path gives up at shard 1 or 2, or waits at 0."""
     lock = ShardedLock(3)
-    busy = lock.shard(1)
+    busy = lock.shard(busy_shard)
     busy.acquire()  # pipeline 1 in the middle of a chunk
     got = threading.Event()
 
@@ -463,7 +465,7 @@ def test_whole_lock_never_holds_a_shard_while_waiting_for_another() -> None:
     try:
         # the other pipelines keep getting their shards while the whole-lock taker waits
         for _ in range(50):
-            for i in (0, 2):
+            for i in {0, 1, 2} - {busy_shard}:
                 assert lock.shard(i).acquire(timeout=30.0), f"shard {i} held by a waiter"
                 lock.shard(i).release()
         assert not got.is_set()

@@ -50,6 +50,21 @@ static inline void finish_rows(WRow *rows, const Alive *a, Py_ssize_t run, Py_ss
     }
 }
 
+/* Equal residency values (a run goes on): inline for the common widths, a libc memcmp call per key
+ * was ~13% of a hot 8k walk. */
+static inline int words_eq(const uint64_t *a, const uint64_t *b, int w) {
+    if (w == 1) return a[0] == b[0];
+    if (w == 2) return a[0] == b[0] && a[1] == b[1];
+    return memcmp(a, b, sizeof(uint64_t) * (size_t)w) == 0;
+}
+
+/* Probes of a deep walk are random cache misses (and, in 4 KB pages, page walks): the slots of the
+ * next PF_AHEAD keys are requested ahead so that their misses overlap; the first PF_AHEAD before the
+ * walk starts. Cold-cache A/B of a 512-block walk in process (docs/index-core.md): 4 ahead ~30 µs,
+ * 16 ~25 µs, 24 ~23 µs, 32 ~30 µs, none ~48 µs; prefetching all 512 up front costs a query that
+ * ends at its first block (~10 µs at 8k). */
+enum { PF_AHEAD = 16 };
+
 static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ssize_t *slot, Py_ssize_t ns, WRow *rows) {
     Alive a;
     uint64_t *prev = PyMem_RawCalloc((size_t)m->width, sizeof(uint64_t));
@@ -58,7 +73,7 @@ static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ss
     memset(rows, 0, sizeof(WRow) * (size_t)ns);
     Py_ssize_t depth = 0, run = 0;
     int W = m->width, have_prev = 0;
-    enum { PF_AHEAD = 4 }; /* 8, 16, 24 measured no better (docs/index-core.md) */
+    for (Py_ssize_t j = 0; j < nk && j < PF_AHEAD; j++) pf_slot(m, keys[j]);
     for (Py_ssize_t j = 0; j < nk && a.n; j++) {
         if (j + PF_AHEAD < nk) pf_slot(m, keys[j + PF_AHEAD]);
         uint64_t k = keys[j];
@@ -66,8 +81,7 @@ static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ss
         Py_ssize_t i = k ? find(m, k, &f) : 0;
         if (!f) break; /* callers never pass key 0 (it lives in the side dict): Python walks those */
         const uint64_t *v = VALS(m, i);
-        if (have_prev && (W <= 2 ? v[0] == prev[0] && (W == 1 || v[1] == prev[1])
-                                 : memcmp(v, prev, sizeof(uint64_t) * (size_t)W) == 0)) { run++; continue; }
+        if (have_prev && words_eq(v, prev, W)) { run++; continue; }
         add_run(rows, &a, run);
         depth += run;
         int pool = 0;
@@ -118,7 +132,8 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
     for (Py_ssize_t s = 0; s < ns; s++) talive[slot[s] % nm]++;
     Py_ssize_t depth = 0, run = 0;
     int have_prev = 0;
-    enum { PF_AHEAD = 4 };
+    for (Py_ssize_t j = 0; j < nk && j < PF_AHEAD; j++)
+        for (Py_ssize_t t = 0; t < nm; t++) if (talive[t] || ms[t]->pool) pf_slot(ms[t], keys[j]);
     for (Py_ssize_t j = 0; j < nk && a.n; j++) {
         if (j + PF_AHEAD < nk)
             for (Py_ssize_t t = 0; t < nm; t++) if (talive[t] || ms[t]->pool) pf_slot(ms[t], keys[j + PF_AHEAD]);
@@ -135,7 +150,7 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
         int same = have_prev;
         for (Py_ssize_t t = 0; t < nm && same; t++) {
             if ((cur[t] != NULL) != pf[t]) { same = 0; break; }
-            if (cur[t]) same = memcmp(cur[t], prev + t * W, sizeof(uint64_t) * (size_t)ms[t]->width) == 0;
+            if (cur[t]) same = words_eq(cur[t], prev + t * W, ms[t]->width);
         }
         if (same) { run++; continue; }
         add_run(rows, &a, run);
