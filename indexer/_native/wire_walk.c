@@ -89,6 +89,12 @@ static inline Py_ssize_t rd_token1(Rd *r, Py_ssize_t pos, uint64_t *t) {
 static int rd_token_digests(Rd *r, Py_ssize_t n, Py_ssize_t bs, const uint64_t *cols, uint64_t *tb, uint64_t *dg) {
     const unsigned char *p = r->p;
     Py_ssize_t pos = r->pos, len = r->len, j = 0, fill = 0, nb = 0;
+#ifdef HAVE_AVX2_DIGESTS
+    int avx2 = dg && bs >= 4 && __builtin_cpu_supports("avx2");
+#define TB_DIGEST(t) (avx2 ? block_digest_avx2((t), bs, cols) : block_digest((t), bs, 0, cols))
+#else
+#define TB_DIGEST(t) block_digest((t), bs, 0, cols)
+#endif
     while (j < n) {
         Py_ssize_t got = 0;
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
@@ -112,13 +118,14 @@ static int rd_token_digests(Rd *r, Py_ssize_t n, Py_ssize_t bs, const uint64_t *
         if (fill >= bs) { /* full blocks digested; the 0-2 tokens past them move to the front */
             Py_ssize_t o = 0;
             do {
-                if (dg) dg[nb++] = block_digest(tb + o, bs, 0, cols);
+                if (dg) dg[nb++] = TB_DIGEST(tb + o);
                 o += bs;
             } while (fill - o >= bs);
             for (Py_ssize_t k = o; k < fill; k++) tb[k - o] = tb[k];
             fill -= o;
         }
     }
+#undef TB_DIGEST
     r->pos = pos;
     return 0;
 }
