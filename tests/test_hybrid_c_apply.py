@@ -156,6 +156,10 @@ def _swa(hs=H, toks=T, parent=None) -> BlockStored:
     [[_kv(), _swa([601, 602], T[:8], parent=504)]],
     [[_kv(), _swa(), BlockRemoved(H, "GPU", group_idx=0), _swa([601, 602], T[:8], parent=504)]],
     [[_kv(), _swa([601, 602], T[:8], parent=999)]],
+    # the window's store before the KV store of its blocks (hashed from the parent's key): the KV
+    # store's equal token bytes share the digests the window's store read
+    [[_kv(), _swa()], [_swa([601, 602], T[:8], parent=504), _kv([601, 602], T[:8], parent=504)]],
+    [[_kv()], [_swa([601, 602], T[:8], parent=504), _kv([601, 602], T[:8], parent=504), _swa([601, 602], T[:8], parent=504)]],
     # a placeholder KV store (host tier) then the window's placeholder
     [[_kv(), _swa()], [BlockStored(H, None, [], 0, None, "CPU_PINNED", group_idx=0, kv_cache_spec_kind="full_attention"),
                        BlockStored(H, None, [], 0, None, "CPU_PINNED", group_idx=1, kv_cache_spec_kind="sliding_window",
@@ -166,7 +170,7 @@ def _swa(hs=H, toks=T, parent=None) -> BlockStored:
                                           kv_cache_spec_sliding_window=99)]],
     [[_swa(), _kv()], [_kv(), _swa()]],
 ], ids=["kv-removed", "kv-removed-some", "kv-removed-2", "other-tokens", "kv-between", "repeated-hash",
-        "parent-in-kv", "parent-in-window", "parent-unknown", "placeholders", "reset", "group-first"])
+        "parent-in-kv", "parent-in-window", "parent-unknown", "window-before-kv", "window-before-kv-2", "placeholders", "reset", "group-first"])
 def test_group_store_shortcuts_hold_to_the_pure_core(batches: list[list[Any]]) -> None:
     nat, pure = _pair()
     for wid in ("w", "x"):  # x: its first layout learnt in the walk once the model has groups

@@ -230,3 +230,71 @@ def test_array_like_events_take_the_fast_path_like_maps() -> None:
         res = nat.apply_msgpack(enc([1.0, [arrays[3]]]), w.ext, m.nodes, None, w.shift, BS, m.seed0, 1000, None, 0, ())
         assert res[0] == 0  # a clear of a worker with a layout: its groups are the pure core's
     assert nat.declines() == before
+
+
+# every msgpack int a token array may hold: fixint, uint8/16/32 (the widths read three per load),
+# uint64 and negative ints (read one at a time)
+TOKEN = st.one_of(st.integers(0, 127), st.integers(128, 255), st.integers(256, 65535), st.integers(65536, 2**32 - 1),
+                  st.integers(2**32, 2**64 - 1), st.integers(-2**63, -1))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bs=st.sampled_from([1, 2, 3, 5, 16, 17]), toks=st.lists(TOKEN, max_size=70), more=st.lists(TOKEN, max_size=40),
+       spare=st.integers(-3, 3), group=st.booleans(), other=st.integers(-1, 69))
+def test_token_ids_of_any_width_and_count_digest_like_the_pure_core(bs: int, toks: list[int], more: list[int],
+                                                                    spare: int, group: bool, other: int) -> None:
+    """The walk digests each full block's token ids as it reads them (no token array): any int width,
+    any count (a trailing partial block is read, not digested), more or fewer hashes than full blocks,
+    a chained store after it; with a sliding-window group, its store repeating the KV store's token
+    array (the digests shared) or one that differs in token `other` (read anew). Held to the pure core,
+    and taken by the walk whole (no decline)."""
+    n = max(0, len(toks) // bs + spare)
+    hs = [1000 + i for i in range(n)]
+    grp = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"} if group else {}
+    evs: list[dict] = [{"type": "BlockStored", "block_hashes": hs, "parent_block_hash": None, "token_ids": toks,
+                        "block_size": bs, **grp}]
+    if group:
+        wtoks = list(toks)
+        if 0 <= other < len(wtoks):
+            wtoks[other] = (wtoks[other] + 1) % 2**32
+        evs.append({"type": "BlockStored", "block_hashes": hs, "parent_block_hash": None, "token_ids": wtoks,
+                    "block_size": bs, "group_idx": 1, "kv_cache_spec_kind": "sliding_window",
+                    "kv_cache_spec_sliding_window": 4 * bs})
+    if hs:
+        evs.append({"type": "BlockStored", "block_hashes": [5000 + i for i in range(len(more) // bs)],
+                    "parent_block_hash": hs[-1], "token_ids": more, "block_size": bs, **grp})
+    payload = msgspec.msgpack.encode([0.0, evs])
+    fast, ref = KVIndex(native=True), KVIndex(native=False)
+    for ix in (fast, ref):
+        ix.ensure_model(MODEL, bs)
+    before = native_core.declines()
+    assert fast.apply_payload(MODEL, "a", 0, payload) == ref.apply_payload(MODEL, "a", 0, payload)
+    assert native_core.declines() == before
+    assert index_state(fast) == index_state(ref)
+    if all(0 <= t < 2**32 for t in toks):  # what a /score query holds
+        assert fast.score(MODEL, toks) == ref.score(MODEL, toks)
+
+
+@pytest.mark.parametrize("where", ["kv", "window"])
+@pytest.mark.parametrize("bad", [b"\xc0", b"\xa1x", b"\xcb" + bytes(8), b"\xce\x00"])
+def test_a_malformed_token_array_in_any_store_is_judged_by_the_pure_core(where: str, bad: bytes) -> None:
+    """A token that is not an int (nil, a str, a float) or is cut short, in the KV store or in the
+    window store that repeats its blocks: the walk declines the payload before touching anything and
+    the pure core judges it (the decoder refuses the event or the batch), as for any malformed one."""
+    toks = list(range(1, 9))
+    kv = {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": toks,
+          "block_size": 4, "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    win = dict(kv, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=9)
+    good = msgspec.msgpack.encode([0.0, [kv, win]])
+    # the last token of the chosen event's array replaced by the raw bytes `bad`
+    enc_toks = msgspec.msgpack.encode(toks)
+    at = good.find(enc_toks) if where == "kv" else good.rfind(enc_toks)
+    assert at > 0 and good.count(enc_toks) == 2
+    payload = good[:at] + enc_toks[:-1] + bad + good[at + len(enc_toks):]
+    fast, ref = KVIndex(native=True), KVIndex(native=False)
+    for ix in (fast, ref):
+        ix.ensure_model(MODEL, 4)
+    before = native_core.declines().get("malformed", 0)
+    assert fast.apply_payload(MODEL, "a", 0, payload) == ref.apply_payload(MODEL, "a", 0, payload)
+    assert native_core.declines().get("malformed", 0) == before + 1
+    assert index_state(fast) == index_state(ref)

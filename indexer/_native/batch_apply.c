@@ -73,18 +73,14 @@ typedef struct {
     Py_ssize_t gstored[4][3], gremoved[4][2];
 } FCtx;
 
-/* Twin of apply._attach (no cancellations: the fast path only runs with no pending orphans). */
-static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *toks, int tier, uint64_t *kout) {
+/* Twin of apply._attach (no cancellations: the fast path only runs with no pending orphans).
+ * dg: the blocks' digests (NULL for a placeholder store: every block is mapped already). */
+static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *dg, int tier, uint64_t *kout) {
     int pos = c->shift + tier;
-    uint64_t stackbuf[128], *dg = NULL;
-    if (toks) {
-        /* digests up front; the chain they give is every node key when the blocks are new */
-        dg = n <= 128 ? stackbuf : PyMem_RawMalloc((size_t)n * sizeof(uint64_t));
-        if (!dg) { gil_need(); PyErr_NoMemory(); return -1; }
+    if (dg) { /* the chain of the digests is every node key when the blocks are new: warm their slots */
         uint64_t s = state;
         for (Py_ssize_t j = 0; j < n; j++) {
             if (!hs[j].b) pf_slot(c->ext, hs[j].k);
-            dg[j] = block_digest(toks + j * c->bs, c->bs, 0, c->cols);
             s = s * P_MUL + dg[j];
             pf_slot(c->nodes, s);
         }
@@ -131,7 +127,6 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
     }
     rc = 0;
 out:
-    if (dg && dg != stackbuf) PyMem_RawFree(dg);
     return rc;
 }
 
@@ -148,15 +143,16 @@ static uint64_t *kc_for(FCtx *c, const FEv *e, Py_ssize_t n) {
     return c->kc;
 }
 
-static int fp_attach_kc(FCtx *c, const FEv *e, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *toks) {
+static int fp_attach_kc(FCtx *c, const FEv *e, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *dg) {
     uint64_t *kc = kc_for(c, e, n);
-    int rc = fp_attach(c, hs, n, state, toks, e->tier, kc);
+    int rc = fp_attach(c, hs, n, state, dg, e->tier, kc);
     if (rc == 0 && kc) { c->kc_h0 = e->h0; c->kc_n = n; }
     return rc;
 }
 
-/* Twin of apply._store. 0 done, 1 orphan (nothing of this event applied), -1 error. */
-static int fp_store(FCtx *c, const FEv *e, const HRef *hs, const uint64_t *toks) {
+/* Twin of apply._store (dg: the digests of its full blocks). 0 done, 1 orphan (nothing of this event
+ * applied), -1 error. */
+static int fp_store(FCtx *c, const FEv *e, const HRef *hs, const uint64_t *dg) {
     Py_ssize_t n = e->nh;
     if (!e->full) { c->drops[D_NON_FULL_ATTENTION] += n; return 0; }
     if (e->bsz == 0 || e->nt == 0) { /* placeholder: a new tier on blocks this worker already maps */
@@ -185,7 +181,7 @@ static int fp_store(FCtx *c, const FEv *e, const HRef *hs, const uint64_t *toks)
         }
     }
     c->drops[D_PARTIAL_BLOCK] += n - nfull;
-    return fp_attach_kc(c, e, hs, nfull, state, toks);
+    return fp_attach_kc(c, e, hs, nfull, state, dg);
 }
 
 /* Twin of the no-pending part of apply._remove. */
@@ -273,10 +269,10 @@ static int walk_events(FCtx *c, const FBatch *b, Py_ssize_t *stop) {
         }
         /* no arithmetic on NULL: an event (or a whole batch) without hashes or tokens passes NULL */
         const HRef *hs = e->nh ? b->h + e->h0 : NULL;
-        const uint64_t *ts = e->nt ? b->t + e->t0 : NULL;
+        const uint64_t *ds = e->nt >= c->bs ? b->dg + e->d0 : NULL; /* digests: full blocks only */
         if (!g) c->kc_n = 0; /* a main-tree event: the cached keys may be stale (a store sets them anew) */
-        int r = g ? (e->type == EV_STORED ? gp_store(c, g, e, hs, ts) : gp_remove(c, g, e, hs))
-              : e->type == EV_STORED ? fp_store(c, e, hs, ts)
+        int r = g ? (e->type == EV_STORED ? gp_store(c, g, e, hs, ds) : gp_remove(c, g, e, hs))
+              : e->type == EV_STORED ? fp_store(c, e, hs, ds)
               : e->type == EV_REMOVED ? fp_remove(c, e, hs) : fp_clear(c);
         if (r < 0) return -1;
         if (r > 0) { *stop = i; break; }
@@ -327,7 +323,8 @@ static int scratch_take(FBatch *b, FCtx *c) {
     SCRATCH.busy = 1;
     b->ev = SCRATCH.b.ev; b->cev = SCRATCH.b.cev;
     b->h = SCRATCH.b.h; b->ch = SCRATCH.b.ch;
-    b->t = SCRATCH.b.t; b->ct = SCRATCH.b.ct;
+    b->dg = SCRATCH.b.dg; b->cdg = SCRATCH.b.cdg;
+    b->tb = SCRATCH.b.tb; b->ctb = SCRATCH.b.ctb;
     c->kc = SCRATCH.kc; c->kc_cap = SCRATCH.kc_cap;
     return 1;
 }
@@ -339,11 +336,13 @@ static int scratch_take(FBatch *b, FCtx *c) {
 static void scratch_give(FBatch *b, FCtx *c) {
     SCRATCH_FIT(b->ev, b->cev, sizeof(FEv));
     SCRATCH_FIT(b->h, b->ch, sizeof(HRef));
-    SCRATCH_FIT(b->t, b->ct, sizeof(uint64_t));
+    SCRATCH_FIT(b->dg, b->cdg, sizeof(uint64_t));
+    SCRATCH_FIT(b->tb, b->ctb, sizeof(uint64_t));
     SCRATCH_FIT(c->kc, c->kc_cap, sizeof(uint64_t));
     SCRATCH.b.ev = b->ev; SCRATCH.b.cev = b->cev;
     SCRATCH.b.h = b->h; SCRATCH.b.ch = b->ch;
-    SCRATCH.b.t = b->t; SCRATCH.b.ct = b->ct;
+    SCRATCH.b.dg = b->dg; SCRATCH.b.cdg = b->cdg;
+    SCRATCH.b.tb = b->tb; SCRATCH.b.ctb = b->ctb;
     SCRATCH.kc = c->kc; SCRATCH.kc_cap = c->kc_cap;
     SCRATCH.busy = 0;
 }
@@ -400,13 +399,13 @@ static PyObject *py_apply_msgpack(PyObject *self, PyObject *args, PyObject *kw) 
     memset(&c, 0, sizeof(c));
     int scr = scratch_take(&b, &c);
     Py_ssize_t stop = -1;
-    if (!counts || !drops) goto done;
+    if (!counts || !drops || !(cols = col_table(bs))) goto done;
+    b.bs = bs; b.cols = cols; /* the walk digests the token ids as it reads them */
     int rc = parse_batch(view.buf, view.len, bs, &b, &hd);
     if (rc) { if (rc > 0) { out = Py_None; Py_INCREF(out); } goto done; }
     if (ranked && hd.rank_kind == 3) { out = Py_None; Py_INCREF(out); goto done; } /* Python keeps big ints exact */
     long long rank = hd.rank_kind == 1 ? (long long)hd.rank : (long long)defrank;
     if (ranked && (rank != want || b.nev == 0)) goto result; /* nothing to apply to these maps */
-    if (!(cols = col_table(bs))) goto done;
     c.ext = ext; c.nodes = nodes; c.known = known; c.shift = shift; c.bs = bs; c.limit = limit; c.seed = seed; c.cols = cols;
     c.layout = groupso != Py_None; c.gl = gl; c.ngl = ngl; c.learn = learn != Py_None ? learn : NULL;
     if (walk_events(&c, &b, &stop) < 0 || tally_dicts(&c, counts, drops) < 0) goto done;
@@ -420,7 +419,8 @@ done:
     else {
         PyMem_RawFree(b.ev);
         PyMem_RawFree(b.h);
-        PyMem_RawFree(b.t);
+        PyMem_RawFree(b.dg);
+        PyMem_RawFree(b.tb);
         PyMem_RawFree(c.kc);
     }
     PyMem_RawFree(gl);
@@ -446,7 +446,7 @@ done:
 static int run_parse(PyObject *items, Py_ssize_t k, Py_ssize_t bs, Py_ssize_t max_payload, FBatch *b, FHead *hd) {
     PyObject *p = PyTuple_GET_ITEM(items, k);
     if (!PyBytes_Check(p) || PyBytes_GET_SIZE(p) > max_payload) return 1;
-    b->nev = b->nh = b->nt = 0;
+    b->nev = b->nh = b->ndg = 0;
     return parse_batch((const unsigned char *)PyBytes_AS_STRING(p), PyBytes_GET_SIZE(p), bs, b, hd);
 }
 
@@ -498,6 +498,7 @@ static PyObject *py_apply_msgpack_run(PyObject *self, PyObject *const *args, Py_
     if (bs <= 0 || shiftl < 0 || shiftl % 4 || shiftl / 4 >= MAX_SLOT || (int)shiftl != shiftl || grc) n = 0;
     if (n) {
         if (!(cols = col_table(bs))) goto done;
+        b.bs = bs; b.cols = cols; /* the walk digests the token ids as it reads them */
     }
     if (n) NOGIL = PyEval_SaveThread(); /* until the end, or until a path needs Python (gil_need) */
     for (; k < n; k++) {
@@ -541,7 +542,8 @@ done:
     PyMem_RawFree(cols);
     PyMem_RawFree(b.ev);
     PyMem_RawFree(b.h);
-    PyMem_RawFree(b.t);
+    PyMem_RawFree(b.dg);
+    PyMem_RawFree(b.tb);
     PyMem_RawFree(gl);
     if (cown) PyMem_RawFree(cgl);
     Py_XDECREF(cref);

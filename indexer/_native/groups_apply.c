@@ -123,11 +123,11 @@ static inline int g_get(U64Map *gx, const HRef *h, Py_ssize_t *slot, uint64_t *o
 }
 
 /* Twin of groups._group_store for a group of the worker's layout. 0 done, -1 error.
- * Keys are resolved for the whole event first (the pure core reads the group's map before writing
+ * dg: the digests of its full blocks. Keys are resolved for the whole event first (the pure core reads the group's map before writing
  * it), then written. An int hash's probe of the group's map in the first pass keeps its slot: the
  * write reuses it while the table has not moved and the slot is still empty (linear probing only
  * fills slots, so the key is still absent there), one probe per block instead of two. */
-static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const uint64_t *toks) {
+static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const uint64_t *dg) {
     Py_ssize_t n = e->nh, nk = 0;
     uint64_t stackbuf[128], *keys = n <= 128 ? stackbuf : PyMem_RawMalloc((size_t)n * sizeof(uint64_t));
     Py_ssize_t slotbuf[128], *slot = n <= 128 ? slotbuf : PyMem_RawMalloc((size_t)n * sizeof(Py_ssize_t));
@@ -178,7 +178,7 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
                     have = r;
                 }
                 if (!have) { c->drops[D_GROUP_ORPHAN] += nfull - j; break; }
-                key = state * P_MUL + block_digest(toks + j * c->bs, c->bs, 0, c->cols);
+                key = state * P_MUL + dg[j];
             }
             keys[nk++] = key;
             state = key;

@@ -55,49 +55,77 @@ static inline unsigned tok_at(unsigned __int128 w, unsigned o, uint64_t *out) {
     return 1 + nb;
 }
 
-/* n msgpack ints into t (the bulk of a payload: the widths tokenizers produce are decoded inline).
+/* One msgpack int token at p[pos] into *t: the widths tokenizers produce inline, any other int
+ * through rd_int (two's complement). Its new position, or -1 when it is not an int / truncated. */
+static inline Py_ssize_t rd_token1(Rd *r, Py_ssize_t pos, uint64_t *t) {
+    const unsigned char *p = r->p;
+    if (pos + 8 <= r->len) {
+        unsigned char c = p[pos];
+        if (c <= 0x7F) { *t = c; return pos + 1; }
+        unsigned idx = (unsigned)c - 0xCC; /* uint8/16/32: no data-dependent branch between widths */
+        if (idx <= 2) {
+            uint64_t x;
+            memcpy(&x, p + pos, 8);
+            x = __builtin_bswap64(x);
+            int nb = 1 << idx;
+            *t = (x << 8) >> (64 - 8 * nb);
+            return pos + 1 + nb;
+        }
+    }
+    int neg;
+    r->pos = pos;
+    if (rd_int(r, t, &neg) != 1) return -1;
+    return r->pos;
+}
+
+/* n msgpack ints (a store's token ids, the bulk of a payload) read and digested block by block:
+ * dg[k] = block_digest of tokens [k * bs, (k + 1) * bs) for each full block; a trailing partial
+ * block is read (validated) only. Tokens are only ever used as block digests, so they never go to
+ * an array of their own: each block's tokens land in `tb` (bs + 2 words, L1-resident) and are
+ * digested while the next ones are read (the digest's multiplies overlap the decode's dependency
+ * chain). dg NULL: read only (no full block; `bs` is then tb's size less 2, any positive value).
  * Three tokens per 16-byte load where they fit (each at most 5 bytes): the next token's position
  * then waits on register shifts, not on a load, which is what bounds a byte-wise decode. */
-static int rd_tokens(Rd *r, uint64_t *t, Py_ssize_t n) {
+static int rd_token_digests(Rd *r, Py_ssize_t n, Py_ssize_t bs, const uint64_t *cols, uint64_t *tb, uint64_t *dg) {
     const unsigned char *p = r->p;
-    Py_ssize_t pos = r->pos, len = r->len;
-    Py_ssize_t j = 0;
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    while (j + 3 <= n && pos + 16 <= len) {
-        uint64_t a, b;
-        memcpy(&a, p + pos, 8);
-        memcpy(&b, p + pos + 8, 8);
-        unsigned __int128 w = ((unsigned __int128)b << 64) | a; /* x86-64: loads are little-endian */
-        unsigned l0 = tok_at(w, 0, t + j);
-        if (!l0) break;
-        unsigned l1 = tok_at(w, l0, t + j + 1);
-        if (!l1) { j += 1; pos += l0; break; }
-        unsigned l2 = tok_at(w, l0 + l1, t + j + 2);
-        if (!l2) { j += 2; pos += l0 + l1; break; }
-        j += 3;
-        pos += l0 + l1 + l2;
-    }
+    Py_ssize_t pos = r->pos, len = r->len, j = 0, fill = 0, nb = 0;
+#ifdef HAVE_AVX2_DIGESTS
+    int avx2 = dg && bs >= 4 && __builtin_cpu_supports("avx2");
+#define TB_DIGEST(t) (avx2 ? block_digest_avx2((t), bs, cols) : block_digest((t), bs, 0, cols))
+#else
+#define TB_DIGEST(t) block_digest((t), bs, 0, cols)
 #endif
-    for (; j < n; j++) {
-        if (pos + 8 <= len) {
-            unsigned char c = p[pos];
-            if (c <= 0x7F) { t[j] = c; pos += 1; continue; }
-            unsigned idx = (unsigned)c - 0xCC; /* uint8/16/32: no data-dependent branch between widths */
-            if (idx <= 2) {
-                uint64_t x;
-                memcpy(&x, p + pos, 8);
-                x = __builtin_bswap64(x);
-                int nb = 1 << idx;
-                t[j] = (x << 8) >> (64 - 8 * nb);
-                pos += 1 + nb;
-                continue;
-            }
+    while (j < n) {
+        Py_ssize_t got = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        if (j + 3 <= n && pos + 16 <= len) {
+            uint64_t a, b;
+            memcpy(&a, p + pos, 8);
+            memcpy(&b, p + pos + 8, 8);
+            unsigned __int128 w = ((unsigned __int128)b << 64) | a; /* x86-64: loads are little-endian */
+            unsigned l0 = tok_at(w, 0, tb + fill), l1 = 0, l2 = 0;
+            if (l0 && (l1 = tok_at(w, l0, tb + fill + 1)) && (l2 = tok_at(w, l0 + l1, tb + fill + 2))) got = 3;
+            else got = l0 ? (l1 ? 2 : 1) : 0;
+            pos += l0 + l1 + l2;
         }
-        int neg;
-        r->pos = pos;
-        if (rd_int(r, &t[j], &neg) != 1) return -1;
-        pos = r->pos;
+#endif
+        if (!got) {
+            if ((pos = rd_token1(r, pos, tb + fill)) < 0) return -1;
+            got = 1;
+        }
+        fill += got;
+        j += got;
+        if (fill >= bs) { /* full blocks digested; the 0-2 tokens past them move to the front */
+            Py_ssize_t o = 0;
+            do {
+                if (dg) dg[nb++] = TB_DIGEST(tb + o);
+                o += bs;
+            } while (fill - o >= bs);
+            for (Py_ssize_t k = o; k < fill; k++) tb[k - o] = tb[k];
+            fill -= o;
+        }
     }
+#undef TB_DIGEST
     r->pos = pos;
     return 0;
 }
@@ -238,7 +266,7 @@ typedef struct {
     int has_window, odd_window; /* kv_cache_spec_sliding_window given; outside [0, 2^63) */
     int64_t gi, window; /* group_idx (-1 when negative or above INT64_MAX), the window */
     int bsz; /* block_size: 0 zero, 1 equals the model's, 2 other */
-    Py_ssize_t h0, nh, t0, nt;
+    Py_ssize_t h0, nh, d0, nt; /* hashes at h0; nt token ids, digested per full block at d0 */
     HRef parent;
 } FEv;
 
@@ -246,9 +274,11 @@ typedef struct {
     int form; /* the batch's event form so far: 0 none yet, 1 maps, 2 arrays */
     FEv *ev; Py_ssize_t nev, cev;
     HRef *h; Py_ssize_t nh, ch;
-    uint64_t *t; Py_ssize_t nt, ct;
-    /* the last token / hash array decoded: its bytes in the payload, and where it went in t / h */
-    const unsigned char *lt_raw; Py_ssize_t lt_len, lt_t0, lt_n;
+    uint64_t *dg; Py_ssize_t ndg, cdg; /* block digests of the stores' token ids (rd_token_digests) */
+    uint64_t *tb; Py_ssize_t ctb; /* one block's tokens while they are read */
+    Py_ssize_t bs; const uint64_t *cols; /* the model's block size and its column constants */
+    /* the last token / hash array read: its bytes in the payload, and where it went in dg / h */
+    const unsigned char *lt_raw; Py_ssize_t lt_len, lt_d0, lt_n;
     const unsigned char *lh_raw; Py_ssize_t lh_len, lh_h0, lh_n;
 } FBatch;
 
@@ -310,17 +340,20 @@ static int parse_field(Rd *r, int f, Py_ssize_t bs, FEv *e, FBatch *b, Py_ssize_
             Py_ssize_t at = r->pos;
             /* A hybrid batch repeats a request's tokens once per group (vLLM sends each group's store
              * its blocks' tokens): bytes equal to the last array's decode to the same ints (msgpack is
-             * prefix-free), so the store shares them, for a memcmp instead of a decode. */
+             * prefix-free), so the store shares its digests, for a memcmp instead of a decode. */
             if (nt && nt == b->lt_n && b->lt_len <= r->len - at && memcmp(r->p + at, b->lt_raw, (size_t)b->lt_len) == 0) {
-                e->t0 = b->lt_t0; e->nt = nt;
+                e->d0 = b->lt_d0; e->nt = nt;
                 r->pos = at + b->lt_len;
                 break;
             }
-            if (grow((void **)&b->t, &b->ct, b->nt + nt, sizeof(uint64_t)) < 0) return -1;
-            e->t0 = b->nt; e->nt = nt;
-            if (nt && rd_tokens(r, b->t + b->nt, nt) < 0) DECLINE(DECL_MALFORMED); /* b->t may be NULL when nt == 0 */
-            b->nt += nt;
-            if (nt) { b->lt_raw = r->p + at; b->lt_len = r->pos - at; b->lt_t0 = e->t0; b->lt_n = nt; }
+            Py_ssize_t nblk = nt / bs, tbs = nblk ? bs : 32; /* no full block: read through a small buffer */
+            if (grow((void **)&b->dg, &b->cdg, b->ndg + nblk, sizeof(uint64_t)) < 0
+                || grow((void **)&b->tb, &b->ctb, tbs + 2, sizeof(uint64_t)) < 0) return -1;
+            e->d0 = b->ndg; e->nt = nt;
+            /* b->dg may be NULL when nblk == 0 */
+            if (nt && rd_token_digests(r, nt, tbs, b->cols, b->tb, nblk ? b->dg + b->ndg : NULL) < 0) DECLINE(DECL_MALFORMED);
+            b->ndg += nblk;
+            if (nt) { b->lt_raw = r->p + at; b->lt_len = r->pos - at; b->lt_d0 = e->d0; b->lt_n = nt; }
             break;
         }
         case F_BLOCK_SIZE: {
@@ -459,7 +492,7 @@ static int parse_batch(const unsigned char *p, Py_ssize_t len, Py_ssize_t bs, FB
     Rd r = {p, 0, len};
     b->form = 0;
     b->lt_raw = b->lh_raw = NULL; /* b may be reused across payloads */
-    b->lt_len = b->lt_n = b->lt_t0 = b->lh_len = b->lh_n = b->lh_h0 = 0;
+    b->lt_len = b->lt_n = b->lt_d0 = b->lh_len = b->lh_n = b->lh_h0 = 0;
     Py_ssize_t top = rd_container(&r, 0);
     if (top != 2 && top != 3) DECLINE(DECL_MALFORMED);
     if (r.pos >= len) DECLINE(DECL_MALFORMED);
