@@ -28,6 +28,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from producer.cache import TieredCache  # noqa: E402
 from producer.components.base import DEVICE, HOST, STORAGE  # noqa: E402
 from producer.sim import cmd as worker_cmd  # noqa: E402
 from producer.sim.api import SimModel  # noqa: E402
@@ -54,6 +55,18 @@ def make_engine(family: str, l3_dir: str, extra: list[str]) -> Engine:
     return engine
 
 
+def settle(cache: TieredCache) -> None:
+    """Land every copy and L3 write in flight: requests arrive seconds apart on the virtual clock and
+    a copy takes milliseconds, so each one finds the previous ones' copies landed — and the replay
+    does not depend on how fast this machine's copy threads ran (the figures are deterministic)."""
+    for _ in range(3):
+        cache.wait_transfers(5.0)
+        cache.step()
+        if cache.storage is not None:
+            cache.storage.wait_idle(5.0)
+            cache.step()
+
+
 def score_row(engine: Engine, tokens: list[int]) -> tuple[ScoreRow, int, int]:
     """The worker's row as the index would answer it, its usable prefix and its KV run (blocks)."""
     c = engine.cache
@@ -78,7 +91,7 @@ def replay(policy_name: str, family: str, reqs: list, tokens: list[list[int]], w
         for r, t in zip(reqs, tokens):
             rows, usable = {}, {}
             for w, e in zip(ids, engines):
-                e.cache.step()
+                settle(e.cache)
                 rows[w], usable[w], kv = score_row(e, t)
                 counts["kv>usable"] += kv > usable[w]
             backlog = {w: e.schedule.backlog_at(r.arrival_s) for w, e in zip(ids, engines)}

@@ -218,18 +218,59 @@ def test_pending_routes_on_a_hybrid_worker_count_to_where_a_route_ends() -> None
 
 
 def test_load_back_of_a_hybrid_prefix_moves_its_state_or_window_too() -> None:
-    """A prefix served from below the GPU also brings its Mamba state / its window's pages, from
-    the deepest tier it used; a GPU-served one brings nothing more."""
-    from producer.sim.api import Tokens
-
+    """A prefix whose end is not usable on the GPU alone also brings its Mamba state / its window's
+    pages, from the deepest tier they came from; one usable on the GPU brings nothing more."""
     sim = SimModel(mamba_state_bytes=64 << 20, window_bytes_per_token=1000)
     for family, nbytes in (("mamba", 64 << 20), ("swa", 2 * P * 1000), ("full", 0), ("dsa", 0)):
         engine = Engine(_cache(family), sim)
         try:
-            assert engine._component_load_s(Tokens(gpu=10 * P, computed=5)) == 0.0
-            host = engine._component_load_s(Tokens(gpu=P, host=4 * P, computed=5))
-            disk = engine._component_load_s(Tokens(host=P, disk=4 * P, computed=5))
+            assert engine._component_load_s("host", 0) == 0.0
+            host = engine._component_load_s("host", 4 * P)
+            disk = engine._component_load_s("disk", 4 * P)
             assert host == pytest.approx(sim.load_bytes_s(nbytes, "host")), family
             assert disk == pytest.approx(sim.load_bytes_s(nbytes, "disk")), family
         finally:
             engine.close()
+
+
+@pytest.mark.parametrize("family, name", [("mamba", "mamba"), ("swa", "swa")])
+def test_components_left_only_in_l3_are_fetched_back_under_kv_the_worker_still_holds(
+        family: str, name: str, tmp_path) -> None:  # noqa: ANN001
+    """Both faster pools tombstoned A's Mamba states / window pages while its KV stayed on the GPU and
+    the host; L3 still holds them, so A is usable through L3. The engine fetches the components alone
+    (the KV pages that come with them are dropped: the host holds that KV) and serves what it held at
+    arrival, costing the components' load from L3 alone; then the prompt is usable on the GPU again."""
+    from producer.storage import FileStorageBackend, StorageWorker
+
+    w = StorageWorker(FileStorageBackend(tmp_path / "l3"))
+    sizes = FamilySizes(page_size=P, device_pages=128, host_pages=128, kv_shape=(2,), mamba_states=32,
+                        host_mamba_states=32, conv_shape=(2,), temporal_shape=(2,), window=WINDOW,
+                        swa_shape=(2,))
+    cache = build_family_cache(family, sizes, device="cpu", transfer="thread", storage=w,
+                               component_events=True, prefetch_threshold_tokens=P)
+    engine = Engine(cache, SimModel(mamba_state_bytes=1 << 20, window_bytes_per_token=1000), chunk_pages=CHUNK)
+    try:
+        engine.close()  # served from this thread
+        engine._serve(A, 4, 0.0)
+        for _ in range(3):  # the host copies and the L3 backups land
+            cache.wait_transfers(5.0)
+            cache.step()
+            assert w.wait_idle(5.0)
+            cache.step()
+        cache.evict_component(name, 1 << 20, "device")
+        cache.evict_component(name, 1 << 20, "host")
+        m = cache.match_prefix(LONGER)
+        assert (m.device_len, m.host_len, m.kv_len, m.best_len) == (0, 0, 20 * P, 20 * P)
+        s = engine._serve(LONGER, 4, 1.0)
+        assert (s.arrival_cached, s.tokens.cached) == (20 * P, 20 * P), cache.stats
+        # the KV never left the GPU; only the components came from L3, and only they cost a load
+        assert (s.tokens.gpu, s.tokens.disk) == (20 * P, 0)
+        assert s.load_s == pytest.approx(engine._component_load_s("disk", 20 * P)) and s.load_s > 0
+        assert cache.stats.get("prefetch_no_component_memory", 0) == 0
+        cache.wait_transfers(5.0)
+        cache.step()
+        assert cache.match_prefix(LONGER).device_len >= 20 * P
+        assert cache.audit() == []
+    finally:
+        cache.transfer.close()
+        w.close()

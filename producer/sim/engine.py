@@ -162,17 +162,25 @@ class Engine:
         m = cache.match_prefix(tokens)
         arrival_cached = m.best_len + p * self._shared_run(tokens, m.best_len // p)
         near = m.device_len + m.host_len
+        # hybrid: the KV on the GPU, usable or not (a component missing there is loaded on its own)
+        kv_gpu = max(m.device_len, m.kv_len)
+        before = (cache.stats.get("prefetch_landed_pages", 0), cache.stats.get("prefetch_component_states", 0))
         if cache.storage is not None and cache.prefetch(tokens, m):
             cache.storage.wait_idle(self.prefetch_wait_s)
             cache.step()
             m = cache.match_prefix(tokens)
         l3 = max(0, m.device_len + m.host_len - near)
+        comp_l3 = False
+        if cache.hybrid:  # KV from L3 = the pages the prefetch landed (it may bring components alone)
+            l3 = p * (cache.stats.get("prefetch_landed_pages", 0) - before[0])
+            comp_l3 = cache.stats.get("prefetch_component_states", 0) > before[1]
+        device_usable = m.device_len
         pages, node = m.device_pages, m.device_node
         if m.host_len:
             pages, node = cache.init_load_back(m)
         used = len(pages) * p
-        gpu = min(m.device_len, used)
-        host = min(max(0, m.host_len - l3), used - gpu)
+        gpu = min(kv_gpu if cache.hybrid else m.device_len, used)
+        host = min(max(0, m.host_len - l3), used - gpu) if not cache.hybrid else max(0, used - gpu - l3)
         l3 = used - gpu - host
         shared = cache.l3_medium == Medium.EXTERNAL
         got = Tokens(gpu=gpu, host=host, disk=0 if shared else l3, shared=l3 if shared else 0,
@@ -193,7 +201,10 @@ class Engine:
         finally:
             cache.unlock(node)  # type: ignore[arg-type]
         cache.step()
-        load_s = sim.load_s(got.host, got.disk, got.shared) + self._component_load_s(got)
+        load_s = sim.load_s(got.host, got.disk, got.shared)
+        if used > device_usable:  # the prefix's end is not usable on the GPU alone: its components move
+            tier = ("shared" if shared else "disk") if (comp_l3 or l3) else "host"
+            load_s += self._component_load_s(tier, used - device_usable)
         prefill_s = sim.prefill_s(got.computed)
         with self.lock:
             slot = self.schedule.admit(arrival, load_s, prefill_s, max_tokens)
@@ -201,11 +212,11 @@ class Engine:
         return Served(arrival_cached, got, slot.start - arrival, load_s, prefill_s,
                       slot.first - arrival, slot.finish - arrival, slot)
 
-    def _component_load_s(self, got: Tokens) -> float:
-        """Load-back of a hybrid prefix's components: the Mamba state at its end and the window's
-        pages come from the deepest tier the prefix used (the device held them otherwise)."""
-        below = got.host + got.disk + got.shared
-        if not below or not self.cache.components:
+    def _component_load_s(self, tier: str, below: int) -> float:
+        """Load-back of a hybrid prefix's components, `below` tokens of its end not usable on the GPU
+        alone: the Mamba state at its end and the window's pages, from `tier` (host, disk, shared:
+        the deepest tier they came from)."""
+        if below <= 0 or not self.cache.components:
             return 0.0
         sim, p = self.sim, self.cache.page_size
         nbytes = 0
@@ -214,7 +225,6 @@ class Engine:
                 nbytes += min(below, c.need * p) * sim.window_bytes_per_token
             elif not c.per_page:
                 nbytes += sim.mamba_state_bytes
-        tier = "shared" if got.shared else "disk" if got.disk else "host"
         return sim.load_bytes_s(nbytes, tier)
 
     def _alloc(self, n: int) -> list[int] | None:
