@@ -50,7 +50,8 @@ def make_engine(family: str, l3_dir: str, extra: list[str]) -> Engine:
     storage = StorageWorker(make_storage_backend("file", {"root": l3_dir}))
     cache = worker_cmd._make_cache(args, storage, None)
     engine = Engine(cache, SimModel(**worker_cmd.FAMILY_SIM.get(family, {})),
-                    chunk_pages=args.chunk_tokens // P)
+                    chunk_pages=args.chunk_tokens // P,
+                    running_state_share=args.running_state_share if family == "mamba" else 0.0)
     engine.close()  # served from this thread: the cache's only user
     return engine
 

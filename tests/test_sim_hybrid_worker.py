@@ -274,3 +274,30 @@ def test_components_left_only_in_l3_are_fetched_back_under_kv_the_worker_still_h
     finally:
         cache.transfer.close()
         w.close()
+
+
+def test_running_requests_hold_their_share_of_the_state_pool() -> None:
+    """SGLang's running requests take their working Mamba states from the pool the cache keeps its
+    states in: with share 1/2 of a 32-state pool and 4 requests running (a full batch), 16 slots are
+    held and the cache's least recently used states make room (tombstoned, their KV stays); once
+    nothing runs the hold is given back."""
+    cache = _cache("mamba")                                  # 32 GPU states, no host tier
+    engine = Engine(cache, SimModel(max_batch=4), chunk_pages=CHUNK, running_state_share=0.5)
+    try:
+        engine.close()  # served from this thread
+        first = _tokens(10_000, 20)
+        for i in range(4):                                   # 5 states each (pages 4, 8, 12, 16, 20)
+            engine._serve(_tokens(10_000 * (i + 1), 20), 1000, 0.001 * i)  # 20 s of decode: still running
+        engine._serve(_tokens(90_000, 20), 4, 1.0)           # arrives while all 4 run
+        assert len(engine._held) == 16
+        pool = cache.components[0].device.allocator
+        cached = sum(1 for n in cache.tree.nodes() if n.components and n.components["mamba"].dev is not None)
+        assert (pool.available, cached) == (0, 16)
+        # 25 states kept for 5 prompts, 16 of the 32 slots held: 9 least recently used states went
+        assert cache.stats["mamba_tombstoned_slots"] == 9
+        m = cache.match_prefix(first + [1])
+        assert m.kv_len == 20 * P and m.best_len < 20 * P    # the KV stayed, its states did not
+        engine._serve(_tokens(95_000, 4), 4, 100.0)          # every request has finished
+        assert engine._held == [] and cache.components[0].device.allocator.available > 0
+    finally:
+        engine.close()

@@ -50,10 +50,18 @@ class Engine:
     """Single-threaded owner of the cache; `submit` is safe from any thread."""
 
     def __init__(self, cache: TieredCache, sim: SimModel, *, probe: Any = None,
-                 prefetch_wait_s: float = 2.0, idle_step_s: float = 0.005, chunk_pages: int = 8) -> None:
+                 prefetch_wait_s: float = 2.0, idle_step_s: float = 0.005, chunk_pages: int = 8,
+                 running_state_share: float = 0.0) -> None:
         self.cache = cache
         self.sim = sim
         self.chunk_pages = chunk_pages  # hybrid: a Mamba state at every prefill chunk's end (producer.sim.hybrid)
+        if not 0.0 <= running_state_share < 1.0:
+            raise ValueError("running_state_share must be in [0, 1)")
+        # Mamba: the share of the GPU state pool a full batch of running requests holds (their working
+        # states), taken from the states the cache keeps (`_hold_running_states`)
+        self.running_state_share = running_state_share
+        self._state_pool = next((c for c in cache.components if not c.per_page), None)
+        self._held: list[int] = []
         self.schedule = Schedule(sim)
         self.probe = probe  # a second handle on a shared L3 store: arrival truth includes it
         self.prefetch_wait_s = prefetch_wait_s
@@ -159,6 +167,7 @@ class Engine:
         with self.lock:  # fail fast before touching the cache
             if self.schedule.queued_at(arrival) >= sim.max_queue:
                 raise QueueFull(f"{sim.max_queue} requests already waiting")
+        self._hold_running_states(arrival)
         m = cache.match_prefix(tokens)
         arrival_cached = m.best_len + p * self._shared_run(tokens, m.best_len // p)
         near = m.device_len + m.host_len
@@ -211,6 +220,30 @@ class Engine:
         self.counts["requests"] += 1
         return Served(arrival_cached, got, slot.start - arrival, load_s, prefill_s,
                       slot.first - arrival, slot.finish - arrival, slot)
+
+    def _hold_running_states(self, arrival: float) -> None:
+        """Running requests' working Mamba states come from the pool the cache keeps its states in
+        (SGLang's HybridReqToTokenPool: one working slot and two tracking slots per running request,
+        running requests capped at a fifth of the pool, so a full batch holds 3/5 of it). Hold that
+        share for the requests running at `arrival`: the cache's LRU states make room (tombstoned,
+        their KV stays); states in use or in flight are never taken, so the hold may fall short."""
+        c = self._state_pool
+        if c is None or not self.running_state_share:
+            return
+        with self.lock:
+            running = min(self.schedule.running_at(arrival), self.sim.max_batch)
+        want = int(self.running_state_share * c.device.allocator.num_pages * running / self.sim.max_batch)
+        held = self._held
+        if len(held) > want:
+            c.device.free(held[want:])
+            del held[want:]
+            return
+        short = want - len(held)
+        if short > c.device.allocator.available:
+            self.cache.evict_component(c.name, short - c.device.allocator.available)
+        n = min(short, c.device.allocator.available)
+        if n:
+            held.extend(c.device.alloc(n))
 
     def _component_load_s(self, tier: str, below: int) -> float:
         """Load-back of a hybrid prefix's components, `below` tokens of its end not usable on the GPU
