@@ -47,7 +47,8 @@ def make_engine(family: str, l3_dir: str, extra: list[str]) -> Engine:
     p = argparse.ArgumentParser()
     worker_cmd.add_arguments(p)
     args = p.parse_args(["--family", family, "--block-size", str(P), *extra])
-    storage = StorageWorker(make_storage_backend("file", {"root": l3_dir}))
+    # the demo's file L3; none for a GPU-only worker (--host-pages 0: SGLang without HiCache)
+    storage = StorageWorker(make_storage_backend("file", {"root": l3_dir})) if args.host_pages else None
     cache = worker_cmd._make_cache(args, storage, None)
     engine = Engine(cache, SimModel(**worker_cmd.FAMILY_SIM.get(family, {})),
                     chunk_pages=args.chunk_tokens // P,
@@ -107,7 +108,8 @@ def replay(policy_name: str, family: str, reqs: list, tokens: list[list[int]], w
         for e in engines:
             if e.cache.transfer is not None:
                 e.cache.transfer.close()
-            e.cache.storage.close()
+            if e.cache.storage is not None:
+                e.cache.storage.close()
     acc = counts["exact"] / counts["predicted"] if counts["predicted"] else float("nan")
     return {"prefill": counts["prefill"], "p90": quantile(ttft, 0.9), "accuracy": acc,
             "kv>usable": counts["kv>usable"], "better elsewhere": counts["better elsewhere"]}
