@@ -134,7 +134,8 @@ def test_swa_pages() -> None:
 
 def test_worker_pool_defaults_follow_sglang() -> None:
     """`kvatlas worker` sizes the component pools as SGLang does unless told: Mamba states at
-    mamba_full_memory_ratio 0.9 of the KV bytes for Qwen3-Next-80B, window pages at 0.8 of the KV."""
+    mamba_full_memory_ratio 0.9 of the KV bytes for Qwen3-Next-80B, window pages at 0.8 of the KV,
+    3/5 of the GPU state pool held by a full batch of running requests."""
     import argparse
 
     from producer.sim.cmd import MAMBA_TOKENS_PER_STATE, add_arguments, pool_sizes
@@ -146,6 +147,8 @@ def test_worker_pool_defaults_follow_sglang() -> None:
     assert got == {"mamba_states": 46, "host_mamba_states": 140, "swa_device_pages": 256, "swa_host_pages": 768}
     got = pool_sizes(p.parse_args(["--mamba-states", "7", "--swa-pages", "9"]))
     assert (got["mamba_states"], got["swa_device_pages"]) == (7, 9)
+    # SGLang: 3 slots per running request, at most pool // 5 of them running
+    assert p.parse_args([]).running_state_share == pytest.approx(3 / 5)
 
 
 def test_hybrid_workers_publish_group_events() -> None:
