@@ -14,7 +14,8 @@ precise_kv_only, and two counts that say whether a better choice existed at all:
 
 It is a fast stand-in for `kvatlas demo --family F` (same worker code and policies, seconds per run
 instead of minutes; its figures track the demo's but are not identical: no router/worker processes,
-no event lag, no pending routes).
+no event lag, no pending routes). Every copy and L3 write lands before the next arrival, so a run's
+figures are deterministic. `--worker-args "--host-pages 0"` runs GPU-only workers (no L3).
 
     .venv/bin/python bench/bench_hybrid_routing.py --family swa [--trace builtin-chat] [--seed 1]
 """
