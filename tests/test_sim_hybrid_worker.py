@@ -149,6 +149,11 @@ def test_worker_pool_defaults_follow_sglang() -> None:
     assert (got["mamba_states"], got["swa_device_pages"]) == (7, 9)
     # SGLang: 3 slots per running request, at most pool // 5 of them running
     assert p.parse_args([]).running_state_share == pytest.approx(3 / 5)
+    from producer.sim.cmd import run
+
+    assert run(p.parse_args(["--family", "mamba", "--running-state-share", "1"])) == 2  # refused before starting
+    with pytest.raises(ValueError):
+        Engine(_cache("mamba"), SimModel(), running_state_share=-0.1)
 
 
 def test_hybrid_workers_publish_group_events() -> None:
