@@ -96,6 +96,15 @@ def test_mamba_branching_keeps_a_state_where_the_shared_run_ends() -> None:
     assert [r[1] for r in res] == [0, 8 * P, 10 * P], res
 
 
+def test_swa_branching_keeps_the_window_where_the_shared_run_ends() -> None:
+    """SGLang's SWA branching (swa_branching_seqlen): A's page 16 lies in its last chunk, out of the
+    window kept at its end, so SHARED17 resumes from 16; recomputing, the engine keeps the window at
+    the end of the shared run (pages 15-16), so the next prompt sharing those 17 pages resumes from 17."""
+    other = A[:17 * P] + _tokens(9500, 3)
+    res = _serve("swa", [A, SHARED17, other])
+    assert [r[1] for r in res] == [0, 16 * P, 17 * P], res
+
+
 def test_a_kv_hit_past_the_usable_prefix_is_recomputed() -> None:
     """Component state tombstoned by its own pool's LRU while the KV stays: the engine serves only the
     usable prefix (here nothing: every state and window page is gone), recomputes the rest, and keeps
@@ -130,6 +139,11 @@ def test_swa_pages() -> None:
     assert swa_pages(10, 20, 4, 2) == list(range(10, 20))   # chunk ends 14, 18: the last chunk is 18-19
     assert swa_pages(0, 3, 4, 2) == [1, 2]                  # one chunk: the window alone
     assert swa_pages(5, 5, 4, 2) == []
+    # a branching point at 17 (inside the last chunk 16-19): its window 15-16 too
+    assert swa_pages(16, 20, 4, 2, branch=17) == [16, 18, 19]
+    assert swa_pages(10, 20, 4, 2, branch=17) == [*range(10, 20)]
+    assert swa_pages(0, 22, 8, 2, branch=17) == [*range(17), 20, 21]
+    assert swa_pages(0, 20, 4, 2, branch=20) == swa_pages(0, 20, 4, 2)   # not inside the prompt: none
 
 
 def test_worker_pool_defaults_follow_sglang() -> None:
