@@ -268,8 +268,9 @@ def test_components_left_only_in_l3_are_fetched_back_under_kv_the_worker_still_h
     sizes = FamilySizes(page_size=P, device_pages=128, host_pages=128, kv_shape=(2,), mamba_states=32,
                         host_mamba_states=32, conv_shape=(2,), temporal_shape=(2,), window=WINDOW,
                         swa_shape=(2,))
+    sink = ListSink()
     cache = build_family_cache(family, sizes, device="cpu", transfer="thread", storage=w,
-                               component_events=True, prefetch_threshold_tokens=P)
+                               recorder=EventRecorder(sink), component_events=True, prefetch_threshold_tokens=P)
     engine = Engine(cache, SimModel(mamba_state_bytes=1 << 20, window_bytes_per_token=1000), chunk_pages=CHUNK)
     try:
         engine.close()  # served from this thread
@@ -281,6 +282,8 @@ def test_components_left_only_in_l3_are_fetched_back_under_kv_the_worker_still_h
             cache.step()
         cache.evict_component(name, 1 << 20, "device")
         cache.evict_component(name, 1 << 20, "host")
+        cache.step()
+        n0 = len(sink.events())
         m = cache.match_prefix(LONGER)
         assert (m.device_len, m.host_len, m.kv_len, m.best_len) == (0, 0, 20 * P, 20 * P)
         s = engine._serve(LONGER, 4, 1.0)
@@ -293,6 +296,13 @@ def test_components_left_only_in_l3_are_fetched_back_under_kv_the_worker_still_h
         cache.step()
         assert cache.match_prefix(LONGER).device_len >= 20 * P
         assert cache.audit() == []
+        # the index hears the components come back (host, then GPU); A's KV, never gone, is not
+        # re-announced (the group-0 stores name LONGER's two new pages only)
+        a_kv = {h for e in sink.events()[:n0] if isinstance(e, BlockStored) and e.group_idx == 0
+                for h in e.block_hashes}
+        back = [e for e in sink.events()[n0:] if isinstance(e, BlockStored)]
+        assert {e.medium for e in back if e.group_idx == 1} >= {"CPU_PINNED", "GPU"}, back
+        assert not any(set(e.block_hashes) & a_kv for e in back if e.group_idx == 0), back
     finally:
         cache.transfer.close()
         w.close()
