@@ -14,7 +14,8 @@ precise_kv_only, and two counts that say whether a better choice existed at all:
 
 It is a fast stand-in for `kvatlas demo --family F` (same worker code and policies, seconds per run
 instead of minutes; its figures track the demo's but are not identical: no router/worker processes,
-no event lag, no pending routes).
+no event lag, no pending routes). Every copy and L3 write lands before the next arrival, so a run's
+figures are deterministic. `--worker-args "--host-pages 0"` runs GPU-only workers (no L3).
 
     .venv/bin/python bench/bench_hybrid_routing.py --family swa [--trace builtin-chat] [--seed 1]
 """
@@ -28,6 +29,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from producer.cache import TieredCache  # noqa: E402
 from producer.components.base import DEVICE, HOST, STORAGE  # noqa: E402
 from producer.sim import cmd as worker_cmd  # noqa: E402
 from producer.sim.api import SimModel  # noqa: E402
@@ -46,12 +48,26 @@ def make_engine(family: str, l3_dir: str, extra: list[str]) -> Engine:
     p = argparse.ArgumentParser()
     worker_cmd.add_arguments(p)
     args = p.parse_args(["--family", family, "--block-size", str(P), *extra])
-    storage = StorageWorker(make_storage_backend("file", {"root": l3_dir}))
+    # the demo's file L3; none for a GPU-only worker (--host-pages 0: SGLang without HiCache)
+    storage = StorageWorker(make_storage_backend("file", {"root": l3_dir})) if args.host_pages else None
     cache = worker_cmd._make_cache(args, storage, None)
     engine = Engine(cache, SimModel(**worker_cmd.FAMILY_SIM.get(family, {})),
-                    chunk_pages=args.chunk_tokens // P)
+                    chunk_pages=args.chunk_tokens // P,
+                    running_state_share=args.running_state_share if family == "mamba" else 0.0)
     engine.close()  # served from this thread: the cache's only user
     return engine
+
+
+def settle(cache: TieredCache) -> None:
+    """Land every copy and L3 write in flight: requests arrive seconds apart on the virtual clock and
+    a copy takes milliseconds, so each one finds the previous ones' copies landed — and the replay
+    does not depend on how fast this machine's copy threads ran (the figures are deterministic)."""
+    for _ in range(3):
+        cache.wait_transfers(5.0)
+        cache.step()
+        if cache.storage is not None:
+            cache.storage.wait_idle(5.0)
+            cache.step()
 
 
 def score_row(engine: Engine, tokens: list[int]) -> tuple[ScoreRow, int, int]:
@@ -78,7 +94,7 @@ def replay(policy_name: str, family: str, reqs: list, tokens: list[list[int]], w
         for r, t in zip(reqs, tokens):
             rows, usable = {}, {}
             for w, e in zip(ids, engines):
-                e.cache.step()
+                settle(e.cache)
                 rows[w], usable[w], kv = score_row(e, t)
                 counts["kv>usable"] += kv > usable[w]
             backlog = {w: e.schedule.backlog_at(r.arrival_s) for w, e in zip(ids, engines)}
@@ -93,7 +109,8 @@ def replay(policy_name: str, family: str, reqs: list, tokens: list[list[int]], w
         for e in engines:
             if e.cache.transfer is not None:
                 e.cache.transfer.close()
-            e.cache.storage.close()
+            if e.cache.storage is not None:
+                e.cache.storage.close()
     acc = counts["exact"] / counts["predicted"] if counts["predicted"] else float("nan")
     return {"prefill": counts["prefill"], "p90": quantile(ttft, 0.9), "accuracy": acc,
             "kv>usable": counts["kv>usable"], "better elsewhere": counts["better elsewhere"]}

@@ -96,6 +96,15 @@ def test_mamba_branching_keeps_a_state_where_the_shared_run_ends() -> None:
     assert [r[1] for r in res] == [0, 8 * P, 10 * P], res
 
 
+def test_swa_branching_keeps_the_window_where_the_shared_run_ends() -> None:
+    """SGLang's SWA branching (swa_branching_seqlen): A's page 16 lies in its last chunk, out of the
+    window kept at its end, so SHARED17 resumes from 16; recomputing, the engine keeps the window at
+    the end of the shared run (pages 15-16), so the next prompt sharing those 17 pages resumes from 17."""
+    other = A[:17 * P] + _tokens(9500, 3)
+    res = _serve("swa", [A, SHARED17, other])
+    assert [r[1] for r in res] == [0, 16 * P, 17 * P], res
+
+
 def test_a_kv_hit_past_the_usable_prefix_is_recomputed() -> None:
     """Component state tombstoned by its own pool's LRU while the KV stays: the engine serves only the
     usable prefix (here nothing: every state and window page is gone), recomputes the rest, and keeps
@@ -130,11 +139,17 @@ def test_swa_pages() -> None:
     assert swa_pages(10, 20, 4, 2) == list(range(10, 20))   # chunk ends 14, 18: the last chunk is 18-19
     assert swa_pages(0, 3, 4, 2) == [1, 2]                  # one chunk: the window alone
     assert swa_pages(5, 5, 4, 2) == []
+    # a branching point at 17 (inside the last chunk 16-19): its window 15-16 too
+    assert swa_pages(16, 20, 4, 2, branch=17) == [16, 18, 19]
+    assert swa_pages(10, 20, 4, 2, branch=17) == [*range(10, 20)]
+    assert swa_pages(0, 22, 8, 2, branch=17) == [*range(17), 20, 21]
+    assert swa_pages(0, 20, 4, 2, branch=20) == swa_pages(0, 20, 4, 2)   # not inside the prompt: none
 
 
 def test_worker_pool_defaults_follow_sglang() -> None:
     """`kvatlas worker` sizes the component pools as SGLang does unless told: Mamba states at
-    mamba_full_memory_ratio 0.9 of the KV bytes for Qwen3-Next-80B, window pages at 0.8 of the KV."""
+    mamba_full_memory_ratio 0.9 of the KV bytes for Qwen3-Next-80B, window pages at 0.8 of the KV,
+    3/5 of the GPU state pool held by a full batch of running requests."""
     import argparse
 
     from producer.sim.cmd import MAMBA_TOKENS_PER_STATE, add_arguments, pool_sizes
@@ -146,6 +161,13 @@ def test_worker_pool_defaults_follow_sglang() -> None:
     assert got == {"mamba_states": 46, "host_mamba_states": 140, "swa_device_pages": 256, "swa_host_pages": 768}
     got = pool_sizes(p.parse_args(["--mamba-states", "7", "--swa-pages", "9"]))
     assert (got["mamba_states"], got["swa_device_pages"]) == (7, 9)
+    # SGLang: 3 slots per running request, at most pool // 5 of them running
+    assert p.parse_args([]).running_state_share == pytest.approx(3 / 5)
+    from producer.sim.cmd import run
+
+    assert run(p.parse_args(["--family", "mamba", "--running-state-share", "1"])) == 2  # refused before starting
+    with pytest.raises(ValueError):
+        Engine(_cache("mamba"), SimModel(), running_state_share=-0.1)
 
 
 def test_hybrid_workers_publish_group_events() -> None:
@@ -218,18 +240,96 @@ def test_pending_routes_on_a_hybrid_worker_count_to_where_a_route_ends() -> None
 
 
 def test_load_back_of_a_hybrid_prefix_moves_its_state_or_window_too() -> None:
-    """A prefix served from below the GPU also brings its Mamba state / its window's pages, from
-    the deepest tier it used; a GPU-served one brings nothing more."""
-    from producer.sim.api import Tokens
-
+    """A prefix whose end is not usable on the GPU alone also brings its Mamba state / its window's
+    pages, from the deepest tier they came from; one usable on the GPU brings nothing more."""
     sim = SimModel(mamba_state_bytes=64 << 20, window_bytes_per_token=1000)
     for family, nbytes in (("mamba", 64 << 20), ("swa", 2 * P * 1000), ("full", 0), ("dsa", 0)):
         engine = Engine(_cache(family), sim)
         try:
-            assert engine._component_load_s(Tokens(gpu=10 * P, computed=5)) == 0.0
-            host = engine._component_load_s(Tokens(gpu=P, host=4 * P, computed=5))
-            disk = engine._component_load_s(Tokens(host=P, disk=4 * P, computed=5))
+            assert engine._component_load_s("host", 0) == 0.0
+            host = engine._component_load_s("host", 4 * P)
+            disk = engine._component_load_s("disk", 4 * P)
             assert host == pytest.approx(sim.load_bytes_s(nbytes, "host")), family
             assert disk == pytest.approx(sim.load_bytes_s(nbytes, "disk")), family
         finally:
             engine.close()
+
+
+@pytest.mark.parametrize("family, name", [("mamba", "mamba"), ("swa", "swa")])
+def test_components_left_only_in_l3_are_fetched_back_under_kv_the_worker_still_holds(
+        family: str, name: str, tmp_path) -> None:  # noqa: ANN001
+    """Both faster pools tombstoned A's Mamba states / window pages while its KV stayed on the GPU and
+    the host; L3 still holds them, so A is usable through L3. The engine fetches the components alone
+    (the KV pages that come with them are dropped: the host holds that KV) and serves what it held at
+    arrival, costing the components' load from L3 alone; then the prompt is usable on the GPU again."""
+    from producer.storage import FileStorageBackend, StorageWorker
+
+    w = StorageWorker(FileStorageBackend(tmp_path / "l3"))
+    sizes = FamilySizes(page_size=P, device_pages=128, host_pages=128, kv_shape=(2,), mamba_states=32,
+                        host_mamba_states=32, conv_shape=(2,), temporal_shape=(2,), window=WINDOW,
+                        swa_shape=(2,))
+    sink = ListSink()
+    cache = build_family_cache(family, sizes, device="cpu", transfer="thread", storage=w,
+                               recorder=EventRecorder(sink), component_events=True, prefetch_threshold_tokens=P)
+    engine = Engine(cache, SimModel(mamba_state_bytes=1 << 20, window_bytes_per_token=1000), chunk_pages=CHUNK)
+    try:
+        engine.close()  # served from this thread
+        engine._serve(A, 4, 0.0)
+        for _ in range(3):  # the host copies and the L3 backups land
+            cache.wait_transfers(5.0)
+            cache.step()
+            assert w.wait_idle(5.0)
+            cache.step()
+        cache.evict_component(name, 1 << 20, "device")
+        cache.evict_component(name, 1 << 20, "host")
+        cache.step()
+        n0 = len(sink.events())
+        m = cache.match_prefix(LONGER)
+        assert (m.device_len, m.host_len, m.kv_len, m.best_len) == (0, 0, 20 * P, 20 * P)
+        s = engine._serve(LONGER, 4, 1.0)
+        assert (s.arrival_cached, s.tokens.cached) == (20 * P, 20 * P), cache.stats
+        # the KV never left the GPU; only the components came from L3, and only they cost a load
+        assert (s.tokens.gpu, s.tokens.disk) == (20 * P, 0)
+        assert s.load_s == pytest.approx(engine._component_load_s("disk", 20 * P)) and s.load_s > 0
+        assert cache.stats.get("prefetch_no_component_memory", 0) == 0
+        cache.wait_transfers(5.0)
+        cache.step()
+        assert cache.match_prefix(LONGER).device_len >= 20 * P
+        assert cache.audit() == []
+        # the index hears the components come back (host, then GPU); A's KV, never gone, is not
+        # re-announced (the group-0 stores name LONGER's two new pages only)
+        a_kv = {h for e in sink.events()[:n0] if isinstance(e, BlockStored) and e.group_idx == 0
+                for h in e.block_hashes}
+        back = [e for e in sink.events()[n0:] if isinstance(e, BlockStored)]
+        assert {e.medium for e in back if e.group_idx == 1} >= {"CPU_PINNED", "GPU"}, back
+        assert not any(set(e.block_hashes) & a_kv for e in back if e.group_idx == 0), back
+    finally:
+        cache.transfer.close()
+        w.close()
+
+
+def test_running_requests_hold_their_share_of_the_state_pool() -> None:
+    """SGLang's running requests take their working Mamba states from the pool the cache keeps its
+    states in: with share 1/2 of a 32-state pool and 4 requests running (a full batch), 16 slots are
+    held and the cache's least recently used states make room (tombstoned, their KV stays); once
+    nothing runs the hold is given back."""
+    cache = _cache("mamba")                                  # 32 GPU states, no host tier
+    engine = Engine(cache, SimModel(max_batch=4), chunk_pages=CHUNK, running_state_share=0.5)
+    try:
+        engine.close()  # served from this thread
+        first = _tokens(10_000, 20)
+        for i in range(4):                                   # 5 states each (pages 4, 8, 12, 16, 20)
+            engine._serve(_tokens(10_000 * (i + 1), 20), 1000, 0.001 * i)  # 20 s of decode: still running
+        engine._serve(_tokens(90_000, 20), 4, 1.0)           # arrives while all 4 run
+        assert len(engine._held) == 16
+        pool = cache.components[0].device.allocator
+        cached = sum(1 for n in cache.tree.nodes() if n.components and n.components["mamba"].dev is not None)
+        assert (pool.available, cached) == (0, 16)
+        # 25 states kept for 5 prompts, 16 of the 32 slots held: 9 least recently used states went
+        assert cache.stats["mamba_tombstoned_slots"] == 9
+        m = cache.match_prefix(first + [1])
+        assert m.kv_len == 20 * P and m.best_len < 20 * P    # the KV stayed, its states did not
+        engine._serve(_tokens(95_000, 4), 4, 100.0)          # every request has finished
+        assert engine._held == [] and cache.components[0].device.allocator.available > 0
+    finally:
+        engine.close()

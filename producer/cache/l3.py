@@ -218,6 +218,7 @@ class L3(CacheState):
                             self._node_ending_at(kk, f.start + (j + 1) * p)
             path, _ = self.tree.insert_path(kk, self.tick)
         got: list[tuple[TreeNode, int]] = []
+        aux: list[tuple[TreeNode, int]] = []  # KV already on the host: only components may be missing there
         spare: list[int] = []
         for node, off in path:
             if off < f.start:
@@ -230,7 +231,11 @@ class L3(CacheState):
             a = (off - f.start) // p
             pg = hp[a:a + len(node.key) // p]
             if node.host_value is not None:
-                spare.extend(pg)  # someone else put it on the host meanwhile
+                # on the host already (put there meanwhile, or the prefix was not usable there for want
+                # of a component state: the aux-only fetch, whose states land below)
+                spare.extend(pg)
+                if node.host_ready:
+                    aux.append((node, a))
                 continue
             node.host_value = pg
             node.host_ready = True
@@ -238,22 +243,32 @@ class L3(CacheState):
         if spare:
             host.free(spare)
         landed: list[tuple[TreeNode, Component]] = []
-        for node, a in got:  # each component lands with its node's KV, whole or not at all
-            kp = len(node.key) // p
-            for c in f.comps:
-                vs = cvals[c.name][a:a + kp] if c.per_page else cvals[c.name][a + kp - 1:a + kp]
-                if not vs or not all(whole(c, v) for v in vs):
-                    continue
-                try:
-                    sl = self._alloc_comp(c, HOST, len(vs))
-                except PoolExhausted:
-                    self._count("prefetch_no_component_memory")
-                    continue
-                for s, v in zip(sl, vs):
-                    c.pool(HOST).slot_from_bytes(s, v)  # type: ignore[arg-type]
-                st = self._new_state(node, c)
-                st.host, st.host_ready = sl, True
-                landed.append((node, c))
+        targets = got + aux
+        for node, _ in targets:  # a component's host slots may evict host nodes: never these
+            node.host_ref += 1
+        try:
+            for node, a in targets:  # each component lands with its node's KV, whole or not at all
+                kp = len(node.key) // p
+                for c in f.comps:
+                    old = self._state(node, c)
+                    if old is not None and old.host is not None:
+                        continue  # already there (aux-only nodes)
+                    vs = cvals[c.name][a:a + kp] if c.per_page else cvals[c.name][a + kp - 1:a + kp]
+                    if not vs or not all(whole(c, v) for v in vs):
+                        continue
+                    try:
+                        sl = self._alloc_comp(c, HOST, len(vs))
+                    except PoolExhausted:
+                        self._count("prefetch_no_component_memory")
+                        continue
+                    for s, v in zip(sl, vs):
+                        c.pool(HOST).slot_from_bytes(s, v)  # type: ignore[arg-type]
+                    st = self._new_state(node, c)
+                    st.host, st.host_ready = sl, True
+                    landed.append((node, c))
+        finally:
+            for node, _ in targets:
+                node.host_ref -= 1
         nodes = [n for n, _ in got]
         for node in nodes:
             self.emit.stored(node, Medium.CPU_PINNED)
@@ -273,6 +288,9 @@ class L3(CacheState):
                     self._l3_index[key] = node
                 self.emit.comp(node, c, self.l3_medium, True)  # type: ignore[arg-type]
         self._count("prefetch_pages", k)
+        self._count("prefetch_landed_pages", sum(len(n.key) for n, _ in got) // p)  # KV the host lacked
+        if landed:
+            self._count("prefetch_component_states", len(landed))
 
     def _finish_backup(self, f: Flight, keys: list[str], ok: list[bool]) -> None:
         if f.cancelled:

@@ -26,7 +26,7 @@ class MatchResult:
         self.storage_len = 0                       # tokens only L3 holds, after the host run
         self.loading = False                       # some matched device pages are still loading
         self.kv_len = 0                            # hybrid: full-attention KV run on the device alone
-        self.branch_len = 0                        # hybrid: Mamba branching point (0 = off), docs/hybrid.md
+        self.branch_len = 0                        # hybrid: branching point (0 = off), docs/hybrid.md
 
     def __repr__(self) -> str:
         return (f"MatchResult(device={self.device_len}, host={self.host_len}, storage={self.storage_len}, "
@@ -139,9 +139,10 @@ class Matching(CacheState):
         r.storage_len = (best - host) * p
         r.best_len = best * p
         r.kv_len = kv_dev * p
-        # Mamba branching: the KV runs past the last usable state, so the engine may checkpoint a
-        # new state there while it recomputes. Off when the match relies on host-backed state.
-        if kv_dev > dev and best == dev and any(not c.per_page for c in self.components):
+        # Branching (SGLang's mamba_branching_seqlen / swa_branching_seqlen): the KV runs past the
+        # last usable state or window, so the engine may keep one there while it recomputes. Off
+        # when the match relies on host-backed state.
+        if kv_dev > dev and best == dev and self.components:
             r.branch_len = kv_dev * p
         return r
 

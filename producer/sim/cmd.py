@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{SWA_FULL_RATIO:g} x --gpu-pages, SGLang's swa_full_tokens_ratio)")
     p.add_argument("--host-swa-pages", type=int, default=0,
                    help=f"swa: host sliding-window pages (default: {SWA_FULL_RATIO:g} x --host-pages)")
+    p.add_argument("--running-state-share", type=float, default=RUNNING_STATE_SHARE,
+                   help="mamba: share of the GPU state pool a full batch of running requests holds, taken "
+                        f"from the cached states (default {RUNNING_STATE_SHARE:g}, SGLang's: 3 slots per running "
+                        "request, at most pool/5 running; 0 = off)")
     p.add_argument("--speed", type=float, default=1.0,
                    help="virtual seconds per wall second of the simulated model (default 1 = real time)")
     p.add_argument("--sim", default=None,
@@ -83,6 +87,10 @@ FAMILY_SIM: dict[str, dict[str, int]] = {
 MAMBA_TOKENS_PER_STATE = round(MAMBA_STATE_BYTES / (0.9 * 24_576))
 # Sliding window: SGLang's SWA pool holds swa_full_tokens_ratio = 0.8 times the full pool's tokens.
 SWA_FULL_RATIO = 0.8
+# Running requests' working states share that pool (SGLang 0.5.23, Qwen3-Next's default extra_buffer
+# strategy with the overlap scheduler): each holds a working slot and two tracking slots, and
+# max_running_requests is capped at max_mamba_cache_size // 5, so a full batch holds 3/5 of the pool.
+RUNNING_STATE_SHARE = 3 / 5
 
 
 def _make_cache(args: argparse.Namespace, storage: Any, recorder: Any) -> Any:
@@ -192,9 +200,11 @@ def run(args: argparse.Namespace) -> int:
         print("kvatlas worker: --host-pages must be >= 0 and --speed positive", file=sys.stderr)
         return 2
     pools = ("mamba_states", "host_mamba_states", "swa_pages", "host_swa_pages")
-    if args.window <= 0 or args.chunk_tokens < args.block_size or any(getattr(args, n) < 0 for n in pools):
+    if (args.window <= 0 or args.chunk_tokens < args.block_size or any(getattr(args, n) < 0 for n in pools)
+            or not 0.0 <= args.running_state_share < 1.0):
         print("kvatlas worker: --window must be positive, --chunk-tokens at least --block-size, "
-              "--mamba-states, --host-mamba-states, --swa-pages and --host-swa-pages >= 0", file=sys.stderr)
+              "--mamba-states, --host-mamba-states, --swa-pages and --host-swa-pages >= 0, "
+              "--running-state-share in [0, 1)", file=sys.stderr)
         return 2
     try:
         over = msgspec.json.decode(args.sim or "{}")
@@ -237,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
                                   replay_endpoint=_endpoint(bind, args.replay_port))
     recorder = EventRecorder(ZmqSink(publisher), heartbeat_interval_s=1.0)
     cache = _make_cache(args, storage, recorder)
-    engine = Engine(cache, sim, probe=probe, chunk_pages=args.chunk_tokens // args.block_size)
+    engine = Engine(cache, sim, probe=probe, chunk_pages=args.chunk_tokens // args.block_size,
+                    running_state_share=args.running_state_share if args.family == "mamba" else 0.0)
     endpoint = _advertised(publisher.endpoint, args.advertise_host)
     replay = _advertised(publisher.replay_endpoint, args.advertise_host)
     health = WorkerHealth(status="ok", worker_id=args.worker_id, model=args.model, block_size=args.block_size,

@@ -50,10 +50,18 @@ class Engine:
     """Single-threaded owner of the cache; `submit` is safe from any thread."""
 
     def __init__(self, cache: TieredCache, sim: SimModel, *, probe: Any = None,
-                 prefetch_wait_s: float = 2.0, idle_step_s: float = 0.005, chunk_pages: int = 8) -> None:
+                 prefetch_wait_s: float = 2.0, idle_step_s: float = 0.005, chunk_pages: int = 8,
+                 running_state_share: float = 0.0) -> None:
         self.cache = cache
         self.sim = sim
         self.chunk_pages = chunk_pages  # hybrid: a Mamba state at every prefill chunk's end (producer.sim.hybrid)
+        if not 0.0 <= running_state_share < 1.0:
+            raise ValueError("running_state_share must be in [0, 1)")
+        # Mamba: the share of the GPU state pool a full batch of running requests holds (their working
+        # states), taken from the states the cache keeps (`_hold_running_states`)
+        self.running_state_share = running_state_share
+        self._state_pool = next((c for c in cache.components if not c.per_page), None)
+        self._held: list[int] = []
         self.schedule = Schedule(sim)
         self.probe = probe  # a second handle on a shared L3 store: arrival truth includes it
         self.prefetch_wait_s = prefetch_wait_s
@@ -159,20 +167,29 @@ class Engine:
         with self.lock:  # fail fast before touching the cache
             if self.schedule.queued_at(arrival) >= sim.max_queue:
                 raise QueueFull(f"{sim.max_queue} requests already waiting")
+        self._hold_running_states(arrival)
         m = cache.match_prefix(tokens)
         arrival_cached = m.best_len + p * self._shared_run(tokens, m.best_len // p)
         near = m.device_len + m.host_len
+        # hybrid: the KV on the GPU, usable or not (a component missing there is loaded on its own)
+        kv_gpu = max(m.device_len, m.kv_len)
+        before = (cache.stats.get("prefetch_landed_pages", 0), cache.stats.get("prefetch_component_states", 0))
         if cache.storage is not None and cache.prefetch(tokens, m):
             cache.storage.wait_idle(self.prefetch_wait_s)
             cache.step()
             m = cache.match_prefix(tokens)
         l3 = max(0, m.device_len + m.host_len - near)
+        comp_l3 = False
+        if cache.hybrid:  # KV from L3 = the pages the prefetch landed (it may bring components alone)
+            l3 = p * (cache.stats.get("prefetch_landed_pages", 0) - before[0])
+            comp_l3 = cache.stats.get("prefetch_component_states", 0) > before[1]
+        device_usable = m.device_len
         pages, node = m.device_pages, m.device_node
         if m.host_len:
             pages, node = cache.init_load_back(m)
         used = len(pages) * p
-        gpu = min(m.device_len, used)
-        host = min(max(0, m.host_len - l3), used - gpu)
+        gpu = min(kv_gpu if cache.hybrid else m.device_len, used)
+        host = min(max(0, m.host_len - l3), used - gpu) if not cache.hybrid else max(0, used - gpu - l3)
         l3 = used - gpu - host
         shared = cache.l3_medium == Medium.EXTERNAL
         got = Tokens(gpu=gpu, host=host, disk=0 if shared else l3, shared=l3 if shared else 0,
@@ -193,7 +210,10 @@ class Engine:
         finally:
             cache.unlock(node)  # type: ignore[arg-type]
         cache.step()
-        load_s = sim.load_s(got.host, got.disk, got.shared) + self._component_load_s(got)
+        load_s = sim.load_s(got.host, got.disk, got.shared)
+        if used > device_usable:  # the prefix's end is not usable on the GPU alone: its components move
+            tier = ("shared" if shared else "disk") if (comp_l3 or l3) else "host"
+            load_s += self._component_load_s(tier, used - device_usable)
         prefill_s = sim.prefill_s(got.computed)
         with self.lock:
             slot = self.schedule.admit(arrival, load_s, prefill_s, max_tokens)
@@ -201,11 +221,35 @@ class Engine:
         return Served(arrival_cached, got, slot.start - arrival, load_s, prefill_s,
                       slot.first - arrival, slot.finish - arrival, slot)
 
-    def _component_load_s(self, got: Tokens) -> float:
-        """Load-back of a hybrid prefix's components: the Mamba state at its end and the window's
-        pages come from the deepest tier the prefix used (the device held them otherwise)."""
-        below = got.host + got.disk + got.shared
-        if not below or not self.cache.components:
+    def _hold_running_states(self, arrival: float) -> None:
+        """Running requests' working Mamba states come from the pool the cache keeps its states in
+        (SGLang's HybridReqToTokenPool: one working slot and two tracking slots per running request,
+        running requests capped at a fifth of the pool, so a full batch holds 3/5 of it). Hold that
+        share for the requests running at `arrival`: the cache's LRU states make room (tombstoned,
+        their KV stays); states in use or in flight are never taken, so the hold may fall short."""
+        c = self._state_pool
+        if c is None or not self.running_state_share:
+            return
+        with self.lock:
+            running = min(self.schedule.running_at(arrival), self.sim.max_batch)
+        want = int(self.running_state_share * c.device.allocator.num_pages * running / self.sim.max_batch)
+        held = self._held
+        if len(held) > want:
+            c.device.free(held[want:])
+            del held[want:]
+            return
+        short = want - len(held)
+        if short > c.device.allocator.available:
+            self.cache.evict_component(c.name, short - c.device.allocator.available)
+        n = min(short, c.device.allocator.available)
+        if n:
+            held.extend(c.device.alloc(n))
+
+    def _component_load_s(self, tier: str, below: int) -> float:
+        """Load-back of a hybrid prefix's components, `below` tokens of its end not usable on the GPU
+        alone: the Mamba state at its end and the window's pages, from `tier` (host, disk, shared:
+        the deepest tier they came from)."""
+        if below <= 0 or not self.cache.components:
             return 0.0
         sim, p = self.sim, self.cache.page_size
         nbytes = 0
@@ -214,7 +258,6 @@ class Engine:
                 nbytes += min(below, c.need * p) * sim.window_bytes_per_token
             elif not c.per_page:
                 nbytes += sim.mamba_state_bytes
-        tier = "shared" if got.shared else "disk" if got.disk else "host"
         return sim.load_bytes_s(nbytes, tier)
 
     def _alloc(self, n: int) -> list[int] | None:

@@ -7,8 +7,9 @@ pages (docs/hybrid.md, "Hybrid workers"). One home for the rule, used by the eng
   the branching point: where the request's full-attention match ran past its last usable state
   (SGLang's `mamba_branching_seqlen`).
 - Sliding window: the window KV of every page of the prefill chunks completed before the last one
-  (SGLang's SWARadixCache owns them from the chunk's insert on) and of the window at the prompt's
-  end; the last chunk's pages that slid out of the window are freed by the request.
+  (SGLang's SWARadixCache owns them from the chunk's insert on), of the window at the prompt's end
+  and of the window at the branching point (`swa_branching_seqlen`); the last chunk's other pages
+  that slid out of the window are freed by the request.
 - Full attention and DSA (its extra pool rides on the KV pages): the KV alone.
 
 Component state lives in its own bounded pools (the cache's `SlotPool`s) with its own LRU: taking a
@@ -37,24 +38,30 @@ def mamba_ends(start: int, npages: int, chunk_pages: int) -> list[int]:
     return [*range(start + chunk_pages, npages, chunk_pages), npages]
 
 
-def swa_pages(start: int, npages: int, chunk_pages: int, need: int) -> list[int]:
+def swa_pages(start: int, npages: int, chunk_pages: int, need: int, branch: int = 0) -> list[int]:
     """Pages whose sliding-window KV a request leaves in the cache (SGLang's SWARadixCache): every
     page of the prefill chunks it completed before its last one (inserted chunk by chunk, so the
-    tree owns them) and the window's pages at the prompt's end; the last chunk's pages that slid out
-    of the window are freed by the request itself. Pages before `start` came from the cache."""
+    tree owns them), the window's pages at the prompt's end and, at a branching point `branch` (the
+    end of a full-attention run it matched past its usable prefix: SGLang's swa_branching_seqlen),
+    the window's pages there; the last chunk's other pages that slid out of the window are freed by
+    the request itself. Pages before `start` came from the cache."""
     if npages <= start:
         return []
     ends = mamba_ends(start, npages, chunk_pages)
     last_start = ends[-2] if len(ends) > 1 else start
-    return sorted({*range(start, last_start), *range(max(0, npages - need), npages)})
+    keep = {*range(start, last_start), *range(max(0, npages - need), npages)}
+    if start < branch < npages:
+        keep.update(range(max(start, branch - need), branch))
+    return sorted(keep)
 
 
 def insert_request(cache: TieredCache, tokens: Sequence[int], pages: Sequence[int], cached_pages: int,
                    chunk_pages: int, branch_pages: int = 0) -> bool:
     """Insert a served request's full pages (`pages[i]` holds page i; the first `cached_pages` came
     from the cache) with its components' slots per the family's rule. `branch_pages`: the end of the
-    full-attention run the request matched past its usable prefix (SGLang's Mamba branching point:
-    the engine keeps a state there too, so the next request sharing that run resumes from it).
+    full-attention run the request matched past its usable prefix (SGLang's branching point: the
+    engine keeps a Mamba state / the window there too, so the next request sharing that run resumes
+    from it).
     Returns False when a component's memory ran out: the KV is inserted alone then."""
     p = cache.page_size
     npages = len(tokens) // p
@@ -67,7 +74,7 @@ def insert_request(cache: TieredCache, tokens: Sequence[int], pages: Sequence[in
     try:
         for c in comps:
             if isinstance(c, SlidingWindowComponent):
-                keep = swa_pages(cached_pages, npages, chunk_pages, c.need)
+                keep = swa_pages(cached_pages, npages, chunk_pages, c.need, branch_pages)
                 slots = iter(cache.alloc_component(c.name, len(keep)))
                 kept = set(keep)
                 given[c.name] = [next(slots) if i in kept else None for i in range(npages)]

@@ -139,7 +139,8 @@ class Run:
 
 _FAMILY_NOTE = {
     "mamba": "full-attention KV + a Mamba state at every 4096-token prefill chunk's end, at the prompt's end "
-             "and at a branching point, in its own LRU pool (SGLang's size: one state per 3,493 KV tokens)",
+             "and at a branching point, in its own LRU pool (SGLang's size: one state per 3,493 KV tokens, 3/5 of "
+             "it held by a full batch of running requests)",
     "swa": "full-attention KV + 1024-token sliding-window KV of every completed prefill chunk and of the "
            "prompt's end, in its own LRU pool (SGLang's size: 0.8 x the KV pages)",
     "dsa": "MLA KV + DSA indexer keys on the same pages",
