@@ -31,7 +31,7 @@ from router_api.worker_metrics import WorkerGauges
 from router_api.routes import RouteBook, UnknownRouteWorker
 from indexer.pending import PendingRoutes
 from indexer.protocol import Index, ScoringIndex, Subscriber
-from indexer.reconcile import LivenessPolicy, statuses
+from indexer.reconcile import LivenessPolicy, status_columns
 from router_api.registry import (
     ConflictingBlockSize,
     InvalidRegistration,
@@ -425,8 +425,8 @@ class IndexerService:
                                                  table.rows, now) if self.routes.pending.active(model) else ()
                     out = None if pend is None else writer.write_answer(
                         msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks,
-                        table.rows, rows.heads[i], rows.wix, statuses(states, now, policy),
-                        [w.last_seq for w in states], fmt.statuses[i], *pend)
+                        table.rows, rows.heads[i], rows.wix, *status_columns(states, now, policy),
+                        fmt.statuses[i], *pend)
                     if out is not None:
                         self.metrics.score_answers.inc("c")
                         return out
