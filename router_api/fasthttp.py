@@ -36,7 +36,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router_api.app import bearer_ok
 from router_api.bodies import ApiError
-from router_api.http_head import SimplePost, simple_post
+from router_api.http_head import SimplePost, simple_get, simple_post
 from router_api.score_front import Answer, Route, ScoreFront
 
 HEALTH: Route = ("health", type(None), lambda *a: None)  # marks a GET /health in flight
@@ -249,12 +249,19 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
         # bytes (router_api/http_head.py) without the parser's eight callbacks. Whatever the strict
         # subset leaves out, and any read that is not exactly one request, takes the parser's path.
         front = self._front
-        if front is not None and self._between and data.startswith(b"POST /") and not self.pipeline \
+        if front is not None and self._between and not self.pipeline \
                 and (self.cycle is None or self.cycle.response_complete):
-            head = simple_post(data)
-            if head is not None:
-                route = front.raw_routes.get(head[0])
-                if route is not None and self._whole(front, route, head, data):
+            if data.startswith(b"POST /"):
+                head = simple_post(data)
+                if head is not None:
+                    route = front.raw_routes.get(head[0])
+                    if route is not None and self._whole(front, route, head, data):
+                        return
+            elif data.startswith(b"GET /health HTTP/1.1\r\n"):  # the load balancers' probe (no auth)
+                head = simple_get(data)
+                if head is not None and head[0] == b"/health" and head[6] == len(data):
+                    self._idle_until = self._request_until = None
+                    self._reply(front.health(), close=not head[5])
                     return
         super().data_received(data)
 

@@ -1,8 +1,9 @@
-"""The head of a plain `POST` request that arrived whole in one read, parsed with two compiled
-regexes instead of httptools' per-field callbacks (router_api/fasthttp.py's one-read path;
-docs/service.md, "HTTP stack").
+"""The head of a plain `POST` (or body-less `GET`) request that arrived whole in one read, parsed
+with two compiled regexes instead of httptools' per-field callbacks (router_api/fasthttp.py's
+one-read path; docs/service.md, "HTTP stack").
 
-Only a strict subset is taken (`simple_post`): the request line `POST <target> HTTP/1.1`; header
+Only a strict subset is taken (`simple_post`, `simple_get`): the request line `POST <target>
+HTTP/1.1` (`GET <target> HTTP/1.1`, with no `Content-Length` at all); header
 names of token characters; values of visible ASCII with spaces or tabs inside, none trailing;
 no `Transfer-Encoding`, `Upgrade` or `Expect`; `Connection` only `close` or `keep-alive`; at most
 one `Content-Length`, all digits. Anything else — HTTP/1.0, obs-fold, control or non-ASCII bytes,
@@ -17,7 +18,9 @@ import re
 
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _VALUE = rb"(?:[!-~](?:[ \t!-~]*[!-~])?)?"  # visible ASCII; inner spaces and tabs; may be empty
-HEAD = re.compile(rb"POST (/[!-~]*) HTTP/1\.1\r\n((?:" + _TOKEN + rb":[ \t]*" + _VALUE + rb"\r\n)*)\r\n")
+_FIELDS = rb"((?:" + _TOKEN + rb":[ \t]*" + _VALUE + rb"\r\n)*)\r\n"
+HEAD = re.compile(rb"POST (/[!-~]*) HTTP/1\.1\r\n" + _FIELDS)
+GET_HEAD = re.compile(rb"GET (/[!-~]*) HTTP/1\.1\r\n" + _FIELDS)
 FIELD = re.compile(rb"(" + _TOKEN + rb"):[ \t]*(" + _VALUE + rb")\r\n")
 
 
@@ -34,8 +37,21 @@ def simple_post(data: bytes) -> SimplePost | None:
     """The head at the start of `data` when it is in the subset (module doc), else None. The last
     of a repeated Content-Type or Accept counts (as the fast path's header loop reads them)."""
     m = HEAD.match(data)
+    return None if m is None else _taken(m)
+
+
+def simple_get(data: bytes) -> SimplePost | None:
+    """`simple_post` for a `GET` head: None also for any `Content-Length` (a body or a framing
+    question is httptools' to judge)."""
+    m = GET_HEAD.match(data)
     if m is None:
         return None
+    got = _taken(m)
+    return None if got is None or got[4] is not None else got
+
+
+def _taken(m: re.Match[bytes]) -> SimplePost | None:
+    """The head HEAD or GET_HEAD matched, read by the subset's rules (module doc); None outside them."""
     ctype = accept = clen = None
     keep_alive = True
     headers = fields(m[2])

@@ -8,6 +8,7 @@ registration, dp ranks and lag. `WorkerState.status(now, policy)` is that policy
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import re
 import socket
@@ -142,6 +143,12 @@ def check_jetstream_owner(reg: RegisterWorker) -> None:
             f"of model {reg.model!r} is read from <prefix>{tail}")
 
 
+# Moves with every dp_rank a worker gains (`WorkerState.add_rank`): a score plan built at one value
+# still lists every worker's ranks while it holds (router_api/service.py `_plan`), with no pass over them.
+_RANK_VERSIONS = itertools.count(1)
+ranks_version = 0
+
+
 class WorkerState(StreamState):
     """A registered worker: its registration and what the API reports beyond the stream policy's
     state (indexer.reconcile.StreamState holds liveness, seq and resync state)."""
@@ -154,7 +161,16 @@ class WorkerState(StreamState):
         self.reg = reg
         self.keys = keys  # (normalised endpoint, topic): what duplicates are judged by
         self.lag: float | None = None
-        self.dp_ranks: set[int] = {reg.dp_rank}
+        # rebound only by `add_rank` (a frozenset: an in-place add elsewhere would fail loudly instead
+        # of leaving `ranks_version` behind)
+        self.dp_ranks: frozenset[int] = frozenset((reg.dp_rank,))
+
+    def add_rank(self, rank: int) -> None:
+        """Record a dp_rank this worker publishes or was restored with (ranks only grow)."""
+        if rank not in self.dp_ranks:
+            global ranks_version
+            self.dp_ranks = self.dp_ranks | {rank}
+            ranks_version = next(_RANK_VERSIONS)  # after the rebind: a plan that sees it sees the rank
 
 
 class Registry:

@@ -28,20 +28,19 @@ def tiers_of(d: dict[str, int] | None) -> TierBlocks:
 
 
 by_score = attrgetter("score")
-dp_ranks_of = attrgetter("dp_ranks")
 
 
 class ScorePlan:
     """What `score` needs of the registry, kept between queries: the model's worker states, their
-    (worker_id, dp_rank) pairs, and the total rank count it was built from (its validity check); and the
-    C answer writer's per-row pieces for the index order last seen (`answer_rows`)."""
+    (worker_id, dp_rank) pairs, and the key it was built at (its validity check: the registry's
+    membership epoch and size and the ranks version, router_api/service.py `_plan`); and the C answer
+    writer's per-row pieces for the index order last seen (`answer_rows`)."""
 
-    __slots__ = ("states", "nranks", "key", "pairs", "pairset", "by_id", "rows")
+    __slots__ = ("states", "key", "pairs", "pairset", "by_id", "rows")
 
-    def __init__(self, states: list[WorkerState], nranks: int, key: tuple[int, int]) -> None:
+    def __init__(self, states: list[WorkerState], key: tuple[int, int, int]) -> None:
         self.states = states
         self.key = key
-        self.nranks = nranks
         self.by_id = {w.worker_id: w for w in states}
         self.pairs = [(w.worker_id, rank) for w in states for rank in sorted(w.dp_ranks)]
         self.pairset = frozenset(self.pairs)

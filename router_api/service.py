@@ -26,12 +26,13 @@ from router_api.config import TIER_KEYS, ServiceConfig, check_ingest_shards, def
 from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import ShardedLock
 from router_api.metrics import ServiceMetrics
-from router_api.score_plan import ScorePlan, by_score, dp_ranks_of, pending_columns, tiers_of
+from router_api import registry as worker_registry
+from router_api.score_plan import ScorePlan, by_score, pending_columns, tiers_of
 from router_api.worker_metrics import WorkerGauges
 from router_api.routes import RouteBook, UnknownRouteWorker
 from indexer.pending import PendingRoutes
 from indexer.protocol import Index, ScoringIndex, Subscriber
-from indexer.reconcile import LivenessPolicy, statuses
+from indexer.reconcile import LivenessPolicy, status_columns
 from router_api.registry import (
     ConflictingBlockSize,
     InvalidRegistration,
@@ -330,13 +331,13 @@ class IndexerService:
         """The model's registered (worker, rank) pairs, rebuilt only when membership or a worker's
         ranks changed (ranks only grow while a worker is registered). Call under the lock.
         Membership is checked by an epoch every registry change under the lock bumps (and the
-        registry's size, for a registry changed from outside the service): no pass over the registry."""
-        key = (self._plan_epoch, len(self.registry))
+        registry's size, for a registry changed from outside the service), ranks by the version every
+        new rank of any worker moves (`WorkerState.add_rank`): no pass over the registry or the ranks."""
+        key = (self._plan_epoch, len(self.registry), worker_registry.ranks_version)
         plan = self._plans.get(model)
-        # A worker's ranks only grow while it is registered: an unchanged total means unchanged sets.
-        if plan is None or plan.key != key or plan.nranks != sum(map(len, map(dp_ranks_of, plan.states))):
+        if plan is None or plan.key != key:
             states = self.registry.of_model(model)
-            plan = self._plans[model] = ScorePlan(states, sum(len(w.dp_ranks) for w in states), key)
+            plan = self._plans[model] = ScorePlan(states, key)
         return plan
 
     def score(self, model: str, token_ids: Any, lora_name: str | None = None,
@@ -425,8 +426,8 @@ class IndexerService:
                                                  table.rows, now) if self.routes.pending.active(model) else ()
                     out = None if pend is None else writer.write_answer(
                         msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks,
-                        table.rows, rows.heads[i], rows.wix, statuses(states, now, policy),
-                        [w.last_seq for w in states], fmt.statuses[i], *pend)
+                        table.rows, rows.heads[i], rows.wix, *status_columns(states, now, policy),
+                        fmt.statuses[i], *pend)
                     if out is not None:
                         self.metrics.score_answers.inc("c")
                         return out

@@ -126,7 +126,8 @@ def restore(svc: IndexerService) -> None:
         w = svc.registry.get(ws.reg.worker_id)
         if w is not None:
             w.clean = ws.clean  # a loss not yet answered stays one across the restart
-            w.dp_ranks.update(ws.dp_ranks)
+            for rank in ws.dp_ranks:
+                w.add_rank(rank)
             for rank in ws.dp_ranks:
                 svc.index.register_worker(ws.reg.model, ws.reg.worker_id, rank)
     for model in list(svc.index.models()):  # a snapshot's model whose workers all went

@@ -1,5 +1,5 @@
 """The one-read head parser (router_api/http_head.py) against httptools: every head `simple_post`
-takes is one httptools parses without error to the same method, target, version, (lower-case name,
+(or `simple_get`) takes is one httptools parses without error to the same method, target, version, (lower-case name,
 value) pairs and keep-alive, ending at the same byte; heads outside its strict subset are left to
 httptools (None)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import httptools
 from hypothesis import given, settings, strategies as st
 
-from router_api.http_head import simple_post
+from router_api.http_head import simple_get, simple_post
 
 
 class _Seen:
@@ -39,15 +39,17 @@ def _httptools(head: bytes) -> tuple[Any, _Seen]:
     return p, seen
 
 
-def _same(data: bytes) -> bool:
-    """True when HEAD takes `data` (and then httptools agrees); False when it leaves it."""
-    got = simple_post(data)
+def _same(data: bytes, get: bool = False) -> bool:
+    """True when HEAD (GET_HEAD with `get`) takes `data` (and then httptools agrees); False when it
+    leaves it."""
+    got = (simple_get if get else simple_post)(data)
     if got is None:
         return False
     target, headers, _ctype, _accept, clen, keep_alive, end = got
     p, seen = _httptools(data[:end])
     assert seen.done, data
-    assert p.get_method() == b"POST" and p.get_http_version() == "1.1"
+    assert p.get_method() == (b"GET" if get else b"POST") and p.get_http_version() == "1.1"
+    assert not get or clen is None  # a GET taken has no body to frame
     assert seen.url == target
     assert seen.headers == headers, data
     assert seen.keep_alive == keep_alive, data
@@ -91,6 +93,28 @@ def test_known_heads() -> None:
     assert not any(_same(h) for h in LEFT)
 
 
+GET_TAKEN = [
+    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:8700\r\n\r\n",
+    b"GET /health HTTP/1.1\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nconnection: close\r\nUser-Agent: probe/1\r\n\r\n",
+    b"GET /health?x=1 HTTP/1.1\r\nHost: x\r\n\r\n",  # taken; the fast path then declines the target
+]
+GET_LEFT = [
+    b"GET /health HTTP/1.1\r\nContent-Length: 0\r\n\r\n",  # any framing of a body: httptools judges it
+    b"GET /health HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"GET /health HTTP/1.0\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x \r\n\r\n",
+    b"POST /health HTTP/1.1\r\n\r\n",
+    b"HEAD /health HTTP/1.1\r\n\r\n",
+]
+
+
+def test_known_get_heads() -> None:
+    assert all(_same(h, get=True) for h in GET_TAKEN)
+    assert not any(_same(h, get=True) for h in GET_LEFT)
+
+
 _NAME = st.sampled_from([b"Host", b"Content-Type", b"content-length", b"Content-Length", b"Accept", b"X-A", b"Connection",
                          b"Transfer-Encoding", b"Expect", b"Authorization", b"a b", b"", b"X\x80", b"X:Y"])
 _VALUE = st.binary(max_size=12).map(lambda b: b.replace(b"\r\n", b"")) | st.sampled_from(
@@ -107,3 +131,12 @@ _EOL = st.sampled_from([b"\r\n", b"\r\n", b"\r\n", b"\n", b"\r"])
 def test_generated_heads(line: bytes, hs: list[tuple[bytes, bytes, bytes, bytes]], end: bytes) -> None:
     data = line + b"\r\n" + b"".join(n + s + v + e for n, s, v, e in hs) + end
     _same(data)  # asserts agreement whenever the subset takes the head
+
+
+@settings(max_examples=300, deadline=None)
+@given(line=st.sampled_from([b"GET /health HTTP/1.1", b"GET /health HTTP/1.0", b"GET /he\x00lth HTTP/1.1",
+                             b"GET / HTTP/1.1", b"GET /health HTTP/1.1 "]),
+       hs=st.lists(st.tuples(_NAME, _SEP, _VALUE, _EOL), max_size=6), end=_EOL)
+def test_generated_get_heads(line: bytes, hs: list[tuple[bytes, bytes, bytes, bytes]], end: bytes) -> None:
+    data = line + b"\r\n" + b"".join(n + s + v + e for n, s, v, e in hs) + end
+    _same(data, get=True)

@@ -199,3 +199,7 @@ def test_statuses_equal_each_status(rows, now, stale_after, factor) -> None:
         s.last_msg_at, s.heartbeats, s.resync_until = last_msg, heartbeats, resync_until
         states.append(s)
     assert reconcile.statuses(states, now, policy) == [s.status(now, policy) for s in states]
+    for i, s in enumerate(states):
+        s.last_seq = None if i % 3 == 0 else i * 7
+    assert reconcile.status_columns(states, now, policy) == ([s.status(now, policy) for s in states],
+                                                             [s.last_seq for s in states])

@@ -143,6 +143,34 @@ def test_pipelined_and_http10(served: Served) -> None:
         assert b" 200 OK" in cont
 
 
+def _health_answer(out: bytes) -> tuple[bytes, bool, dict]:
+    """(status line, connection: close?, JSON body with the uptime zeroed) of one /health answer."""
+    head, _sep, body = out.partition(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    return lines[0], b"connection: close" in lines, {**msgspec.json.decode(body), "uptime_s": 0}
+
+
+def test_health_one_read_heads(served: Served) -> None:
+    # GET /health heads the one-read path takes (and some it leaves to httptools): the same answer and
+    # connection handling on both servers; `connection: close` closes (`_raw` reads to the close)
+    for head in (b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n", b"GET /health HTTP/1.1\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n",
+                 b"GET /health HTTP/1.0\r\nhost: x\r\n\r\n"):
+        got = [_health_answer(_raw(served.port(n), head, 1)) for n in ("fast", "asgi")]
+        assert got[0] == got[1] and got[0][0] == b"http/1.1 200 ok", (head, got)
+        assert got[0][1] == (b"close" in head or b"1.0" in head), head
+    # keep-alive: one-read /health answers between parsed requests on one connection
+    with socket.create_connection(("127.0.0.1", served.port("fast")), timeout=10) as sock:
+        for i in range(6):
+            req = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" if i % 2 else _post(b"/score", b'{"token_ids": [1]}')
+            sock.sendall(req)
+            out = b""
+            while not out or not _complete(out):
+                out += sock.recv(65536)
+            assert out.startswith(b"HTTP/1.1 200"), out
+
+
 def test_oversize_bodies_are_refused() -> None:
     s = Served(max_body=1000)
     try:
