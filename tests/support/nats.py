@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from support.net import free_port
+
 NATS_BIN_ENV = "KVATLAS_NATS_SERVER"
 
 
@@ -24,10 +26,6 @@ def nats_binary() -> str:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class NatsServer:
@@ -56,7 +54,7 @@ class NatsServer:
         last = ""
         for _ in range(attempts):
             if not self.port or self.proc is not None:
-                self.port = _free_port()
+                self.port = free_port()
             self.proc = subprocess.Popen(
                 [binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", self.store_dir,
                  "-l", self.log_path],

@@ -5,6 +5,7 @@ Nothing here sleeps to synchronise: readiness is polled against a deadline.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import time
@@ -15,9 +16,38 @@ REDIS_BIN = os.environ.get("KVATLAS_REDIS_SERVER", "/usr/bin/redis-server")
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (32768 on Linux unless configured)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports below the ephemeral range: a port the OS hands out for bind(0) is also a candidate source port
+# of every outgoing connection (a Redis client, an HTTP probe), which can take it between this call and
+# the test's own bind ("Address already in use"). Below the range only explicit binds use a port.
+_PORT_LOW = 20000
+_PORT_HIGH = max(_PORT_LOW + 1000, min(_ephemeral_low(), 32768))
+_given: set[int] = set()
+_rng = random.Random(os.getpid() ^ time.monotonic_ns())
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the ephemeral range and not handed
+    out before by this process (a test may take several before binding any)."""
+    for _ in range(2000):
+        port = _rng.randrange(_PORT_LOW, _PORT_HIGH)
+        if port in _given:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the range is crowded: let the OS pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
