@@ -14,18 +14,23 @@ static uint64_t *col_table(Py_ssize_t bs) {
     return cols;
 }
 
-static inline uint64_t block_digest(const uint64_t *t, Py_ssize_t bs, uint64_t extra, const uint64_t *cols) {
-    uint64_t acc = 0;
-    for (Py_ssize_t i = 0; i < bs; i++) {
-        uint64_t x = t[i] * K1 + cols[i];
-        x ^= x >> 31;
-        acc += x * K2;
-    }
-    acc ^= extra * EXTRA_SALT;
+static inline uint64_t digest_term64(uint64_t t, uint64_t col) {
+    uint64_t x = t * K1 + col;
+    x ^= x >> 31;
+    return x * K2;
+}
+
+static inline uint64_t digest_fin(uint64_t acc) {
     acc ^= acc >> 29;
     acc *= K3;
     acc ^= acc >> 32;
     return acc;
+}
+
+static inline uint64_t block_digest(const uint64_t *t, Py_ssize_t bs, uint64_t extra, const uint64_t *cols) {
+    uint64_t acc = 0;
+    for (Py_ssize_t i = 0; i < bs; i++) acc += digest_term64(t[i], cols[i]);
+    return digest_fin(acc ^ extra * EXTRA_SALT);
 }
 
 /* Reads a msgpack array of ints. Returns token count, or -1 if `buf` is not exactly one such array. */
@@ -133,18 +138,7 @@ static Py_ssize_t tokens_u64(PyObject *obj, uint64_t **out) {
  * scalar way and, where the CPU has it, 4 tokens at a time with AVX2 (x86-64 has no 64-bit vector
  * multiply below AVX-512: each 64x64 product is built from 32x32->64 ones; sums mod 2^64 do not
  * depend on order, so the digests are bit for bit the scalar ones). */
-static inline uint64_t digest_fin(uint64_t acc) {
-    acc ^= acc >> 29;
-    acc *= K3;
-    acc ^= acc >> 32;
-    return acc;
-}
-
-static inline uint64_t digest_term(uint32_t v, uint64_t col) {
-    uint64_t x = (uint64_t)v * K1 + col;
-    x ^= x >> 31;
-    return x * K2;
-}
+static inline uint64_t digest_term(uint32_t v, uint64_t col) { return digest_term64((uint64_t)v, col); }
 
 static void digests_u32(const unsigned char *b, Py_ssize_t nk, Py_ssize_t bs, const uint64_t *cols, uint64_t *dg) {
     for (Py_ssize_t j = 0; j < nk; j++) {
@@ -162,6 +156,23 @@ static void digests_u32(const unsigned char *b, Py_ssize_t nk, Py_ssize_t bs, co
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #define HAVE_AVX2_DIGESTS 1
+/* digest_term64 after its first product, 4 lanes (x = t * K1): + col, ^= x >> 31, then x * K2 mod 2^64
+ * = xlo * K2lo + ((xhi * K2lo + xlo * K2hi) << 32), added to acc. */
+__attribute__((target("avx2")))
+static inline __m256i digest_terms_avx2(__m256i x, const uint64_t *cols, __m256i acc, __m256i k2lo, __m256i k2hi) {
+    x = _mm256_add_epi64(x, _mm256_loadu_si256((const __m256i *)(const void *)cols));
+    x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));
+    __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k2lo), _mm256_mul_epu32(x, k2hi));
+    return _mm256_add_epi64(acc, _mm256_add_epi64(_mm256_mul_epu32(x, k2lo), _mm256_slli_epi64(cross, 32)));
+}
+
+__attribute__((target("avx2")))
+static inline uint64_t lanes_sum_avx2(__m256i acc) {
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)(void *)lanes, acc);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
 __attribute__((target("avx2")))
 static void digests_u32_avx2(const unsigned char *b, Py_ssize_t nk, Py_ssize_t bs, const uint64_t *cols, uint64_t *dg) {
     const __m256i k1lo = _mm256_set1_epi64x((long long)(K1 & 0xFFFFFFFFULL)), k1hi = _mm256_set1_epi64x((long long)(K1 >> 32));
@@ -174,15 +185,9 @@ static void digests_u32_avx2(const unsigned char *b, Py_ssize_t nk, Py_ssize_t b
             __m256i t = _mm256_cvtepu32_epi64(_mm_loadu_si128((const __m128i *)(const void *)(blk + 4 * i)));
             /* t < 2^32: t * K1 = t * K1lo + (t * K1hi << 32) */
             __m256i x = _mm256_add_epi64(_mm256_mul_epu32(t, k1lo), _mm256_slli_epi64(_mm256_mul_epu32(t, k1hi), 32));
-            x = _mm256_add_epi64(x, _mm256_loadu_si256((const __m256i *)(const void *)(cols + i)));
-            x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));
-            /* x * K2 mod 2^64 = xlo * K2lo + ((xhi * K2lo + xlo * K2hi) << 32) */
-            __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k2lo), _mm256_mul_epu32(x, k2hi));
-            acc = _mm256_add_epi64(acc, _mm256_add_epi64(_mm256_mul_epu32(x, k2lo), _mm256_slli_epi64(cross, 32)));
+            acc = digest_terms_avx2(x, cols + i, acc, k2lo, k2hi);
         }
-        uint64_t lanes[4];
-        _mm256_storeu_si256((__m256i *)(void *)lanes, acc);
-        uint64_t a = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+        uint64_t a = lanes_sum_avx2(acc);
         for (; i < bs; i++) {
             uint32_t v;
             memcpy(&v, blk + 4 * i, 4);
@@ -205,19 +210,10 @@ static uint64_t block_digest_avx2(const uint64_t *t, Py_ssize_t bs, const uint64
         __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(t + i));
         __m256i hi = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(v, 32), k1lo), _mm256_mul_epu32(v, k1hi));
         __m256i x = _mm256_add_epi64(_mm256_mul_epu32(v, k1lo), _mm256_slli_epi64(hi, 32));
-        x = _mm256_add_epi64(x, _mm256_loadu_si256((const __m256i *)(const void *)(cols + i)));
-        x = _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));
-        __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), k2lo), _mm256_mul_epu32(x, k2hi));
-        acc = _mm256_add_epi64(acc, _mm256_add_epi64(_mm256_mul_epu32(x, k2lo), _mm256_slli_epi64(cross, 32)));
+        acc = digest_terms_avx2(x, cols + i, acc, k2lo, k2hi);
     }
-    uint64_t lanes[4];
-    _mm256_storeu_si256((__m256i *)(void *)lanes, acc);
-    uint64_t a = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-    for (; i < bs; i++) {
-        uint64_t x = t[i] * K1 + cols[i];
-        x ^= x >> 31;
-        a += x * K2;
-    }
+    uint64_t a = lanes_sum_avx2(acc);
+    for (; i < bs; i++) a += digest_term64(t[i], cols[i]);
     return digest_fin(a);
 }
 #endif
