@@ -58,6 +58,24 @@ def make_engine(family: str, l3_dir: str, extra: list[str]) -> Engine:
     return engine
 
 
+def tally(counts: Counter, ttft: list[float], d, s) -> None:
+    """One served request into the replay's figures: TTFT, prefill computed, prediction exact or not."""
+    ttft.append(s.ttft_s)
+    counts["prefill"] += s.tokens.computed
+    if d.predicted_cached is not None:
+        counts["predicted"] += 1
+        counts["exact"] += d.predicted_cached == s.tokens.cached
+
+
+def close_engines(engines: list[Engine]) -> None:
+    """Stop each engine's copy threads and storage worker."""
+    for e in engines:
+        if e.cache.transfer is not None:
+            e.cache.transfer.close()
+        if e.cache.storage is not None:
+            e.cache.storage.close()
+
+
 def settle(cache: TieredCache) -> None:
     """Land every copy and L3 write in flight: requests arrive seconds apart on the virtual clock and
     a copy takes milliseconds, so each one finds the previous ones' copies landed — and the replay
@@ -101,16 +119,8 @@ def replay(policy_name: str, family: str, reqs: list, tokens: list[list[int]], w
             d = policy.choose(RouteInput(len(t), [], P, rows, backlog, {}))
             counts["better elsewhere"] += usable[d.worker_id] < max(usable.values())
             s = engines[ids.index(d.worker_id)]._serve(t, r.output_length, r.arrival_s)
-            ttft.append(s.ttft_s)
-            counts["prefill"] += s.tokens.computed
-            if d.predicted_cached is not None:
-                counts["predicted"] += 1
-                counts["exact"] += d.predicted_cached == s.tokens.cached
-        for e in engines:
-            if e.cache.transfer is not None:
-                e.cache.transfer.close()
-            if e.cache.storage is not None:
-                e.cache.storage.close()
+            tally(counts, ttft, d, s)
+        close_engines(engines)
     acc = counts["exact"] / counts["predicted"] if counts["predicted"] else float("nan")
     return {"prefill": counts["prefill"], "p90": quantile(ttft, 0.9), "accuracy": acc,
             "kv>usable": counts["kv>usable"], "better elsewhere": counts["better elsewhere"]}

@@ -40,6 +40,8 @@ from router_api.router.policies import RouteInput, ScoreRow, make_policy  # noqa
 from router_api.router.report import quantile  # noqa: E402
 from router_api.router.trace import TokenExpander, requests_for  # noqa: E402
 
+from bench_hybrid_routing import close_engines, tally  # noqa: E402  (bench/ is on sys.path when run as a script)
+
 P = MODEL_BLOCK
 
 
@@ -81,15 +83,8 @@ def replay(policy_name: str, reqs: list, tokens: list[list[int]], workers: int, 
             d = policy.choose(RouteInput(len(t), keys, P, rows, backlog, inflight))
             s = engines[ids.index(d.worker_id)]._serve(t, r.output_length, r.arrival_s)
             bisect.insort(ends[d.worker_id], r.arrival_s + s.e2e_s)
-            ttft.append(s.ttft_s)
-            counts["prefill"] += s.tokens.computed
-            if d.predicted_cached is not None:
-                counts["predicted"] += 1
-                counts["exact"] += d.predicted_cached == s.tokens.cached
-        for e in engines:
-            if e.cache.transfer is not None:
-                e.cache.transfer.close()
-            e.cache.storage.close()
+            tally(counts, ttft, d, s)
+        close_engines(engines)
     acc = counts["exact"] / counts["predicted"] if counts["predicted"] else float("nan")
     return {"prefill": counts["prefill"], "mean": sum(ttft) / len(ttft), "p90": quantile(ttft, 0.9),
             "accuracy": acc}
