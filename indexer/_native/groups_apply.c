@@ -122,6 +122,46 @@ static inline int g_get(U64Map *gx, const HRef *h, Py_ssize_t *slot, uint64_t *o
     return href_get(gx, h, out);
 }
 
+#ifndef GS_AHEAD
+#define GS_AHEAD 12
+#endif
+/* gp_store when the main-tree store just before set every block's key (kv: its keys, n blocks, all
+ * full): no chain to follow and no orphan, so each block is read and written in one step (the pure
+ * core's read-before-write holds: a block mapped earlier in this event can only be a repeated hash,
+ * whose key the main store also gave the first occurrence's key). One probe of the group's map and
+ * one of its nodes per block, both prefetched GS_AHEAD blocks on. */
+static int gp_store_kc(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const uint64_t *kv, Py_ssize_t n) {
+    U64Map *gx = g->ext, *gn = g->nodes;
+    int pos = c->shift + e->tier;
+    for (Py_ssize_t j = 0; j < n && j < GS_AHEAD; j++) {
+        if (!hs[j].b) pf_slot(gx, hs[j].k);
+        pf_slot(gn, kv[j]);
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (j + GS_AHEAD < n) {
+            if (!hs[j + GS_AHEAD].b) pf_slot(gx, hs[j + GS_AHEAD].k);
+            pf_slot(gn, kv[j + GS_AHEAD]);
+        }
+        uint64_t key = kv[j];
+        int seen;
+        if (!hs[j].b && hs[j].k) {
+            Py_ssize_t ei = find_or_insert(gx, hs[j].k, &seen); /* absent: inserted, value zeroed */
+            if (ei < 0) return -1;
+            if (seen) key = VALS(gx, ei)[0];
+            else VALS(gx, ei)[0] = key;
+        } else {
+            uint64_t old;
+            if ((seen = href_get(gx, hs + j, &old)) < 0) return -1;
+            if (seen) key = old;
+            else if (href_set(gx, hs + j, key) < 0) return -1;
+        }
+        int was = node_bit(gn, key, pos, 1);
+        if (was < 0) return -1;
+        c->gstored[e->tier][was ? 1 : seen ? 2 : 0]++;
+    }
+    return 0;
+}
+
 /* Twin of groups._group_store for a group of the worker's layout. 0 done, -1 error.
  * dg: the digests of its full blocks. Keys are resolved for the whole event first (the pure core reads the group's map before writing
  * it), then written. An int hash's probe of the group's map in the first pass keeps its slot: the
@@ -129,6 +169,10 @@ static inline int g_get(U64Map *gx, const HRef *h, Py_ssize_t *slot, uint64_t *o
  * fills slots, so the key is still absent there), one probe per block instead of two. */
 static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const uint64_t *dg) {
     Py_ssize_t n = e->nh, nk = 0;
+#ifndef NO_KC_FUSED
+    if (c->kc_n && e->h0 == c->kc_h0 && e->bsz == 1 && e->nt != 0 && n <= c->kc_n && e->nt / c->bs >= n)
+        return gp_store_kc(c, g, e, hs, c->kc, n);
+#endif
     uint64_t stackbuf[128], *keys = n <= 128 ? stackbuf : PyMem_RawMalloc((size_t)n * sizeof(uint64_t));
     Py_ssize_t slotbuf[128], *slot = n <= 128 ? slotbuf : PyMem_RawMalloc((size_t)n * sizeof(Py_ssize_t));
     unsigned char hadbuf[128], *had = n <= 128 ? hadbuf : PyMem_RawMalloc((size_t)n); /* in the group's map already */
