@@ -304,12 +304,16 @@ static inline void pf_node(const GLay *g, const HRef *h) {
 static int gp_remove(FCtx *c, const GLay *g, const FEv *e, const HRef *hs) {
     /* two strides ahead: the map slot 16 blocks on, and the node of the block 8 on (its key read
      * from the map, whose slot is warm by then; only a prefetch, the block's own step probes again) */
-    for (Py_ssize_t j = 0; j < e->nh && j < 16; j++) if (!hs[j].b) pf_slot(g->ext, hs[j].k);
-    for (Py_ssize_t j = 0; j < e->nh && j < 8; j++) pf_node(g, hs + j);
+#ifndef GR_SLOT
+#define GR_SLOT 16
+#define GR_NODE 8
+#endif
+    for (Py_ssize_t j = 0; j < e->nh && j < GR_SLOT; j++) if (!hs[j].b) pf_slot(g->ext, hs[j].k);
+    for (Py_ssize_t j = 0; j < e->nh && j < GR_NODE; j++) pf_node(g, hs + j);
     for (Py_ssize_t j = 0; j < e->nh; j++) {
         uint64_t key;
-        if (j + 16 < e->nh && !hs[j + 16].b) pf_slot(g->ext, hs[j + 16].k);
-        if (j + 8 < e->nh) pf_node(g, hs + j + 8);
+        if (j + GR_SLOT < e->nh && !hs[j + GR_SLOT].b) pf_slot(g->ext, hs[j + GR_SLOT].k);
+        if (j + GR_NODE < e->nh) pf_node(g, hs + j + GR_NODE);
         Py_ssize_t ei = -1; /* an int hash's slot: deleted there, no second probe (nodes is another map) */
         int r;
         if (!hs[j].b && hs[j].k) {
