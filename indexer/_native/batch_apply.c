@@ -142,7 +142,7 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
             } else if (href_set(c->ext, h, key) < 0) goto out;
         }
         if (kout) kout[j] = key;
-        int was = node_bit(c->nodes, key, pos, 1);
+        int was = node_set(c->nodes, key, pos);
         if (was < 0) goto out;
         c->stored[tier][was ? 1 : is_new ? 0 : 2]++;
     }

@@ -155,7 +155,7 @@ static int gp_store_kc(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, con
             if (seen) key = old;
             else if (href_set(gx, hs + j, key) < 0) return -1;
         }
-        int was = node_bit(gn, key, pos, 1);
+        int was = node_set(gn, key, pos);
         if (was < 0) return -1;
         c->gstored[e->tier][was ? 1 : seen ? 2 : 0]++;
     }
@@ -251,7 +251,7 @@ static int gp_store(FCtx *c, const GLay *g, const FEv *e, const HRef *hs, const 
             uint64_t old;
             if ((seen = href_get(gx, hs + j, &old)) < 0 || href_set(gx, hs + j, keys[j]) < 0) goto out;
         }
-        int was = node_bit(g->nodes, keys[j], pos, 1);
+        int was = node_set(g->nodes, keys[j], pos);
         if (was < 0) goto out;
         c->gstored[e->tier][was ? 1 : seen ? 2 : 0]++;
     }

@@ -77,6 +77,21 @@ static int node_bit(U64Map *m, uint64_t key, int pos, int op) {
     return was;
 }
 
+/* node_bit(m, key, pos, 1) inline for the common case (an int key, the bit's word present): the
+ * per-block call of every store. */
+static inline int node_set(U64Map *m, uint64_t key, int pos) {
+    int word = pos >> 6;
+    if (!key || word >= m->width) return node_bit(m, key, pos, 1);
+    int f;
+    Py_ssize_t i = find_or_insert(m, key, &f);
+    if (i < 0) return -1;
+    uint64_t *v = VALS(m, i) + word, b = 1ULL << (pos & 63);
+    int was = (*v & b) != 0;
+    *v |= b;
+    if ((pos & 3) == 3) m->pool = 1;
+    return was;
+}
+
 /* Worker nibble (4 bits at `shift`) of a node, and whether the node has any bit left. */
 static int node_nibble(U64Map *m, uint64_t key, int shift, int *any) {
     if (key == 0) {
