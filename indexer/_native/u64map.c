@@ -132,7 +132,9 @@ static int rehash(U64Map *m, Py_ssize_t ncap, int width) {
     for (Py_ssize_t i = 0; i < ocap; i++) {
         const uint64_t *e = ot + (size_t)i * (1 + ow);
         if (!e[0]) continue;
-        Py_ssize_t h = slot_of(m, e[0]), j = h >= ph && h <= pj ? pj + 1 : h;
+        Py_ssize_t h = slot_of(m, e[0]);
+        Py_ssize_t in = -(Py_ssize_t)((h >= ph) & (h <= pj)); /* a mask, not a branch: either way is common */
+        Py_ssize_t j = (h & ~in) | ((pj + 1) & in);
         if (j == ncap) j = 0;
         while (KEY(m, j)) if (++j == ncap) j = 0;
         if (j >= h) { ph = h; pj = j; } else ph = ncap; /* wrapped: no run to reuse */

@@ -227,13 +227,13 @@ static int has_marker(const char *s, Py_ssize_t n, const char *m) {
 /* schemas.events.is_full_attention for an ASCII kind (None: full), on the generated marker tables. */
 static int full_attention(const unsigned char *s, Py_ssize_t n) {
     if (!s) return 1;
-    char *low = PyMem_RawMalloc((size_t)(n ? n : 1));
+    char buf[64], *low = n <= (Py_ssize_t)sizeof(buf) ? buf : PyMem_RawMalloc((size_t)n); /* every store names its kind */
     if (!low) return 0; /* treated as not full: counted, never misapplied */
     for (Py_ssize_t i = 0; i < n; i++) low[i] = (char)((s[i] >= 'A' && s[i] <= 'Z') ? s[i] + 32 : s[i]);
     int full = 0;
     for (int i = 0; i < N_FULL && !full; i++) full = has_marker(low, n, FULL_MARKERS[i]);
     for (int i = 0; i < N_NOT_FULL && full; i++) full = !has_marker(low, n, NOT_FULL_MARKERS[i]);
-    PyMem_RawFree(low);
+    if (low != buf) PyMem_RawFree(low);
     return full;
 }
 
