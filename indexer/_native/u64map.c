@@ -11,7 +11,7 @@ typedef struct {
     int width;
     int pool; /* a value has held a shared-pool bit (bit 3 of a nibble) since the map was made: sticky,
                  so walk_multi may skip a shard whose workers are all out of a walk only when 0 */
-    int load_num, load_den; /* max load: LOAD_NUM/LOAD_DEN, or 1/2 for a churning map (U64Map.sparse) */
+    int load_num, load_den; /* max load: LOAD_NUM/LOAD_DEN, or 1/3 for a churning map (U64Map.sparse) */
     PyObject *other; /* dict for keys that are not ints in [1, 2^64) */
 } U64Map;
 
@@ -478,20 +478,21 @@ static PyObject *U64Map_nbytes(U64Map *m, void *c) {
 }
 static PyObject *U64Map_width(U64Map *m, void *c) { return PyLong_FromLong(m->width); }
 
-/* U64Map.sparse() -> a map kept at most half full. For the maps of sliding-window and Mamba groups
+/* U64Map.sparse() -> a map kept at most a third full. For the maps of sliding-window and Mamba groups
  * (indexer/core/groups.py): a window's blocks come and go with every chunk, and at the default
- * load a linear probe's miss and a backward-shift delete walk ~20 slots; at 1/2, ~2. Their tables
- * are small (a window's blocks), so the bytes this costs are too. */
+ * load a linear probe's miss and a backward-shift delete walk ~20 slots; at 1/3, under 2 (a hybrid
+ * stream's apply ran ~2-4% faster than at 1/2, bench_index.py --hybrid-only). Their tables are small
+ * (a window's blocks), so the bytes this costs are too. */
 static PyObject *U64Map_sparse(PyObject *cls, PyObject *u) {
     U64Map *m = (U64Map *)U64Map_new((PyTypeObject *)cls, NULL, NULL);
-    if (m) { m->load_num = 1; m->load_den = 2; }
+    if (m) { m->load_num = 1; m->load_den = 3; }
     return (PyObject *)m;
 }
 
 static PyObject *U64Map_load(U64Map *m, PyObject *const *args, Py_ssize_t nargs); /* node_maps.c */
 
 static PyMethodDef U64Map_methods[] = {
-    {"sparse", (PyCFunction)U64Map_sparse, METH_CLASS | METH_NOARGS, "a map kept at most half full (churning group maps)"},
+    {"sparse", (PyCFunction)U64Map_sparse, METH_CLASS | METH_NOARGS, "a map kept at most a third full (churning group maps)"},
     {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
     {"keys", (PyCFunction)U64Map_keys, METH_NOARGS, "list of keys"},
     {"values", (PyCFunction)U64Map_values, METH_NOARGS, "list of values"},

@@ -77,7 +77,7 @@ def window_span(window: int | None, block_size: int) -> int | None:
 
 
 def _churn_map(new_map: Callable[[], Any]) -> Callable[[], Any]:
-    """The map factory of a sliding-window or Mamba group: the accelerator's half-full `U64Map.sparse`
+    """The map factory of a sliding-window or Mamba group: the accelerator's third-full `U64Map.sparse`
     (a window's blocks come and go with every chunk: short probes and deletes, on small tables), else
     `new_map` itself (dict)."""
     return getattr(new_map, "sparse", None) or new_map
