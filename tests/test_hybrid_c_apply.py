@@ -151,6 +151,12 @@ def _swa(hs=H, toks=T, parent=None) -> BlockStored:
     [[_kv(), _swa(H, [9] * 16)]],
     [[_kv(), _kv([701, 702], T[:8]), _swa()]],
     [[_kv([801, 802, 801], T[:12]), _swa([801, 802, 801], T[:12])]],
+    # the window's map already holds the blocks (keyed from other tokens) when the KV store and the
+    # window store of the same blocks come: the window keeps its own keys (all blocks, or some)
+    [[_kv([901], T[:4]), _swa([901], T[:4])], [_swa(H, [9] * 16, parent=901)],
+     [_kv(H, T, parent=901), _swa(H, T, parent=901)]],
+    [[_kv([901], T[:4]), _swa([901], T[:4])], [_swa(H[:2], [9] * 8, parent=901)],
+     [_kv(H, T, parent=901), _swa(H, T, parent=901)]],
     # window blocks in neither map: their keys hashed from a parent in the KV map, in the window's
     # map, or in none (group_orphan: nothing stored)
     [[_kv(), _swa([601, 602], T[:8], parent=504)]],
@@ -170,6 +176,7 @@ def _swa(hs=H, toks=T, parent=None) -> BlockStored:
                                           kv_cache_spec_sliding_window=99)]],
     [[_swa(), _kv()], [_kv(), _swa()]],
 ], ids=["kv-removed", "kv-removed-some", "kv-removed-2", "other-tokens", "kv-between", "repeated-hash",
+        "window-mapped-first", "window-mapped-first-some",
         "parent-in-kv", "parent-in-window", "parent-unknown", "window-before-kv", "window-before-kv-2", "placeholders", "reset", "group-first"])
 def test_group_store_shortcuts_hold_to_the_pure_core(batches: list[list[Any]]) -> None:
     nat, pure = _pair()
