@@ -146,6 +146,7 @@ static PyMethodDef module_methods[] = {
     {"json_body_u32", py_json_body_u32, METH_VARARGS, "u32 tokens and their span from a whole JSON request body"},
     {"msgpack_body_u32", py_msgpack_body_u32, METH_VARARGS, "u32 tokens and their span from a whole msgpack request body"},
     {"msgpack_u32_array", py_msgpack_u32_array, METH_VARARGS, "u32 tokens from a raw msgpack int array"},
+    {"simple_head", py_simple_head, METH_VARARGS, "a one-read request head in router_api/http_head.py's strict subset"},
     {"wire_tables", py_wire_tables, METH_NOARGS, "the generated wire tables this module was built with"},
     {"hybrid_rows", (PyCFunction)(void (*)(void))py_hybrid_rows, METH_FASTCALL,
      "usable-prefix rows (dev, cached, kv, gpu, host, disk, shared) of workers with a hybrid layout"},
