@@ -203,3 +203,39 @@ def test_statuses_equal_each_status(rows, now, stale_after, factor) -> None:
         s.last_seq = None if i % 3 == 0 else i * 7
     assert reconcile.status_columns(states, now, policy) == ([s.status(now, policy) for s in states],
                                                              [s.last_seq for s in states])
+
+
+class _SeqProperty(StreamState):
+    """A state whose last_seq is not a plain slot: the C columns decline it."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[override]
+    def last_seq(self) -> int:
+        return 41
+
+    @last_seq.setter
+    def last_seq(self, v: object) -> None:
+        pass
+
+
+def test_status_columns_in_c_and_what_it_declines() -> None:
+    """The C loop (indexer/_native/answer.c) serves when built; a state or time it does not read
+    plainly (an int time, a property for a slot, an unset slot) takes the Python loop, same columns."""
+    from indexer import reconcile as rc
+    assert rc._native_columns is not None  # the C module is built wherever the suite runs
+    policy = LivenessPolicy(stale_after_s=5.0, remove_after_s=1000, silent_engine_factor=2.0)
+    plain = [StreamState("a", 0.0), StreamState("b", 1.0)]
+    plain[1].last_msg_at, plain[1].last_seq = 9.0, 3
+    want = ([s.status(10.0, policy) for s in plain], [s.last_seq for s in plain])
+    assert rc._native_columns(plain, 10.0, 5.0, 10.0, rc._STATUS_NAMES) == want
+    odd = StreamState("c", 2)  # an int time: C declines, Python judges
+    prop = _SeqProperty("d", 3.0)
+    unset = StreamState("e", 4.0)
+    del unset.resync_until
+    for states in ([*plain, odd], [*plain, prop]):
+        assert rc._native_columns(states, 10.0, 5.0, 10.0, rc._STATUS_NAMES) is None
+        assert rc.status_columns(states, 10.0, policy) == ([s.status(10.0, policy) for s in states],
+                                                           [s.last_seq for s in states])
+    assert rc._native_columns([*plain, unset], 10.0, 5.0, 10.0, rc._STATUS_NAMES) is None
+    assert rc.status_columns(plain, 10, policy) == want  # an int `now`: the Python loop
