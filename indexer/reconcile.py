@@ -150,12 +150,22 @@ def status_columns(states: Sequence[StreamState], now: float,
     loop answers."""
     hb = policy.stale_after_s
     silent = hb * policy.silent_engine_factor
-    if _native_columns is not None and type(states) is list and type(now) is float and type(hb) is float \
-            and type(silent) is float:
-        got = _native_columns(states, now, hb, silent, _STATUS_NAMES)
-        if got is not None:
-            return got
+    if _native_columns is not None and type(states) is list and type(now) is float:
+        h, q = _exact_float(hb), _exact_float(silent)
+        if h is not None and q is not None:
+            got = _native_columns(states, now, h, q, _STATUS_NAMES)
+            if got is not None:
+                return got
     return python_status_columns(states, now, hb, silent)
+
+
+def _exact_float(x: object) -> float | None:
+    """`x` as the float that compares as `x` does (a float, or an int a double holds exactly), else None."""
+    if type(x) is float:
+        return x
+    if type(x) is int and -(1 << 53) <= x <= 1 << 53:
+        return float(x)
+    return None
 
 
 def python_status_columns(states: Sequence[StreamState], now: float, hb: float,

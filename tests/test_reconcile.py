@@ -239,3 +239,6 @@ def test_status_columns_in_c_and_what_it_declines() -> None:
                                                            [s.last_seq for s in states])
     assert rc._native_columns([*plain, unset], 10.0, 5.0, 10.0, rc._STATUS_NAMES) is None
     assert rc.status_columns(plain, 10, policy) == want  # an int `now`: the Python loop
+    ints = LivenessPolicy(stale_after_s=5, remove_after_s=1000, silent_engine_factor=2)  # int limits: exact as floats
+    assert rc.status_columns(plain, 10.0, ints) == want
+    assert rc._exact_float(5) == 5.0 and rc._exact_float((1 << 53) + 1) is None and rc._exact_float(True) is None
