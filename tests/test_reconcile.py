@@ -3,10 +3,12 @@ Examples of each rule, then properties over random input sequences checked again
 written from the policy table."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer import reconcile
+from indexer.core import native as native_core
 from indexer.reconcile import (
     GAP_LOST,
     GAP_REPLAYED,
@@ -219,6 +221,7 @@ class _SeqProperty(StreamState):
         pass
 
 
+@pytest.mark.skipif(native_core.select(None) is None, reason="native module not built, or KVATLAS_PURE_PYTHON")
 def test_status_columns_in_c_and_what_it_declines() -> None:
     """The C loop (indexer/_native/answer.c) serves when built; a state or time it does not read
     plainly (an int time, a property for a slot, an unset slot) takes the Python loop, same columns."""
