@@ -29,7 +29,7 @@ from indexer.core import native as native_core
 
 # The statuses in the order `status_columns` in C indexes them (stale, resyncing, connecting, live).
 _STATUS_NAMES = ("stale", "resyncing", "connecting", "live")
-_native_columns = getattr(native_core.select(None), "status_columns", None)
+_native_columns = getattr(native_core.select(None) if native_core.available() else None, "status_columns", None)
 
 
 class LivenessPolicy:
