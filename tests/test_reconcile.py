@@ -245,3 +245,21 @@ def test_status_columns_in_c_and_what_it_declines() -> None:
     ints = LivenessPolicy(stale_after_s=5, remove_after_s=1000, silent_engine_factor=2)  # int limits: exact as floats
     assert rc.status_columns(plain, 10.0, ints) == want
     assert rc._exact_float(5) == 5.0 and rc._exact_float((1 << 53) + 1) is None and rc._exact_float(True) is None
+
+
+class _OwnLookup(StreamState):
+    """A state with its own attribute lookup: the C columns decline its type."""
+
+    __slots__ = ()
+
+    def __getattribute__(self, name: str) -> object:
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.skipif(native_core.select(None) is None, reason="native module not built, or KVATLAS_PURE_PYTHON")
+def test_status_columns_decline_an_own_attribute_lookup() -> None:
+    from indexer import reconcile as rc
+    states = [StreamState("a", 0.0), _OwnLookup("b", 1.0)]
+    assert rc._native_columns(states, 10.0, 5.0, 10.0, rc._STATUS_NAMES) is None
+    policy = LivenessPolicy(stale_after_s=5.0, remove_after_s=1000, silent_engine_factor=2.0)
+    assert rc.status_columns(states, 10.0, policy) == ([s.status(10.0, policy) for s in states], [None, None])

@@ -312,6 +312,7 @@ static Py_ssize_t SC_OFF[SC_N];
 
 static int sc_offsets(PyTypeObject *t) {
     Py_ssize_t off[SC_N];
+    if (t->tp_getattro != PyObject_GenericGetAttr) return 0;  /* its own attribute lookup: Python reads it */
     for (int i = 0; i < SC_N; i++) {
         PyObject *name = PyUnicode_FromString(SC_NAMES[i]);
         if (!name) return -1;
