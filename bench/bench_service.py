@@ -10,7 +10,8 @@ Defaults are issue 25's comparison: kvatlas with no flags against Dynamo `--thre
 ~600k stored blocks, once per event shape (`map`: SGLang / vLLM 0.33 tagged maps; `array`: vLLM's
 array-like tagged events, same content); `--runs 2` alternates the shapes run by run and ends with a
 table of the ratios per run and shape against the targets. Every timed answer (and a sample of
-shared-prompt queries) is checked against the truth the streams define; a mismatch exits 1.
+shared-prompt queries) of both services is checked against the truth the streams define; a mismatch
+exits 1. Dynamo's WARN / ERROR log lines (an event it dropped or could not parse) are counted and shown.
 
 Measured (ingestion figures are the median of `--reps` fresh service pairs, the order alternating):
 - ingestion, live: blocks/s from the first send until the last block of every worker is visible via
@@ -319,6 +320,9 @@ def measure(args: argparse.Namespace, shape: str, dyn_reason: str | None) -> tup
             results[name]["lat"] = lat
         checked, bad = check_answers(lat_svcs, [stream, backlog], args.queries, answers)
         results["kvatlas"]["exact"] = (checked, bad)
+        for svc in lat_svcs:  # logged drops / parse failures of the pair that answered the timed queries
+            if isinstance(svc, Dynamo):
+                results["dynamo"]["log_problems"] = svc.log_problems()
         for svc in [s for s in running if s.name == "kvatlas-asgi"]:
             svc.stop()
             running.remove(svc)

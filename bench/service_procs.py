@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -244,6 +245,10 @@ class Embedded:
         self.idx.close()
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_PROBLEM = re.compile(r"^\S+\s+(WARN|ERROR)\b")  # tracing's "<time>  WARN target: message"
+
+
 class Dynamo(Service):
     name = "dynamo"
 
@@ -259,6 +264,16 @@ class Dynamo(Service):
             self.log.seek(0)
             tail = self.log.read().decode("utf-8", "replace").strip().splitlines()[-3:]
             raise RuntimeError(f"{exc}: {' | '.join(tail)}") from None
+
+    def log_problems(self) -> list[str]:
+        """Its WARN / ERROR log lines so far (ANSI colours stripped): an event it dropped or could not
+        parse is logged there, and the bench reports them next to the answer check (a service that
+        held less than the stream would answer cheaper lookups: not the same content)."""
+        self.log.flush()
+        self.log.seek(0)
+        text = _ANSI.sub("", self.log.read().decode("utf-8", "replace"))
+        self.log.seek(0, os.SEEK_END)
+        return [ln for ln in text.splitlines() if _PROBLEM.search(ln)]
 
     def register(self, i: int, ep: str, rep: str) -> None:
         st, body = self.http.post("/register", json.dumps({"instance_id": i, "endpoint": ep, "block_size": BS,

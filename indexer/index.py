@@ -130,6 +130,11 @@ class KVIndex:
         # list(...) copies in one step under the GIL: safe without the index lock (/health)
         return {name: m.block_size for name, m in list(self._models.items())}
 
+    def block_size(self, model: str) -> int | None:
+        """`models().get(model)` without building the dict (every /score asks)."""
+        m = self._models.get(model)
+        return None if m is None else m.block_size
+
     def drop_model(self, model: str) -> bool:
         """Forget a model and everything indexed under it (its last worker left); False if unknown."""
         return self._models.pop(model, None) is not None

@@ -40,6 +40,10 @@ class Index(Protocol):
 
     def models(self) -> dict[str, int]: ...
 
+    def block_size(self, model: str) -> int | None:
+        """`models().get(model)` without the dict (every /score asks)."""
+        ...
+
     def drop_model(self, model: str) -> bool: ...
 
     # events

@@ -188,6 +188,9 @@ class ShardedIndex:
     def models(self) -> dict[str, int]:
         return self.shards[0].models()
 
+    def block_size(self, model: str) -> int | None:
+        return self.shards[0].block_size(model)
+
     def drop_model(self, model: str) -> bool:
         return any([s.drop_model(model) for s in self.shards])
 

@@ -124,7 +124,7 @@ class TokenBodies:
                     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
                         req = None  # judged below on the whole body, so the wording is the usual one
                 if req is not None:
-                    return req, np.frombuffer(buf, dtype="<u4")
+                    return req, np.frombuffer(buf, dtype=_U32)
         # The Raw twin keeps only the last of repeated keys, unvalidated, where the typed decoder
         # judges each occurrence: a body naming token_ids twice (or with a JSON escape that could
         # spell it) is left to the typed decoder.
@@ -139,12 +139,12 @@ class TokenBodies:
                 parse = mod.json_u32_array if kind == "json" else mod.msgpack_u32_array
                 buf = parse(req.token_ids, MAX_QUERY_TOKENS)
                 if buf is not None:
-                    return req, np.frombuffer(buf, dtype="<u4")
+                    return req, np.frombuffer(buf, dtype=_U32)
         req = decode_body(kind, body, typ)
         return req, req.token_ids
 
 
-_U32 = np.dtype("<u4")  # built once: a dtype string is parsed again on every call
+_U32 = np.dtype("<u4")  # built once: a dtype string is parsed again on every call (~0.35 us)
 
 
 def octet_tokens(body: bytes | memoryview) -> np.ndarray:

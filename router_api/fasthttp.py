@@ -36,7 +36,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router_api.app import bearer_ok
 from router_api.bodies import ApiError
-from router_api.http_head import SimplePost, simple_get, simple_post
+from router_api.http_head import SimplePost, fields, simple_get, simple_post
 from router_api.score_front import Answer, Route, ScoreFront
 
 HEALTH: Route = ("health", type(None), lambda *a: None)  # marks a GET /health in flight
@@ -269,11 +269,11 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
         """Answer the request `head` begins when `data` is exactly that request; False (nothing done)
         when the parser's path must judge it: a body not whole or followed by more bytes, an oversize
         or unauthorised request."""
-        _target, headers, ctype, accept, clen, keep_alive, end = head
+        _target, block, ctype, accept, clen, keep_alive, end = head
         size = int(clen) if clen is not None else 0
         if size > front.max_body or len(data) - end != size:
             return False
-        if front.token is not None and not bearer_ok(headers, front.token):
+        if front.token is not None and not bearer_ok(fields(block), front.token):
             return False  # uvicorn's path: BearerAuth answers 401
         t0 = time.perf_counter()
         # the request is whole: neither its read deadline nor keep-alive's governs until the answer is out

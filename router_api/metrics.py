@@ -157,11 +157,11 @@ class Histogram(_Metric):
         self._sums: dict[LabelValues, float] = {}
 
     def observe(self, value: float, *labels: str) -> None:
-        self._check(labels)
         i = bisect.bisect_left(self.buckets, value)
         with self._lock:
             counts = self._counts.get(labels)
-            if counts is None:
+            if counts is None:  # labels are checked once per label set (every /score observes)
+                self._check(labels)
                 counts = self._counts[labels] = [0] * len(self.buckets)
                 self._sums[labels] = 0.0
             counts[i] += 1

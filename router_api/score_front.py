@@ -143,8 +143,10 @@ class ScoreFront:
         endpoint, typ, handler = route
         mp = accept is not None and b"msgpack" in accept
         try:
-            if kind == "octet":
-                qp = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)) if query_string else {}
+            if kind == "octet" and not query_string:  # the common raw request: the default model, no salt
+                out = handler(self.default_model, octet_tokens(body), None, None, mp)
+            elif kind == "octet":
+                qp = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
                 model = qp.get("model") or qp.get("model_name") or self.default_model
                 out = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None, mp)
             else:

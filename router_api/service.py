@@ -400,7 +400,7 @@ class IndexerService:
             now = self.clock()
             index = self.index
             with self.lock:
-                block_size = index.models().get(model)
+                block_size = index.block_size(model)
                 if block_size is None:
                     raise UnknownModel(f"unknown model {model!r}")
                 plan = self._plan(model)

@@ -3,10 +3,12 @@ Examples of each rule, then properties over random input sequences checked again
 written from the policy table."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer import reconcile
+from indexer.core import native as native_core
 from indexer.reconcile import (
     GAP_LOST,
     GAP_REPLAYED,
@@ -203,3 +205,61 @@ def test_statuses_equal_each_status(rows, now, stale_after, factor) -> None:
         s.last_seq = None if i % 3 == 0 else i * 7
     assert reconcile.status_columns(states, now, policy) == ([s.status(now, policy) for s in states],
                                                              [s.last_seq for s in states])
+
+
+class _SeqProperty(StreamState):
+    """A state whose last_seq is not a plain slot: the C columns decline it."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[override]
+    def last_seq(self) -> int:
+        return 41
+
+    @last_seq.setter
+    def last_seq(self, v: object) -> None:
+        pass
+
+
+@pytest.mark.skipif(native_core.select(None) is None, reason="native module not built, or KVATLAS_PURE_PYTHON")
+def test_status_columns_in_c_and_what_it_declines() -> None:
+    """The C loop (indexer/_native/answer.c) serves when built; a state or time it does not read
+    plainly (an int time, a property for a slot, an unset slot) takes the Python loop, same columns."""
+    from indexer import reconcile as rc
+    assert rc._native_columns is not None  # the C module is built wherever the suite runs
+    policy = LivenessPolicy(stale_after_s=5.0, remove_after_s=1000, silent_engine_factor=2.0)
+    plain = [StreamState("a", 0.0), StreamState("b", 1.0)]
+    plain[1].last_msg_at, plain[1].last_seq = 9.0, 3
+    want = ([s.status(10.0, policy) for s in plain], [s.last_seq for s in plain])
+    assert rc._native_columns(plain, 10.0, 5.0, 10.0, rc._STATUS_NAMES) == want
+    odd = StreamState("c", 2)  # an int time: C declines, Python judges
+    prop = _SeqProperty("d", 3.0)
+    unset = StreamState("e", 4.0)
+    del unset.resync_until
+    for states in ([*plain, odd], [*plain, prop]):
+        assert rc._native_columns(states, 10.0, 5.0, 10.0, rc._STATUS_NAMES) is None
+        assert rc.status_columns(states, 10.0, policy) == ([s.status(10.0, policy) for s in states],
+                                                           [s.last_seq for s in states])
+    assert rc._native_columns([*plain, unset], 10.0, 5.0, 10.0, rc._STATUS_NAMES) is None
+    assert rc.status_columns(plain, 10, policy) == want  # an int `now`: the Python loop
+    ints = LivenessPolicy(stale_after_s=5, remove_after_s=1000, silent_engine_factor=2)  # int limits: exact as floats
+    assert rc.status_columns(plain, 10.0, ints) == want
+    assert rc._exact_float(5) == 5.0 and rc._exact_float((1 << 53) + 1) is None and rc._exact_float(True) is None
+
+
+class _OwnLookup(StreamState):
+    """A state with its own attribute lookup: the C columns decline its type."""
+
+    __slots__ = ()
+
+    def __getattribute__(self, name: str) -> object:
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.skipif(native_core.select(None) is None, reason="native module not built, or KVATLAS_PURE_PYTHON")
+def test_status_columns_decline_an_own_attribute_lookup() -> None:
+    from indexer import reconcile as rc
+    states = [StreamState("a", 0.0), _OwnLookup("b", 1.0)]
+    assert rc._native_columns(states, 10.0, 5.0, 10.0, rc._STATUS_NAMES) is None
+    policy = LivenessPolicy(stale_after_s=5.0, remove_after_s=1000, silent_engine_factor=2.0)
+    assert rc.status_columns(states, 10.0, policy) == ([s.status(10.0, policy) for s in states], [None, None])

@@ -296,3 +296,87 @@ done:
     PyBuffer_Release(&pbb);
     return out;
 }
+
+/* ---------------------------------------------------------------- the rows' status column
+ * status_columns(states, now, stale_after, silent_after, names) -> (statuses, seqs) | None
+ * indexer/reconcile.py's `status_columns` (its twin and fallback) over slotted StreamState objects,
+ * read at their slots' offsets: each /score answer carries every worker's status and last_seq, and
+ * the Python loop's attribute reads were ~3 us of a warm query at 32 workers. `names`: the statuses
+ * (stale, resyncing, connecting, live) as str. None (the caller takes the Python loop): a state whose
+ * type does not keep the five fields in plain slots, an unset slot, or a time that is not a float. */
+
+enum { SC_REG, SC_LAST, SC_HB, SC_RESYNC, SC_SEQ, SC_N };
+static const char *const SC_NAMES[SC_N] = {"registered_at", "last_msg_at", "heartbeats", "resync_until", "last_seq"};
+static PyTypeObject *SC_TYPE;  /* the type SC_OFF was read from (held: its address cannot be reused) */
+static Py_ssize_t SC_OFF[SC_N];
+
+static int sc_offsets(PyTypeObject *t) {
+    Py_ssize_t off[SC_N];
+    if (t->tp_getattro != PyObject_GenericGetAttr) return 0;  /* its own attribute lookup: Python reads it */
+    for (int i = 0; i < SC_N; i++) {
+        PyObject *name = PyUnicode_FromString(SC_NAMES[i]);
+        if (!name) return -1;
+        PyObject *d = _PyType_Lookup(t, name);  /* borrowed; NULL: absent (no error set) */
+        Py_DECREF(name);
+        if (!d || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return 0;
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY)) return 0;
+        off[i] = m->offset;
+    }
+    Py_XDECREF(SC_TYPE);
+    Py_INCREF(t);
+    SC_TYPE = t;
+    memcpy(SC_OFF, off, sizeof off);
+    return 1;
+}
+
+static inline PyObject *sc_slot(PyObject *s, int i) {
+    return *(PyObject **)((char *)s + SC_OFF[i]);
+}
+
+static PyObject *py_status_columns(PyObject *self, PyObject *args) {
+    PyObject *states, *names;
+    double now, hb, silent;
+    if (!PyArg_ParseTuple(args, "O!dddO!", &PyList_Type, &states, &now, &hb, &silent, &PyTuple_Type, &names))
+        return NULL;
+    if (PyTuple_GET_SIZE(names) != 4) { PyErr_SetString(PyExc_ValueError, "four status names"); return NULL; }
+    Py_ssize_t n = PyList_GET_SIZE(states);
+    PyObject *out = PyList_New(n), *seqs = PyList_New(n);
+    if (!out || !seqs) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s = PyList_GET_ITEM(states, i);
+        if (Py_TYPE(s) != SC_TYPE) {
+            int ok = sc_offsets(Py_TYPE(s));
+            if (ok < 0) goto fail;
+            if (!ok) goto decline;
+        }
+        PyObject *v[SC_N];
+        for (int k = 0; k < SC_N; k++)
+            if (!(v[k] = sc_slot(s, k))) goto decline;  /* unset: Python would raise */
+        PyObject *base = v[SC_LAST] == Py_None ? v[SC_REG] : v[SC_LAST];
+        if (!PyFloat_CheckExact(base) || (v[SC_RESYNC] != Py_None && !PyFloat_CheckExact(v[SC_RESYNC])))
+            goto decline;
+        if (!PyLong_CheckExact(v[SC_HB])) goto decline;
+        int beats = PyObject_IsTrue(v[SC_HB]);
+        if (beats < 0) goto fail;
+        int st;
+        if (now - PyFloat_AS_DOUBLE(base) > (beats ? hb : silent)) st = 0;
+        else if (v[SC_RESYNC] != Py_None && now < PyFloat_AS_DOUBLE(v[SC_RESYNC])) st = 1;
+        else if (v[SC_LAST] == Py_None) st = 2;
+        else st = 3;
+        PyList_SET_ITEM(out, i, Py_NewRef(PyTuple_GET_ITEM(names, st)));
+        PyList_SET_ITEM(seqs, i, Py_NewRef(v[SC_SEQ]));
+    }
+    PyObject *res = PyTuple_Pack(2, out, seqs);
+    Py_DECREF(out);
+    Py_DECREF(seqs);
+    return res;
+decline:
+    Py_DECREF(out);
+    Py_DECREF(seqs);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(out);
+    Py_XDECREF(seqs);
+    return NULL;
+}

@@ -22,6 +22,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -142,10 +143,12 @@ static PyMethodDef module_methods[] = {
     {"score_rows", (PyCFunction)(void (*)(void))py_score_rows, METH_VARARGS | METH_KEYWORDS,
      "score, rank and build the result rows"},
     {"write_answer", py_write_answer, METH_VARARGS, "the /score answer bytes (JSON or msgpack) from packed rows"},
+    {"status_columns", py_status_columns, METH_VARARGS, "the rows' status and last_seq columns (reconcile.status_columns)"},
     {"json_u32_array", py_json_u32_array, METH_VARARGS, "u32 tokens from a raw JSON int array"},
     {"json_body_u32", py_json_body_u32, METH_VARARGS, "u32 tokens and their span from a whole JSON request body"},
     {"msgpack_body_u32", py_msgpack_body_u32, METH_VARARGS, "u32 tokens and their span from a whole msgpack request body"},
     {"msgpack_u32_array", py_msgpack_u32_array, METH_VARARGS, "u32 tokens from a raw msgpack int array"},
+    {"simple_head", py_simple_head, METH_VARARGS, "a one-read request head in router_api/http_head.py's strict subset"},
     {"wire_tables", py_wire_tables, METH_NOARGS, "the generated wire tables this module was built with"},
     {"hybrid_rows", (PyCFunction)(void (*)(void))py_hybrid_rows, METH_FASTCALL,
      "usable-prefix rows (dev, cached, kv, gpu, host, disk, shared) of workers with a hybrid layout"},
