@@ -27,10 +27,14 @@ typedef struct {
     const uint64_t **v;            /* [block * nm + shard]: that shard's value, or NULL */
     int *width;                    /* [shard]: its table's width */
     unsigned char *pool;           /* [block]: some shard's value holds a shared-pool bit */
+    Py_ssize_t *run;               /* [block]: runs of equal values (every shard's, so every worker's code
+                                    * is the same along one): for a full-attention group the end of
+                                    * block i's run (searches go up), else its start (searches go down),
+                                    * not past the read that filled block i */
     U64Map **ms;                   /* [shard]: its table (NULL: the shard lacks the group) */
     const uint64_t *keys;
-    Py_ssize_t nm, lo;             /* blocks [lo, n) are read: sliding-window and Mamba groups are read
-                                    * from the top down, a chunk at a time, as the search needs them */
+    Py_ssize_t nm, lo, hi;         /* blocks [lo, hi) are read: sliding-window and Mamba groups are read
+                                    * from the top down, a read at a time, as the search needs them */
 } HTab;
 
 enum { H_CHUNK = 128 };
@@ -52,37 +56,63 @@ static int h_tables(PyObject *o, Py_ssize_t nm, U64Map **ms) {
     return 0;
 }
 
+/* Block i's values equal block i - 1's in every shard (NULL or not, and every word). */
+static inline int h_same(const HTab *h, Py_ssize_t i) {
+    const uint64_t *const *a = h->v + i * h->nm, *const *b = a - h->nm;
+    for (Py_ssize_t t = 0; t < h->nm; t++) {
+        if ((a[t] == NULL) != (b[t] == NULL)) return 0;
+        if (a[t] && !words_eq(a[t], b[t], h->width[t])) return 0;
+    }
+    return 1;
+}
+
 /* Read a table's values for blocks [from, to); with `walk`, stop at the first block no shard holds
- * (the main tree: no worker holds KV past it). Returns the end reached. */
+ * (the main tree: no worker holds KV past it). Probes are prefetched PF_AHEAD keys ahead, as the
+ * main walk's (score_walk.c); a table that never held a shared-pool bit is not read for one. Sets
+ * the runs of the blocks read. Returns the end reached. */
 static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
-    Py_ssize_t nm = h->nm;
+    Py_ssize_t nm = h->nm, end = to;
+    for (Py_ssize_t i = from; i < to && i < from + PF_AHEAD; i++)
+        for (Py_ssize_t t = 0; t < nm; t++) if (h->ms[t]) pf_slot(h->ms[t], h->keys[i]);
     for (Py_ssize_t i = from; i < to; i++) {
         int pool = 0, any = 0;
         for (Py_ssize_t t = 0; t < nm; t++) {
             const uint64_t *v = NULL;
             U64Map *m = h->ms[t];
             if (m) {
-                if (i + 4 < to) pf_slot(m, h->keys[i + 4]);
+                if (i + PF_AHEAD < to) pf_slot(m, h->keys[i + PF_AHEAD]);
                 int f;
                 Py_ssize_t j = find(m, h->keys[i], &f);
                 if (f) {
                     v = VALS(m, j);
                     any = 1;
-                    for (int w = 0; w < m->width; w++) if (v[w] & POOL_BITS) pool = 1;
+                    if (m->pool) for (int w = 0; w < m->width; w++) if (v[w] & POOL_BITS) pool = 1;
                 }
             }
             h->v[i * nm + t] = v;
         }
-        if (walk && !any) return i;
+        if (walk && !any) { end = i; break; }
         h->pool[i] = (unsigned char)pool;
     }
-    return to;
+    if (h->kind == HK_FULL) { /* run ends, from the top of this read down */
+        for (Py_ssize_t i = end - 1; i >= from; i--)
+            h->run[i] = i + 1 < end && h_same(h, i + 1) ? h->run[i + 1] : i + 1;
+    } else { /* run starts, from the bottom of this read up */
+        for (Py_ssize_t i = from; i < end; i++)
+            h->run[i] = i > from && h_same(h, i) ? h->run[i - 1] : i;
+    }
+    return end;
 }
 
-/* Make block i read (a chunk below what is read, at least down to i). A Mamba group's search stops
- * at its first state below L (states are sparse: most reads are misses), so its chunks are short. */
+/* Make block i read (a read below what is read, at least down to i). A Mamba group's search stops
+ * at its first state below L (states are sparse: most reads are misses, and the first is often the
+ * state): its reads start at 4 blocks and double, up to a quarter of a sliding window's. */
 static void h_extend(HTab *h, Py_ssize_t i) {
-    Py_ssize_t chunk = h->kind == HK_MAMBA ? H_CHUNK / 4 : H_CHUNK;
+    Py_ssize_t chunk = H_CHUNK;
+    if (h->kind == HK_MAMBA) {
+        chunk = h->hi - h->lo;
+        chunk = chunk < 4 ? 4 : chunk > H_CHUNK / 4 ? H_CHUNK / 4 : chunk;
+    }
     Py_ssize_t lo = h->lo - chunk < i ? h->lo - chunk : i;
     if (lo < 0) lo = 0;
     h_fill(h, lo, h->lo, 0);
@@ -109,7 +139,8 @@ static inline int h_code(HTab *h, const HSlot *q, Py_ssize_t i) {
 }
 
 /* Largest L <= top at which every sliding-window / Mamba group of the layout validates an end with
- * tiers <= limit (groupscore._usable: each group reads each block at most once; good[] is scratch). */
+ * tiers <= limit (groupscore._usable: each group judges each block at most once; good[] is scratch).
+ * A block's code holds along its run, so a search steps down a run at a time. */
 static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, Py_ssize_t np,
                            const HSlot *q, int limit, Py_ssize_t *good) {
     for (Py_ssize_t k = 0; k < np; k++) good[k] = top;
@@ -121,15 +152,15 @@ static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, 
             HTab *h = &tabs[parts[k]];
             if (h->kind == HK_MAMBA) {
                 Py_ssize_t j = L - 1;
-                while (j >= 0 && h_code(h, q, j) > limit) j--;
+                while (j >= 0 && h_code(h, q, j) > limit) j = h->run[j] - 1;
                 if (j + 1 < L) { L = j + 1; moved = 1; if (!L) return 0; }
                 continue;
             }
             Py_ssize_t lo = h->span < 0 ? 0 : (L - h->span > 0 ? L - h->span : 0);
             Py_ssize_t j = (good[k] < L ? good[k] : L) - 1;
-            while (j >= lo && h_code(h, q, j) <= limit) j--;
+            while (j >= lo && h_code(h, q, j) <= limit) j = h->run[j] - 1;
             if (j >= lo) { L = j; good[k] = j; moved = 1; if (!L) return 0; }
-            else good[k] = j + 1;
+            else good[k] = j + 1; /* [j + 1, lo) good too: the rest of the last run judged */
         }
     }
     return L;
@@ -183,8 +214,9 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         h->v = PyMem_RawMalloc((size_t)(cap * nm) * sizeof(uint64_t *));
         h->width = PyMem_RawCalloc((size_t)nm, sizeof(int));
         h->pool = PyMem_RawMalloc((size_t)cap);
+        h->run = PyMem_RawMalloc((size_t)cap * sizeof(Py_ssize_t));
         h->ms = PyMem_RawCalloc((size_t)nm, sizeof(U64Map *));
-        if (!h->v || !h->width || !h->pool || !h->ms) { PyErr_NoMemory(); goto done; }
+        if (!h->v || !h->width || !h->pool || !h->run || !h->ms) { PyErr_NoMemory(); goto done; }
         if (g) {
             PyObject *e = PyList_GET_ITEM(groupso, g - 1);
             if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3 || !PyLong_CheckExact(PyTuple_GET_ITEM(e, 0)) ||
@@ -211,6 +243,7 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         } else {
             h->lo = n; /* read on demand, from the top down */
         }
+        h->hi = n;
     }
     good = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
     parts = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
@@ -236,26 +269,35 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         /* every full-attention group's tier per block (the most expensive of their cheapest), the
          * full prefix, the first block not all on the GPU, and the main tree's own match */
         Py_ssize_t full = n, dev_top = -1, kv = n;
-        for (Py_ssize_t i = 0; i < n; i++) {
+        for (Py_ssize_t i = 0, e; i < n; i = e) { /* a run of every full group at a time */
             int c = 0;
-            for (Py_ssize_t f = 0; f < nf; f++) { int x = h_code(&tabs[fulls[f]], &q, i); if (x > c) c = x; }
+            e = n;
+            for (Py_ssize_t f = 0; f < nf; f++) {
+                HTab *h = &tabs[fulls[f]];
+                int x = h_code(h, &q, i);
+                if (x > c) c = x;
+                if (h->run[i] < e) e = h->run[i];
+            }
             if (c == H_ABSENT) { full = i; break; }
             if (c && dev_top < 0) dev_top = i;
-            tier[i] = (unsigned char)c;
+            memset(tier + i, c, (size_t)(e - i));
         }
-        for (Py_ssize_t i = full; i < n; i++) if (h_code(&tabs[0], &q, i) == H_ABSENT) { kv = i; break; } /* below full the main tree holds every block */
+        for (Py_ssize_t i = full; i < n; i = tabs[0].run[i]) /* below full the main tree holds every block */
+            if (h_code(&tabs[0], &q, i) == H_ABSENT) { kv = i; break; }
         Py_ssize_t dev = h_usable(dev_top < 0 ? full : dev_top, tabs, parts, np, &q, 0, good);
         Py_ssize_t cached = h_usable(full, tabs, parts, np, &q, 3, good);
         for (Py_ssize_t pi = 0; pi < np && cached; pi++) { /* the blocks a group needs at `cached` */
             HTab *h = &tabs[parts[pi]];
             Py_ssize_t lo = h->kind == HK_MAMBA ? cached - 1 : h->span < 0 ? 0 : (cached - h->span > 0 ? cached - h->span : 0);
-            for (Py_ssize_t i = lo; i < cached; i++) {
+            for (Py_ssize_t i = cached - 1, b; i >= lo; i = b - 1) { /* a run at a time, down */
                 int x = h_code(h, &q, i);
-                if (x > tier[i]) tier[i] = (unsigned char)x;
+                b = h->run[i] > lo ? h->run[i] : lo;
+                for (Py_ssize_t u = b; u <= i; u++) if (x > tier[u]) tier[u] = (unsigned char)x;
             }
         }
-        Py_ssize_t sp[4] = {0, 0, 0, 0};
-        for (Py_ssize_t i = 0; i < cached; i++) sp[tier[i]]++;
+        Py_ssize_t sp[4] = {0, 0, 0, 0}, n1 = 0, n2 = 0, n3 = 0; /* counted by compares: the loop vectorises */
+        for (Py_ssize_t i = 0; i < cached; i++) { n1 += tier[i] == 1; n2 += tier[i] == 2; n3 += tier[i] == 3; }
+        sp[0] = cached - n1 - n2 - n3; sp[1] = n1; sp[2] = n2; sp[3] = n3;
         if (built) {
             WRow *r = wrows + w;
             r->dev = dev; r->cach = cached;
@@ -283,7 +325,8 @@ done:
     PyMem_RawFree(wrows);
     PyMem_RawFree(kvs);
     if (tabs) for (Py_ssize_t g = 0; g < ng; g++) {
-        PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); PyMem_RawFree(tabs[g].ms);
+        PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); PyMem_RawFree(tabs[g].run);
+        PyMem_RawFree(tabs[g].ms);
     }
     PyMem_RawFree(tabs); PyMem_RawFree(ms); PyMem_RawFree(k); PyMem_RawFree(slot);
     PyMem_RawFree(good); PyMem_RawFree(parts); PyMem_RawFree(fulls); PyMem_RawFree(tier);
