@@ -28,16 +28,20 @@ typedef struct {
     int *width;                    /* [shard]: its table's width */
     unsigned char *pool;           /* [block]: some shard's value holds a shared-pool bit */
     Py_ssize_t *run;               /* [block]: runs of equal values (every shard's, so every worker's code
-                                    * is the same along one): for a full-attention group the end of
-                                    * block i's run (searches go up), else its start (searches go down),
-                                    * not past the read that filled block i */
+                                    * is the same along one), not past the read that filled block i: a
+                                    * Mamba group's the start of block i's run (its search goes down),
+                                    * the others' the end (theirs go up) */
+    unsigned char *rd;             /* [block >> cs]: that read done */
     U64Map **ms;                   /* [shard]: its table (NULL: the shard lacks the group) */
     const uint64_t *keys;
-    Py_ssize_t nm, lo, hi;         /* blocks [lo, hi) are read: sliding-window and Mamba groups are read
-                                    * from the top down, a read at a time, as the search needs them */
+    Py_ssize_t nm, n;
+    int cs;                        /* sliding-window and Mamba groups are read as the search needs them,
+                                    * in aligned reads of 1 << cs blocks; full-attention ones at once */
 } HTab;
 
-enum { H_CHUNK = 128 };
+/* Read sizes (log2 blocks): a window's search judges whole windows when they are there, a Mamba
+ * group's mostly one state or a short run of misses below L. */
+enum { H_SWA_CS = 5, H_MAMBA_CS = 4 };
 
 /* The tables of `o` (a U64Map, or a tuple of them / empty dicts) into ms; 0 ok, 1 not a shape we take. */
 static int h_tables(PyObject *o, Py_ssize_t nm, U64Map **ms) {
@@ -94,7 +98,7 @@ static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
         if (walk && !any) { end = i; break; }
         h->pool[i] = (unsigned char)pool;
     }
-    if (h->kind == HK_FULL) { /* run ends, from the top of this read down */
+    if (h->kind != HK_MAMBA) { /* run ends, from the top of this read down */
         for (Py_ssize_t i = end - 1; i >= from; i--)
             h->run[i] = i + 1 < end && h_same(h, i + 1) ? h->run[i + 1] : i + 1;
     } else { /* run starts, from the bottom of this read up */
@@ -104,19 +108,11 @@ static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
     return end;
 }
 
-/* Make block i read (a read below what is read, at least down to i). A Mamba group's search stops
- * at its first state below L (states are sparse: most reads are misses, and the first is often the
- * state): its reads start at 4 blocks and double, up to a quarter of a sliding window's. */
-static void h_extend(HTab *h, Py_ssize_t i) {
-    Py_ssize_t chunk = H_CHUNK;
-    if (h->kind == HK_MAMBA) {
-        chunk = h->hi - h->lo;
-        chunk = chunk < 4 ? 4 : chunk > H_CHUNK / 4 ? H_CHUNK / 4 : chunk;
-    }
-    Py_ssize_t lo = h->lo - chunk < i ? h->lo - chunk : i;
-    if (lo < 0) lo = 0;
-    h_fill(h, lo, h->lo, 0);
-    h->lo = lo;
+/* Read block i's aligned read of a sliding-window or Mamba group. */
+static void h_read(HTab *h, Py_ssize_t i) {
+    Py_ssize_t c = i >> h->cs, from = c << h->cs, to = from + ((Py_ssize_t)1 << h->cs);
+    h_fill(h, from, to < h->n ? to : h->n, 0);
+    h->rd[c] = 1;
 }
 
 /* A worker's place in the tables: its slot s is shard s % nm's worker l = s / nm, whose nibble is
@@ -131,7 +127,7 @@ static inline HSlot h_slot(Py_ssize_t nm, Py_ssize_t s) {
 
 /* The cheapest tier (0 gpu .. 3 shared pool) of block i for the worker at q, H_ABSENT if none. */
 static inline int h_code(HTab *h, const HSlot *q, Py_ssize_t i) {
-    if (i < h->lo) h_extend(h, i);
+    if (!h->rd[i >> h->cs]) h_read(h, i);
     const uint64_t *v = h->v[i * q->nm + q->t];
     int nib = v && q->word < h->width[q->t] ? (int)((v[q->word] >> q->sh) & 0x7) : 0;
     if (nib) return (nib & 1) ? 0 : (nib & 2) ? 1 : 2;
@@ -140,7 +136,11 @@ static inline int h_code(HTab *h, const HSlot *q, Py_ssize_t i) {
 
 /* Largest L <= top at which every sliding-window / Mamba group of the layout validates an end with
  * tiers <= limit (groupscore._usable: each group judges each block at most once; good[] is scratch).
- * A block's code holds along its run, so a search steps down a run at a time. */
+ * A block's code holds along its run, so a search steps a run at a time. A window is judged from
+ * its bottom up: the lowest block j of [L - span, L) it lacks rules out every end in (j, j + span],
+ * so L drops to j at once (from the top down, to the highest such block: one end a probe when the
+ * window is gone below L, as after a request's out-of-window removes); [L - span, j) is then known
+ * good for the ends below. */
 static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, Py_ssize_t np,
                            const HSlot *q, int limit, Py_ssize_t *good) {
     for (Py_ssize_t k = 0; k < np; k++) good[k] = top;
@@ -156,11 +156,13 @@ static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, 
                 if (j + 1 < L) { L = j + 1; moved = 1; if (!L) return 0; }
                 continue;
             }
+            /* [g, L) is known good; [lo, g) is judged */
             Py_ssize_t lo = h->span < 0 ? 0 : (L - h->span > 0 ? L - h->span : 0);
-            Py_ssize_t j = (good[k] < L ? good[k] : L) - 1;
-            while (j >= lo && h_code(h, q, j) <= limit) j = h->run[j] - 1;
-            if (j >= lo) { L = j; good[k] = j; moved = 1; if (!L) return 0; }
-            else good[k] = j + 1; /* [j + 1, lo) good too: the rest of the last run judged */
+            Py_ssize_t g = good[k] < L ? good[k] : L, j = lo;
+            if (g <= lo) { good[k] = g; continue; }
+            while (j < g && h_code(h, q, j) <= limit) j = h->run[j];
+            good[k] = lo;
+            if (j < g) { L = j; moved = 1; if (!L) return 0; }
         }
     }
     return L;
@@ -215,8 +217,9 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         h->width = PyMem_RawCalloc((size_t)nm, sizeof(int));
         h->pool = PyMem_RawMalloc((size_t)cap);
         h->run = PyMem_RawMalloc((size_t)cap * sizeof(Py_ssize_t));
+        h->rd = PyMem_RawCalloc((size_t)cap, 1);
         h->ms = PyMem_RawCalloc((size_t)nm, sizeof(U64Map *));
-        if (!h->v || !h->width || !h->pool || !h->run || !h->ms) { PyErr_NoMemory(); goto done; }
+        if (!h->v || !h->width || !h->pool || !h->run || !h->rd || !h->ms) { PyErr_NoMemory(); goto done; }
         if (g) {
             PyObject *e = PyList_GET_ITEM(groupso, g - 1);
             if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3 || !PyLong_CheckExact(PyTuple_GET_ITEM(e, 0)) ||
@@ -239,11 +242,12 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         if (h->kind == HK_FULL) { /* read upwards in full: the main tree's read sets n */
             Py_ssize_t got = h_fill(h, 0, n, g == 0);
             if (g == 0) n = got;
-            h->lo = 0;
+            h->cs = 0;
+            memset(h->rd, 1, (size_t)cap);
         } else {
-            h->lo = n; /* read on demand, from the top down */
+            h->cs = h->kind == HK_MAMBA ? H_MAMBA_CS : H_SWA_CS; /* read on demand */
         }
-        h->hi = n;
+        h->n = n;
     }
     good = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
     parts = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
@@ -289,10 +293,10 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         for (Py_ssize_t pi = 0; pi < np && cached; pi++) { /* the blocks a group needs at `cached` */
             HTab *h = &tabs[parts[pi]];
             Py_ssize_t lo = h->kind == HK_MAMBA ? cached - 1 : h->span < 0 ? 0 : (cached - h->span > 0 ? cached - h->span : 0);
-            for (Py_ssize_t i = cached - 1, b; i >= lo; i = b - 1) { /* a run at a time, down */
+            for (Py_ssize_t i = lo, e; i < cached; i = e) { /* a run at a time (Mamba: one block) */
                 int x = h_code(h, &q, i);
-                b = h->run[i] > lo ? h->run[i] : lo;
-                for (Py_ssize_t u = b; u <= i; u++) if (x > tier[u]) tier[u] = (unsigned char)x;
+                e = h->kind == HK_MAMBA || h->run[i] > cached ? cached : h->run[i];
+                for (Py_ssize_t u = i; u < e; u++) if (x > tier[u]) tier[u] = (unsigned char)x;
             }
         }
         Py_ssize_t sp[4] = {0, 0, 0, 0}, n1 = 0, n2 = 0, n3 = 0; /* counted by compares: the loop vectorises */
@@ -325,7 +329,7 @@ done:
     PyMem_RawFree(wrows);
     PyMem_RawFree(kvs);
     if (tabs) for (Py_ssize_t g = 0; g < ng; g++) {
-        PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); PyMem_RawFree(tabs[g].run);
+        PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); PyMem_RawFree(tabs[g].run); PyMem_RawFree(tabs[g].rd);
         PyMem_RawFree(tabs[g].ms);
     }
     PyMem_RawFree(tabs); PyMem_RawFree(ms); PyMem_RawFree(k); PyMem_RawFree(slot);
