@@ -76,6 +76,25 @@ static inline int h_same(const HTab *h, Py_ssize_t i) {
  * the runs of the blocks read. Returns the end reached. */
 static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
     Py_ssize_t nm = h->nm, end = to;
+    if (nm == 1 && h->ms[0]) { /* one table (no shards): the loop without the shard loop's reloads */
+        const U64Map *m = h->ms[0];
+        const uint64_t *keys = h->keys;
+        const uint64_t **vs = h->v;
+        unsigned char *pools = h->pool;
+        int W = m->width, haspool = m->pool;
+        for (Py_ssize_t i = from; i < to && i < from + PF_AHEAD; i++) pf_slot(m, keys[i]);
+        for (Py_ssize_t i = from; i < to; i++) {
+            if (i + PF_AHEAD < to) pf_slot(m, keys[i + PF_AHEAD]);
+            int f, pool = 0;
+            Py_ssize_t j = find(m, keys[i], &f);
+            const uint64_t *v = f ? VALS(m, j) : NULL;
+            if (walk && !v) { end = i; break; }
+            if (v && haspool) for (int w = 0; w < W; w++) if (v[w] & POOL_BITS) pool = 1;
+            vs[i] = v;
+            pools[i] = (unsigned char)pool;
+        }
+        goto runs;
+    }
     for (Py_ssize_t i = from; i < to && i < from + PF_AHEAD; i++)
         for (Py_ssize_t t = 0; t < nm; t++) if (h->ms[t]) pf_slot(h->ms[t], h->keys[i]);
     for (Py_ssize_t i = from; i < to; i++) {
@@ -98,6 +117,7 @@ static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
         if (walk && !any) { end = i; break; }
         h->pool[i] = (unsigned char)pool;
     }
+runs:
     if (h->kind != HK_MAMBA) { /* run ends, from the top of this read down */
         for (Py_ssize_t i = end - 1; i >= from; i--)
             h->run[i] = i + 1 < end && h_same(h, i + 1) ? h->run[i + 1] : i + 1;
