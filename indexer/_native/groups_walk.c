@@ -158,9 +158,9 @@ static inline int h_code(HTab *h, const HSlot *q, Py_ssize_t i) {
  * tiers <= limit (groupscore._usable: each group judges each block at most once; good[] is scratch).
  * A block's code holds along its run, so a search steps a run at a time. A window is judged from
  * its bottom up: the lowest block j of [L - span, L) it lacks rules out every end in (j, j + span],
- * so L drops to j at once (from the top down, to the highest such block: one end a probe when the
- * window is gone below L, as after a request's out-of-window removes); [L - span, j) is then known
- * good for the ends below. */
+ * so L drops to j at once, and [L - span, j) is known good for the ends below (a top-down scan stops
+ * at the highest such block instead: one end per probe where the window is gone below L, as after a
+ * request's out-of-window removes). */
 static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, Py_ssize_t np,
                            const HSlot *q, int limit, Py_ssize_t *good) {
     for (Py_ssize_t k = 0; k < np; k++) good[k] = top;
