@@ -145,3 +145,31 @@ def test_a_window_gone_below_the_top_is_judged_from_its_bottom() -> None:
     assert N.hybrid_rows(main, keys, None, 0, 16, groups, [(0, 1)], [0])[1] == [(n - 4, n - 4, n, n - 4, 0, 0, 0)]
     for q in (n - 41, 200, 64, 33, 1):
         assert N.hybrid_rows(main, keys[:q], None, 0, 16, groups, [(0, 1)], [0])[1] == [(0, 0, q, 0, 0, 0, 0)]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_pure_usable_search_equals_the_brute_force_rule(seed: int) -> None:
+    """The pure core's search (`groupscore._usable`, the C search's twin: a window judged from its
+    bottom up, L dropping to its lowest failing block) against every end judged in full."""
+    from indexer.core.groupscore import _usable
+
+    rng = random.Random(seed)
+    n = rng.randint(0, 90)
+    sh = 4 * rng.randint(0, 3)
+    parts = []
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.choice((1, 2))
+        vals, cur = [], 0
+        for _ in range(n):
+            if rng.random() < 0.25:
+                cur = rng.choice((0, 0, 1, 2, 4, 8)) << sh if rng.random() < 0.8 else rng.choice((0, 8)) << (sh ^ 4)
+            vals.append(cur)
+        parts.append((kind, rng.choice((None, 1, 2, 5, 17, 40)) if kind == 1 else None, vals))
+    pool_bits = 0x8888
+    for limit in (0, 1, 3):
+        top = rng.randint(0, n)
+        want = next((L for L in range(top, 0, -1) if all(
+            _code(vals[i] or None, sh, bool(vals[i] & pool_bits)) <= limit
+            for kind, span, vals in parts
+            for i in (range(L - 1, L) if kind == 2 else range(0 if span is None else max(0, L - span), L)))), 0)
+        assert _usable(top, parts, sh, pool_bits, limit) == want
