@@ -27,13 +27,21 @@ typedef struct {
     const uint64_t **v;            /* [block * nm + shard]: that shard's value, or NULL */
     int *width;                    /* [shard]: its table's width */
     unsigned char *pool;           /* [block]: some shard's value holds a shared-pool bit */
+    Py_ssize_t *run;               /* [block]: runs of equal values (every shard's, so every worker's code
+                                    * is the same along one), not past the read that filled block i: a
+                                    * Mamba group's the start of block i's run (its search goes down),
+                                    * the others' the end (theirs go up) */
+    unsigned char *rd;             /* [block >> cs]: that read done */
     U64Map **ms;                   /* [shard]: its table (NULL: the shard lacks the group) */
     const uint64_t *keys;
-    Py_ssize_t nm, lo;             /* blocks [lo, n) are read: sliding-window and Mamba groups are read
-                                    * from the top down, a chunk at a time, as the search needs them */
+    Py_ssize_t nm, n;
+    int cs;                        /* sliding-window and Mamba groups are read as the search needs them,
+                                    * in aligned reads of 1 << cs blocks; full-attention ones at once */
 } HTab;
 
-enum { H_CHUNK = 128 };
+/* Read sizes (log2 blocks): a window's search judges whole windows when they are there, a Mamba
+ * group's mostly one state or a short run of misses below L. */
+enum { H_SWA_CS = 5, H_MAMBA_CS = 4 };
 
 /* The tables of `o` (a U64Map, or a tuple of them / empty dicts) into ms; 0 ok, 1 not a shape we take. */
 static int h_tables(PyObject *o, Py_ssize_t nm, U64Map **ms) {
@@ -52,41 +60,79 @@ static int h_tables(PyObject *o, Py_ssize_t nm, U64Map **ms) {
     return 0;
 }
 
+/* Block i's values equal block i - 1's in every shard (NULL or not, and every word). */
+static inline int h_same(const HTab *h, Py_ssize_t i) {
+    const uint64_t *const *a = h->v + i * h->nm, *const *b = a - h->nm;
+    for (Py_ssize_t t = 0; t < h->nm; t++) {
+        if ((a[t] == NULL) != (b[t] == NULL)) return 0;
+        if (a[t] && !words_eq(a[t], b[t], h->width[t])) return 0;
+    }
+    return 1;
+}
+
 /* Read a table's values for blocks [from, to); with `walk`, stop at the first block no shard holds
- * (the main tree: no worker holds KV past it). Returns the end reached. */
+ * (the main tree: no worker holds KV past it). Probes are prefetched PF_AHEAD keys ahead, as the
+ * main walk's (score_walk.c); a table that never held a shared-pool bit is not read for one. Sets
+ * the runs of the blocks read. Returns the end reached. */
 static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
-    Py_ssize_t nm = h->nm;
+    Py_ssize_t nm = h->nm, end = to;
+    if (nm == 1 && h->ms[0]) { /* one table (no shards): the loop without the shard loop's reloads */
+        const U64Map *m = h->ms[0];
+        const uint64_t *keys = h->keys;
+        const uint64_t **vs = h->v;
+        unsigned char *pools = h->pool;
+        int W = m->width, haspool = m->pool;
+        for (Py_ssize_t i = from; i < to && i < from + PF_AHEAD; i++) pf_slot(m, keys[i]);
+        for (Py_ssize_t i = from; i < to; i++) {
+            if (i + PF_AHEAD < to) pf_slot(m, keys[i + PF_AHEAD]);
+            int f, pool = 0;
+            Py_ssize_t j = find(m, keys[i], &f);
+            const uint64_t *v = f ? VALS(m, j) : NULL;
+            if (walk && !v) { end = i; break; }
+            if (v && haspool) for (int w = 0; w < W; w++) if (v[w] & POOL_BITS) pool = 1;
+            vs[i] = v;
+            pools[i] = (unsigned char)pool;
+        }
+        goto runs;
+    }
+    for (Py_ssize_t i = from; i < to && i < from + PF_AHEAD; i++)
+        for (Py_ssize_t t = 0; t < nm; t++) if (h->ms[t]) pf_slot(h->ms[t], h->keys[i]);
     for (Py_ssize_t i = from; i < to; i++) {
         int pool = 0, any = 0;
         for (Py_ssize_t t = 0; t < nm; t++) {
             const uint64_t *v = NULL;
             U64Map *m = h->ms[t];
             if (m) {
-                if (i + 4 < to) pf_slot(m, h->keys[i + 4]);
+                if (i + PF_AHEAD < to) pf_slot(m, h->keys[i + PF_AHEAD]);
                 int f;
                 Py_ssize_t j = find(m, h->keys[i], &f);
                 if (f) {
                     v = VALS(m, j);
                     any = 1;
-                    for (int w = 0; w < m->width; w++) if (v[w] & POOL_BITS) pool = 1;
+                    if (m->pool) for (int w = 0; w < m->width; w++) if (v[w] & POOL_BITS) pool = 1;
                 }
             }
             h->v[i * nm + t] = v;
         }
-        if (walk && !any) return i;
+        if (walk && !any) { end = i; break; }
         h->pool[i] = (unsigned char)pool;
     }
-    return to;
+runs:
+    if (h->kind != HK_MAMBA) { /* run ends, from the top of this read down */
+        for (Py_ssize_t i = end - 1; i >= from; i--)
+            h->run[i] = i + 1 < end && h_same(h, i + 1) ? h->run[i + 1] : i + 1;
+    } else { /* run starts, from the bottom of this read up */
+        for (Py_ssize_t i = from; i < end; i++)
+            h->run[i] = i > from && h_same(h, i) ? h->run[i - 1] : i;
+    }
+    return end;
 }
 
-/* Make block i read (a chunk below what is read, at least down to i). A Mamba group's search stops
- * at its first state below L (states are sparse: most reads are misses), so its chunks are short. */
-static void h_extend(HTab *h, Py_ssize_t i) {
-    Py_ssize_t chunk = h->kind == HK_MAMBA ? H_CHUNK / 4 : H_CHUNK;
-    Py_ssize_t lo = h->lo - chunk < i ? h->lo - chunk : i;
-    if (lo < 0) lo = 0;
-    h_fill(h, lo, h->lo, 0);
-    h->lo = lo;
+/* Read block i's aligned read of a sliding-window or Mamba group. */
+static void h_read(HTab *h, Py_ssize_t i) {
+    Py_ssize_t c = i >> h->cs, from = c << h->cs, to = from + ((Py_ssize_t)1 << h->cs);
+    h_fill(h, from, to < h->n ? to : h->n, 0);
+    h->rd[c] = 1;
 }
 
 /* A worker's place in the tables: its slot s is shard s % nm's worker l = s / nm, whose nibble is
@@ -101,7 +147,7 @@ static inline HSlot h_slot(Py_ssize_t nm, Py_ssize_t s) {
 
 /* The cheapest tier (0 gpu .. 3 shared pool) of block i for the worker at q, H_ABSENT if none. */
 static inline int h_code(HTab *h, const HSlot *q, Py_ssize_t i) {
-    if (i < h->lo) h_extend(h, i);
+    if (!h->rd[i >> h->cs]) h_read(h, i);
     const uint64_t *v = h->v[i * q->nm + q->t];
     int nib = v && q->word < h->width[q->t] ? (int)((v[q->word] >> q->sh) & 0x7) : 0;
     if (nib) return (nib & 1) ? 0 : (nib & 2) ? 1 : 2;
@@ -109,7 +155,12 @@ static inline int h_code(HTab *h, const HSlot *q, Py_ssize_t i) {
 }
 
 /* Largest L <= top at which every sliding-window / Mamba group of the layout validates an end with
- * tiers <= limit (groupscore._usable: each group reads each block at most once; good[] is scratch). */
+ * tiers <= limit (groupscore._usable: each group judges each block at most once; good[] is scratch).
+ * A block's code holds along its run, so a search steps a run at a time. A window is judged from
+ * its bottom up: the lowest block j of [L - span, L) it lacks rules out every end in (j, j + span],
+ * so L drops to j at once, and [L - span, j) is known good for the ends below (a top-down scan stops
+ * at the highest such block instead: one end per probe where the window is gone below L, as after a
+ * request's out-of-window removes). */
 static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, Py_ssize_t np,
                            const HSlot *q, int limit, Py_ssize_t *good) {
     for (Py_ssize_t k = 0; k < np; k++) good[k] = top;
@@ -121,15 +172,17 @@ static Py_ssize_t h_usable(Py_ssize_t top, HTab *tabs, const Py_ssize_t *parts, 
             HTab *h = &tabs[parts[k]];
             if (h->kind == HK_MAMBA) {
                 Py_ssize_t j = L - 1;
-                while (j >= 0 && h_code(h, q, j) > limit) j--;
+                while (j >= 0 && h_code(h, q, j) > limit) j = h->run[j] - 1;
                 if (j + 1 < L) { L = j + 1; moved = 1; if (!L) return 0; }
                 continue;
             }
+            /* [g, L) is known good; [lo, g) is judged */
             Py_ssize_t lo = h->span < 0 ? 0 : (L - h->span > 0 ? L - h->span : 0);
-            Py_ssize_t j = (good[k] < L ? good[k] : L) - 1;
-            while (j >= lo && h_code(h, q, j) <= limit) j--;
-            if (j >= lo) { L = j; good[k] = j; moved = 1; if (!L) return 0; }
-            else good[k] = j + 1;
+            Py_ssize_t g = good[k] < L ? good[k] : L, j = lo;
+            if (g <= lo) { good[k] = g; continue; }
+            while (j < g && h_code(h, q, j) <= limit) j = h->run[j];
+            good[k] = lo;
+            if (j < g) { L = j; moved = 1; if (!L) return 0; }
         }
     }
     return L;
@@ -183,8 +236,10 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         h->v = PyMem_RawMalloc((size_t)(cap * nm) * sizeof(uint64_t *));
         h->width = PyMem_RawCalloc((size_t)nm, sizeof(int));
         h->pool = PyMem_RawMalloc((size_t)cap);
+        h->run = PyMem_RawMalloc((size_t)cap * sizeof(Py_ssize_t));
+        h->rd = PyMem_RawCalloc((size_t)cap, 1);
         h->ms = PyMem_RawCalloc((size_t)nm, sizeof(U64Map *));
-        if (!h->v || !h->width || !h->pool || !h->ms) { PyErr_NoMemory(); goto done; }
+        if (!h->v || !h->width || !h->pool || !h->run || !h->rd || !h->ms) { PyErr_NoMemory(); goto done; }
         if (g) {
             PyObject *e = PyList_GET_ITEM(groupso, g - 1);
             if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 3 || !PyLong_CheckExact(PyTuple_GET_ITEM(e, 0)) ||
@@ -207,10 +262,12 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         if (h->kind == HK_FULL) { /* read upwards in full: the main tree's read sets n */
             Py_ssize_t got = h_fill(h, 0, n, g == 0);
             if (g == 0) n = got;
-            h->lo = 0;
+            h->cs = 0;
+            memset(h->rd, 1, (size_t)cap);
         } else {
-            h->lo = n; /* read on demand, from the top down */
+            h->cs = h->kind == HK_MAMBA ? H_MAMBA_CS : H_SWA_CS; /* read on demand */
         }
+        h->n = n;
     }
     good = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
     parts = PyMem_RawMalloc((size_t)ng * sizeof(Py_ssize_t));
@@ -236,26 +293,35 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         /* every full-attention group's tier per block (the most expensive of their cheapest), the
          * full prefix, the first block not all on the GPU, and the main tree's own match */
         Py_ssize_t full = n, dev_top = -1, kv = n;
-        for (Py_ssize_t i = 0; i < n; i++) {
+        for (Py_ssize_t i = 0, e; i < n; i = e) { /* a run of every full group at a time */
             int c = 0;
-            for (Py_ssize_t f = 0; f < nf; f++) { int x = h_code(&tabs[fulls[f]], &q, i); if (x > c) c = x; }
+            e = n;
+            for (Py_ssize_t f = 0; f < nf; f++) {
+                HTab *h = &tabs[fulls[f]];
+                int x = h_code(h, &q, i);
+                if (x > c) c = x;
+                if (h->run[i] < e) e = h->run[i];
+            }
             if (c == H_ABSENT) { full = i; break; }
             if (c && dev_top < 0) dev_top = i;
-            tier[i] = (unsigned char)c;
+            memset(tier + i, c, (size_t)(e - i));
         }
-        for (Py_ssize_t i = full; i < n; i++) if (h_code(&tabs[0], &q, i) == H_ABSENT) { kv = i; break; } /* below full the main tree holds every block */
+        for (Py_ssize_t i = full; i < n; i = tabs[0].run[i]) /* below full the main tree holds every block */
+            if (h_code(&tabs[0], &q, i) == H_ABSENT) { kv = i; break; }
         Py_ssize_t dev = h_usable(dev_top < 0 ? full : dev_top, tabs, parts, np, &q, 0, good);
         Py_ssize_t cached = h_usable(full, tabs, parts, np, &q, 3, good);
         for (Py_ssize_t pi = 0; pi < np && cached; pi++) { /* the blocks a group needs at `cached` */
             HTab *h = &tabs[parts[pi]];
             Py_ssize_t lo = h->kind == HK_MAMBA ? cached - 1 : h->span < 0 ? 0 : (cached - h->span > 0 ? cached - h->span : 0);
-            for (Py_ssize_t i = lo; i < cached; i++) {
+            for (Py_ssize_t i = lo, e; i < cached; i = e) { /* a run at a time (Mamba: one block) */
                 int x = h_code(h, &q, i);
-                if (x > tier[i]) tier[i] = (unsigned char)x;
+                e = h->kind == HK_MAMBA || h->run[i] > cached ? cached : h->run[i];
+                for (Py_ssize_t u = i; u < e; u++) if (x > tier[u]) tier[u] = (unsigned char)x;
             }
         }
-        Py_ssize_t sp[4] = {0, 0, 0, 0};
-        for (Py_ssize_t i = 0; i < cached; i++) sp[tier[i]]++;
+        Py_ssize_t sp[4] = {0, 0, 0, 0}, n1 = 0, n2 = 0, n3 = 0; /* counted by compares: the loop vectorises */
+        for (Py_ssize_t i = 0; i < cached; i++) { n1 += tier[i] == 1; n2 += tier[i] == 2; n3 += tier[i] == 3; }
+        sp[0] = cached - n1 - n2 - n3; sp[1] = n1; sp[2] = n2; sp[3] = n3;
         if (built) {
             WRow *r = wrows + w;
             r->dev = dev; r->cach = cached;
@@ -283,7 +349,8 @@ done:
     PyMem_RawFree(wrows);
     PyMem_RawFree(kvs);
     if (tabs) for (Py_ssize_t g = 0; g < ng; g++) {
-        PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); PyMem_RawFree(tabs[g].ms);
+        PyMem_RawFree(tabs[g].v); PyMem_RawFree(tabs[g].width); PyMem_RawFree(tabs[g].pool); PyMem_RawFree(tabs[g].run); PyMem_RawFree(tabs[g].rd);
+        PyMem_RawFree(tabs[g].ms);
     }
     PyMem_RawFree(tabs); PyMem_RawFree(ms); PyMem_RawFree(k); PyMem_RawFree(slot);
     PyMem_RawFree(good); PyMem_RawFree(parts); PyMem_RawFree(fulls); PyMem_RawFree(tier);

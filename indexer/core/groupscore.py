@@ -41,7 +41,8 @@ def _usable(top: int, parts: list[tuple[int, int | None, list[int]]], sh: int, p
 
     L only goes down, so each group judges each block at most once per value: a sliding-window group
     keeps the lowest block `good[k]` of the run it verified below the current L (a window is judged
-    by its distinct residency values), a Mamba group scans down to its next state. Tier look-ups:
+    by its distinct residency values; L drops to its lowest failing block, which rules out every end
+    up to span blocks above it), a Mamba group scans down to its next state. Tier look-ups:
     O(blocks x groups) per worker whatever the residency pattern (a hostile layout cannot make a
     score quadratic in them)."""
     good: list[int] = [top] * len(parts)  # per SWA group: blocks [good[k], L) are known to qualify
@@ -70,12 +71,13 @@ def _usable(top: int, parts: list[tuple[int, int | None, list[int]]], sh: int, p
             if not bad:
                 good[k] = lo
                 continue
-            j = hi - 1
+            j = lo
             while seg[j - lo] not in bad:
-                j -= 1
-            # block j fails: no end in (j, j + span] can use it, and L is below j + span
+                j += 1
+            # the lowest failing block j: no end in (j, j + span] can use it (L among them), and
+            # [lo, j) qualifies for the ends below
             L = j
-            good[k] = j
+            good[k] = lo
             moved = True
             if not L:
                 return 0
