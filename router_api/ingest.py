@@ -347,7 +347,7 @@ class IngestLoop:
                 if k:
                     cleared = tally.add_stats(stats)[1]
                     reconcile.on_run(state, d.first_seq + i + k - 1, k, now, cleared)
-                    state.add_rank(rank)
+                    self.registry.add_rank(state, rank)
                     if stats.ts > 0:
                         lag = self._wall() - stats.ts
                         state.lag = lag = lag if lag > 0.0 else 0.0
@@ -400,7 +400,7 @@ class IngestLoop:
             # What the API reports beyond the policy: the batch's rank and lag.
             if dp_rank is not None:
                 if dp_rank not in state.dp_ranks:
-                    state.add_rank(dp_rank)
+                    self.registry.add_rank(state, dp_rank)
                 self._rank[wid] = dp_rank
             if lag is not None:
                 state.lag = lag if lag > 0.0 else 0.0

@@ -143,12 +143,6 @@ def check_jetstream_owner(reg: RegisterWorker) -> None:
             f"of model {reg.model!r} is read from <prefix>{tail}")
 
 
-# Moves with every dp_rank a worker gains (`WorkerState.add_rank`): a score plan built at one value
-# still lists every worker's ranks while it holds (router_api/service.py `_plan`), with no pass over them.
-_RANK_VERSIONS = itertools.count(1)
-ranks_version = 0
-
-
 class WorkerState(StreamState):
     """A registered worker: its registration and what the API reports beyond the stream policy's
     state (indexer.reconcile.StreamState holds liveness, seq and resync state)."""
@@ -161,22 +155,15 @@ class WorkerState(StreamState):
         self.reg = reg
         self.keys = keys  # (normalised endpoint, topic): what duplicates are judged by
         self.lag: float | None = None
-        # rebound only by `add_rank` (a frozenset: an in-place add elsewhere would fail loudly instead
-        # of leaving `ranks_version` behind)
+        # rebound only by `Registry.add_rank` (a frozenset: an in-place add elsewhere would fail loudly
+        # instead of leaving the registry's `ranks_version` behind)
         self.dp_ranks: frozenset[int] = frozenset((reg.dp_rank,))
-
-    def add_rank(self, rank: int) -> None:
-        """Record a dp_rank this worker publishes or was restored with (ranks only grow)."""
-        if rank not in self.dp_ranks:
-            global ranks_version
-            self.dp_ranks = self.dp_ranks | {rank}
-            ranks_version = next(_RANK_VERSIONS)  # after the rebind: a plan that sees it sees the rank
 
 
 class Registry:
     """Registered workers keyed by worker_id."""
 
-    __slots__ = ("policy", "max_workers", "resolve", "_workers")
+    __slots__ = ("policy", "max_workers", "resolve", "_workers", "ranks_version", "_rank_versions")
 
     def __init__(self, policy: LivenessPolicy | None = None, max_workers: int = 1024,
                  resolve: Resolver = resolve_host) -> None:
@@ -186,6 +173,18 @@ class Registry:
         self.max_workers = max_workers
         self.resolve = resolve
         self._workers: dict[str, WorkerState] = {}
+        # Moves with every dp_rank a worker gains (`add_rank`): a score plan built at one value still
+        # lists every worker's ranks while it holds (router_api/service.py `_plan`), with no pass over
+        # them. A counter's next() is one step under the GIL: two pipelines adding ranks at once never
+        # read the same value.
+        self._rank_versions = itertools.count(1)
+        self.ranks_version = 0
+
+    def add_rank(self, state: WorkerState, rank: int) -> None:
+        """Record a dp_rank `state`'s worker publishes or was restored with (ranks only grow)."""
+        if rank not in state.dp_ranks:
+            state.dp_ranks = state.dp_ranks | {rank}
+            self.ranks_version = next(self._rank_versions)  # after the rebind: a plan that sees it sees the rank
 
     # -- membership --------------------------------------------------------------------------
     def add(

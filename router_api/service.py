@@ -26,7 +26,6 @@ from router_api.config import TIER_KEYS, ServiceConfig, check_ingest_shards, def
 from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import ShardedLock
 from router_api.metrics import ServiceMetrics
-from router_api import registry as worker_registry
 from router_api.score_plan import ScorePlan, by_score, pending_columns, tiers_of
 from router_api.worker_metrics import WorkerGauges
 from router_api.routes import RouteBook, UnknownRouteWorker
@@ -332,8 +331,8 @@ class IndexerService:
         ranks changed (ranks only grow while a worker is registered). Call under the lock.
         Membership is checked by an epoch every registry change under the lock bumps (and the
         registry's size, for a registry changed from outside the service), ranks by the version every
-        new rank of any worker moves (`WorkerState.add_rank`): no pass over the registry or the ranks."""
-        key = (self._plan_epoch, len(self.registry), worker_registry.ranks_version)
+        new rank of any worker moves (`Registry.add_rank`): no pass over the registry or the ranks."""
+        key = (self._plan_epoch, len(self.registry), self.registry.ranks_version)
         plan = self._plans.get(model)
         if plan is None or plan.key != key:
             states = self.registry.of_model(model)

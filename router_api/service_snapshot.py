@@ -127,7 +127,7 @@ def restore(svc: IndexerService) -> None:
         if w is not None:
             w.clean = ws.clean  # a loss not yet answered stays one across the restart
             for rank in ws.dp_ranks:
-                w.add_rank(rank)
+                svc.registry.add_rank(w, rank)
             for rank in ws.dp_ranks:
                 svc.index.register_worker(ws.reg.model, ws.reg.worker_id, rank)
     for model in list(svc.index.models()):  # a snapshot's model whose workers all went

@@ -144,8 +144,8 @@ def test_registered_pairs_the_index_lacks_and_strangers() -> None:
     worker (left out), through the C path and the reference path alike."""
     fast, pure = services({"gpu": 1.0, "host": 0.8, "disk": 0.5, "shared": 0.4}, ["a", "b", "c"])
     for svc in (fast, pure):
-        svc.registry.get("a").add_rank(1)  # ranks registered, never seen by the index
-        svc.registry.get("a").add_rank(2)
+        svc.registry.add_rank(svc.registry.get("a"), 1)  # ranks registered, never seen by the index
+        svc.registry.add_rank(svc.registry.get("a"), 2)
         svc.index.register_worker("default", "ghost", 0)  # held by the index, not registered
         toks = list(range(1, BS * 4 + 1))
         ev = BlockStored(block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=toks, block_size=BS, medium="CPU")
@@ -214,7 +214,7 @@ def test_membership_changes_between_queries() -> None:
     changes = [
         lambda svc: svc.index.register_worker("default", "ghost", 0),  # held by the index only
         lambda svc: svc.index.remove_worker("default", "ghost"),
-        lambda svc: svc.registry.get("a").add_rank(3),  # a rank the index has not seen
+        lambda svc: svc.registry.add_rank(svc.registry.get("a"), 3),  # a rank the index has not seen
         lambda svc: svc.index.register_worker("default", "a", 3),
         lambda svc: svc.register(RegisterWorker(worker_id="c", endpoint="tcp://127.0.0.1:3999", block_size=BS)),
         lambda svc: svc.index.apply_payload("default", "c", 0, encode_batch(KVEventBatch(0.0, [ev]))),
@@ -227,11 +227,9 @@ def test_membership_changes_between_queries() -> None:
 
 
 def test_a_new_rank_reaches_the_cached_plan() -> None:
-    """The score plan is kept while the ranks version holds: every new rank moves it (`add_rank`, the
+    """The score plan is kept while the ranks version holds: every new rank moves it (`Registry.add_rank`, the
     only way to grow `dp_ranks`: a frozenset), so the next answer lists the rank, and a rank already
     held moves nothing."""
-    from router_api import registry as worker_registry
-
     fast, _ = services({"gpu": 1.0, "host": 0.8, "disk": 0.5, "shared": 0.4}, ["a", "b"])
     arr = np.arange(1, BS * 2 + 1, dtype="<u4")
 
@@ -243,9 +241,9 @@ def test_a_new_rank_reaches_the_cached_plan() -> None:
     w = fast.registry.get("a")
     with pytest.raises(AttributeError):
         w.dp_ranks.add(5)  # type: ignore[attr-defined]
-    v = worker_registry.ranks_version
-    w.add_rank(0)
-    assert worker_registry.ranks_version == v  # held already: the plan stays
-    w.add_rank(4)
-    assert worker_registry.ranks_version != v
+    v = fast.registry.ranks_version
+    fast.registry.add_rank(w, 0)
+    assert fast.registry.ranks_version == v  # held already: the plan stays
+    fast.registry.add_rank(w, 4)
+    assert fast.registry.ranks_version != v
     assert rows() == {("a", 0), ("a", 4), ("b", 0)}

@@ -152,7 +152,7 @@ def test_service_writes_in_flight_rows_in_c(kind: str, ops: list[tuple], seed: i
     wids = ["w0", "w1", "w2", "w3"]
     for w in wids:
         _register(svc, w)
-    svc.registry.get("w3").add_rank(1)  # a registered rank the index has not seen: a zero row
+    svc.registry.add_rank(svc.registry.get("w3"), 1)  # a registered rank the index has not seen: a zero row
     prompts = make_prompts(seed, BS, n=4, blocks=3)
     sims = {w: WorkerSim(seed + i, BS, prompts) for i, w in enumerate(wids)}
     rng = random.Random(seed)
