@@ -76,6 +76,14 @@ typedef struct {
 #ifndef FA_AHEAD
 #define FA_AHEAD 8 /* 4 to 12 measured alike */
 #endif
+/* Warm block j's slots for fp_attach: its worker-map slot (an int hash) and the node slot of the
+ * chain key `*chain` steps to with its digest. */
+static inline void fa_prefetch(FCtx *c, const HRef *h, uint64_t *chain, uint64_t digest) {
+    if (!h->b) pf_slot(c->ext, h->k);
+    *chain = *chain * P_MUL + digest;
+    pf_slot(c->nodes, *chain);
+}
+
 /* Twin of apply._attach (no cancellations: the fast path only runs with no pending orphans).
  * dg: the blocks' digests (NULL for a placeholder store: every block is mapped already). */
 static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, const uint64_t *dg, int tier, uint64_t *kout) {
@@ -85,22 +93,13 @@ static int fp_attach(FCtx *c, const HRef *hs, Py_ssize_t n, uint64_t state, cons
      * slots before the loop measured ~3% slower on the hybrid bench stream). */
     uint64_t pfs = state;
     Py_ssize_t pfj = 0;
-    if (dg) for (; pfj < n && pfj < FA_AHEAD; pfj++) {
-        if (!hs[pfj].b) pf_slot(c->ext, hs[pfj].k);
-        pfs = pfs * P_MUL + dg[pfj];
-        pf_slot(c->nodes, pfs);
-    }
+    if (dg) for (; pfj < n && pfj < FA_AHEAD; pfj++) fa_prefetch(c, hs + pfj, &pfs, dg[pfj]);
     int rc = -1;
     for (Py_ssize_t j = 0; j < n; j++) {
         const HRef *h = hs + j;
         uint64_t key;
         int r;
-        if (dg && pfj < n) {
-            if (!hs[pfj].b) pf_slot(c->ext, hs[pfj].k);
-            pfs = pfs * P_MUL + dg[pfj];
-            pf_slot(c->nodes, pfs);
-            pfj++;
-        }
+        if (dg && pfj < n) { fa_prefetch(c, hs + pfj, &pfs, dg[pfj]); pfj++; }
         Py_ssize_t ei = -1; /* an int hash's empty ext slot (one probe for get-else-insert) */
         if (!h->b && h->k) {
             ei = find(c->ext, h->k, &r);

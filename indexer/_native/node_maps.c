@@ -32,6 +32,23 @@ static int set_u64(U64Map *m, PyObject *key, uint64_t val) {
     return r;
 }
 
+static int node_bit(U64Map *m, uint64_t key, int pos, int op);
+
+/* Set residency bit `pos` of node `key` (node_bit's op 1), inline: the per-block call of every
+ * store. Returns the bit before, -1 on error. */
+static inline int node_set(U64Map *m, uint64_t key, int pos) {
+    if (!key) return node_bit(m, key, pos, 1); /* rare: the side dict */
+    int word = pos >> 6, f;
+    if (word >= m->width && widen(m, word + 1) < 0) return -1;
+    Py_ssize_t i = find_or_insert(m, key, &f);
+    if (i < 0) return -1;
+    uint64_t *v = VALS(m, i) + word, b = 1ULL << (pos & 63);
+    int was = (*v & b) != 0;
+    *v |= b;
+    if ((pos & 3) == 3) m->pool = 1;
+    return was;
+}
+
 /* Residency bit `pos` of node `key`: read (op 0), set (op 1), clear (op 2). Returns the bit before
  * the op, -1 on error. Clearing may leave a node all-zero; `node_zero` / `node_drop` handle that. */
 static int node_bit(U64Map *m, uint64_t key, int pos, int op) {
@@ -60,35 +77,13 @@ static int node_bit(U64Map *m, uint64_t key, int pos, int op) {
         Py_XDECREF(nv); Py_XDECREF(bit); Py_DECREF(ko);
         return was;
     }
+    if (op == 1) return node_set(m, key, pos);
     int f;
-    Py_ssize_t i;
-    if (op == 1) {
-        if (word >= m->width && widen(m, word + 1) < 0) return -1;
-        i = find_or_insert(m, key, &f);
-        if (i < 0) return -1;
-    } else {
-        i = find(m, key, &f);
-        if (!f || word >= m->width) return 0;
-    }
+    Py_ssize_t i = find(m, key, &f);
+    if (!f || word >= m->width) return 0;
     uint64_t *v = VALS(m, i) + word;
     int was = (*v & b) != 0;
-    if (op == 1) { *v |= b; if ((pos & 3) == 3) m->pool = 1; }
-    else if (op == 2) *v &= ~b;
-    return was;
-}
-
-/* node_bit(m, key, pos, 1) inline for the common case (an int key, the bit's word present): the
- * per-block call of every store. */
-static inline int node_set(U64Map *m, uint64_t key, int pos) {
-    int word = pos >> 6;
-    if (!key || word >= m->width) return node_bit(m, key, pos, 1);
-    int f;
-    Py_ssize_t i = find_or_insert(m, key, &f);
-    if (i < 0) return -1;
-    uint64_t *v = VALS(m, i) + word, b = 1ULL << (pos & 63);
-    int was = (*v & b) != 0;
-    *v |= b;
-    if ((pos & 3) == 3) m->pool = 1;
+    if (op == 2) *v &= ~b;
     return was;
 }
 
