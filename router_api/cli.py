@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("router_api.cmd_replay", "apply an event log offline or re-publish it over ZMQ"),
     "indexer": ("router_api.cmd_indexer", "run the indexer service: ZMQ ingestion + HTTP API"),
     "relay": ("router_api.cmd_relay", "bridge ZeroMQ publishers into NATS JetStream"),
-    "worker": ("producer.sim.cmd", "run a worker: simulated model over the tiered cache, KV events on ZMQ"),
+    "worker": ("sim.cmd", "run a worker: simulated model over the tiered cache, KV events on ZMQ"),
     "router": ("router_api.router.cmd", "run the KV-aware router: policies over /score, forwarding, trace replay"),
 }
 

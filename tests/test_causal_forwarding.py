@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from producer.sim.api import GenerateResponse, WorkerHealth
+from sim.api import GenerateResponse, WorkerHealth
 from router_api.config import ServiceConfig
 from router_api.demo.procs import Child, wait_healthy
 from router_api.router.forwarder import RouterCore, fetch_sim

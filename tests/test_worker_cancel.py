@@ -14,8 +14,8 @@ from typing import Iterator
 
 import pytest
 
-from producer.sim.api import SimModel
-from producer.sim.schedule import Schedule
+from sim.api import SimModel
+from sim.schedule import Schedule
 from router_api.demo.procs import Child, http_json, wait_healthy
 from support.net import free_port, wait_until
 from support.tiny_tokenizer import TINY_CHAT

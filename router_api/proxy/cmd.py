@@ -13,7 +13,7 @@ log = logging.getLogger("kvatlas.router")
 def run(args: argparse.Namespace, workers: dict[str, str]) -> int:
     import msgspec
 
-    from producer.sim.api import SimModel
+    from sim.api import SimModel
     from router_api.cmd_indexer import read_token
     from router_api.tokenization import TokenizerError, load_tokenizer_specs
 
