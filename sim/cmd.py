@@ -124,8 +124,8 @@ def pool_sizes(args: argparse.Namespace) -> dict[str, int]:
 
 def indexer_token(path: str | None) -> str | None:
     """The indexer's bearer token: the file's first line, else $KVATLAS_AUTH_TOKEN, else None (the
-    indexer's own rule, `router_api.cmd_indexer.read_token`); an empty file stops the command."""
-    from router_api.cmd_indexer import read_token
+    indexer's own rule, `schemas.auth.read_token`); an empty file stops the command."""
+    from schemas.auth import read_token
 
     try:
         return read_token(None, path, os.environ.get("KVATLAS_AUTH_TOKEN"))

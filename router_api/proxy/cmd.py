@@ -14,7 +14,7 @@ def run(args: argparse.Namespace, workers: dict[str, str]) -> int:
     import msgspec
 
     from sim.api import SimModel
-    from router_api.cmd_indexer import read_token
+    from schemas.auth import read_token
     from router_api.tokenization import TokenizerError, load_tokenizer_specs
 
     try:
