@@ -33,10 +33,14 @@ CANONICAL_MEDIA: Mapping[Medium, str] = {m: m.name for m in Medium}
 
 
 class EventSink(Protocol):
-    """Where batches go. A sink whose class sets `encodes_events = True` only ever sends the
-    msgpack of a batch (schemas.codec.encode_batch of KVEventBatch(batch_ts(), events, dp_rank)):
-    it also has `batch_ts() -> float` and `send_payload(bytes)`, and the recorder may hand it the
-    encoded bytes directly (docs/producer-events.md)."""
+    """Where batches go (producer/sinks.py). Two declared capabilities: a sink with `encodes_events`
+    only ever sends the msgpack of a batch (schemas.codec.encode_batch of KVEventBatch(batch_ts(),
+    events, dp_rank)): it also has `batch_ts() -> float` and `send_payload(bytes)`, and the recorder
+    may hand it the encoded bytes directly (docs/producer-events.md); a sink without
+    `asks_snapshots` never answers True to `snapshot_requested`, so the recorder does not poll it."""
+
+    encodes_events: bool
+    asks_snapshots: bool
 
     def emit(self, events: list[KVEvent], dp_rank: int | None) -> None: ...
     def heartbeat(self, dp_rank: int | None) -> None: ...
@@ -181,14 +185,14 @@ class EventRecorder:
         # `_pending` (Python records, event structs encoded by msgspec at the flush) takes over
         # until the next flush when the batch declines a value, and serves every other sink.
         mod = page_hash.native_module(native)
-        encodes = mod is not None and getattr(sink, "encodes_events", False)
+        encodes = mod is not None and sink.encodes_events
         # `batch` is the Batch while it is the one recording (None otherwise): a cache may record
         # into it directly (producer.cache.emitter), falling back to these methods if it raises.
         self._batch: Any = mod.Batch() if encodes and enabled else None
         self.batch: Any = self._batch
         # A sink that says it never asks for a snapshot (`asks_snapshots = False`) is not polled.
-        self._ask: Callable[[], bool] | None = (getattr(sink, "snapshot_requested", None)
-                                                if enabled and getattr(sink, "asks_snapshots", True) else None)
+        self._ask: Callable[[], bool] | None = (sink.snapshot_requested if enabled and sink.asks_snapshots
+                                                else None)
         self._pending: list[_Record] = []
         self._last_sent: float | None = None
         self.events_emitted = 0

@@ -282,7 +282,7 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
             kind = front.prepare(_hb(h.get("content-type")), _hb(h.get("content-length")))
             body = await read_body(request)
         except ApiError as exc:
-            status, out, hdr = front.rejected(route[0], exc)
+            status, out, hdr = front.rejected(route.endpoint, exc)
         else:
             status, out, hdr = await front.respond(route, kind, _hb(h.get("accept")), request.scope["query_string"],
                                                    body, t0)

@@ -41,6 +41,7 @@ import time
 from typing import Any, Callable
 
 from indexer import reconcile
+from indexer.deliveries import Batch, Delivery, Gap, Restart, Run
 from indexer.protocol import Index, Subscriber
 from router_api.locks import ShardedLock
 from router_api.memtrim import MemoryTrimmer
@@ -297,19 +298,18 @@ class IngestLoop:
                 self.metrics.drops.inc("frame_" + reason, amount=float(n - old))
                 seen[reason] = n
 
-    def _handle(self, d: Any) -> None:
+    def _handle(self, d: Delivery) -> None:
         self.deliveries += 1
-        kind = type(d).__name__
-        if kind == "Run":
+        if type(d) is Run:
             self._on_run(d)
-        elif kind == "Batch":
+        elif type(d) is Batch:
             self._on_batch(d.worker_id, d.seq, d.payload, d.replayed)
-        elif kind == "Gap":
+        elif type(d) is Gap:
             self._on_seq_event(d, True)
-        elif kind == "Restart":
+        elif type(d) is Restart:
             self._on_seq_event(d, False)
         else:
-            self._count_bad("unknown_delivery", f"unknown delivery {kind}")
+            self._count_bad("unknown_delivery", f"unknown delivery {type(d).__name__}")
 
     def _count_bad(self, reason: str, message: str) -> None:
         self.metrics.drops.inc(reason)
@@ -318,7 +318,7 @@ class IngestLoop:
         if n <= _LOG_FIRST or n % 1000 == 0:
             log.warning("event=dropped reason=%s count=%d detail=%s", reason, n, message)
 
-    def _on_run(self, d: Any) -> None:
+    def _on_run(self, d: Run) -> None:
         """In-order live batches `d.first_seq`..: whole common-case stretches in one index call,
         anything else one by one (`_on_batch`)."""
         wid = d.worker_id
@@ -447,7 +447,7 @@ class IngestLoop:
         self.metrics.snapshot_requests.inc(wid, outcome)
         log.info("event=snapshot_requested worker=%s outcome=%s", wid, outcome)
 
-    def _on_seq_event(self, d: Any, gap: bool) -> None:
+    def _on_seq_event(self, d: Gap | Restart, gap: bool) -> None:
         """A Gap or a Restart: the policy decides; a clear happens under the lock, before any
         batch that follows it is applied."""
         wid = d.worker_id
