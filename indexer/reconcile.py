@@ -254,7 +254,7 @@ def whole_batch_drop(drops: Mapping[str, int]) -> str | None:
     return None
 
 
-def cleared_in(counts: Mapping[tuple[str, ...], int]) -> bool:
+def cleared_in(counts: Mapping[tuple[str, str, str], int]) -> bool:
     """Whether an apply's block counts include an AllBlocksCleared."""
     for key, n in counts.items():
         if n and key[0] == "cleared":

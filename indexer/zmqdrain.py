@@ -57,9 +57,10 @@ def _load() -> tuple[Callable[..., Any] | None, str | None]:
     if os.environ.get(ENV_PURE, "") not in ("", "0"):
         return None, f"{ENV_PURE} is set"
     try:
-        from indexer._native import _zmqdrain as mod
+        from indexer._native import _zmqdrain as loaded
     except ImportError as exc:
         return None, f"not built: {exc}"
+    mod: Any = loaded
     path = loaded_libzmq()
     if path is None:
         return None, "pyzmq's libzmq not found in /proc/self/maps"

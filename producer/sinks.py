@@ -79,6 +79,9 @@ class _PayloadSink:
     def send_payload(self, payload: bytes) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def close(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
     # The batch timestamp: wall clock, as vLLM and SGLang stamp theirs (the clock itself, so a
     # flush pays no Python frame for it).
     batch_ts = staticmethod(time.time)

@@ -39,7 +39,7 @@ from router_api.bodies import ApiError
 from router_api.http_head import SimpleHead, fields, simple_get, simple_post
 from router_api.score_front import Answer, Route, ScoreFront
 
-HEALTH: Route = ("health", type(None), lambda *a: None)  # marks a GET /health in flight
+HEALTH = Route("health", type(None), lambda *a: b"")  # marks a GET /health in flight (never called)
 _NEEDED = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
            "_unset_keepalive_if_required", "connection_made", "connection_lost", "on_message_begin",
            "timeout_keep_alive_handler")
@@ -88,7 +88,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._watch: Any = None
         self._watch_at = 0.0
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
             self._count("connection_limit")

@@ -305,9 +305,9 @@ class IngestLoop:
         elif type(d) is Batch:
             self._on_batch(d.worker_id, d.seq, d.payload, d.replayed)
         elif type(d) is Gap:
-            self._on_seq_event(d, True)
+            self._on_seq_event(d)
         elif type(d) is Restart:
-            self._on_seq_event(d, False)
+            self._on_seq_event(d)
         else:
             self._count_bad("unknown_delivery", f"unknown delivery {type(d).__name__}")
 
@@ -447,7 +447,7 @@ class IngestLoop:
         self.metrics.snapshot_requests.inc(wid, outcome)
         log.info("event=snapshot_requested worker=%s outcome=%s", wid, outcome)
 
-    def _on_seq_event(self, d: Gap | Restart, gap: bool) -> None:
+    def _on_seq_event(self, d: Gap | Restart) -> None:
         """A Gap or a Restart: the policy decides; a clear happens under the lock, before any
         batch that follows it is applied."""
         wid = d.worker_id
@@ -456,14 +456,14 @@ class IngestLoop:
             state = self.registry.get(wid)
             if state is None:
                 return
-            if gap:
+            if isinstance(d, Gap):
                 decision = reconcile.on_gap(state, d.first, d.last, now, self.registry.policy,
                                             recovered=d.recovered)
             else:
                 decision = reconcile.on_restart(state, now)
             if decision.clear:
                 self.index.clear_worker(state.reg.model, wid)
-        if gap:
+        if isinstance(d, Gap):
             self.metrics.gaps.inc(wid)
             self._carry_out(decision, wid, f"first={d.first} last={d.last}")
         else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
-from typing import Any, Awaitable, Callable, NamedTuple
+from typing import Any, Awaitable, Callable, NamedTuple, cast
 from urllib.parse import parse_qsl
 
 import msgspec
@@ -24,7 +24,7 @@ _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
 
 
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+ASGIApp = Callable[..., Awaitable[None]]  # (scope, receive, send)
 _JSON_HEADERS = (b"content-type", b"application/json")
 _MSGPACK_HEADERS = (b"content-type", b"application/msgpack")
 
@@ -162,7 +162,7 @@ class ScoreFront:
                 model = qp.get("model") or qp.get("model_name") or self.default_model
                 out = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None, mp)
             else:
-                req, tokens = self.bodies.decode(kind, body, typ)
+                req, tokens = self.bodies.decode(kind, cast(bytes, body), typ)  # a view only for "octet"
                 if typ is QueryRequest:
                     model = req.model_name or req.model or self.default_model
                     out = handler(model, tokens, req.lora_name, req.cache_salt, mp)
