@@ -45,7 +45,7 @@ test-fast: $(NATIVE)
 	$(PY) -m pytest -q -x -m "not slow"
 
 bench: $(NATIVE)
-	$(PY) bench/bench_wire.py
+	$(PY) -m bench.bench_wire
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
