@@ -19,11 +19,15 @@ from schemas.api import RegisterWorker
 from schemas.names import worker_id_problem
 
 __all__ = ["LivenessPolicy", "Registry", "RegistryError", "WorkerState", "endpoint_keys",
-           "validate_endpoint", "validate_worker_id"]
+           "validate_endpoint", "validate_url", "validate_worker_id"]
 
 _ENDPOINT_RE = re.compile(
     r"^(?:tcp://(?P<host>\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})"
     r"|ipc://(?P<path>[^\x00-\x1f\x7f]+)|inproc://[A-Za-z0-9_.\-]+)$"
+)
+
+_URL_RE = re.compile(
+    r"^https?://(?:\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(?::(?P<port>\d{1,5}))?(?:/[\x21-\x7e]*)?$"
 )
 
 Resolver = Callable[[str, int], list[str]]
@@ -39,8 +43,12 @@ class InvalidRegistration(RegistryError):
     status = 400
 
 
-class ConflictingBlockSize(InvalidRegistration):
-    """The worker's block size differs from the one its model already uses (HTTP 400)."""
+class ConflictingBlockSize(RegistryError):
+    """The worker's block size differs from the one its model already uses (HTTP 409: the model's
+    block size is fixed by its other workers, or by the indexer's --block-size for its own model;
+    every path that adds a worker goes through `Registry.check`)."""
+
+    status = 409
 
 
 class DuplicateWorker(RegistryError):
@@ -88,6 +96,17 @@ def validate_endpoint(endpoint: str, what: str = "endpoint") -> re.Match[str]:
         raise InvalidRegistration(f"invalid {what} {endpoint!r}: a wildcard host can be bound, not "
                                   "connected to; give the publisher's address")
     return m
+
+
+def validate_url(url: str) -> None:
+    """A worker's HTTP base URL: `http[s]://host[:port][/path]`, printable ASCII, a port in range
+    (not resolved here: the router that sends to it does)."""
+    m = _URL_RE.match(url)
+    if m is None:
+        raise InvalidRegistration(f"invalid url {url!r}: expected http[s]://host[:port][/path]")
+    port = m.group("port")
+    if port is not None and not 0 < int(port) < 65536:
+        raise InvalidRegistration(f"invalid url {url!r}: port out of range")
 
 
 def endpoint_keys(endpoint: str, what: str = "endpoint", resolve: Resolver = resolve_host) -> frozenset[str]:
@@ -147,7 +166,7 @@ class WorkerState(StreamState):
     """A registered worker: its registration and what the API reports beyond the stream policy's
     state (indexer.reconcile.StreamState holds liveness, seq and resync state)."""
 
-    __slots__ = ("reg", "lag", "dp_ranks", "keys")
+    __slots__ = ("reg", "lag", "dp_ranks", "keys", "drops", "dropped_at")
 
     def __init__(self, reg: RegisterWorker, now: float, last_seq: int | None = None,
                  keys: frozenset[tuple[str, str]] = frozenset()) -> None:
@@ -158,6 +177,24 @@ class WorkerState(StreamState):
         # rebound only by `Registry.add_rank` (a frozenset: an in-place add elsewhere would fail loudly
         # instead of leaving the registry's `ranks_version` behind)
         self.dp_ranks: frozenset[int] = frozenset((reg.dp_rank,))
+        self.drops: dict[str, int] = {}  # its events the index dropped, by reason (`note_drops`)
+        self.dropped_at: float | None = None  # when the last of them was
+
+    def note_drops(self, drops: dict[str, int], now: float) -> int:
+        """Count this worker's dropped events by reason; returns how many were added."""
+        added = 0
+        mine = self.drops
+        for reason, n in drops.items():
+            if n > 0:
+                mine[reason] = mine.get(reason, 0) + n
+                added += n
+        if added:
+            self.dropped_at = now
+        return added
+
+    def dropping(self, now: float, window_s: float) -> bool:
+        """Whether some of its events were dropped within the last `window_s` seconds."""
+        return self.dropped_at is not None and now - self.dropped_at < window_s
 
 
 class Registry:
@@ -213,6 +250,8 @@ class Registry:
                                f"{self.max_workers}")
         if not reg.topic.isprintable() or not reg.model.isprintable():
             raise InvalidRegistration("model and topic must be printable")
+        if reg.url is not None:
+            validate_url(reg.url)
         ep_keys = endpoint_keys(reg.endpoint, resolve=self.resolve)
         if reg.replay_endpoint is not None:
             if endpoint_keys(reg.replay_endpoint, "replay_endpoint", resolve=self.resolve) & ep_keys:

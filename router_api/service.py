@@ -34,14 +34,15 @@ from indexer.protocol import Index, ScoringIndex, Subscriber
 from indexer.reconcile import LivenessPolicy, status_columns
 from router_api.registry import (
     ConflictingBlockSize,
-    InvalidRegistration,
     Registry,
     RegistryError,
     RegistryFull,
     SubscribeFailed,
     UnknownWorker,
+    WorkerState,
 )
 from schemas.api import (
+    DROPPING_WINDOW_S,
     BestWorker,
     HealthResponse,
     QueryInstance,
@@ -64,6 +65,10 @@ class ServiceHealth(HealthResponse):
     """`GET /health`: the shared HealthResponse plus which index core serves (docs/service.md)."""
 
     core: str = "python"
+    # Registered workers whose rows are not to be trusted now, with why: `stale` / `resyncing` (the
+    # liveness policy's status), `dropping` (events dropped within DROPPING_WINDOW_S), `inexact` (a
+    # loss its publisher has not answered with its full state). Any of them makes `status` degraded.
+    degraded_workers: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
 def core_name(index: Index) -> str:
@@ -209,7 +214,7 @@ class IndexerService:
             except Exception as exc:  # BlockSizeConflict: keep registry and index consistent
                 self.registry.remove(reg.worker_id)
                 self.worker_gauges.refuse(reg.worker_id, "block_size_conflict")
-                raise InvalidRegistration(str(exc)) from exc
+                raise ConflictingBlockSize(str(exc)) from exc
             # Known to the index before its first event, so /score lists it from the start.
             self.index.register_worker(reg.model, reg.worker_id, reg.dp_rank)
             status = self._status_of(reg.worker_id, self.clock())
@@ -299,23 +304,35 @@ class IndexerService:
             status=w.status(now, self.registry.policy), last_seq=w.last_seq, lag=w.lag,
             silent_s=None if w.last_msg_at is None else max(0.0, now - w.last_msg_at),
             blocks=tiers_of(totals), dp_ranks=sorted(w.dp_ranks), batches=w.batches, gaps=w.gaps,
-            replays=w.replays, resyncs=w.resyncs, restarts=w.restarts, exact=w.clean,
+            replays=w.replays, resyncs=w.resyncs, restarts=w.restarts, exact=w.clean, url=r.url,
+            drops=dict(w.drops), dropping=w.dropping(now, DROPPING_WINDOW_S),
         )
+
+    def worker(self, worker_id: str) -> WorkerStatus:
+        """`GET /workers/{id}`: one row of `workers()` (UnknownWorker when it is not registered; a
+        `kvatlas worker` asks it to notice an indexer that forgot it, producer/sim/registrar.py)."""
+        stats = self._block_stats(self.clock())
+        with self.lock:
+            return self._status_of(worker_id, self.clock(), stats)
+
+    def _block_stats(self, now: float) -> dict[tuple[str, int], dict[str, int]]:
+        """Blocks per (worker, rank) and tier, counted at most once per `stats_ttl_s`."""
+        cached = self._blocks_cache
+        if cached is not None and now - cached[0] < self.config.stats_ttl_s:
+            return cached[1]
+        stats: dict[tuple[str, int], dict[str, int]] = {}
+        with self.lock:
+            models = {w.reg.model for w in self.registry}
+        for model in models:  # one model at a time: ingestion waits for one model's count only
+            with self.lock:
+                if model in self.index.models():
+                    stats.update(self.index.worker_stats(model))
+        self._blocks_cache = (now, stats)
+        return stats
 
     def workers(self) -> WorkersResponse:
         now = self.clock()
-        cached = self._blocks_cache
-        if cached is not None and now - cached[0] < self.config.stats_ttl_s:
-            stats = cached[1]
-        else:
-            stats = {}
-            with self.lock:
-                models = {w.reg.model for w in self.registry}
-            for model in models:  # one model at a time: ingestion waits for one model's count only
-                with self.lock:
-                    if model in self.index.models():
-                        stats.update(self.index.worker_stats(model))
-            self._blocks_cache = (now, stats)
+        stats = self._block_stats(now)
         with self.lock:
             rows = [self._status_of(w.worker_id, now, stats) for w in self.registry]
         rows.sort(key=lambda s: s.worker_id)
@@ -579,8 +596,23 @@ class IndexerService:
         n = len(self.registry)
         models = dict(self.index.models())
         alive = self.ingest.alive
-        return ServiceHealth(status="ok" if alive else "degraded", workers=n, ingest_alive=alive,
-                             uptime_s=self.clock() - self.started_at, models=models, core=self.core)
+        now = self.clock()
+        degraded = {w.worker_id: why for w in self.registry if (why := self._degraded(w, now))}
+        return ServiceHealth(status="ok" if alive and not degraded else "degraded", workers=n, ingest_alive=alive,
+                             uptime_s=now - self.started_at, models=models, core=self.core,
+                             degraded_workers=degraded)
+
+    def _degraded(self, w: WorkerState, now: float) -> list[str]:
+        """Why a worker's rows are not to be trusted now (ServiceHealth.degraded_workers); [] when they are."""
+        why = []
+        status = w.status(now, self.registry.policy)
+        if status in ("stale", "resyncing"):
+            why.append(status)
+        if w.dropping(now, DROPPING_WINDOW_S):
+            why.append("dropping")
+        if not w.clean:
+            why.append("inexact")
+        return why
 
     def stats(self) -> dict[str, Any]:
         """Numbers the dashboard polls; rates are computed client-side from these totals."""
