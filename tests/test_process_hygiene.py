@@ -74,6 +74,7 @@ def test_spawned_children_die_with_their_parent(sig: signal.Signals) -> None:
             parent.wait(10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_kvatlas_demo_children_die_with_it(sig: signal.Signals, tmp_path: Path) -> None:
     """A real `kvatlas demo` (process fleet, small): signalled once its indexer and a worker run,
