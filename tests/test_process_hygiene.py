@@ -14,6 +14,7 @@ import pytest
 
 from support.net import wait_until
 from support.proctree import Proc, descendants, running
+from router_api.procs import spawn
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,7 +58,7 @@ def _all_gone(procs: set[Proc], timeout: float = 20.0) -> list[Proc]:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_spawned_children_die_with_their_parent(sig: signal.Signals) -> None:
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT], cwd=REPO, stdin=subprocess.PIPE,
+    parent = spawn([sys.executable, "-c", _PARENT], cwd=REPO, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
@@ -79,7 +80,7 @@ def test_spawned_children_die_with_their_parent(sig: signal.Signals) -> None:
 def test_kvatlas_demo_children_die_with_it(sig: signal.Signals, tmp_path: Path) -> None:
     """A real `kvatlas demo` (process fleet, small): signalled once its indexer and a worker run,
     none of its processes outlives it."""
-    demo = subprocess.Popen(
+    demo = spawn(
         [sys.executable, "-m", "router_api.cli", "demo", "--workers", "1", "--requests", "4", "--routers", "1",
          "--policies", "round_robin"], cwd=REPO, stdout=open(tmp_path / "demo.out", "wb"), stderr=subprocess.STDOUT)
     seen: set[Proc] = set()
