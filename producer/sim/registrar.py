@@ -33,7 +33,7 @@ class RegistrationRefused(Exception):
 class Registrar:
     """Keeps one worker registered with one indexer (`register` once, then `start` the checks)."""
 
-    __slots__ = ("url", "body", "token", "interval_s", "reregistrations", "_stop", "_thread", "_unreachable")
+    __slots__ = ("url", "body", "token", "interval_s", "reregistrations", "_stop", "_thread", "_last")
 
     def __init__(self, url: str, body: dict[str, Any], token: str | None = None,
                  interval_s: float = REGISTER_INTERVAL_S) -> None:
@@ -44,7 +44,7 @@ class Registrar:
         self.reregistrations = 0  # registrations after the first (an indexer that forgot us)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._unreachable = False
+        self._last = "registered"  # the last check's outcome: each is logged when it starts
 
     # -- HTTP ----------------------------------------------------------------------------------
     def _request(self, method: str, path: str, data: bytes | None = None) -> tuple[int, bytes]:
@@ -91,40 +91,44 @@ class Registrar:
 
     def _still_mine(self) -> bool:
         status, body = self._request("GET", "/workers/" + urllib.parse.quote(self.body["worker_id"], safe=""))
-        return status == 200 and self._mine(json.loads(body))
+        try:
+            return status == 200 and self._mine(json.loads(body))
+        except ValueError:
+            return False
 
     # -- the checks ----------------------------------------------------------------------------
     def check(self) -> str:
         """One check: "registered", "reregistered", "refused", "foreign" (another registration
-        holds our id) or "unreachable"."""
+        holds our id), "failed" (an unexpected answer) or "unreachable". Each outcome but
+        "reregistered" is logged when it starts, not at every check."""
+        wid = self.body["worker_id"]
+        detail = ""
         try:
-            status, body = self._request("GET", "/workers/" + urllib.parse.quote(self.body["worker_id"], safe=""))
-            if self._unreachable:
-                self._unreachable = False
-                log.info("event=indexer_reachable indexer=%s", self.url)
+            status, body = self._request("GET", "/workers/" + urllib.parse.quote(wid, safe=""))
             if status == 200:
-                if self._mine(json.loads(body)):
-                    return "registered"
-                log.error("event=registration_taken worker=%s indexer=%s: another registration holds this id",
-                          self.body["worker_id"], self.url)
-                return "foreign"
-            if status != 404:
-                log.warning("event=registration_check_failed worker=%s status=%d", self.body["worker_id"], status)
-                return "unreachable"
-            self._post()
+                outcome = "registered" if self._mine(json.loads(body)) else "foreign"
+            elif status == 404:
+                self._post()
+                outcome = "reregistered"
+            else:
+                outcome, detail = "failed", f"status {status}"
         except RegistrationRefused as exc:
-            log.error("event=reregistration_refused worker=%s indexer=%s error=%s", self.body["worker_id"],
-                      self.url, exc)
-            return "refused"
+            outcome, detail = "refused", str(exc)
         except (OSError, ValueError) as exc:
-            if not self._unreachable:
-                self._unreachable = True
-                log.warning("event=indexer_unreachable indexer=%s error=%s", self.url, exc)
-            return "unreachable"
-        self.reregistrations += 1
-        log.warning("event=reregistered worker=%s indexer=%s: the indexer had forgotten this worker",
-                    self.body["worker_id"], self.url)
-        return "reregistered"
+            outcome, detail = "unreachable", str(exc)
+        if outcome == "reregistered":
+            self.reregistrations += 1
+            log.warning("event=reregistered worker=%s indexer=%s: the indexer had forgotten this worker", wid, self.url)
+        elif outcome != self._last:
+            if outcome == "registered":
+                log.info("event=registration_ok worker=%s indexer=%s", wid, self.url)
+            elif outcome == "foreign":
+                log.error("event=registration_taken worker=%s indexer=%s: another registration holds this id", wid,
+                          self.url)
+            else:
+                log.warning("event=registration_%s worker=%s indexer=%s %s", outcome, wid, self.url, detail)
+        self._last = outcome
+        return outcome
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvatlas-registrar", daemon=True)
