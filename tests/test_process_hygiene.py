@@ -81,7 +81,7 @@ def test_kvatlas_demo_children_die_with_it(sig: signal.Signals, tmp_path: Path) 
     """A real `kvatlas demo` (process fleet, small): signalled once its indexer and a worker run,
     none of its processes outlives it."""
     demo = spawn(
-        [sys.executable, "-m", "router_api.cli", "demo", "--workers", "1", "--requests", "4", "--routers", "1",
+        [sys.executable, "-m", "cli.main", "demo", "--workers", "1", "--requests", "4", "--routers", "1",
          "--policies", "round_robin"], cwd=REPO, stdout=open(tmp_path / "demo.out", "wb"), stderr=subprocess.STDOUT)
     seen: set[Proc] = set()
     try:

@@ -1,7 +1,7 @@
 """Worker lifecycle at the indexer: a worker's HTTP `url` in its registration and `GET /workers`;
 `GET /workers/{id}`; block-size conflicts refused with 409 on every registration path; a worker
 whose events are dropped named in its status, `/health`, `kvatlas_worker_drops_total` and one
-WARNING; `kvatlas worker`'s registration kept across an indexer restart (producer/sim/registrar.py),
+WARNING; `kvatlas worker`'s registration kept across an indexer restart (sim/registrar.py),
 with real processes."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from producer.publisher import ZmqEventPublisher
-from producer.sim.registrar import Registrar, RegistrationRefused
+from sim.registrar import Registrar, RegistrationRefused
 from router_api.config import ServiceConfig
 from router_api.procs import spawn, stop
 from schemas.events import BlockStored
@@ -145,7 +145,7 @@ def test_dropped_events_show_in_status_health_metrics_and_one_warning(caplog: py
 
 def _worker(wid: str, indexer: str, port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
-        return spawn([sys.executable, "-m", "router_api.cli", "--log-level", "INFO", "worker", "--id", wid,
+        return spawn([sys.executable, "-m", "cli.main", "--log-level", "INFO", "worker", "--id", wid,
                       "--port", str(port), "--indexer", indexer, "--gpu-pages", "16", "--host-pages", "0", *extra],
                      cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
