@@ -8,14 +8,21 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from producer.publisher import ZmqEventPublisher
 from sim.registrar import Registrar, RegistrationRefused
-from router_api.config import ServiceConfig
+from router_api.config import ServiceConfig, default_index
+from router_api.ingest import DROP_WARN_INTERVAL_S, IngestLoop
+from router_api.metrics import ServiceMetrics
+from router_api.registry import Registry, WorkerState
+from schemas.api import DROPPING_WINDOW_S, RegisterWorker
 from router_api.procs import spawn, stop
 from schemas.events import BlockStored
 from support.net import free_port, wait_until
@@ -141,6 +148,46 @@ def test_dropped_events_show_in_status_health_metrics_and_one_warning(caplog: py
     finally:
         bad.close()
         good.close()
+
+
+_drop_steps = st.lists(st.tuples(st.floats(0, 200), st.dictionaries(st.sampled_from(["a", "b", "c"]),
+                                                                     st.integers(0, 5), max_size=3)), max_size=20)
+
+
+@given(_drop_steps)
+@settings(max_examples=200, deadline=None)
+def test_worker_drop_counts_and_dropping_window(steps: list[tuple[float, dict[str, int]]]) -> None:
+    w = WorkerState(RegisterWorker("w", "tcp://127.0.0.1:1"), now=0.0)
+    now, want, last = 0.0, {}, None
+    for dt, drops in steps:
+        now += dt
+        added = w.note_drops(drops, now)
+        assert added == sum(drops.values())
+        for r, n in drops.items():
+            if n:
+                want[r] = want.get(r, 0) + n
+        last = now if added else last
+        assert w.drops == want
+        for later in (0.0, DROPPING_WINDOW_S - 1, DROPPING_WINDOW_S):
+            assert w.dropping(now + later, DROPPING_WINDOW_S) == (last is not None and now + later - last < DROPPING_WINDOW_S)
+
+
+def test_drop_warning_is_rate_limited_per_worker(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvatlas.ingest")
+    registry, metrics = Registry(), ServiceMetrics()
+    loop = IngestLoop(index=default_index(ServiceConfig()), registry=registry, lock=threading.Lock(), metrics=metrics,
+                      subscriber_factory=lambda: None)  # type: ignore[arg-type,return-value]
+    a = registry.add(RegisterWorker("a", "tcp://127.0.0.1:1"), now=0.0)
+    b = registry.add(RegisterWorker("b", "tcp://127.0.0.1:2"), now=0.0)
+    for t in range(0, 130, 5):  # every 5 s for 130 s: a warning at 0, 60 and 120 s
+        loop._worker_dropped(a, {"block_size_mismatch": 2}, float(t))
+    loop._worker_dropped(b, {"decode_malformed": 1}, 1.0)  # another worker has its own allowance
+    loop._worker_dropped(b, {}, 2.0)  # nothing dropped: nothing said
+    lines = [r.getMessage() for r in caplog.records if "event=worker_dropping" in r.getMessage()]
+    assert [ln.split()[1] for ln in lines] == ["worker=a", "worker=a", "worker=a", "worker=b"]
+    assert "drops=block_size_mismatch:50" in lines[2] and DROP_WARN_INTERVAL_S == 60.0  # the total so far
+    loop._tally.flush(metrics)
+    assert metrics.worker_drops.get("a", "block_size_mismatch") == 52 and metrics.worker_drops.get("b", "decode_malformed") == 1
 
 
 def _worker(wid: str, indexer: str, port: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
