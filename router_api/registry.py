@@ -15,7 +15,8 @@ import socket
 from typing import Callable, Iterable, Iterator
 
 from indexer.reconcile import LivenessPolicy, StreamState
-from schemas.api import RegisterWorker
+from schemas.api import DROPPING_WINDOW_S, RegisterWorker, TierBlocks, WorkerStatus
+from schemas.rules import TIER_NAMES
 from schemas.names import worker_id_problem
 
 __all__ = ["LivenessPolicy", "Registry", "RegistryError", "WorkerState", "endpoint_keys",
@@ -192,9 +193,41 @@ class WorkerState(StreamState):
             self.dropped_at = now
         return added
 
-    def dropping(self, now: float, window_s: float) -> bool:
+    def dropping(self, now: float, window_s: float = DROPPING_WINDOW_S) -> bool:
         """Whether some of its events were dropped within the last `window_s` seconds."""
         return self.dropped_at is not None and now - self.dropped_at < window_s
+
+    def degraded(self, now: float, policy: LivenessPolicy) -> list[str]:
+        """Why its rows are not to be trusted now (`GET /health`'s degraded_workers), [] when they are:
+        `stale` / `resyncing` (the liveness policy's status), `dropping`, `inexact` (a loss its
+        publisher has not answered with its full state)."""
+        status = self.status(now, policy)
+        why = [status] if status in ("stale", "resyncing") else []
+        if self.dropping(now):
+            why.append("dropping")
+        if not self.clean:
+            why.append("inexact")
+        return why
+
+    def row(self, now: float, policy: LivenessPolicy, blocks: dict[tuple[str, int], dict[str, int]] | None = None
+            ) -> WorkerStatus:
+        """Its `GET /workers` row; `blocks`: the index's counts per (worker, rank) and tier."""
+        r = self.reg
+        totals = dict.fromkeys(TIER_NAMES, 0)
+        if blocks:
+            for rank in self.dp_ranks:
+                for k, n in (blocks.get((self.worker_id, rank)) or {}).items():
+                    if k in totals:
+                        totals[k] += int(n)
+        return WorkerStatus(
+            worker_id=r.worker_id, endpoint=r.endpoint, replay_endpoint=r.replay_endpoint, model=r.model,
+            block_size=r.block_size, dp_rank=r.dp_rank, topic=r.topic, status=self.status(now, policy),
+            last_seq=self.last_seq, lag=self.lag,
+            silent_s=None if self.last_msg_at is None else max(0.0, now - self.last_msg_at),
+            blocks=TierBlocks(**totals), dp_ranks=sorted(self.dp_ranks), batches=self.batches, gaps=self.gaps,
+            replays=self.replays, resyncs=self.resyncs, restarts=self.restarts, exact=self.clean, url=r.url,
+            drops=dict(self.drops), dropping=self.dropping(now),
+        )
 
 
 class Registry:

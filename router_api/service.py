@@ -25,7 +25,7 @@ from router_api.config import TIER_KEYS, ServiceConfig, check_ingest_shards, def
 from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import ShardedLock
 from router_api.metrics import ServiceMetrics
-from router_api.score_plan import Query, ScorePlan, ScoreRows, pending_columns, query_response, score_rows, tiers_of
+from router_api.score_plan import Query, ScorePlan, ScoreRows, pending_columns, query_response, score_rows
 from router_api.worker_metrics import WorkerGauges
 from router_api.routes import RouteBook, UnknownRouteWorker
 from indexer.pending import PendingRoutes
@@ -38,10 +38,8 @@ from router_api.registry import (
     RegistryFull,
     SubscribeFailed,
     UnknownWorker,
-    WorkerState,
 )
 from schemas.api import (
-    DROPPING_WINDOW_S,
     HealthResponse,
     QueryResponse,
     RegisterWorker,
@@ -61,9 +59,7 @@ class ServiceHealth(HealthResponse):
     """`GET /health`: the shared HealthResponse plus which index core serves (docs/service.md)."""
 
     core: str = "python"
-    # Registered workers whose rows are not to be trusted now, with why: `stale` / `resyncing` (the
-    # liveness policy's status), `dropping` (events dropped within DROPPING_WINDOW_S), `inexact` (a
-    # loss its publisher has not answered with its full state). Any of them makes `status` degraded.
+    # Workers whose rows are not to be trusted now, with why (WorkerState.degraded); any: `status` degraded.
     degraded_workers: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
@@ -287,22 +283,7 @@ class IndexerService:
         w = self.registry.get(worker_id)
         if w is None:
             raise UnknownWorker(f"worker {worker_id!r} is not registered")
-        r = w.reg
-        totals = {k: 0 for k in TIER_KEYS}
-        if blocks:
-            for rank in w.dp_ranks:
-                for k, n in (blocks.get((worker_id, rank)) or {}).items():
-                    if k in totals:
-                        totals[k] += int(n)
-        return WorkerStatus(
-            worker_id=r.worker_id, endpoint=r.endpoint, replay_endpoint=r.replay_endpoint, model=r.model,
-            block_size=r.block_size, dp_rank=r.dp_rank, topic=r.topic,
-            status=w.status(now, self.registry.policy), last_seq=w.last_seq, lag=w.lag,
-            silent_s=None if w.last_msg_at is None else max(0.0, now - w.last_msg_at),
-            blocks=tiers_of(totals), dp_ranks=sorted(w.dp_ranks), batches=w.batches, gaps=w.gaps,
-            replays=w.replays, resyncs=w.resyncs, restarts=w.restarts, exact=w.clean, url=r.url,
-            drops=dict(w.drops), dropping=w.dropping(now, DROPPING_WINDOW_S),
-        )
+        return w.row(now, self.registry.policy, blocks)
 
     def worker(self, worker_id: str) -> WorkerStatus:
         """`GET /workers/{id}`: one row of `workers()` (UnknownWorker when it is not registered; a
@@ -558,22 +539,11 @@ class IndexerService:
         models = dict(self.index.models())
         alive = self.ingest.alive
         now = self.clock()
-        degraded = {w.worker_id: why for w in self.registry if (why := self._degraded(w, now))}
+        policy = self.registry.policy
+        degraded = {w.worker_id: why for w in self.registry if (why := w.degraded(now, policy))}
         return ServiceHealth(status="ok" if alive and not degraded else "degraded", workers=n, ingest_alive=alive,
                              uptime_s=now - self.started_at, models=models, core=self.core,
                              degraded_workers=degraded)
-
-    def _degraded(self, w: WorkerState, now: float) -> list[str]:
-        """Why a worker's rows are not to be trusted now (ServiceHealth.degraded_workers); [] when they are."""
-        why = []
-        status = w.status(now, self.registry.policy)
-        if status in ("stale", "resyncing"):
-            why.append(status)
-        if w.dropping(now, DROPPING_WINDOW_S):
-            why.append("dropping")
-        if not w.clean:
-            why.append("inexact")
-        return why
 
     def stats(self) -> dict[str, Any]:
         """Numbers the dashboard polls; rates are computed client-side from these totals."""
