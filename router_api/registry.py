@@ -14,7 +14,7 @@ import re
 import socket
 from typing import Callable, Iterable, Iterator
 
-from indexer.reconcile import LivenessPolicy, StreamState
+from indexer.reconcile import LivenessPolicy, StreamState, status_columns
 from schemas.api import DROPPING_WINDOW_S, RegisterWorker, TierBlocks, WorkerStatus
 from schemas.rules import TIER_NAMES
 from schemas.names import worker_id_problem
@@ -341,6 +341,16 @@ class Registry:
 
     def watermarks(self) -> dict[str, int]:
         return {w.worker_id: w.last_seq for w in self._workers.values() if w.last_seq is not None}
+
+    def degraded(self, now: float) -> dict[str, list[str]]:
+        """`WorkerState.degraded` of every worker with a reason (`GET /health`): the statuses in one
+        pass (`status_columns`, in C with the native module), the reasons only for those few."""
+        states = list(self._workers.values())
+        out = {}
+        for w, status in zip(states, status_columns(states, now, self.policy)[0]):
+            if status in ("stale", "resyncing") or not w.clean or w.dropping(now):
+                out[w.worker_id] = w.degraded(now, self.policy)
+        return out
 
     def statuses(self, now: float, workers: Iterable[WorkerState] | None = None) -> dict[str, str]:
         return {w.worker_id: w.status(now, self.policy) for w in (workers or self._workers.values())}

@@ -539,8 +539,7 @@ class IndexerService:
         models = dict(self.index.models())
         alive = self.ingest.alive
         now = self.clock()
-        policy = self.registry.policy
-        degraded = {w.worker_id: why for w in self.registry if (why := w.degraded(now, policy))}
+        degraded = self.registry.degraded(now)
         return ServiceHealth(status="ok" if alive and not degraded else "degraded", workers=n, ingest_alive=alive,
                              uptime_s=now - self.started_at, models=models, core=self.core,
                              degraded_workers=degraded)
