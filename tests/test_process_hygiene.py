@@ -80,9 +80,9 @@ def test_spawned_children_die_with_their_parent(sig: signal.Signals) -> None:
 def test_kvatlas_demo_children_die_with_it(sig: signal.Signals, tmp_path: Path) -> None:
     """A real `kvatlas demo` (process fleet, small): signalled once its indexer and a worker run,
     none of its processes outlives it."""
-    demo = spawn(
-        [sys.executable, "-m", "cli.main", "demo", "--workers", "1", "--requests", "4", "--routers", "1",
-         "--policies", "round_robin"], cwd=REPO, stdout=open(tmp_path / "demo.out", "wb"), stderr=subprocess.STDOUT)
+    with open(tmp_path / "demo.out", "wb") as out:
+        demo = spawn([sys.executable, "-m", "cli.main", "demo", "--workers", "1", "--requests", "4", "--routers", "1",
+                      "--policies", "round_robin"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     seen: set[Proc] = set()
     try:
         def two_children() -> bool:
