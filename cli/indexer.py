@@ -145,14 +145,15 @@ def resolve_ingest_shards(value: object, *, nats: bool, trust_engine_hashes: boo
 
 
 def parse_worker_spec(spec: str) -> dict[str, Any]:
-    """`w1=tcp://h:p,replay=tcp://h:q,dp=0` -> registration fields."""
+    """`w1=tcp://h:p,replay=tcp://h:q,dp=0,url=http://h:8000` -> registration fields."""
     head, _, rest = spec.partition(",")
     wid, sep, endpoint = head.partition("=")
     if not sep or not wid or not endpoint:
         raise ValueError(f"worker spec {spec!r}: expected ID=ENDPOINT[,key=value...]")
     out: dict[str, Any] = {"worker_id": wid.strip(), "endpoint": endpoint.strip()}
     names = {"replay": "replay_endpoint", "replay_endpoint": "replay_endpoint", "dp": "dp_rank",
-             "dp_rank": "dp_rank", "topic": "topic", "model": "model", "block_size": "block_size"}
+             "dp_rank": "dp_rank", "topic": "topic", "model": "model", "block_size": "block_size",
+             "url": "url"}
     for item in filter(None, rest.split(",")):
         k, sep, v = item.partition("=")
         key = names.get(k.strip())

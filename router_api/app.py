@@ -240,6 +240,14 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
     async def workers(request: Request) -> Response:
         return encode_for(request, service.workers())
 
+    @app.get("/workers/{worker_id:path}")
+    async def worker(request: Request, worker_id: str) -> Response:
+        """One registered worker's row (404 when the indexer does not know it)."""
+        try:
+            return encode_for(request, service.worker(worker_id))
+        except RegistryError as exc:
+            return _error(exc.status, str(exc))
+
     @app.get("/health")
     async def health() -> Response:
         return Response(_json.encode(service.health()), media_type="application/json")

@@ -22,6 +22,7 @@ from schemas.jetstream import DEFAULT_STREAM, event_subject, jetstream_endpoint,
 from transport.natsio import NatsThread
 from support.nats import NatsServer
 from support.service import KVIndexerProcess, WorkerSim, check_scores, make_prompts, snapshot_marks
+from router_api.procs import spawn
 
 BS = 4
 MODEL = "default"
@@ -93,7 +94,7 @@ def test_two_replicas_agree_with_the_reference_and_share_registrations(nats: Nat
     pubs: dict = {w: JetStreamEventPublisher(nats.url, model=MODEL, worker_id=w) for w in ("j0", "j1")}
     engine = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
     pubs["z0"] = engine
-    relay = subprocess.Popen(
+    relay = spawn(
         [sys.executable, "-m", "cli.main", "relay", "--nats", nats.url, "--worker",
          f"z0={engine.endpoint},replay={engine.replay_endpoint},model={MODEL},block_size={BS}"],
         cwd=REPO_ROOT, stdout=open(tmp_path / "relay.log", "ab"), stderr=subprocess.STDOUT)
