@@ -548,25 +548,12 @@ class IndexerService:
 
     def stats(self) -> dict[str, Any]:
         """Numbers the dashboard polls; rates are computed client-side from these totals."""
-        m = self.metrics
-        by_type: dict[str, float] = {}
-        for (typ, _tier, _outcome), n in m.events.items():
-            by_type[typ] = by_type.get(typ, 0) + n
-        p50, p99 = m.recent_score.quantiles((0.5, 0.99))
         with self.lock:
             pending = self.routes.stats()
         return {
             "uptime_s": self.clock() - self.started_at,
-            "events_total": m.events.total(),
-            "events_by_type": by_type,
-            "batches_total": m.batches.total(),
+            **self.metrics.totals(),
             "ingest_shards": self.config.ingest_shards,  # pipelines in use (the CLI's `auto` resolved)
-            "drops": {labels[0]: n for labels, n in m.drops.items()},
-            "gaps": m.gaps.total(), "replays": m.replays.total(), "resyncs": m.resyncs.total(),
-            "restarts": m.restarts.total(), "snapshot_requests": m.snapshot_requests.total(),
-            "score": {"count": m.request_latency.count("score"),
-                      "p50_ms": None if p50 is None else p50 * 1e3,
-                      "p99_ms": None if p99 is None else p99 * 1e3},
             "snapshot_generation": self.generation,
             "core": self.core,  # native | python (the dashboard's "core" card)
             "pending": pending,
