@@ -34,7 +34,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from router_api.app import bearer_ok
+from router_api.app import BearerAuth, bearer_ok
 from router_api.bodies import ApiError
 from router_api.http_head import SimpleHead, fields, simple_get, simple_post
 from router_api.score_front import Answer, Route, ScoreFront
@@ -56,8 +56,7 @@ def find_front(app: Any) -> ScoreFront | None:
     """The ScoreFront of an app built by `create_app` (directly, or under BearerAuth)."""
     if isinstance(app, ScoreFront):
         return app
-    front = getattr(app, "front", None)
-    return front if isinstance(front, ScoreFront) else None
+    return app.front if isinstance(app, BearerAuth) else None
 
 
 def _plain(status: int, reason: bytes, message: bytes) -> bytes:
