@@ -131,7 +131,7 @@ def usable_cpus() -> int:
 
 
 def resolve_ingest_shards(value: object, *, nats: bool, trust_engine_hashes: bool = False,
-                          cpus: int | None = None) -> tuple[object, str]:
+                          cpus: int | None = None) -> tuple[Any, str]:
     """The ingest pipeline count and why: `auto` (the default) is one pipeline per usable CPU, at most
     AUTO_SHARDS_CAP, and 1 where shards are refused (the NATS plane, trust mode). Anything else is
     returned as given (ServiceConfig and `run` check it, so an explicit value is never overridden)."""
@@ -201,7 +201,7 @@ class JsonLogFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage()
         out: dict[str, Any] = {"ts": round(record.created, 6), "level": record.levelname, "logger": record.name}
-        fields = {}
+        fields: dict[str, str] = {}
         for tok in msg.split(" "):
             k, sep, v = tok.partition("=")
             if not sep or not k.isidentifier():
@@ -331,7 +331,7 @@ def _make_server(uvicorn: Any, config: Any) -> Any:
         the final snapshot; we take the same signals, stop serving, and return normally instead."""
 
         @contextlib.contextmanager
-        def capture_signals(self):  # type: ignore[override]
+        def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return

@@ -41,12 +41,13 @@ import time
 from typing import Any, Callable
 
 from indexer import reconcile
+from indexer.deliveries import Batch, Delivery, Gap, Restart, Run
 from indexer.protocol import Index, Subscriber
 from router_api.locks import ShardedLock
 from router_api.memtrim import MemoryTrimmer
 from router_api.metrics import ServiceMetrics
 from router_api.ingest_stats import ApplyAdapter, Tally
-from router_api.registry import Registry, WorkerState
+from router_api.registry import Registry, RegisteredWorker
 from schemas.api import RegisterWorker
 
 log = logging.getLogger("kvatlas.ingest")
@@ -302,19 +303,18 @@ class IngestLoop:
                 self.metrics.drops.inc("frame_" + reason, amount=float(n - old))
                 seen[reason] = n
 
-    def _handle(self, d: Any) -> None:
+    def _handle(self, d: Delivery) -> None:
         self.deliveries += 1
-        kind = type(d).__name__
-        if kind == "Run":
+        if type(d) is Run:
             self._on_run(d)
-        elif kind == "Batch":
+        elif type(d) is Batch:
             self._on_batch(d.worker_id, d.seq, d.payload, d.replayed)
-        elif kind == "Gap":
-            self._on_seq_event(d, True)
-        elif kind == "Restart":
-            self._on_seq_event(d, False)
+        elif type(d) is Gap:
+            self._on_seq_event(d)
+        elif type(d) is Restart:
+            self._on_seq_event(d)
         else:
-            self._count_bad("unknown_delivery", f"unknown delivery {kind}")
+            self._count_bad("unknown_delivery", f"unknown delivery {type(d).__name__}")
 
     def _count_bad(self, reason: str, message: str) -> None:
         self.metrics.drops.inc(reason)
@@ -323,7 +323,7 @@ class IngestLoop:
         if n <= _LOG_FIRST or n % 1000 == 0:
             log.warning("event=dropped reason=%s count=%d detail=%s", reason, n, message)
 
-    def _on_run(self, d: Any) -> None:
+    def _on_run(self, d: Run) -> None:
         """In-order live batches `d.first_seq`..: whole common-case stretches in one index call,
         anything else one by one (`_on_batch`)."""
         wid = d.worker_id
@@ -448,7 +448,7 @@ class IngestLoop:
                 if state is not None:
                     self._worker_dropped(state, {decision.drop: 1}, self._clock())
 
-    def _worker_dropped(self, state: WorkerState, drops: dict[str, int], now: float) -> None:
+    def _worker_dropped(self, state: RegisteredWorker, drops: dict[str, int], now: float) -> None:
         """Count `drops` (reason -> events) against the worker: its status (`WorkerStatus.drops`,
         `dropping`), `kvatlas_worker_drops_total`, and a WARNING naming it, at most one per worker per
         DROP_WARN_INTERVAL_S. Called with the worker's lock held."""
@@ -480,7 +480,7 @@ class IngestLoop:
         self.metrics.snapshot_requests.inc(wid, outcome)
         log.info("event=snapshot_requested worker=%s outcome=%s", wid, outcome)
 
-    def _on_seq_event(self, d: Any, gap: bool) -> None:
+    def _on_seq_event(self, d: Gap | Restart) -> None:
         """A Gap or a Restart: the policy decides; a clear happens under the lock, before any
         batch that follows it is applied."""
         wid = d.worker_id
@@ -489,14 +489,14 @@ class IngestLoop:
             state = self.registry.get(wid)
             if state is None:
                 return
-            if gap:
+            if isinstance(d, Gap):
                 decision = reconcile.on_gap(state, d.first, d.last, now, self.registry.policy,
                                             recovered=d.recovered)
             else:
                 decision = reconcile.on_restart(state, now)
             if decision.clear:
                 self.index.clear_worker(state.reg.model, wid)
-        if gap:
+        if isinstance(d, Gap):
             self.metrics.gaps.inc(wid)
             self._carry_out(decision, wid, f"first={d.first} last={d.last}")
         else:

@@ -40,7 +40,7 @@ class _Collector:
 def exposition(metrics: Iterable["_Metric"]) -> str:
     """The Prometheus text format of `metrics`, written by prometheus_client."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(metrics))  # type: ignore[arg-type]
+    registry.register(_Collector(metrics))
     return generate_latest(registry).decode("utf-8")
 
 

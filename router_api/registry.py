@@ -3,7 +3,7 @@ Pure: no I/O, no threads, no clock.
 
 Each worker's stream state and its status (connecting / live / resyncing / stale, expiry) are the
 reconciliation policy's (indexer.reconcile.StreamState, docs/service.md): this module only adds the
-registration, dp ranks and lag. `WorkerState.status(now, policy)` is that policy's verdict.
+registration, dp ranks and lag. `RegisteredWorker.status(now, policy)` is that policy's verdict.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from schemas.api import DROPPING_WINDOW_S, RegisterWorker, TierBlocks, WorkerSta
 from schemas.rules import TIER_NAMES
 from schemas.names import worker_id_problem
 
-__all__ = ["LivenessPolicy", "Registry", "RegistryError", "WorkerState", "endpoint_keys",
+__all__ = ["LivenessPolicy", "Registry", "RegistryError", "RegisteredWorker", "endpoint_keys",
            "validate_endpoint", "validate_url", "validate_worker_id"]
 
 _ENDPOINT_RE = re.compile(
@@ -163,7 +163,7 @@ def check_jetstream_owner(reg: RegisterWorker) -> None:
             f"of model {reg.model!r} is read from <prefix>{tail}")
 
 
-class WorkerState(StreamState):
+class RegisteredWorker(StreamState):
     """A registered worker: its registration and what the API reports beyond the stream policy's
     state (indexer.reconcile.StreamState holds liveness, seq and resync state)."""
 
@@ -242,7 +242,7 @@ class Registry:
         self.policy = policy or LivenessPolicy()
         self.max_workers = max_workers
         self.resolve = resolve
-        self._workers: dict[str, WorkerState] = {}
+        self._workers: dict[str, RegisteredWorker] = {}
         # Moves with every dp_rank a worker gains (`add_rank`): a score plan built at one value still
         # lists every worker's ranks while it holds (router_api/service.py `_plan`), with no pass over
         # them. A counter's next() is one step under the GIL: two pipelines adding ranks at once never
@@ -250,7 +250,7 @@ class Registry:
         self._rank_versions = itertools.count(1)
         self.ranks_version = 0
 
-    def add_rank(self, state: WorkerState, rank: int) -> None:
+    def add_rank(self, state: RegisteredWorker, rank: int) -> None:
         """Record a dp_rank `state`'s worker publishes or was restored with (ranks only grow)."""
         if rank not in state.dp_ranks:
             state.dp_ranks = state.dp_ranks | {rank}
@@ -263,10 +263,10 @@ class Registry:
         now: float,
         model_block_sizes: dict[str, int] | None = None,
         last_seq: int | None = None,
-    ) -> WorkerState:
+    ) -> RegisteredWorker:
         """Validate and add. `model_block_sizes` are block sizes already fixed elsewhere (the index)."""
         keys = self.check(reg, model_block_sizes)
-        state = WorkerState(reg, now, last_seq, keys)
+        state = RegisteredWorker(reg, now, last_seq, keys)
         self._workers[reg.worker_id] = state
         return state
 
@@ -309,13 +309,13 @@ class Registry:
                 )
         return keys
 
-    def remove(self, worker_id: str) -> WorkerState:
+    def remove(self, worker_id: str) -> RegisteredWorker:
         try:
             return self._workers.pop(worker_id)
         except KeyError:
             raise UnknownWorker(f"worker {worker_id!r} is not registered") from None
 
-    def get(self, worker_id: str) -> WorkerState | None:
+    def get(self, worker_id: str) -> RegisteredWorker | None:
         return self._workers.get(worker_id)
 
     def __contains__(self, worker_id: object) -> bool:
@@ -324,10 +324,10 @@ class Registry:
     def __len__(self) -> int:
         return len(self._workers)
 
-    def __iter__(self) -> Iterator[WorkerState]:
+    def __iter__(self) -> Iterator[RegisteredWorker]:
         return iter(list(self._workers.values()))
 
-    def of_model(self, model: str) -> list[WorkerState]:
+    def of_model(self, model: str) -> list[RegisteredWorker]:
         return [w for w in self._workers.values() if w.reg.model == model]
 
     def block_size_of(self, model: str) -> int | None:
@@ -343,7 +343,7 @@ class Registry:
         return {w.worker_id: w.last_seq for w in self._workers.values() if w.last_seq is not None}
 
     def degraded(self, now: float) -> dict[str, list[str]]:
-        """`WorkerState.degraded` of every worker with a reason (`GET /health`): the statuses in one
+        """`RegisteredWorker.degraded` of every worker with a reason (`GET /health`): the statuses in one
         pass (`status_columns`, in C with the native module), the reasons only for those few."""
         states = list(self._workers.values())
         out = {}
@@ -352,5 +352,5 @@ class Registry:
                 out[w.worker_id] = w.degraded(now, self.policy)
         return out
 
-    def statuses(self, now: float, workers: Iterable[WorkerState] | None = None) -> dict[str, str]:
+    def statuses(self, now: float, workers: Iterable[RegisteredWorker] | None = None) -> dict[str, str]:
         return {w.worker_id: w.status(now, self.policy) for w in (workers or self._workers.values())}

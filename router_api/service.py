@@ -59,7 +59,7 @@ class ServiceHealth(HealthResponse):
     """`GET /health`: the shared HealthResponse plus which index core serves (docs/service.md)."""
 
     core: str = "python"
-    # Workers whose rows are not to be trusted now, with why (WorkerState.degraded); any: `status` degraded.
+    # Workers whose rows are not to be trusted now, with why (RegisteredWorker.degraded); any: `status` degraded.
     degraded_workers: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
@@ -383,7 +383,9 @@ class IndexerService:
     def _write_answer(self, model: str, block_size: int, plan: ScorePlan, query: Query, now: float,
                       msgpack: bool) -> bytes | None:
         """The answer bytes by the C writer (under the lock), or None for what it does not take."""
-        index = self.index
+        index, writer = self.index, self._writer
+        if writer is None:
+            return None
         table = None
         if plan.rows is not None:
             # The last query found the index holding exactly the plan's pairs; while the index keeps the
@@ -404,7 +406,7 @@ class IndexerService:
             if self.routes.pending.active(model) else ()
         if pend is None:
             return None
-        return self._writer.write_answer(
+        return writer.write_answer(
             msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks, table.rows,
             rows.heads[i], rows.wix, *status_columns(plan.states, now, self.registry.policy), fmt.statuses[i], *pend)
 

@@ -84,7 +84,7 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
         fut = engine.submit(req.token_ids, req.max_tokens, arrival)
         state: dict[str, Any] = {"served": None, "done": False}
 
-        async def body() -> AsyncIterator[bytes]:
+        async def stream() -> AsyncIterator[bytes]:
             try:
                 served = await asyncio.wrap_future(fut)
             except QueueFull as exc:  # filled up between the check and its turn: the status is sent
@@ -118,7 +118,7 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
             elif not fut.cancel():  # the engine has it already: free its slot once it is placed
                 fut.add_done_callback(cancel)
 
-        return PacedStream(body(), ended, media_type=_JSON)
+        return PacedStream(stream(), ended, media_type=_JSON)
 
     @app.get("/load")
     async def load(at: float | None = None) -> Response:

@@ -104,8 +104,9 @@ def _make_cache(args: argparse.Namespace, storage: Any, recorder: Any) -> Any:
                            write_policy=args.write_policy)
     from producer.components.families import FamilySizes, build_family_cache
 
+    pools: dict[str, Any] = pool_sizes(args)
     sizes = FamilySizes(page_size=args.block_size, device_pages=args.gpu_pages, host_pages=args.host_pages,
-                        kv_shape=(2, 4), **pool_sizes(args), conv_shape=(2, 4), temporal_shape=(2, 4),
+                        kv_shape=(2, 4), **pools, conv_shape=(2, 4), temporal_shape=(2, 4),
                         window=args.window, swa_shape=(2, 4), dsa_shape=(4,))
     return build_family_cache(args.family, sizes, transfer=transfer, storage=storage, recorder=recorder,
                               component_events=True, write_policy=args.write_policy)
@@ -158,7 +159,7 @@ def server_config(app: Any, host: str, port: int) -> Any:
     from sim.httpbody import WORKER_KEEPALIVE_S
 
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                          timeout_keep_alive=WORKER_KEEPALIVE_S)
+                          timeout_keep_alive=int(WORKER_KEEPALIVE_S))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -236,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(cache, sim, probe=probe, chunk_pages=args.chunk_tokens // args.block_size,
                     running_state_share=args.running_state_share if args.family == "mamba" else 0.0)
     endpoint = _advertised(publisher.endpoint, args.advertise_host)
-    replay = _advertised(publisher.replay_endpoint, args.advertise_host)
+    replay = None if publisher.replay_endpoint is None else _advertised(publisher.replay_endpoint, args.advertise_host)
     health = WorkerHealth(status="ok", worker_id=args.worker_id, model=args.model, block_size=args.block_size,
                           endpoint=endpoint, replay_endpoint=replay, sim=sim,
                           l3=None if storage is None else ("shared" if storage.backend.shared else "disk"),

@@ -21,7 +21,7 @@ from sim.registrar import Registrar, RegistrationRefused
 from router_api.config import ServiceConfig, default_index
 from router_api.ingest import DROP_WARN_INTERVAL_S, IngestLoop
 from router_api.metrics import ServiceMetrics
-from router_api.registry import Registry, WorkerState
+from router_api.registry import Registry, RegisteredWorker
 from schemas.api import DROPPING_WINDOW_S, RegisterWorker
 from router_api.procs import spawn, stop
 from schemas.events import BlockStored
@@ -157,7 +157,7 @@ _drop_steps = st.lists(st.tuples(st.floats(0, 200), st.dictionaries(st.sampled_f
 @given(_drop_steps)
 @settings(max_examples=200, deadline=None)
 def test_worker_drop_counts_and_dropping_window(steps: list[tuple[float, dict[str, int]]]) -> None:
-    w = WorkerState(RegisterWorker("w", "tcp://127.0.0.1:1"), now=0.0)
+    w = RegisteredWorker(RegisterWorker("w", "tcp://127.0.0.1:1"), now=0.0)
     now, want, last = 0.0, {}, None
     for dt, drops in steps:
         now += dt
