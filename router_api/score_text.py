@@ -5,10 +5,17 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import threading
+
 import msgspec
 
 from router_api.tokenization import TokenizerError, TokenizerSet
-from schemas.api import ScoreResponse, TextScoreResponse
+from schemas.api import MAX_QUERY_TOKENS, ScoreResponse, TextScoreResponse
+
+# Text requests tokenized at once (each on the answer pool, off the event loop): tokenizing and chat
+# templates hold the GIL for long stretches, so more in parallel would only starve the loop.
+MAX_TEXT_AT_ONCE = 1
+_text_slots = threading.BoundedSemaphore(MAX_TEXT_AT_ONCE)
 
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
@@ -43,14 +50,23 @@ def text_tokens(tokenizers: TokenizerSet | None, model: str, prompt: str | None,
         raise TextInputError(422, f"no tokenizer configured for model {model!r} (configured: {have}): start the "
                                   "indexer with --tokenizer MODEL=DIR, or send token_ids", "no_tokenizer")
     tok = tokenizers.get(model)
+    if not _text_slots.acquire(blocking=False):
+        raise TextInputError(503, f"busy: {MAX_TEXT_AT_ONCE} text request(s) already being tokenized; retry, "
+                                  "or send token_ids", "tokenizer_busy")
     try:
         if prompt is not None:
-            return tok.encode_prompt(prompt, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
-        assert messages is not None
-        return tok.encode_chat(messages, add_generation_prompt=add_generation_prompt,
-                               add_special_tokens=bool(add_special_tokens))
+            ids = tok.encode_prompt(prompt, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
+        else:
+            assert messages is not None
+            ids = tok.encode_chat(messages, add_generation_prompt=add_generation_prompt,
+                                  add_special_tokens=bool(add_special_tokens))
     except TokenizerError as exc:
         raise TextInputError(400, str(exc), "bad_text") from None
+    finally:
+        _text_slots.release()
+    if len(ids) > MAX_QUERY_TOKENS:  # the same cap as token_ids
+        raise TextInputError(413, f"the text is {len(ids)} tokens, over the {MAX_QUERY_TOKENS}-token limit", "too_long")
+    return ids
 
 
 def text_response(res: ScoreResponse, n_tokens: int) -> TextScoreResponse:

@@ -1,0 +1,40 @@
+"""Text `/score` within the same bounds as token ids (issue 37, finding 8): a prompt that becomes more
+than MAX_QUERY_TOKENS tokens is refused like a token list that long, and text requests, whatever their
+size, are tokenized on the answer pool (off the event loop), one at a time."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+from router_api.config import ServiceConfig
+from schemas.api import MAX_QUERY_TOKENS
+from support.net import free_port
+from support.service import LiveIndexer
+from support.tiny_tokenizer import TINY_CHAT
+
+
+def _cfg() -> ServiceConfig:
+    return ServiceConfig(port=free_port(), block_size=4, tokenizers={"default": str(TINY_CHAT)})
+
+
+def test_text_over_the_token_cap_is_refused() -> None:
+    with LiveIndexer(_cfg()) as idx:
+        r = idx.client.post("/score", json={"prompt": "ab" * (MAX_QUERY_TOKENS // 2 + 1)}, timeout=120)
+        assert r.status_code == 413 and "token" in r.json()["error"], r.text[:300]
+        assert idx.client.post("/score", json={"prompt": "ab" * 100}).status_code == 200
+        assert 'reason="too_long"' in idx.client.get("/metrics").text
+
+
+def test_a_small_text_request_is_answered_off_the_loop() -> None:
+    with LiveIndexer(_cfg()) as idx:
+        from router_api.fasthttp import find_front
+
+        front = find_front(idx.app)
+        assert front is not None
+        route = front.routes["/score"]
+        got = front.dispatch(route, "json", None, b"", b'{"prompt": "hello there"}', time.perf_counter())
+        assert isinstance(got, Future)  # the pool answers it, not the loop's thread
+        status, body, _ = got.result(30)
+        assert status == 200 and b"prompt_tokens" in body
+        small_ids = front.dispatch(route, "json", None, b"", b'{"token_ids": [1, 2, 3, 4]}', time.perf_counter())
+        assert not isinstance(small_ids, Future) and small_ids[0] == 200  # token ids stay on the loop
