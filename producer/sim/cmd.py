@@ -168,15 +168,18 @@ def _advertised(bound: str, host: str | None) -> str:
     return f"tcp://{host}:{port}"
 
 
-def server_config(app: Any, host: str, port: int) -> Any:
+def server_config(app: Any, host: str, port: int, limits: Any = None) -> Any:
     """The worker's uvicorn settings: idle connections close after WORKER_KEEPALIVE_S, later than
     the routers' clients drop theirs (producer.sim.httpbody)."""
     import uvicorn
 
+    from producer.sim.app import HttpLimits
     from producer.sim.httpbody import WORKER_KEEPALIVE_S
 
+    # a request deadline and a connection cap (producer/sim/app.py HttpLimits)
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                          timeout_keep_alive=WORKER_KEEPALIVE_S)
+                          timeout_keep_alive=WORKER_KEEPALIVE_S,
+                          http=(limits if limits is not None else HttpLimits()).protocol())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -264,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
             _register(args.indexer, {"worker_id": args.worker_id, "endpoint": endpoint, "replay_endpoint": replay,
                                      "model": args.model, "block_size": args.block_size},
                       token=indexer_token(args.indexer_token_file))
-        uvicorn.Server(server_config(app, args.host, args.port)).run()
+        uvicorn.Server(server_config(app, args.host, args.port, app.state.limits)).run()
     finally:
         engine.close()
         recorder.close(time.monotonic())
