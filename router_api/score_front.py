@@ -163,7 +163,7 @@ class ScoreFront:
                 elif score_text.is_text(tokens, req.prompt, req.messages):  # prompt / messages: tokenized here
                     if on_loop:
                         return _OFF_LOOP
-                    out = score_text.text_answer(self.service, req.model, req, mp)
+                    out = score_text.text_answer(self.service, req.model, req, mp, self.pool.text_slots)
                 else:
                     out = handler(req.model, tokens, req.lora_name, req.cache_salt, mp)
         except ApiError as exc:

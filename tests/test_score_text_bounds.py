@@ -38,3 +38,19 @@ def test_a_small_text_request_is_answered_off_the_loop() -> None:
         assert status == 200 and b"prompt_tokens" in body
         small_ids = front.dispatch(route, "json", None, b"", b'{"token_ids": [1, 2, 3, 4]}', time.perf_counter())
         assert not isinstance(small_ids, Future) and small_ids[0] == 200  # token ids stay on the loop
+
+
+def test_text_requests_are_tokenized_one_at_a_time() -> None:
+    with LiveIndexer(_cfg()) as idx:
+        from router_api.fasthttp import find_front
+
+        front = find_front(idx.app)
+        assert front is not None
+        front.pool.text_slots.acquire()  # one text request being tokenized
+        try:
+            r = idx.client.post("/score", json={"prompt": "hello there"})
+            assert r.status_code == 503 and "busy" in r.json()["error"]
+            assert idx.client.post("/score", json={"token_ids": [1, 2, 3, 4]}).status_code == 200
+        finally:
+            front.pool.text_slots.release()
+        assert idx.client.post("/score", json={"prompt": "hello there"}).status_code == 200
