@@ -15,7 +15,7 @@ import logging
 import os
 import struct
 import tempfile
-from typing import Optional, Protocol
+from typing import Optional, Protocol, cast
 
 import msgspec
 
@@ -182,7 +182,7 @@ class RedisSnapshotStore:
         import redis
 
         try:
-            return self._client.get(self.key)
+            return cast("bytes | None", self._client.get(self.key))  # a client without decode_responses
         except redis.RedisError as exc:
             raise SnapshotError(f"cannot read snapshot from {self.description}: {exc}") from exc
 

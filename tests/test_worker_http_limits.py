@@ -12,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from producer.sim.app import HttpLimits
-from producer.sim.cmd import server_config
+from sim.app import HttpLimits
+from sim.cmd import server_config
 from support.net import free_port, wait_until
 
 
