@@ -16,7 +16,7 @@ from router_api.config import ServiceConfig
 from router_api.route_plane import DEFAULT_ROUTES_SUBJECT, RouteFanout, seal
 from router_api.service import IndexerService
 from schemas.api import RegisterWorker
-from schemas.natsio import NatsThread, NatsUnavailable
+from transport.natsio import NatsThread, NatsUnavailable
 from support.nats import NatsServer
 from support.net import free_port, wait_until
 

@@ -26,7 +26,7 @@ import pytest
 
 from producer.publisher import ZmqEventPublisher
 from router_api.route_plane import DEFAULT_ROUTES_SUBJECT
-from schemas.natsio import NatsThread
+from transport.natsio import NatsThread
 from support.hostile import HealthProbe, rss_kb, slowloris
 from support.nats import NatsServer
 from support.net import free_port, wait_until
