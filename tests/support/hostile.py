@@ -141,7 +141,7 @@ def honest_hybrid(seed: int, blocks: int = 64) -> tuple[list, list[int]]:
 
 
 # The probe process (shared with bench/bench_health_under_load.py): GET /health every 20 ms.
-_PROBE = str(Path(__file__).resolve().parents[2] / "bench" / "health_probe.py")
+_PROBE = str(Path(__file__).resolve().parents[2] / "bench" / "support" / "health_probe.py")
 
 
 class HealthProbe:
