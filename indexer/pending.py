@@ -307,9 +307,9 @@ class PendingRoutes:
             else:  # a confirmed route's busy_until ends with its TTL
                 self._drop_busy(model, pair, rid, gen)
         self.counts.expired += n
-        heap = self._admit_heap
-        while heap and heap[0][0] <= now:
-            _, gen, model, rid = heapq.heappop(heap)
+        admit_heap = self._admit_heap
+        while admit_heap and admit_heap[0][0] <= now:
+            _, gen, model, rid = heapq.heappop(admit_heap)
             r = self._routes.get(model, {}).get(rid)
             if r is not None and r.gen == gen and r.awaiting:
                 self._settle(r)
@@ -404,13 +404,15 @@ class PendingRoutes:
 
     def _drop_busy(self, model: str, pair: Pair, rid: str, gen: int) -> None:
         by_pair = self._busy.get(model)
-        pb = by_pair.get(pair) if by_pair else None
-        b = pb.values.get(rid) if pb else None
-        if b is None or b.gen != gen:
+        if by_pair is None:
             return
-        del pb.values[rid]  # type: ignore[union-attr]
-        if not pb.values:  # type: ignore[union-attr]
-            del by_pair[pair]  # type: ignore[index]
+        pb = by_pair.get(pair)
+        b = pb.values.get(rid) if pb is not None else None
+        if pb is None or b is None or b.gen != gen:
+            return
+        del pb.values[rid]
+        if not pb.values:
+            del by_pair[pair]
             if not by_pair:
                 del self._busy[model]
 

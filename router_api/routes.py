@@ -246,7 +246,9 @@ class RouteBook:
         return token
 
     def unwatch(self, token: int | None) -> None:
-        w = self._watchers.pop(token, None) if token is not None else None
+        if token is None:
+            return
+        w = self._watchers.pop(token, None)
         if w is None:
             return
         self._wait_names -= len(w.rids)
@@ -254,7 +256,7 @@ class RouteBook:
             key = (w.model, rid)
             tokens = self._by_route.get(key)
             if tokens is not None:
-                tokens.discard(token)  # type: ignore[arg-type]
+                tokens.discard(token)
                 if not tokens:
                     del self._by_route[key]
 

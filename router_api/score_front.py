@@ -48,7 +48,7 @@ class _ClientGone(Exception):
     """The client disconnected before sending its whole body: nothing to answer."""
 
 
-_OFF_LOOP: Answer = (0, b"", [])  # `answer`'s "not here": a text request, answered on the pool
+_OFF_LOOP = Answer(0, b"", _JSON_HEADERS)  # `answer`'s "not here": a text request, answered on the pool
 
 
 class ScoreFront:
