@@ -140,7 +140,7 @@ class PendingRoutes:
 
     __slots__ = ("ttl_s", "max_routes", "max_blocks", "max_pair_routes", "max_pair_blocks", "admit_timeout_s",
                  "counts", "admission_expired", "busy_refused", "on_settle", "_routes", "_held", "_ends", "_heap",
-                 "_admit_heap", "_gen", "_blocks", "_load", "_busy", "_awaiting", "_handles")
+                 "_admit_heap", "_gen", "_blocks", "_load", "_busy", "_busy_at", "_awaiting", "_handles")
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, max_routes: int = DEFAULT_MAX_ROUTES,
                  max_blocks: int = DEFAULT_MAX_BLOCKS, max_pair_routes: int = DEFAULT_MAX_PAIR_ROUTES,
@@ -168,6 +168,7 @@ class PendingRoutes:
         self._blocks = 0
         self._load: dict[str, dict[Pair, PairLoad]] = {}                   # model -> pair -> in-flight load
         self._busy: dict[str, dict[Pair, _PairBusy]] = {}                  # model -> pair -> busy_until values
+        self._busy_at: dict[str, dict[str, tuple[Pair, int]]] = {}         # model -> id -> (pair, gen) of its value
         self._awaiting: dict[str, dict[Pair, dict[str, PendingRoute]]] = {}  # model -> pair -> id -> route
         self._handles: dict[str, PendingRoute] = {}                        # handle -> route awaiting admission
 
@@ -220,6 +221,7 @@ class PendingRoutes:
         meanwhile. Beyond the caps the oldest routes (of the pair first, then overall) are dropped
         (counted)."""
         self._remove(model, request_id)
+        self._forget_busy(model, request_id)  # a confirmed earlier route's value, wherever it was
         keys = tuple(keys)
         pair = (worker_id, dp_rank)
         if len(keys) > self.max_pair_blocks:
@@ -231,6 +233,7 @@ class PendingRoutes:
             if busy_ok(busy_until):
                 pb = self._busy.setdefault(model, {}).setdefault(pair, _PairBusy())
                 pb.put(request_id, _Busy(busy_until, expires, self._gen))
+                self._busy_at.setdefault(model, {})[request_id] = (pair, self._gen)
                 if len(pb.values) > self.max_pair_routes:  # values of confirmed routes past the pair's cap
                     old = next(iter(pb.values))
                     self._drop_busy(model, pair, old, pb.values[old].gen)
@@ -265,8 +268,10 @@ class PendingRoutes:
         return len(keys) if request_id in self._routes.get(model, {}) else 0
 
     def release(self, model: str, request_id: str) -> int:
-        """Forget a finished (or failed) request's route; returns the blocks it held (0: unknown)."""
+        """Forget a finished (or failed) request's route and its `busy_until` (also once confirmed: the
+        request is done); returns the blocks it held (0: unknown, or confirmed or expired already)."""
         r = self._remove(model, request_id)
+        self._forget_busy(model, request_id)
         if r is None:
             return 0
         self.counts.released += 1
@@ -320,9 +325,8 @@ class PendingRoutes:
         """Forget a worker's routes (removed, cleared, resynced, restarted); returns how many."""
         busy = self._busy.get(model, {})
         for pair in [p for p in busy if p[0] == worker_id and (dp_rank is None or p[1] == dp_rank)]:
-            del busy[pair]
-        if not busy:
-            self._busy.pop(model, None)
+            for rid, b in list(busy[pair].values.items()):
+                self._drop_busy(model, pair, rid, b.gen)
         gone = [rid for pair, ld in self._load.get(model, {}).items()
                 if pair[0] == worker_id and (dp_rank is None or pair[1] == dp_rank) for rid in ld.routes]
         for rid in gone:
@@ -332,6 +336,7 @@ class PendingRoutes:
 
     def clear_model(self, model: str) -> int:
         self._busy.pop(model, None)
+        self._busy_at.pop(model, None)
         gone = list(self._routes.get(model, {}))
         for rid in gone:
             self._remove(model, rid)
@@ -411,10 +416,19 @@ class PendingRoutes:
         if pb is None or b is None or b.gen != gen:
             return
         del pb.values[rid]
+        at = self._busy_at[model]
+        del at[rid]
+        if not at:
+            del self._busy_at[model]
         if not pb.values:
             del by_pair[pair]
             if not by_pair:
                 del self._busy[model]
+
+    def _forget_busy(self, model: str, rid: str) -> None:
+        got = self._busy_at.get(model, {}).get(rid)
+        if got is not None:
+            self._drop_busy(model, got[0], rid, got[1])
 
     def _drop(self, model: str, request_id: str) -> None:
         if self._remove(model, request_id) is not None:

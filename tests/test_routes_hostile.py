@@ -9,6 +9,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from indexer.pending import DEFAULT_MAX_ROUTES, PendingRoutes
 from producer.publisher import ZmqEventPublisher
@@ -64,6 +66,51 @@ def test_busy_until_is_forgotten_with_its_route_and_bounded() -> None:
     p.add("m", "dropped", "w1", 0, [4], now=0.0, busy_until=99.0)
     p.clear_worker("m", "w1")
     assert p.busy_until("m", "w1", 0, 0.0) is None
+
+
+_busy_op = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 5), st.integers(0, 2),
+              st.one_of(st.none(), st.floats(-1e12, 1e12), st.sampled_from([math.inf, -math.inf, math.nan, 1e300]))),
+    st.tuples(st.just("release"), st.integers(0, 5)),
+    st.tuples(st.just("confirm"), st.integers(0, 5)),
+    st.tuples(st.just("clock"), st.floats(0.0, 3.0)),
+    st.tuples(st.just("clear"), st.integers(0, 2)),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_busy_op, min_size=1, max_size=40))
+def test_busy_until_is_the_largest_value_of_the_routes_held(ops: list[tuple]) -> None:
+    """Against a reference model: a pair's busy_until is the largest valid value among its routes that
+    are held, or confirmed and within their TTL; released, expired, re-reported or cleared, a value goes."""
+    p = PendingRoutes(ttl_s=5.0)
+    now = 0.0
+    model: dict[str, tuple[str, float | None, float, bool]] = {}  # rid -> (worker, busy, expires, confirmed)
+    for o in ops:
+        if o[0] == "add":
+            rid, w = f"r{o[1]}", f"w{o[2]}"
+            p.add("m", rid, w, 0, [o[1] + 1], now=now, busy_until=o[3])
+            ok = o[3] is not None and math.isfinite(o[3]) and abs(o[3]) <= 1e12
+            model[rid] = (w, o[3] if ok else None, now + 5.0, False)
+        elif o[0] == "release":
+            p.release("m", f"r{o[1]}")
+            model.pop(f"r{o[1]}", None)
+        elif o[0] == "confirm":
+            rid = f"r{o[1]}"
+            if p.confirm("m", rid) and rid in model:
+                model[rid] = (*model[rid][:3], True)
+        elif o[0] == "clock":
+            now += o[1]
+            p.expire(now)
+        else:
+            p.clear_worker("m", f"w{o[1]}")
+            model = {k: v for k, v in model.items() if v[0] != f"w{o[1]}"}
+        model = {k: v for k, v in model.items() if v[2] > now}
+        for i in range(3):
+            vals = [v[1] for v in model.values() if v[0] == f"w{i}" and v[1] is not None]
+            assert p.busy_until("m", f"w{i}", 0, now) == (max(vals) if vals else None), (o, model)
+        held = any(not v[3] for v in model.values())
+        assert p.active("m") == (held or any(v[1] is not None for v in model.values()))
 
 
 def test_busy_until_over_http_follows_the_route(live: LiveIndexer) -> None:
