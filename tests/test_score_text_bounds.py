@@ -54,3 +54,25 @@ def test_text_requests_are_tokenized_one_at_a_time() -> None:
         finally:
             front.pool.text_slots.release()
         assert idx.client.post("/score", json={"prompt": "hello there"}).status_code == 200
+
+
+def test_a_long_text_is_tokenized_without_holding_the_gil() -> None:
+    """A million-token prompt must not stop the other threads (the event loop among them) for its
+    whole tokenization: the main thread keeps running while a thread tokenizes it."""
+    import threading
+
+    from router_api.tokenization import ChatTokenizer
+
+    tok = ChatTokenizer.from_dir(TINY_CHAT)
+    text = "hello world " * 150_000
+    done = threading.Event()
+    got: list[int] = []
+    worker = threading.Thread(target=lambda: (got.append(len(tok.encode_prompt(text))), done.set()))
+    worker.start()
+    turns = 0
+    while not done.is_set():
+        time.sleep(0.001)  # each turn needs the GIL back
+        turns += 1
+    worker.join()
+    assert got == [900_002]
+    assert turns >= 50, turns
