@@ -80,17 +80,18 @@ def shared_backlog(sim: SimModel, reported_s: float, row: ScoreRow) -> float:
 class RouteInput:
     """Everything a policy may look at for one request."""
 
-    __slots__ = ("tokens", "block_keys", "block_size", "scores", "backlog", "inflight")
+    __slots__ = ("tokens", "block_keys", "block_size", "scores", "backlog", "inflight", "now")
 
     def __init__(self, tokens: int, block_keys: Sequence[bytes], block_size: int,
                  scores: Mapping[str, ScoreRow] | None, backlog: Mapping[str, float],
-                 inflight: Mapping[str, int]) -> None:
+                 inflight: Mapping[str, int], now: float = 0.0) -> None:
         self.tokens = tokens
         self.block_keys = block_keys      # chained per-block keys (approximate's own tree)
         self.block_size = block_size
         self.scores = scores              # None for policies that do not ask the index
         self.backlog = backlog            # virtual seconds of prefill queued per worker
         self.inflight = inflight          # this router's own outstanding requests per worker
+        self.now = now                    # the request's arrival on the replay's (virtual) clock
 
 
 class Decision:
