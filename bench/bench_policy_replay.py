@@ -80,7 +80,9 @@ def replay(policy_name: str, reqs: list, tokens: list[list[int]], workers: int, 
     i mod routers) on `workers` engines. Every replica reads the same exact rows and timelines (the
     shared index and the shared end times); each keeps its own tree (`approximate`), tie-break and
     in-flight counts. Figures: prefill tokens, hit ratio, TTFT mean / p50 / p90 / p99, prediction."""
-    with tempfile.TemporaryDirectory(prefix="kvatlas-policy-replay-") as tmp:
+    # the file L3 in memory when there is a tmpfs: the figures are on the virtual clock either way
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="kvatlas-policy-replay-", dir=shm) as tmp:
         engines = [make_engine(f"{tmp}/l3-{j}", gpu_pages, host_pages) for j in range(workers)]
         ids = [f"w{j}" for j in range(workers)]
         reps = [Replica(make_policy(policy_name, ids, engines[0].sim, seed + k), ids) for k in range(routers)]

@@ -12,9 +12,9 @@ W = ["a", "b", "c"]
 SIM = SimModel()
 
 
-def inp(tokens: int = 2048, scores=None, backlog=None, inflight=None, keys=None) -> RouteInput:
+def inp(tokens: int = 2048, scores=None, backlog=None, inflight=None, keys=None, now: float = 0.0) -> RouteInput:
     keys = keys if keys is not None else [bytes([i]) for i in range(tokens // 512)]
-    return RouteInput(tokens, keys, 512, scores, backlog or {}, inflight or {w: 0 for w in W})
+    return RouteInput(tokens, keys, 512, scores, backlog or {}, inflight or {w: 0 for w in W}, now=now)
 
 
 def test_round_robin_and_random_make_no_prediction() -> None:
@@ -171,11 +171,11 @@ def test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix() -> None:
     assert d.worker_id == "a" and d.predicted_cached == 22 * 512
 
 
-def test_a_conversation_leaves_its_cache_only_for_a_queue_several_times_its_recompute() -> None:
+def test_a_conversation_leaves_its_cache_only_for_a_queue_many_times_its_recompute() -> None:
     # 'a' holds 27 of the prompt's 28 blocks behind a 2.6 s queue; 'b' and 'c' are idle and hold nothing.
     # On 'b' the request would start at once (TTFT 0.92 s against 2.72 s on 'a'), but 'b' would
-    # recompute 0.79 s of work the fleet need not do: charged (work_weight - 1) more times, it outweighs
-    # the queue (the bundled trace's case: 6 such moves cost 3% more prefill than approximate x1).
+    # recompute 0.82 s of work the fleet need not do: a continuing conversation's (one worker holds
+    # more than half its prompt) recompute is charged (work_weight - 1) x keep_weight more times.
     scores = {"a": ScoreRow(0, 27, host=27), "b": ScoreRow(), "c": ScoreRow()}
     p = make_policy("precise_tiered", W, SIM)
     d = p.choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 2.6}))
@@ -185,11 +185,39 @@ def test_a_conversation_leaves_its_cache_only_for_a_queue_several_times_its_reco
     assert p.key(0.0, work_b, work_b - work_a) == pytest.approx(work_b * 2 + 2 * (work_b - work_a))
     # the recompute is what another worker would not do: without it (no excess) 'b' would have won
     assert p.key(0.0, work_b) < p.key(2.6, work_a) < p.key(0.0, work_b, work_b - work_a)
-    # a 4 s queue, five times the recompute: the conversation moves
+    # a 4 s queue, five times the recompute: it stays (the bundled trace's moves of this kind cost
+    # more prefill than approximate x1 at every load of bench/bench_sweep.py)
     d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 4.0}))
+    assert d.worker_id == "a"
+    # a 20 s queue, about twenty times the recompute: the conversation moves
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 20.0}))
     assert d.worker_id in ("b", "c") and d.predicted_cached == 0
-    # the shared system prompt a cold worker lacks is excess too, yet a cold idle worker still takes a
-    # new conversation from busy ones (test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix)
+    # the shared system prompt a cold worker lacks is excess too, but only at the plain weight (no worker
+    # holds more than half a new conversation's prompt), so a cold idle worker still takes a new
+    # conversation from busy ones (test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix)
+
+
+def test_a_new_conversation_avoids_the_worker_recently_sent_the_most_work() -> None:
+    # Equal queues now, nothing cached: the worker the policy sent 3 s of work to in the last seconds
+    # holds conversations that will come back; a new conversation goes elsewhere. Thirty time
+    # constants later that work has aged away and the tie-break decides again.
+    p = make_policy("precise_tiered", W, SIM)
+    scores = {w: ScoreRow() for w in W}
+    p.recent["b"] = p.recent["c"] = 0.0
+    p.recent["a"] = 3.0
+    p.assigned.update({"a": 0.0, "b": 5.0, "c": 5.0})
+    d = p.choose(inp(tokens=8 * 512, scores=scores, now=1.0))
+    assert d.worker_id != "a"
+    q = make_policy("precise_tiered", W, SIM)
+    q.recent["a"] = 3.0
+    q.assigned.update({"a": 0.0, "b": 5.0, "c": 5.0})
+    d = q.choose(inp(tokens=8 * 512, scores=scores, now=30 * q.reuse_s))
+    assert d.worker_id == "a"
+    # a continuing conversation ignores it: it stays with its cache
+    held = {"a": ScoreRow(7, 7), "b": ScoreRow(), "c": ScoreRow()}
+    r = make_policy("precise_tiered", W, SIM)
+    r.recent["a"] = 3.0
+    assert r.choose(inp(tokens=8 * 512, scores=held, now=1.0)).worker_id == "a"
 
 
 def test_shared_backlog_adds_every_replicas_unconfirmed_prefill() -> None:

@@ -279,7 +279,7 @@ class PreciseGpu(Policy):
         best = min(key.values())
         # Ties (e.g. an idle fleet and no cache anywhere) go to the worker sent the least work so far,
         # not always to the first: new conversations spread, and their later turns follow them.
-        w = min((w for w in self.workers if key[w] <= best),
+        w = min((w for w in self.workers if key[w] <= best + 1e-9),  # a nanosecond: aged-away work ties
                 key=lambda w: (self.assigned[w], inp.inflight.get(w, 0), w))
         self.assigned[w] += costs[w]
         self.recent[w] += costs[w]
