@@ -97,7 +97,7 @@ def replay(policy_name: str, reqs: list, tokens: list[list[int]], workers: int, 
             backlog = {w: e.schedule.backlog_at(r.arrival_s) for w, e in zip(ids, engines)}
             inflight = {w: len(rep.ends[w]) - bisect.bisect_right(rep.ends[w], r.arrival_s) for w in ids}
             keys = block_keys(t, P) if policy_name == "approximate" else []
-            d = rep.policy.choose(RouteInput(len(t), keys, P, rows, backlog, inflight, now=r.arrival_s))
+            d = rep.policy.choose(RouteInput(len(t), keys, P, rows, backlog, inflight))
             s = engines[ids.index(d.worker_id)]._serve(t, r.output_length, r.arrival_s)
             bisect.insort(rep.ends[d.worker_id], r.arrival_s + s.e2e_s)
             tally(counts, ttft, d, s)

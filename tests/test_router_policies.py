@@ -12,9 +12,9 @@ W = ["a", "b", "c"]
 SIM = SimModel()
 
 
-def inp(tokens: int = 2048, scores=None, backlog=None, inflight=None, keys=None, now: float = 0.0) -> RouteInput:
+def inp(tokens: int = 2048, scores=None, backlog=None, inflight=None, keys=None) -> RouteInput:
     keys = keys if keys is not None else [bytes([i]) for i in range(tokens // 512)]
-    return RouteInput(tokens, keys, 512, scores, backlog or {}, inflight or {w: 0 for w in W}, now=now)
+    return RouteInput(tokens, keys, 512, scores, backlog or {}, inflight or {w: 0 for w in W})
 
 
 def test_round_robin_and_random_make_no_prediction() -> None:
@@ -189,8 +189,11 @@ def test_a_conversation_leaves_its_cache_only_for_a_queue_many_times_its_recompu
     # more prefill than approximate x1 at every load of bench/bench_sweep.py)
     d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 4.0}))
     assert d.worker_id == "a"
-    # a 20 s queue, about twenty times the recompute: the conversation moves
+    # and at 20 s: a continuing conversation's hit is given away only for a queue there about a hundred
+    # times the recompute (2 x keep_weight): a 100 s queue, the fleet far past its capacity
     d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 20.0}))
+    assert d.worker_id == "a"
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 100.0}))
     assert d.worker_id in ("b", "c") and d.predicted_cached == 0
     # the shared system prompt a cold worker lacks is excess too, but only at the plain weight (no worker
     # holds more than half a new conversation's prompt), so a cold idle worker still takes a new
@@ -198,26 +201,28 @@ def test_a_conversation_leaves_its_cache_only_for_a_queue_many_times_its_recompu
 
 
 def test_a_new_conversation_avoids_the_worker_recently_sent_the_most_work() -> None:
-    # Equal queues now, nothing cached: the worker the policy sent 3 s of work to in the last seconds
-    # holds conversations that will come back; a new conversation goes elsewhere. Thirty time
-    # constants later that work has aged away and the tie-break decides again.
+    # Equal queues now, nothing cached: the worker the policy recently sent 3 s of work holds
+    # conversations that will come back; a new conversation goes elsewhere, although the tie-break
+    # (least work sent ever) would pick it.
     p = make_policy("precise_tiered", W, SIM)
     scores = {w: ScoreRow() for w in W}
-    p.recent["b"] = p.recent["c"] = 0.0
     p.recent["a"] = 3.0
     p.assigned.update({"a": 0.0, "b": 5.0, "c": 5.0})
-    d = p.choose(inp(tokens=8 * 512, scores=scores, now=1.0))
-    assert d.worker_id != "a"
+    assert p.choose(inp(tokens=8 * 512, scores=scores)).worker_id != "a"
+    # that work ages over `reuse_requests` decisions: thirty windows of other routing later, it is gone
     q = make_policy("precise_tiered", W, SIM)
     q.recent["a"] = 3.0
     q.assigned.update({"a": 0.0, "b": 5.0, "c": 5.0})
-    d = q.choose(inp(tokens=8 * 512, scores=scores, now=30 * q.reuse_s))
-    assert d.worker_id == "a"
+    held = {"a": ScoreRow(), "b": ScoreRow(7, 7), "c": ScoreRow()}
+    for _ in range(int(30 * q.reuse_requests)):  # continuing conversations on 'b', nothing sent to 'a'
+        q.choose(inp(tokens=8 * 512, scores=held))
+    q.assigned["a"] = -1.0
+    assert q.recent["a"] < 1e-9 and q.choose(inp(tokens=8 * 512, scores=scores)).worker_id == "a"
     # a continuing conversation ignores it: it stays with its cache
-    held = {"a": ScoreRow(7, 7), "b": ScoreRow(), "c": ScoreRow()}
     r = make_policy("precise_tiered", W, SIM)
     r.recent["a"] = 3.0
-    assert r.choose(inp(tokens=8 * 512, scores=held, now=1.0)).worker_id == "a"
+    assert r.choose(inp(tokens=8 * 512, scores={"a": ScoreRow(7, 7), "b": ScoreRow(), "c": ScoreRow()}
+                        )).worker_id == "a"
 
 
 def test_shared_backlog_adds_every_replicas_unconfirmed_prefill() -> None:

@@ -81,18 +81,17 @@ def shared_backlog(sim: SimModel, reported_s: float, row: ScoreRow) -> float:
 class RouteInput:
     """Everything a policy may look at for one request."""
 
-    __slots__ = ("tokens", "block_keys", "block_size", "scores", "backlog", "inflight", "now")
+    __slots__ = ("tokens", "block_keys", "block_size", "scores", "backlog", "inflight")
 
     def __init__(self, tokens: int, block_keys: Sequence[bytes], block_size: int,
                  scores: Mapping[str, ScoreRow] | None, backlog: Mapping[str, float],
-                 inflight: Mapping[str, int], now: float = 0.0) -> None:
+                 inflight: Mapping[str, int]) -> None:
         self.tokens = tokens
         self.block_keys = block_keys      # chained per-block keys (approximate's own tree)
         self.block_size = block_size
         self.scores = scores              # None for policies that do not ask the index
         self.backlog = backlog            # virtual seconds of prefill queued per worker
         self.inflight = inflight          # this router's own outstanding requests per worker
-        self.now = now                    # the request's arrival on the replay's (virtual) clock
 
 
 class Decision:
@@ -214,19 +213,18 @@ class PreciseGpu(Policy):
     uses_index = True
 
     def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0, *, work_weight: float = 3.0,
-                 busy_s: float = 1.0, min_share: float = 0.5, keep_weight: float = 10.0, keep_share: float = 0.5,
-                 reuse_s: float = 30.0, reuse_weight: float = 0.5) -> None:
+                 busy_s: float = 1.0, min_share: float = 0.5, keep_weight: float = 50.0, keep_share: float = 0.5,
+                 reuse_requests: float = 200.0, reuse_weight: float = 0.5) -> None:
         super().__init__(workers, sim, seed)
         self.work_weight = work_weight
         self.busy_s = busy_s
         self.min_share = min_share
         self.keep_weight = keep_weight  # a continuing conversation's recompute: this many times the excess weight
         self.keep_share = keep_share    # ... when one worker holds more than this share of the prompt
-        self.reuse_s = reuse_s          # how long the work sent to a worker keeps coming back (next turns)
+        self.reuse_requests = reuse_requests  # decisions over which the work sent to a worker comes back
         self.reuse_weight = reuse_weight
         self.assigned = {w: 0.0 for w in self.workers}  # virtual seconds of work this policy has sent
-        self.recent = {w: 0.0 for w in self.workers}    # the same, decayed with time constant `reuse_s`
-        self.last_now = 0.0
+        self.recent = {w: 0.0 for w in self.workers}    # the same, decayed over `reuse_requests` decisions
 
     def cached_blocks(self, row: ScoreRow) -> int:
         """Leading blocks the worker will serve from cache as this policy reads the row: every tier
@@ -269,7 +267,7 @@ class PreciseGpu(Policy):
         # that prefix for the next burst.
         held = max(self.cached_blocks(scores.get(w, empty)) for w in self.workers) * inp.block_size
         keep = self.keep_weight if held > self.keep_share * inp.tokens else 1.0
-        self._decay(inp.now)
+        self._decay()
         floor = min(self.recent.values())
         # A new conversation will come back where it starts: its later turns meet the work this worker
         # was recently sent (conversations that come back too), not only its queue now.
@@ -289,14 +287,13 @@ class PreciseGpu(Policy):
         # tiers back) and what the in-flight requests ahead of this one will have stored.
         return Decision(w, min(inp.tokens, self.cached_blocks(row) * b), costs[w], row.pending * b)
 
-    def _decay(self, now: float) -> None:
-        """Age the recent work to `now` (the request's arrival; a clock that runs backwards ages nothing)."""
-        dt = now - self.last_now
-        if dt > 0:
-            f = math.exp(-dt / self.reuse_s)
-            for w in self.recent:
-                self.recent[w] *= f
-            self.last_now = now
+    def _decay(self) -> None:
+        """Age the recent work by one decision: it counts in routing decisions, not seconds, so the
+        window follows the traffic's rate (a conversation comes back after about as many other
+        requests at any load)."""
+        f = math.exp(-1.0 / self.reuse_requests)
+        for w in self.recent:
+            self.recent[w] *= f
 
 
 class PreciseTiered(PreciseGpu):
