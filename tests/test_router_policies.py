@@ -31,9 +31,9 @@ def test_least_loaded_takes_the_smallest_backlog() -> None:
 
 
 def test_precise_tiered_costs_tiers_and_load_precise_gpu_ignores_lower_tiers() -> None:
-    # 'a' holds the prompt on the host, 'b' on the GPU but is busy, 'c' has nothing.
+    # 'a' holds the prompt on the host, 'b' on the GPU but is far behind (20 s), 'c' has nothing.
     scores = {"a": ScoreRow(0, 4, host=4), "b": ScoreRow(4, 4), "c": ScoreRow()}
-    backlog = {"a": 0.1, "b": 5.0, "c": 0.0}
+    backlog = {"a": 0.1, "b": 20.0, "c": 0.0}
     t = make_policy("precise_tiered", W, SIM).choose(inp(scores=scores, backlog=backlog))
     assert t.worker_id == "a" and t.predicted_cached == 2048
     g = make_policy("precise_gpu", W, SIM).choose(inp(scores=scores, backlog=backlog))
@@ -107,8 +107,10 @@ def test_pending_blocks_count_as_cached_for_precise_policies() -> None:
     for name in ("precise_tiered", "precise_gpu"):
         d = make_policy(name, W, SIM).choose(inp(tokens=2048, scores=scores))
         assert d.worker_id == "a" and d.predicted_cached == 2048 and d.predicted_pending == 1024
-    # ...unless its queue outweighs the recompute
+    # ...unless its queue outweighs the recompute (a continuing conversation's: keep_weight times)
     d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=2048, scores=scores, backlog={"a": 1.0}))
+    assert d.worker_id == "a"
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=2048, scores=scores, backlog={"a": 5.0}))
     assert d.worker_id == "b" and d.predicted_cached == 1536 and d.predicted_pending == 0
 
 
