@@ -18,14 +18,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from producer.allocator import PoolExhausted
-from producer.sim.driver import write_pattern
-from producer.sim.hybrid import insert_request
+from sim.driver import write_pattern
+from sim.hybrid import insert_request
 from producer.cache import TieredCache
 from producer.components.swa import SlidingWindowComponent
 from producer.storage.keys import page_key
-from producer.sim.schedule import QueueFull, Schedule, Slot
+from sim.schedule import QueueFull, Schedule, Slot
 from schemas.media import Medium
-from producer.sim.api import SimModel, Tokens
+from sim.api import SimModel, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Engine:
         self.cache = cache
         self.settle_s = settle_s  # wall seconds a request waits for the copies before it (_settle)
         self.sim = sim
-        self.chunk_pages = chunk_pages  # hybrid: a Mamba state at every prefill chunk's end (producer.sim.hybrid)
+        self.chunk_pages = chunk_pages  # hybrid: a Mamba state at every prefill chunk's end (sim.hybrid)
         if not 0.0 <= running_state_share < 1.0:
             raise ValueError("running_state_share must be in [0, 1)")
         # Mamba: the share of the GPU state pool a full batch of running requests holds (their working
