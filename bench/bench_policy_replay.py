@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import os
-import sys
 import tempfile
 from collections import Counter
 

@@ -12,21 +12,17 @@ TTFT p50 / p90 / p99, prediction. Then the **offline bound**, the same requests 
 - TTFT: each request's own share of that work (its never-seen blocks' prefill, its seen blocks'
   load-back from host) on an idle worker: no placement is faster for any request.
 
-    .venv/bin/python bench/bench_sweep.py [--traces bundled,builtin-chat,builtin-conversation]
+    .venv/bin/python -m bench.bench_sweep [--traces bundled,builtin-chat,builtin-conversation]
         [--loads 0.5,0.7,0.9,1.1,1.3] [--requests 300] [--seed 0] [--short]
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_policy_replay import P, replay  # noqa: E402
-from producer.sim.api import SimModel  # noqa: E402
-from router_api.router.report import quantile  # noqa: E402
-from router_api.router.trace import TokenExpander, TraceRequest, requests_for  # noqa: E402
+from bench.bench_policy_replay import P, replay
+from router_api.router.report import quantile
+from router_api.router.trace import TokenExpander, TraceRequest, requests_for
+from sim.api import SimModel
 
 ROWS = (("round_robin", 1), ("least_loaded", 1), ("approximate", 1), ("precise_tiered", 1),
         ("approximate", 4), ("precise_tiered", 4))

@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from producer.sim import cmd as worker_cmd
-from producer.sim.api import SimModel
-from producer.sim.engine import Engine
+from sim import cmd as worker_cmd
+from sim.api import SimModel
+from sim.engine import Engine
 from producer.storage.config import make_storage_backend
 from producer.storage.worker import StorageWorker
 

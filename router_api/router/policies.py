@@ -214,7 +214,7 @@ class PreciseGpu(Policy):
 
     def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0, *, work_weight: float = 3.0,
                  busy_s: float = 1.0, min_share: float = 0.5, keep_weight: float = 50.0, keep_share: float = 0.5,
-                 reuse_requests: float = 200.0, reuse_weight: float = 0.5) -> None:
+                 reuse_requests: float = 100.0, reuse_weight: float = 0.6) -> None:
         super().__init__(workers, sim, seed)
         self.work_weight = work_weight
         self.busy_s = busy_s
