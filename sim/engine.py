@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import queue
 import threading
 import time
@@ -50,7 +51,7 @@ class Served:
 class _Job:
     __slots__ = ("tokens", "max_tokens", "arrival", "fut")
 
-    def __init__(self, tokens: list[int], max_tokens: int, arrival: float, fut: Future[Served]) -> None:
+    def __init__(self, tokens: list[int] | None, max_tokens: int, arrival: float, fut: Future[Any]) -> None:
         self.tokens = tokens
         self.max_tokens = max_tokens
         self.arrival = arrival
@@ -101,6 +102,14 @@ class Engine:
     def submit(self, tokens: Sequence[int], max_tokens: int, arrival_s: float) -> Future[Served]:
         fut: Future[Served] = Future()
         self._jobs.put(_Job(list(tokens), max_tokens, arrival_s, fut))
+        return fut
+
+    def barrier(self) -> Future[None]:
+        """Done once the engine has served every request handed to it before this call: a load read
+        after it (`load(at)`) includes them all, whatever the wall clock did meanwhile. A router that
+        decides on the virtual clock reads the load of a worker through this, not from a poll."""
+        fut: Future[None] = Future()
+        self._jobs.put(_Job(None, 0, math.inf, fut))  # sorts after every real arrival
         return fut
 
     def full(self, arrival_s: float) -> bool:
@@ -158,6 +167,9 @@ class Engine:
                 break
             tokens, max_tokens, arrival, fut = job.tokens, job.max_tokens, job.arrival, job.fut
             if not fut.set_running_or_notify_cancel():
+                continue
+            if tokens is None:  # a barrier: everything handed over before it is served
+                fut.set_result(None)
                 continue
             try:
                 fut.set_result(self._serve(tokens, max_tokens, arrival))

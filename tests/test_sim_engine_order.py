@@ -62,3 +62,21 @@ def test_equal_arrivals_keep_their_submission_order(tmp_path: Path) -> None:
             e.cache.transfer.close()
         if e.cache.storage is not None:
             e.cache.storage.close()
+
+
+def test_a_barrier_completes_after_every_request_handed_over_before_it(tmp_path: Path) -> None:
+    e = engine(tmp_path)
+    try:
+        with e.lock:  # nothing is served until the barrier is in the queue too
+            futs = [e.submit(list(range(100 * i, 100 * i + 2 * B)), 1, float(10 - i)) for i in range(3)]
+            done = e.barrier()
+        done.result(30)
+        assert all(f.done() for f in futs)
+        t, queued, running, backlog, free_at = e.load(0.0)
+        assert free_at >= max(f.result().ttft_s + 10 - i for i, f in enumerate(futs)) - 1e-9  # their prefills
+    finally:
+        e.close()
+        if e.cache.transfer is not None:
+            e.cache.transfer.close()
+        if e.cache.storage is not None:
+            e.cache.storage.close()
