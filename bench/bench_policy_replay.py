@@ -9,8 +9,10 @@ are no pending routes) and its backlog from its timeline; `approximate` keeps it
 a request in flight until its simulated completion. Per policy: prefill tokens, TTFT mean / p90 and
 prediction accuracy, then precise_tiered's ratios to the others.
 
-Its precise rows equal the demo's ×1 rows (checked on the bundled trace and builtin-chat seeds 0, 3
-and 8: the same prefill tokens and p90). Its `approximate` row is that policy's best case: every
+Its precise rows equal the demo's ×1 rows (checked on the bundled trace, builtin-chat seeds 0, 3
+and 8 and builtin-conversation: the same prefill tokens and p90), and so does a `round_robin` row
+whenever the demo's requests reached their workers in trace order. `replay(..., routers=K)` runs K
+replicas of a policy (bench/bench_sweep.py's ×4 rows). Its `approximate` row is that policy's best case: every
 request reaches its worker in trace order, as in the demo only when the machine keeps up (the demo's
 row moves from run to run). No processes, no event lag; copies between tiers land before the next
 request.
