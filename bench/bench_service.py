@@ -276,7 +276,7 @@ def measure(args: argparse.Namespace, shape: str, dyn_reason: str | None) -> tup
     runs: dict[str, list[dict[str, Any]]] = {}
     shards = ("--ingest-shards", str(args.ingest_shards)) if args.ingest_shards else ()  # none: its default
     makers: list[tuple[str, Callable[[], Service]]] = [
-        ("kvatlas", lambda: Kvatlas(*shards)), ("dynamo", lambda: Dynamo(args.bench_python, args.dynamo_threads))]
+        ("kvatlas", lambda: Kvatlas(*shards, root=Path(args.kvatlas_root))), ("dynamo", lambda: Dynamo(args.bench_python, args.dynamo_threads))]
     ctx = zmq.Context()
     running: list[Service] = []
     pubs: list[RawPublisher] = []
@@ -363,6 +363,8 @@ def main() -> int:
     ap.add_argument("--asgi-peer", action="store_true",
                     help="also time a kvatlas started with --http-fast-path off (the ASGI front) in the same run")
     ap.add_argument("--no-embedded", action="store_true", help="skip the embedded-mode rows")
+    ap.add_argument("--kvatlas-root", default=str(ROOT),
+                    help="the checkout the kvatlas service runs from (another worktree, built in place: an A/B)")
     ap.add_argument("--hybrid", action="store_true",
                     help="a hybrid model's stream in vLLM's group shape (service_stream.HYBRID_GROUPS): every block "
                          "stored in a full-attention, a sliding-window and a Mamba group; kvatlas' answers also "
