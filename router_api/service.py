@@ -415,6 +415,8 @@ class IndexerService:
                     held = index.workers(model)
                     same = len(held) == len(plan.pairs) and plan.pairset.issuperset(held)
                     table = index.score_table(model, token_ids, lora_name, cache_salt, None if same else plan.pairs)
+                if table is not None and table.kv is not None and self.routes.pending.active(model):
+                    table = None  # a hybrid model's in-flight rows: the Python path (ends_only pending runs)
                 if table is not None:
                     states = plan.states
                     rows = plan.answer_rows(table, same)
@@ -426,7 +428,7 @@ class IndexerService:
                     out = None if pend is None else writer.write_answer(
                         msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks,
                         table.rows, rows.heads[i], rows.wix, *status_columns(states, now, policy),
-                        fmt.statuses[i], *pend)
+                        fmt.statuses[i], *(pend or (None, None)), table.kv)
                     if out is not None:
                         self.metrics.score_answers.inc("c")
                         return out

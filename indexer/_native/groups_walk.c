@@ -14,9 +14,14 @@
  *   groups: [(kind 0 full / 1 sliding / 2 mamba, span or -1 for none, nodes as main: an empty dict
  *           standing for a shard without the group)];
  *   layouts: per worker a tuple of indices into groups; slots: per worker its slot.
+ *   A worker whose layout is empty is a plain (full-attention only) one: its row is score_rows' (the
+ *   main tree's prefix, no group) and its kv_blocks -1 (None), so a fleet mixing both kinds is hashed
+ *   and walked once.
  * hybrid_rows(..., slots, weights, row_type, tier_names, worker_ids, ranks) -> (query blocks, [row_type
- *   best first]): the rows weighted, ranked and built as score_rows builds them (kv_blocks set), the
- *   workers given in (worker_id, dp_rank) order; None for weights that are not finite floats.
+ *   best first]): the rows weighted, ranked and built as score_rows builds them (kv_blocks set, None for
+ *   plain workers), the workers given in (worker_id, dp_rank) order; None for weights that are not
+ *   finite floats. With row_type None: (query blocks, packed PRow rows as score_rows packs them, kv) with
+ *   kv an int64 per worker position (-1: None), for write_answer.
  * The tables are only read, with the GIL held throughout (nothing can change them meanwhile). */
 
 enum { HK_FULL = 0, HK_SWA = 1, HK_MAMBA = 2, H_ABSENT = 4 };
@@ -326,7 +331,7 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
             WRow *r = wrows + w;
             r->dev = dev; r->cach = cached;
             for (int t = 0; t < 4; t++) r->sp[t] = sp[t];
-            kvs[w] = kv;
+            kvs[w] = PyTuple_GET_SIZE(lay) ? kv : -1; /* a plain worker's row has no kv_blocks */
             continue;
         }
         PyObject *row = Py_BuildValue("(nnnnnnn)", dev, cached, kv, sp[0], sp[1], sp[2], sp[3]);
@@ -339,6 +344,17 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         rankt = widt ? PyList_AsTuple(args[12]) : NULL;
         if (!rankt) goto done;
         if (PyTuple_GET_SIZE(widt) != nw || PyTuple_GET_SIZE(rankt) != nw) { out = Py_None; Py_INCREF(out); goto done; }
+        if (args[9] == Py_None) { /* packed rows and the kv column (write_answer) */
+            PyObject *kvb = PyBytes_FromStringAndSize(NULL, nw * 8);
+            lst = kvb ? pack_rows(wrows, nw, wt, bs) : NULL;
+            if (!lst) { Py_XDECREF(kvb); goto done; }
+            for (Py_ssize_t w = 0; w < nw; w++) {
+                int64_t x = kvs[w];
+                memcpy(PyBytes_AS_STRING(kvb) + 8 * w, &x, 8);
+            }
+            out = Py_BuildValue("(nNN)", nk, lst, kvb);
+            goto done;
+        }
         lst = build_rows(wrows, nw, widt, rankt, wt, bs, args[9], args[10], kvs);
         if (!lst) goto done;
     }

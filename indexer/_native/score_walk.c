@@ -251,7 +251,7 @@ static void rank_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssiz
     }
 }
 
-/* The ranked rows as `cls` objects; with `kv` (hybrid rows) each also gets its kv_blocks. */
+/* The ranked rows as `cls` objects; with `kv` (hybrid rows) each also gets its kv_blocks (None where < 0). */
 static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyObject *ranks, const double *wt,
                             Py_ssize_t bs, PyObject *cls, PyObject *names, const Py_ssize_t *kv) {
     Ranked *rk = PyMem_RawMalloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
@@ -275,7 +275,7 @@ static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyO
         args[3] = PyLong_FromSsize_t(w->cach);
         args[4] = tiers;
         args[5] = PyFloat_FromDouble(rk[r].score);
-        if (kv) args[6] = PyLong_FromSsize_t(kv[s]);
+        if (kv) args[6] = kv[s] >= 0 ? PyLong_FromSsize_t(kv[s]) : Py_NewRef(Py_None); /* < 0: a plain worker's */
         PyObject *o = (args[2] && args[3] && args[5] && (!kv || args[6])) ? PyObject_Vectorcall(cls, args, kv ? 7 : 6, NULL) : NULL;
         Py_XDECREF(args[2]); Py_XDECREF(args[3]); Py_XDECREF(args[5]); Py_XDECREF(args[6]); Py_DECREF(tiers);
         if (!o) goto fail;
