@@ -310,8 +310,6 @@ static PyObject *pack_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py
     return out;
 }
 
-/* Usable-prefix rows of hybrid workers (groupscore.py's twin): groups_walk.c. */
-#include "groups_walk.c"
 
 /* score_rows(nodes, keys|None, tokens|None, seed, block_size, slots, wids, ranks, weights, WorkerScore|None, names)
  *   -> (query_blocks, [WorkerScore best first]) | (query_blocks, packed rows: bytes) | None
