@@ -169,10 +169,24 @@ static inline Py_ssize_t grown_cap(Py_ssize_t cap) {
     return cap;
 }
 
+/* A sparse map (U64Map.sparse) is kept a third full while it is small; from SPARSE_UNTIL slots on, two
+ * thirds: a big one holds many blocks (a group whose blocks stay resident), and its bytes should follow
+ * them (at a third full a sliding-window or Mamba group's tables took 2.5x the main tree's bytes per
+ * entry), while a probe's miss still walks ~5 slots, not the default load's ~20. */
+#ifndef SPARSE_UNTIL
+#define SPARSE_UNTIL 4096
+#endif
+
+/* n entries in cap slots exceed the map's load. */
+static inline int over_load(const U64Map *m, Py_ssize_t n, Py_ssize_t cap) {
+    if (m->load_num * 3 == m->load_den && cap >= SPARSE_UNTIL) return n * 3 > cap * 2;
+    return n * m->load_den > cap * m->load_num;
+}
+
 /* Insert absent key k whose empty slot `find` gave as i (value zero); the slot it ends at (the table
  * may grow first). -1 on memory error. Lets a caller probe once for "get, else compute and insert". */
 static Py_ssize_t insert_at(U64Map *m, Py_ssize_t i, uint64_t k) {
-    if ((m->used + 1) * m->load_den > m->cap * m->load_num) {
+    if (over_load(m, m->used + 1, m->cap)) {
         int f;
         if (rehash(m, grown_cap(m->cap), m->width) < 0) return -1;
         i = find(m, k, &f);
@@ -187,7 +201,7 @@ static Py_ssize_t insert_at(U64Map *m, Py_ssize_t i, uint64_t k) {
  * would otherwise all land in the first part of a smaller table: one long run, probed per insert. */
 static int reserve(U64Map *m, Py_ssize_t n) {
     Py_ssize_t cap = m->cap;
-    while (n * m->load_den > cap * m->load_num) cap = grown_cap(cap);
+    while (over_load(m, n, cap)) cap = grown_cap(cap);
     return cap == m->cap ? 0 : rehash(m, cap, m->width);
 }
 
@@ -478,11 +492,12 @@ static PyObject *U64Map_nbytes(U64Map *m, void *c) {
 }
 static PyObject *U64Map_width(U64Map *m, void *c) { return PyLong_FromLong(m->width); }
 
-/* U64Map.sparse() -> a map kept at most a third full. For the maps of sliding-window and Mamba groups
- * (indexer/core/groups.py): a window's blocks come and go with every chunk, and at the default
- * load a linear probe's miss and a backward-shift delete walk ~20 slots; at 1/3, under 2 (a hybrid
- * stream's apply ran ~2-4% faster than at 1/2, bench_index.py --hybrid-only). Their tables are small
- * (a window's blocks), so the bytes this costs are too. */
+/* U64Map.sparse() -> a map kept at most a third full while small, two thirds from SPARSE_UNTIL slots
+ * (over_load). For the maps of sliding-window and Mamba groups (indexer/core/groups.py): a window's
+ * blocks come and go with every chunk, and at the default load a linear probe's miss and a
+ * backward-shift delete walk ~20 slots; at 1/3, under 2 (a hybrid stream's apply ran ~2-4% faster than
+ * at 1/2, bench_index.py --hybrid-only). A big table is a group whose blocks stay resident (vLLM keeps
+ * freed window blocks hittable): its bytes follow them. */
 static PyObject *U64Map_sparse(PyObject *cls, PyObject *u) {
     U64Map *m = (U64Map *)U64Map_new((PyTypeObject *)cls, NULL, NULL);
     if (m) { m->load_num = 1; m->load_den = 3; }
@@ -492,7 +507,8 @@ static PyObject *U64Map_sparse(PyObject *cls, PyObject *u) {
 static PyObject *U64Map_load(U64Map *m, PyObject *const *args, Py_ssize_t nargs); /* node_maps.c */
 
 static PyMethodDef U64Map_methods[] = {
-    {"sparse", (PyCFunction)U64Map_sparse, METH_CLASS | METH_NOARGS, "a map kept at most a third full (churning group maps)"},
+    {"sparse", (PyCFunction)U64Map_sparse, METH_CLASS | METH_NOARGS,
+     "a map kept at most a third full while small, two thirds when big (churning group maps)"},
     {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
     {"keys", (PyCFunction)U64Map_keys, METH_NOARGS, "list of keys"},
     {"values", (PyCFunction)U64Map_values, METH_NOARGS, "list of values"},
