@@ -64,7 +64,7 @@ def one(mode: str, seconds: float, scorers: int, tokens: list[int], hashes: list
     extra = ["--http-offload-bytes", "0"] if mode == "off" else []
     tree, python = (base, BASE_PYTHON or str(base / ".venv/bin/python")) if mode == "base" and base else \
         (REPO, sys.executable)
-    proc = subprocess.Popen([python, "-m", "router_api.cli", "indexer", "--port", str(port), "--block-size",
+    proc = subprocess.Popen([python, "-m", "cli.main", "indexer", "--port", str(port), "--block-size",
                              str(BS), *extra], cwd=str(tree), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pub = ZmqEventPublisher("tcp://127.0.0.1:*")
     client = httpx.Client(base_url=url, timeout=60.0)

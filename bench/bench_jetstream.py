@@ -202,7 +202,7 @@ def run_replicas(kind: str, n: int, target: str, endpoints: list[tuple[str, str]
 
 def js_send(url: str, payloads: list[list[bytes]], rate: float | None, stamp: bool, epoch: str = "e1") -> float:
     """Publish every batch (round-robin over workers) with core NATS publishes into the stream."""
-    from schemas.natsio import NatsThread
+    from transport.natsio import NatsThread
 
     nt = NatsThread(url, name="bench-sender")
     subjects = [event_subject(MODEL, f"w{i}") for i in range(len(payloads))]
@@ -233,7 +233,7 @@ def js_send(url: str, payloads: list[list[bytes]], rate: float | None, stamp: bo
 
 
 def wait_stored(url: str, total: int) -> None:
-    from schemas.natsio import NatsThread
+    from transport.natsio import NatsThread
 
     nt = NatsThread(url, name="bench-probe")
     try:
@@ -301,7 +301,7 @@ def main() -> int:
 
     srv = Server()
     try:
-        from schemas.natsio import NatsThread, ensure_stream
+        from transport.natsio import NatsThread, ensure_stream
         nt = NatsThread(srv.url)
         nt.call(lambda: ensure_stream(nt.js, StreamSettings(name="BENCH", duplicate_window_s=120.0)))
         nt.close()
@@ -332,7 +332,7 @@ def main() -> int:
             def send() -> None:
                 js_send(srv.url, with_ts, args.rate, True, f"live{n}")
 
-            from schemas.natsio import NatsThread as _NT
+            from transport.natsio import NatsThread as _NT
             probe = _NT(srv.url)
             start_mark = probe.call(lambda: probe.js.stream_info("BENCH")).state.last_seq
             probe.close()

@@ -29,9 +29,9 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from producer.components.base import DEVICE, HOST, STORAGE  # noqa: E402
-from producer.sim import cmd as worker_cmd  # noqa: E402
-from producer.sim.api import SimModel  # noqa: E402
-from producer.sim.engine import Engine  # noqa: E402
+from sim import cmd as worker_cmd  # noqa: E402
+from sim.api import SimModel  # noqa: E402
+from sim.engine import Engine  # noqa: E402
 from producer.storage.config import make_storage_backend  # noqa: E402
 from producer.storage.worker import StorageWorker  # noqa: E402
 from router_api.demo.fleet import MODEL_BLOCK  # noqa: E402

@@ -30,7 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/sglang_peer.py
 
-from producer.sim.driver import StreamSpec, build_cache, synthetic_stream  # noqa: E402
+from sim.driver import StreamSpec, build_cache, synthetic_stream  # noqa: E402
 from producer.events import EventRecorder  # noqa: E402
 from producer.page_hash import native_available, page_ids  # noqa: E402
 from producer.sinks import _PayloadSink  # noqa: E402

@@ -184,7 +184,7 @@ class Kvatlas(Service):
         self.name = name
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING", "indexer", "--port", str(self.port),
+            [sys.executable, "-m", "cli.main", "--log-level", "WARNING", "indexer", "--port", str(self.port),
              "--block-size", str(BS), "--stale-after", "600", "--remove-after", "3600", *extra], cwd=str(root))
         self.wait_up()
 

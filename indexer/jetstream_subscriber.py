@@ -36,7 +36,7 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from indexer.jetstream_sequencing import StepKind, StreamCursor
-from schemas.natsio import NatsThread, ensure_stream
+from transport.natsio import NatsThread, ensure_stream
 from indexer.deliveries import Batch, Delivery, Gap, Restart
 from schemas.codec import DEFAULT_MAX_PAYLOAD as MAX_BATCH_BYTES
 from schemas.jetstream import StreamSettings, control_subject, endpoint_subject, parse_headers, split_subject

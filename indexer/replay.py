@@ -1,6 +1,6 @@
 """Offline replay of recorded event logs (design §7): the decision core behind `kvatlas replay`.
 
-No I/O beyond what callers hand in, no threads, no clocks: the shell (router_api/cmd_replay.py)
+No I/O beyond what callers hand in, no threads, no clocks: the shell (cli/replay.py)
 opens files, measures time, paces and owns sockets.
 
 Applying a log runs the same reconciliation policy as live ingestion (indexer.reconcile,

@@ -23,7 +23,7 @@ one gets 503 and is closed at once (docs/limits.md). Both are counted in
 
 It reads uvicorn's `HttpToolsProtocol` internals (`parser`, `url`, `headers`, `cycle`, `pipeline`,
 `expect_100_continue`, `on_response_complete`, `flow`, `timeout_keep_alive`, `server_state`); `supported()`
-checks them, and `router_api.cmd_indexer.server_settings` falls back to plain httptools without them.
+checks them, and `cli.indexer.server_settings` falls back to plain httptools without them.
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from producer.publisher import ZmqEventPublisher
-from router_api import cli
-from router_api.cmd_indexer import DEFAULTS, build_config
+from cli import main as cli
+from cli.indexer import DEFAULTS, build_config
 from router_api.embedded import EmbeddedIndexer
 from router_api.registry import ConflictingBlockSize
 from router_api.config import ServiceConfig

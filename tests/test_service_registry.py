@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_api.cmd_indexer import add_arguments, build_config, parse_tier_weights, parse_worker_spec
+from cli.indexer import add_arguments, build_config, parse_tier_weights, parse_worker_spec
 from router_api.metrics import Counter, Histogram, ServiceMetrics
 from router_api.registry import (
     DuplicateWorker,

@@ -23,7 +23,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def kvatlas_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING", *args]
+    return [sys.executable, "-m", "cli.main", "--log-level", "WARNING", *args]
 
 
 class Child:

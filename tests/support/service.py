@@ -77,7 +77,7 @@ class KVIndexerProcess:
         self._log = open(log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router_api.cli", "indexer", "--port", str(port), *extra],
+            [sys.executable, "-m", "cli.main", "indexer", "--port", str(port), *extra],
             cwd=str(REPO), stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.client = httpx.Client(base_url=self.url, timeout=10.0)
 
@@ -345,7 +345,7 @@ def serve_both_fronts(app: Any) -> dict[str, tuple[Any, Any, int]]:
 
     import uvicorn
 
-    from router_api.cmd_indexer import server_settings
+    from cli.indexer import server_settings
 
     servers: dict[str, tuple[Any, Any, int]] = {}
     for name, fast in (("fast", True), ("asgi", False)):

@@ -1,6 +1,6 @@
 """`kvatlas worker`: one inference worker with a simulated model — real torch pools in a
 `TieredCache`, KV events over ZeroMQ with replay, L3 on a local directory or a shared Redis, and
-the HTTP API of `producer.sim.app`. Registers itself with an indexer when given one.
+the HTTP API of `sim.app`. Registers itself with an indexer when given one.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def _make_cache(args: argparse.Namespace, storage: Any, recorder: Any) -> Any:
     """The worker's cache: full attention as before; a hybrid family's pools with vLLM's group events."""
     transfer = "thread" if args.host_pages else None
     if args.family == "full":
-        from producer.sim.driver import build_cache
+        from sim.driver import build_cache
 
         return build_cache(page_size=args.block_size, device_pages=args.gpu_pages, host_pages=args.host_pages,
                            page_shape=(2, 4), transfer=transfer, storage=storage, recorder=recorder,
@@ -124,8 +124,8 @@ def pool_sizes(args: argparse.Namespace) -> dict[str, int]:
 
 def indexer_token(path: str | None) -> str | None:
     """The indexer's bearer token: the file's first line, else $KVATLAS_AUTH_TOKEN, else None (the
-    indexer's own rule, `router_api.cmd_indexer.read_token`); an empty file stops the command."""
-    from router_api.cmd_indexer import read_token
+    indexer's own rule, `schemas.auth.read_token`); an empty file stops the command."""
+    from schemas.auth import read_token
 
     try:
         return read_token(None, path, os.environ.get("KVATLAS_AUTH_TOKEN"))
@@ -170,10 +170,10 @@ def _advertised(bound: str, host: str | None) -> str:
 
 def server_config(app: Any, host: str, port: int) -> Any:
     """The worker's uvicorn settings: idle connections close after WORKER_KEEPALIVE_S, later than
-    the routers' clients drop theirs (producer.sim.httpbody)."""
+    the routers' clients drop theirs (sim.httpbody)."""
     import uvicorn
 
-    from producer.sim.httpbody import WORKER_KEEPALIVE_S
+    from sim.httpbody import WORKER_KEEPALIVE_S
 
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
                           timeout_keep_alive=WORKER_KEEPALIVE_S)
@@ -188,9 +188,9 @@ def run(args: argparse.Namespace) -> int:
     from producer.sinks import ZmqSink
     from producer.storage.config import load_backend_config, make_storage_backend
     from producer.storage.worker import StorageWorker
-    from producer.sim.app import create_worker_app
-    from producer.sim.engine import Engine, VirtualClock
-    from producer.sim.api import SimModel, WorkerHealth
+    from sim.app import create_worker_app
+    from sim.engine import Engine, VirtualClock
+    from sim.api import SimModel, WorkerHealth
 
     for name in ("block_size", "gpu_pages", "port"):
         if getattr(args, name) <= 0:

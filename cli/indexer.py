@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any
 
+from schemas.auth import read_token
+
 DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1",
     "port": 8700,
@@ -276,20 +278,6 @@ def _tokenizers(specs: list[str] | dict[str, str], model: str) -> Any:
     if isinstance(specs, dict):
         specs = [f"{m}={d}" for m, d in specs.items()]
     return load_tokenizer_specs(list(specs), model)
-
-
-def read_token(flag: str | None, path: str | None, env: str | None) -> str | None:
-    """The bearer token: `--auth-token`, else the file's first line, else $KVATLAS_AUTH_TOKEN.
-    An empty or unreadable file is a configuration error, never a silent "no auth"."""
-    if flag:
-        return flag
-    if path:
-        with open(path, encoding="utf-8") as f:
-            token = f.readline().strip()
-        if not token:
-            raise ValueError(f"auth token file {path} is empty")
-        return token
-    return env or None
 
 
 class SafeTextFormatter(logging.Formatter):

@@ -7,7 +7,7 @@ unchanged (a `TeeSink` of both publishes to ZeroMQ *and* JetStream).
 - Subject `kvatlas.events.<model>.<worker>`; headers `Kvatlas-Seq` (0, 1, 2, … per publisher),
   `Kvatlas-Epoch` (fresh per publisher: a restarted producer is a new epoch, which consumers read
   as a restart) and `Nats-Msg-Id` (JetStream drops a re-sent batch inside its duplicate window).
-- nats-py is asyncio: the connection lives on a private loop thread (`schemas.natsio`). Callers
+- nats-py is asyncio: the connection lives on a private loop thread (`transport.natsio`). Callers
   hand batches over through a bounded budget (blocks, and counts it, when `max_queue` are in
   flight); one pump on the loop publishes them in seq order with async acks.
 - Snapshot requests arrive on core NATS (`kvatlas.control.snapshot.<model>.<worker>`); the cache
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from schemas.natsio import NatsThread, ensure_stream
+from transport.natsio import NatsThread, ensure_stream
 from schemas.jetstream import (
     HDR_EPOCH, HDR_MSG_ID, HDR_PART, HDR_SEQ, PART_HEADROOM, StreamSettings, control_subject, event_subject, msg_id,
     part_msg_id, subject_token,
