@@ -1,8 +1,9 @@
 """`kv_blocks` (docs/hybrid.md, "The indexer") is the worker's own full-attention (main tree) match over
 any tier, whatever its usable prefix: for any vLLM-shaped hybrid history of a fleet mixing hybrid and
-plain workers (two dp ranks, the shared pool included), every row of every query equals the brute-force
+plain workers (two dp ranks, the shared pool included, int or 32-byte hashes, the groups numbered in any
+order so the Mamba or window store may come first), every row of every query equals the brute-force
 reference's (tests/support/reference.py) — on the C and the pure core, one index and worker-sharded,
-typed and raw batches. The histories are drawn so that a usable prefix of 0 beside a non-zero
+typed and raw batches and the live ingest's runs. The histories are drawn so that a usable prefix of 0 beside a non-zero
 full-attention match (a window or state gone under KV still held) is common, and the test asserts it
 was reached."""
 from __future__ import annotations
@@ -23,47 +24,56 @@ BS = 4
 NB = 8  # blocks per prompt
 ROOTS = [[1 + (i * 7 + r * 3) % 11 for i in range(BS * NB)] for r in range(2)]
 WORKERS = [("a", 0), ("a", 1), ("b", 0), ("p", 0)]  # p: plain (full attention only)
-GROUPS = ((0, "full_attention"), (1, "sliding_window"), (2, "mamba"))
+KINDS = ("full_attention", "sliding_window", "mamba")
+# group numberings (kind -> group_idx): vLLM numbers a model's groups in its own order, so the Mamba or
+# the window group may come first, in the numbering and in a batch's stores
+NUMBERINGS = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (1, 0, 2))
 
 
-def _hashes(root: int) -> list[int]:
-    return [root * 100 + i + 1 for i in range(NB)]
+def _hashes(root: int, wide: bool = False) -> list[Any]:
+    """A prompt's block hashes: ints, or (vLLM's sha256 hashes) 32-byte strings."""
+    hs = [root * 100 + i + 1 for i in range(NB)]
+    return [h.to_bytes(32, "big") for h in hs] if wide else hs
 
 
 @st.composite
-def event(draw: Any, plain: bool, window: int | None) -> Any:
+def event(draw: Any, plain: bool, window: int | None, num: tuple[int, int, int], wide: bool) -> Any:
     root = draw(st.integers(0, 1))
-    hs = _hashes(root)
+    hs = _hashes(root, wide)
     a = draw(st.sampled_from([0, 0, 1, 3, 5]))
     b = draw(st.integers(a + 1, NB))
     medium = draw(st.sampled_from(["GPU", "GPU", "CPU_PINNED", "DISK", "EXTERNAL"]))
     toks = ROOTS[root][a * BS:b * BS]
     parent = hs[a - 1] if a else None
     r = draw(st.integers(0, 9))
-    if plain or r < 4:  # the KV (group 0; a plain worker's stream may omit the group fields)
-        gi = None if plain and draw(st.booleans()) else 0
+    fa, swa, mamba = num
+    if plain or r < 4:  # the KV (a plain worker's stream is group 0, or omits the group fields)
+        gi = (None if draw(st.booleans()) else 0) if plain else fa
         return [BlockStored(hs[a:b], parent, toks, BS, None, medium, group_idx=gi,
                             kv_cache_spec_kind="full_attention" if gi is not None else None)]
-    if r < 7:  # a request: the KV, its window and a state at its end, together (vLLM's batch)
+    if r < 7:  # a request: the KV, its window and a state at its end, together, in group order (vLLM's batch)
         out = []
-        for g, kind in GROUPS:
-            lo = b - 1 if g == 2 else a
+        for g in sorted(num):
+            kind = KINDS[num.index(g)]
+            lo = b - 1 if g == mamba else a
             out.append(BlockStored(hs[lo:b], hs[lo - 1] if lo else None, ROOTS[root][lo * BS:b * BS], BS, None,
                                    medium, group_idx=g, kv_cache_spec_kind=kind,
-                                   kv_cache_spec_sliding_window=window if g == 1 else None))
+                                   kv_cache_spec_sliding_window=window if g == swa else None))
         return out
     if r < 9:  # a window or a state leaving (the KV stays): usable 0 beside a full-attention match
-        return [BlockRemoved(hs[a:b], medium, group_idx=draw(st.sampled_from([1, 2, 2, 0])))]
-    return [AllBlocksCleared()] if draw(st.integers(0, 3)) == 0 else [BlockRemoved(hs[a:b], medium, group_idx=0)]
+        return [BlockRemoved(hs[a:b], medium, group_idx=draw(st.sampled_from([swa, mamba, mamba, fa])))]
+    return [AllBlocksCleared()] if draw(st.integers(0, 3)) == 0 else [BlockRemoved(hs[a:b], medium, group_idx=fa)]
 
 
 @st.composite
 def history(draw: Any) -> tuple[int | None, list[tuple[tuple[str, int], list[Any]]]]:
     window = draw(st.sampled_from([None, 5, 9, 13]))
+    num = draw(st.sampled_from(NUMBERINGS))
+    wide = draw(st.booleans())
     steps = []
     for _ in range(draw(st.integers(1, 24))):
         wk = draw(st.sampled_from(WORKERS))
-        steps.append((wk, draw(event(wk[0] == "p", window))))
+        steps.append((wk, draw(event(wk[0] == "p", window, num, wide))))
     return window, steps
 
 
