@@ -3,9 +3,9 @@ any tier, whatever its usable prefix: for any vLLM-shaped hybrid history of a fl
 plain workers (two dp ranks, the shared pool included, int or 32-byte hashes, the groups numbered in any
 order so the Mamba or window store may come first), every row of every query equals the brute-force
 reference's (tests/support/reference.py) — on the C and the pure core, one index and worker-sharded,
-typed and raw batches and the live ingest's runs. The histories are drawn so that a usable prefix of 0 beside a non-zero
-full-attention match (a window or state gone under KV still held) is common, and the test asserts it
-was reached."""
+typed and raw batches and the live ingest's runs. The histories are drawn so that a usable prefix of
+0 beside a non-zero full-attention match (a window or state gone under KV still held) is common, and
+the test asserts it was reached."""
 from __future__ import annotations
 
 from typing import Any
