@@ -145,3 +145,34 @@ def test_the_property_reached_usable_0_beside_a_full_attention_match() -> None:
         assert (s.cached_blocks, s.kv_blocks) == (0, 6)
         return
     assert "usable 0, kv > 0" in reached and "0 < usable < kv" in reached, reached
+
+
+def test_a_shared_pool_claim_past_a_shards_gap_counts_for_the_other_shards() -> None:
+    """Worker-sharded: b (shard 1) lacks block 3 but claims blocks 4-5 (KV and state) in the shared
+    pool; a (shard 0) holds blocks 0-4 and resumes through block 5 on b's claims. The main walk may stop reading a shard
+    at a block it lacks, but not one whose table holds a shared-pool claim."""
+    h = _hashes(0)
+    toks = ROOTS[0][:BS * 6]
+
+    def stores(blocks: list[int], medium: str) -> list[Any]:
+        out = []
+        for lo, hi in ((blocks[0], blocks[-1] + 1),):
+            parent = h[lo - 1] if lo else None
+            out += [BlockStored(h[lo:hi], parent, ROOTS[0][lo * BS:hi * BS], BS, None, medium, group_idx=g,
+                                kv_cache_spec_kind=k, kv_cache_spec_sliding_window=None)
+                    for g, k in ((0, "full_attention"), (2, "mamba"))]
+        return out
+    batches = [("a", stores([0, 1, 2, 3, 4], "GPU")), ("b", stores([0, 1, 2, 3], "GPU")),
+               ("b", stores([4, 5], "EXTERNAL")), ("b", [BlockRemoved(h[3:4], "GPU", group_idx=0)])]
+    ref = ReferenceIndex()
+    ref.ensure_model(M, BS)
+    for wid, evs in batches:
+        ref.apply(M, wid, 0, KVEventBatch(0.0, evs))
+    want = _rows(ref.score(M, toks))
+    assert [r[:5] for r in want] == [("a", 0, 5, 6, 6), ("b", 0, 3, 3, 3)]
+    for kind in ("native", "pure", "sharded"):
+        ix = ShardedIndex(2, placement=lambda w: 0 if w == "a" else 1) if kind == "sharded" else _index(kind)
+        ix.ensure_model(M, BS)
+        for wid, evs in batches:
+            ix.apply_payload(M, wid, 0, encode_batch(KVEventBatch(0.0, evs)))
+        assert _rows(ix.score(M, toks)) == want, kind

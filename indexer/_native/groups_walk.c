@@ -75,6 +75,8 @@ static inline int h_same(const HTab *h, Py_ssize_t i) {
     return 1;
 }
 
+enum { H_WALK_SHARDS = 64 }; /* shards the main walk drops one by one (ServiceConfig allows 64) */
+
 /* Read a table's values for blocks [from, to); with `walk`, stop at the first block no shard holds
  * (the main tree: no worker holds KV past it). Probes are prefetched PF_AHEAD keys ahead, as the
  * main walk's (score_walk.c); a table that never held a shared-pool bit is not read for one. Sets
@@ -100,13 +102,22 @@ static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
         }
         goto runs;
     }
+    /* The main tree's walk stops reading a shard at a block it lacks where no shard holds a shared-pool
+     * claim: none of its workers passes that block, so none holds KV past it — unless its table ever
+     * held a shared-pool claim, which counts for every shard's workers (such a shard is read on). A
+     * miss probe of a full table is its longest, and after the first blocks most shards hold none of
+     * a deep query. */
+    U64Map *ms[H_WALK_SHARDS];
+    int skip = walk && nm <= H_WALK_SHARDS;
+    if (skip) memcpy(ms, h->ms, (size_t)nm * sizeof *ms);
+    U64Map *const *tabs = skip ? ms : h->ms;
     for (Py_ssize_t i = from; i < to && i < from + PF_AHEAD; i++)
-        for (Py_ssize_t t = 0; t < nm; t++) if (h->ms[t]) pf_slot(h->ms[t], h->keys[i]);
+        for (Py_ssize_t t = 0; t < nm; t++) if (tabs[t]) pf_slot(tabs[t], h->keys[i]);
     for (Py_ssize_t i = from; i < to; i++) {
-        int pool = 0, any = 0;
+        int pool = 0, any = 0, missed = 0;
         for (Py_ssize_t t = 0; t < nm; t++) {
             const uint64_t *v = NULL;
-            U64Map *m = h->ms[t];
+            U64Map *m = tabs[t];
             if (m) {
                 if (i + PF_AHEAD < to) pf_slot(m, h->keys[i + PF_AHEAD]);
                 int f;
@@ -115,12 +126,16 @@ static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
                     v = VALS(m, j);
                     any = 1;
                     if (m->pool) for (int w = 0; w < m->width; w++) if (v[w] & POOL_BITS) pool = 1;
+                } else {
+                    missed = 1;
                 }
             }
             h->v[i * nm + t] = v;
         }
         if (walk && !any) { end = i; break; }
         h->pool[i] = (unsigned char)pool;
+        if (skip && missed && !pool) /* the shards that lack block i are done */
+            for (Py_ssize_t t = 0; t < nm; t++) if (ms[t] && !ms[t]->pool && !h->v[i * nm + t]) ms[t] = NULL;
     }
 runs:
     if (h->kind != HK_MAMBA) { /* run ends, from the top of this read down */
