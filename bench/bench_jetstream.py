@@ -1,7 +1,7 @@
 """Capacity of the JetStream event plane against the ZeroMQ path, same synthetic fleet, same run.
 
-    .venv/bin/python bench/bench_jetstream.py --quick
-    .venv/bin/python bench/bench_jetstream.py --workers 1000 --batches 40 --rate 5000
+    .venv/bin/python -m bench.bench_jetstream --quick
+    .venv/bin/python -m bench.bench_jetstream --workers 1000 --batches 40 --rate 5000
 
 A lean sender publishes pre-encoded batches of a simulated fleet (W workers). Replicas are
 processes running the real consumer (JetStreamSubscriber or the ZeroMQ Subscriber) plus a KVIndex
@@ -28,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec  # noqa: E402
 

@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pending-ttl", type=float, default=None,
                    help="seconds an in-flight route (POST /routes) counts as pending_blocks when neither the "
                         "worker's events nor a release end it first (default 10)")
+    p.add_argument("--route-admit-timeout", type=float, default=None,
+                   help="seconds a route reported with admits holds later routes back (their `after`) when its "
+                        "admission is not reported (default 1)")
     p.add_argument("--resync-hold", type=float, help="seconds a resynced worker is reported 'resyncing' (default 30)")
     p.add_argument("--max-body-mb", type=float, help="request body limit in MiB; larger bodies get 413 (default 8)")
     p.add_argument("--replay-timeout", type=float, help="seconds to wait for a publisher's replay (default 2)")
@@ -131,7 +134,7 @@ def usable_cpus() -> int:
 
 
 def resolve_ingest_shards(value: object, *, nats: bool, trust_engine_hashes: bool = False,
-                          cpus: int | None = None) -> tuple[object, str]:
+                          cpus: int | None = None) -> tuple[Any, str]:
     """The ingest pipeline count and why: `auto` (the default) is one pipeline per usable CPU, at most
     AUTO_SHARDS_CAP, and 1 where shards are refused (the NATS plane, trust mode). Anything else is
     returned as given (ServiceConfig and `run` check it, so an explicit value is never overridden)."""
@@ -145,14 +148,15 @@ def resolve_ingest_shards(value: object, *, nats: bool, trust_engine_hashes: boo
 
 
 def parse_worker_spec(spec: str) -> dict[str, Any]:
-    """`w1=tcp://h:p,replay=tcp://h:q,dp=0` -> registration fields."""
+    """`w1=tcp://h:p,replay=tcp://h:q,dp=0,url=http://h:8000` -> registration fields."""
     head, _, rest = spec.partition(",")
     wid, sep, endpoint = head.partition("=")
     if not sep or not wid or not endpoint:
         raise ValueError(f"worker spec {spec!r}: expected ID=ENDPOINT[,key=value...]")
     out: dict[str, Any] = {"worker_id": wid.strip(), "endpoint": endpoint.strip()}
     names = {"replay": "replay_endpoint", "replay_endpoint": "replay_endpoint", "dp": "dp_rank",
-             "dp_rank": "dp_rank", "topic": "topic", "model": "model", "block_size": "block_size"}
+             "dp_rank": "dp_rank", "topic": "topic", "model": "model", "block_size": "block_size",
+             "url": "url"}
     for item in filter(None, rest.split(",")):
         k, sep, v = item.partition("=")
         key = names.get(k.strip())
@@ -200,7 +204,7 @@ class JsonLogFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage()
         out: dict[str, Any] = {"ts": round(record.created, 6), "level": record.levelname, "logger": record.name}
-        fields = {}
+        fields: dict[str, str] = {}
         for tok in msg.split(" "):
             k, sep, v = tok.partition("=")
             if not sep or not k.isidentifier():
@@ -330,7 +334,7 @@ def _make_server(uvicorn: Any, config: Any) -> Any:
         the final snapshot; we take the same signals, stop serving, and return normally instead."""
 
         @contextlib.contextmanager
-        def capture_signals(self):  # type: ignore[override]
+        def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
@@ -385,9 +389,11 @@ def run(args: argparse.Namespace) -> int:
         from indexer.pending import PendingRoutes
 
         ttl = getattr(args, "pending_ttl", None)
+        admit = getattr(args, "route_admit_timeout", None)
+        pending_kw = {k: v for k, v in (("ttl_s", ttl), ("admit_timeout_s", admit)) if v is not None}
         service = IndexerService(config, subscriber_factory=None if plane is None else
                                  plane.subscriber_factory(config.replay_timeout_s),
-                                 pending=None if ttl is None else PendingRoutes(ttl_s=ttl))
+                                 pending=PendingRoutes(**pending_kw) if pending_kw else None)
     except ValueError as exc:  # e.g. stale-after > remove-after, bad snapshot target
         print(f"kvatlas indexer: bad configuration: {exc}", file=sys.stderr)
         if plane is not None:

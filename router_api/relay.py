@@ -142,6 +142,7 @@ class Relay:
         self.stats = RelayStats()
         try:
             js = self._nats.js
+            assert js is not None  # set by NatsThread's start, which the constructor ran
             self._nats.call(lambda: ensure_stream(js, self.settings))
             for w in workers:
                 self._add(w)

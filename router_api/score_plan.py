@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from indexer.core.types import ScoreResult, ScoreTable, WorkerScore
 from indexer.reconcile import LivenessPolicy
 from router_api import answer
-from router_api.registry import WorkerState
+from router_api.registry import RegisteredWorker
 from router_api.routes import RouteBook
 from schemas.api import BestWorker, QueryInstance, QueryResponse, ScoreResponse, TierBlocks, WorkerScoreOut
 
@@ -48,7 +48,7 @@ class ScorePlan:
 
     __slots__ = ("states", "key", "pairs", "pairset", "by_id", "rows")
 
-    def __init__(self, states: list[WorkerState], key: tuple[int, int, int]) -> None:
+    def __init__(self, states: list[RegisteredWorker], key: tuple[int, int, int]) -> None:
         self.states = states
         self.key = key
         self.by_id = {w.worker_id: w for w in states}

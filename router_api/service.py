@@ -25,15 +25,14 @@ from router_api.config import TIER_KEYS, ServiceConfig, check_ingest_shards, def
 from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import ShardedLock
 from router_api.metrics import ServiceMetrics
-from router_api.score_plan import Query, ScorePlan, ScoreRows, pending_columns, query_response, score_rows, tiers_of
+from router_api.score_plan import Query, ScorePlan, ScoreRows, pending_columns, query_response, score_rows
 from router_api.worker_metrics import WorkerGauges
-from router_api.routes import RouteBook, UnknownRouteWorker
+from router_api.routes import RouteBook, RouteTimer, UnknownRouteWorker
 from indexer.pending import PendingRoutes
 from indexer.protocol import Index, ScoringIndex, Subscriber
 from indexer.reconcile import LivenessPolicy, status_columns
 from router_api.registry import (
     ConflictingBlockSize,
-    InvalidRegistration,
     Registry,
     RegistryError,
     RegistryFull,
@@ -60,6 +59,8 @@ class ServiceHealth(HealthResponse):
     """`GET /health`: the shared HealthResponse plus which index core serves (docs/service.md)."""
 
     core: str = "python"
+    # Workers whose rows are not to be trusted now, with why (RegisteredWorker.degraded); any: `status` degraded.
+    degraded_workers: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
 def core_name(index: Index) -> str:
@@ -133,6 +134,7 @@ class IndexerService:
         self._snap_stop = threading.Event()
         self._snap_thread: threading.Thread | None = None
         self._snap_lock = threading.Lock()  # one snapshot write at a time
+        self._route_timer: RouteTimer | None = None
         self._started = False
         self._running = False  # start() completed: only then may stop() write a final snapshot
         self._blocks_cache: tuple[float, dict[tuple[str, int], dict[str, int]]] | None = None
@@ -164,6 +166,8 @@ class IndexerService:
                 log.error("event=static_worker_rejected worker=%s error=%s", reg.worker_id, exc)
         self.ingest.start()
         self._running = True
+        self._route_timer = RouteTimer(self.routes, self.lock, self.index, self.registry, self.clock)
+        self._route_timer.start()  # route expiry and admission deadlines run without traffic
         if self.store is not None:
             self._snap_thread = threading.Thread(target=self._snapshot_loop, name="kvatlas-snapshot",
                                                  daemon=True)
@@ -176,6 +180,8 @@ class IndexerService:
 
     def stop(self, final_snapshot: bool = True) -> None:
         self._snap_stop.set()
+        if self._route_timer is not None:
+            self._route_timer.stop()
         if self._snap_thread is not None:
             self._snap_thread.join(30)
         self.ingest.stop()
@@ -205,7 +211,7 @@ class IndexerService:
             except Exception as exc:  # BlockSizeConflict: keep registry and index consistent
                 self.registry.remove(reg.worker_id)
                 self.worker_gauges.refuse(reg.worker_id, "block_size_conflict")
-                raise InvalidRegistration(str(exc)) from exc
+                raise ConflictingBlockSize(str(exc)) from exc
             # Known to the index before its first event, so /score lists it from the start.
             self.index.register_worker(reg.model, reg.worker_id, reg.dp_rank)
             status = self._status_of(reg.worker_id, self.clock())
@@ -282,36 +288,33 @@ class IndexerService:
         w = self.registry.get(worker_id)
         if w is None:
             raise UnknownWorker(f"worker {worker_id!r} is not registered")
-        r = w.reg
-        totals = {k: 0 for k in TIER_KEYS}
-        if blocks:
-            for rank in w.dp_ranks:
-                for k, n in (blocks.get((worker_id, rank)) or {}).items():
-                    if k in totals:
-                        totals[k] += int(n)
-        return WorkerStatus(
-            worker_id=r.worker_id, endpoint=r.endpoint, replay_endpoint=r.replay_endpoint, model=r.model,
-            block_size=r.block_size, dp_rank=r.dp_rank, topic=r.topic,
-            status=w.status(now, self.registry.policy), last_seq=w.last_seq, lag=w.lag,
-            silent_s=None if w.last_msg_at is None else max(0.0, now - w.last_msg_at),
-            blocks=tiers_of(totals), dp_ranks=sorted(w.dp_ranks), batches=w.batches, gaps=w.gaps,
-            replays=w.replays, resyncs=w.resyncs, restarts=w.restarts, exact=w.clean,
-        )
+        return w.row(now, self.registry.policy, blocks)
+
+    def worker(self, worker_id: str) -> WorkerStatus:
+        """`GET /workers/{id}`: one row of `workers()` (UnknownWorker when it is not registered; a
+        `kvatlas worker` asks it to notice an indexer that forgot it, sim/registrar.py)."""
+        stats = self._block_stats(self.clock())
+        with self.lock:
+            return self._status_of(worker_id, self.clock(), stats)
+
+    def _block_stats(self, now: float) -> dict[tuple[str, int], dict[str, int]]:
+        """Blocks per (worker, rank) and tier, counted at most once per `stats_ttl_s`."""
+        cached = self._blocks_cache
+        if cached is not None and now - cached[0] < self.config.stats_ttl_s:
+            return cached[1]
+        stats: dict[tuple[str, int], dict[str, int]] = {}
+        with self.lock:
+            models = {w.reg.model for w in self.registry}
+        for model in models:  # one model at a time: ingestion waits for one model's count only
+            with self.lock:
+                if model in self.index.models():
+                    stats.update(self.index.worker_stats(model))
+        self._blocks_cache = (now, stats)
+        return stats
 
     def workers(self) -> WorkersResponse:
         now = self.clock()
-        cached = self._blocks_cache
-        if cached is not None and now - cached[0] < self.config.stats_ttl_s:
-            stats = cached[1]
-        else:
-            stats = {}
-            with self.lock:
-                models = {w.reg.model for w in self.registry}
-            for model in models:  # one model at a time: ingestion waits for one model's count only
-                with self.lock:
-                    if model in self.index.models():
-                        stats.update(self.index.worker_stats(model))
-            self._blocks_cache = (now, stats)
+        stats = self._block_stats(now)
         with self.lock:
             rows = [self._status_of(w.worker_id, now, stats) for w in self.registry]
         rows.sort(key=lambda s: s.worker_id)
@@ -385,7 +388,9 @@ class IndexerService:
     def _write_answer(self, model: str, block_size: int, plan: ScorePlan, query: Query, now: float,
                       msgpack: bool) -> bytes | None:
         """The answer bytes by the C writer (under the lock), or None for what it does not take."""
-        index = self.index
+        index, writer = self.index, self._writer
+        if writer is None:
+            return None
         table = None
         if plan.rows is not None:
             # The last query found the index holding exactly the plan's pairs; while the index keeps the
@@ -406,7 +411,7 @@ class IndexerService:
             if self.routes.pending.active(model) else ()
         if pend is None:
             return None
-        return self._writer.write_answer(
+        return writer.write_answer(
             msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks, table.rows,
             rows.heads[i], rows.wix, *status_columns(plan.states, now, self.registry.policy), fmt.statuses[i],
             *(pend or (None, None)), table.kv)
@@ -541,8 +546,11 @@ class IndexerService:
         n = len(self.registry)
         models = dict(self.index.models())
         alive = self.ingest.alive
-        return ServiceHealth(status="ok" if alive else "degraded", workers=n, ingest_alive=alive,
-                             uptime_s=self.clock() - self.started_at, models=models, core=self.core)
+        now = self.clock()
+        degraded = self.registry.degraded(now)
+        return ServiceHealth(status="ok" if alive and not degraded else "degraded", workers=n, ingest_alive=alive,
+                             uptime_s=now - self.started_at, models=models, core=self.core,
+                             degraded_workers=degraded)
 
     def stats(self) -> dict[str, Any]:
         """Numbers the dashboard polls; rates are computed client-side from these totals."""

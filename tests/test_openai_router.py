@@ -18,6 +18,7 @@ import pytest
 from router_api.tokenization import ChatTokenizer
 from support.net import REPO_ROOT, free_port, wait_until
 from support.tiny_tokenizer import TINY_CHAT
+from router_api.procs import spawn
 
 BS = 4
 TOK = ChatTokenizer.from_dir(TINY_CHAT)
@@ -34,7 +35,7 @@ class Proc:
         self.name = name
         self.log = tmp / f"{name}.log"
         self._f = open(self.log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=str(REPO_ROOT),
+        self.proc = spawn([sys.executable, "-m", "cli.main", *args], cwd=str(REPO_ROOT),
                                      stdout=self._f, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
 

@@ -15,13 +15,14 @@ import pytest
 from indexer.eventlog import read_event_log
 from producer.publisher import ZmqEventPublisher
 from schemas.events import BlockStored, KVEventBatch
+from router_api.procs import spawn
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def record_cmd(*args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "cli.main", "record", *args], cwd=REPO, env=env,
+    return spawn([sys.executable, "-m", "cli.main", "record", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

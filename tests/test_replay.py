@@ -34,6 +34,7 @@ from router_api.service import IndexerService
 from schemas.api import RegisterWorker
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredArr, KVEventBatch
 from support.service import WorkerSim, make_prompts
+from router_api.procs import spawn
 
 REPO = Path(__file__).resolve().parent.parent
 BS = 4
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def kvatlas(*args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=REPO, env=env,
+    return spawn([sys.executable, "-m", "cli.main", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -262,7 +262,7 @@ class JetStreamEventPublisher:
         return max(1024, int(max_payload) - PART_HEADROOM)
 
     async def _publish_parts(self, js, subject: str, token: str, seq: int, epoch: str,  # noqa: ANN001
-                             payload: bytes, limit: int) -> asyncio.Future:  # type: ignore[type-arg]
+                             payload: bytes, limit: int) -> asyncio.Future:
         """Store one oversized batch as consecutive parts (never a hole: consumers apply the batch
         when its last part arrives). Returns the last part's ack future; an earlier part's failure
         is counted as a send error."""
@@ -280,12 +280,12 @@ class JetStreamEventPublisher:
         assert fut is not None
         return fut
 
-    def _on_part_ack(self, fut: asyncio.Future) -> None:  # type: ignore[type-arg]
+    def _on_part_ack(self, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None:
             self.stats.send_errors += 1
             log.warning("worker %s: JetStream did not store part of a split batch", self.worker_id)
 
-    def _on_ack(self, fut: asyncio.Future) -> None:  # type: ignore[type-arg]
+    def _on_ack(self, fut: asyncio.Future) -> None:
         if fut.cancelled():
             self.stats.send_errors += 1
         else:

@@ -20,6 +20,7 @@ import httpx
 import msgspec
 import zmq
 
+from router_api.procs import spawn
 from schemas.events import BlockStored, KVEventBatch
 from schemas.frames import seq_bytes
 from support.net import wait_until
@@ -140,7 +141,7 @@ def honest_hybrid(seed: int, blocks: int = 64) -> tuple[list, list[int]]:
 
 
 # The probe process (shared with bench/bench_health_under_load.py): GET /health every 20 ms.
-_PROBE = str(Path(__file__).resolve().parents[2] / "bench" / "health_probe.py")
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 class HealthProbe:
@@ -150,8 +151,8 @@ class HealthProbe:
     def __init__(self, url: str) -> None:
         self.ms: list[float] = []
         self.errors: list[str] = []
-        self._proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, _PROBE, url, "20"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._proc: subprocess.Popen | None = spawn(
+            [sys.executable, "-m", "bench.support.health_probe", url, "20"], cwd=_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def stop(self) -> None:
         if self._proc is None:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import httpx
 
+from router_api.procs import spawn
 from support.net import free_port, wait_until
 from producer.page_hash import page_ids
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -76,7 +77,7 @@ class KVIndexerProcess:
         self.log_path = log_path
         self._log = open(log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [sys.executable, "-m", "cli.main", "indexer", "--port", str(port), *extra],
             cwd=str(REPO), stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.client = httpx.Client(base_url=self.url, timeout=10.0)

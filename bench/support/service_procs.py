@@ -19,11 +19,9 @@ from typing import Any, Callable
 import msgspec
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+ROOT = Path(__file__).resolve().parents[2]
 
-from service_stream import BS  # noqa: E402
+from bench.support.service_stream import BS  # noqa: E402
 
 def free_port() -> int:
     with socket.socket() as s:
