@@ -361,7 +361,8 @@ class KVIndex:
         cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None,
     ) -> ScoreTable | None:
         """`score` with the rows packed for a C answer writer (no object per row), or None where only
-        `score` serves: no accelerator, a hybrid model, tokens the C call does not take."""
+        `score` serves: no accelerator, tokens the C call does not take (a hybrid model's rows carry their
+        kv_blocks column, `ScoreTable.kv`)."""
         if self._accel is None or type(token_ids) not in _SEQ_TYPES:
             return None
         return self.score_table_model(self._model(model), token_ids, lora_name, cache_salt, workers)

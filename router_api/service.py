@@ -357,8 +357,8 @@ class IndexerService:
                      msgpack: bool = False) -> bytes:
         """`score`, encoded: exactly `msgspec.{json,msgpack}.encode(self.score(...))`, from one lookup of the
         model and its registered pairs. With the native core the rows never become objects: the index packs
-        them and C writes the bytes (router_api/answer.py); what that path does not take (pure core, hybrid
-        models, odd tokens or scores) becomes `score`'s rows, encoded by msgspec."""
+        them and C writes the bytes (router_api/answer.py); what that path does not take (pure core, a hybrid
+        model's rows with routes pending, odd tokens or scores) becomes `score`'s rows, encoded by msgspec."""
         now = self.clock()
         query = Query(token_ids, lora_name, cache_salt)
         with self.lock:
