@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from indexer.core.types import TierWeights
 from indexer.index import KVIndex
+from indexer.sharded import ShardedIndex
 from router_api.config import ServiceConfig
 from router_api.service import IndexerService
 from schemas.api import RegisterWorker
@@ -25,11 +26,14 @@ MEDIA = ("GPU", "CPU", "DISK", "EXTERNAL")
 GROUPS = ((0, "full_attention", None), (1, "sliding_window", 9), (2, "mamba", None))
 
 
-def services(weights: dict[str, float], names: list[str]) -> tuple[IndexerService, IndexerService]:
+def services(weights: dict[str, float], names: list[str],
+             sharded: bool = False) -> tuple[IndexerService, IndexerService]:
+    """A native service (one index, or two worker shards) and a pure-Python one, the same workers."""
     out = []
     for native in (True, False):
-        svc = IndexerService(ServiceConfig(block_size=BS, stale_after_s=5.0),
-                             index=KVIndex(weights=TierWeights(**weights), native=native), clock=lambda: 100.0)
+        wt = TierWeights(**weights)
+        index: Any = ShardedIndex(2, weights=wt) if native and sharded else KVIndex(weights=wt, native=native)
+        svc = IndexerService(ServiceConfig(block_size=BS, stale_after_s=5.0), index=index, clock=lambda: 100.0)
         svc.index.ensure_model("default", BS)
         for i, name in enumerate(names):
             w = svc.registry.add(RegisterWorker(worker_id=name, endpoint=f"tcp://127.0.0.1:{3000 + i}",
@@ -65,11 +69,11 @@ WEIGHTS = st.fixed_dictionaries({t: st.floats(-10, 10, allow_nan=False) for t in
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(WEIGHTS, st.lists(st.booleans(), min_size=1, max_size=6), st.integers(0, 2**31))
+@given(WEIGHTS, st.lists(st.booleans(), min_size=1, max_size=6), st.integers(0, 2**31), st.booleans())
 def test_hybrid_answers_are_msgspecs_bytes_of_the_pure_core(weights: dict[str, float], kinds: list[bool],
-                                                          seed: int) -> None:
+                                                          seed: int, sharded: bool) -> None:
     names = [f"w{i}" for i in range(len(kinds))]
-    fast, pure = services(weights, names)
+    fast, pure = services(weights, names, sharded)
     rng = random.Random(seed)
     prompt = [rng.randrange(1, 1000) for _ in range(BS * 12)]
     for name, hybrid in zip(names, kinds):

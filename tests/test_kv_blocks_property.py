@@ -138,8 +138,10 @@ def test_the_property_reached_usable_0_beside_a_full_attention_match() -> None:
         ix = _index("native")
         h = _hashes(0)
         ix.apply(M, "a", 0, KVEventBatch(0.0, [
-            BlockStored(h[:6], None, ROOTS[0][:BS * 6], BS, None, "GPU", group_idx=0, kv_cache_spec_kind="full_attention"),
-            BlockStored(h[5:6], h[4], ROOTS[0][BS * 5:BS * 6], BS, None, "GPU", group_idx=2, kv_cache_spec_kind="mamba"),
+            BlockStored(h[:6], None, ROOTS[0][:BS * 6], BS, None, "GPU", group_idx=0,
+                        kv_cache_spec_kind="full_attention"),
+            BlockStored(h[5:6], h[4], ROOTS[0][BS * 5:BS * 6], BS, None, "GPU", group_idx=2,
+                        kv_cache_spec_kind="mamba"),
             BlockRemoved(h[5:6], "GPU", group_idx=2)]))
         s = ix.score(M, ROOTS[0]).workers[0]
         assert (s.cached_blocks, s.kv_blocks) == (0, 6)

@@ -84,8 +84,9 @@ class Stream:
         out = []
         for i in range(first, len(ids), per_batch):
             j = min(len(ids), i + per_batch)
-            evs = group_events(self.event, self.hybrid, block_hashes=ids[i:j], parent_block_hash=ids[i - 1] if i else None,
-                               token_ids=toks[i * BS: j * BS], block_size=BS, medium="GPU")
+            evs = group_events(self.event, self.hybrid, block_hashes=ids[i:j],
+                               parent_block_hash=ids[i - 1] if i else None, token_ids=toks[i * BS: j * BS],
+                               block_size=BS, medium="GPU")
             out.append(encode_batch(KVEventBatch(self.ts, evs)))
             self.blocks += j - i
         return out
