@@ -181,3 +181,28 @@ def test_a_wide_index_matches_the_pure_core_through_churn_and_snapshots(seed: in
         assert _state(a) == _state(b) and _answers(a, queries) == _answers(b, queries)
         top = max((w.slot for w in a._models[MODEL].by_id.values() if w.ext), default=0)
         assert a._models[MODEL].nodes.form == ("lists" if top >= 128 else "dense")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hybrid_workers_past_128_slots_match_the_reference(seed: int) -> None:
+    """A hybrid model whose main tree is in holder lists: its usable-prefix rows are the pure core's
+    (`hybrid_rows` leaves such a tree to it) and the brute-force reference's, group maps staying dense."""
+    from support.reference import ReferenceIndex
+    from test_hybrid_index_streams import BS as HBS, M as HM, _history
+
+    fast, pure, ref = KVIndex(native=True, orphan_grace_batches=0), KVIndex(native=False, orphan_grace_batches=0), \
+        ReferenceIndex()
+    filler = KVEventBatch(0.0, [BlockStored([9_000_001], None, [7] * HBS, HBS, medium="GPU")])
+    for ix in (fast, pure, ref):
+        ix.ensure_model(HM, HBS)
+        for i in range(200):  # 200 plain workers first: the hybrid ones sit at slots 200 and 201
+            ix.apply(HM, f"f{i:03d}", 0, filler)
+    hist, roots = _history(seed)
+    rng = random.Random(seed)
+    for wid, evs in hist:
+        for ix in (fast, pure, ref):
+            ix.apply(HM, wid, 0, KVEventBatch(0.0, evs))
+        q = roots[rng.randrange(3)][: HBS * rng.randint(0, 5)]
+        assert fast.score(HM, q) == pure.score(HM, q) == ref.score(HM, q)
+    assert fast._models[HM].nodes.form == "lists"
+    assert fast.worker_stats(HM) == ref.worker_stats(HM)
