@@ -206,3 +206,25 @@ def test_hybrid_workers_past_128_slots_match_the_reference(seed: int) -> None:
         assert fast.score(HM, q) == pure.score(HM, q) == ref.score(HM, q)
     assert fast._models[HM].nodes.form == "lists"
     assert fast.worker_stats(HM) == ref.worker_stats(HM)
+
+
+@pytest.mark.slow  # 66k workers: ~5 s of CPU
+def test_a_model_past_65536_worker_slots() -> None:
+    """Dense words stop at 65,536 slots (MAX_SLOT); holder lists go on: the C apply leaves those
+    workers' batches to the pure core, whose writes, the walk and restore take any slot below 2^24.
+    Worker w holds document w % D (one block), so each document's holders are known exactly."""
+    n, bs = 66_000, 4
+    docs = n // 4
+    pays = [_payload([BlockStored([d + 1], None, [d + 1] * bs, bs, medium="GPU")]) for d in range(docs)]
+    fast = KVIndex(native=True)
+    fast.ensure_model(MODEL, bs)
+    for w in range(n):
+        fast.apply_payload(MODEL, f"w{w:05d}", 0, pays[w % docs])
+    assert fast._models[MODEL].nodes.form == "lists"
+    back = KVIndex(native=True)
+    assert back.load_dump(MODEL, bs, fast.dump(MODEL)) == n
+    for d in {(n - 1) % docs, 65_536 % docs, 3}:
+        want = sorted(f"w{w:05d}" for w in range(d, n, docs))
+        for ix in (fast, back):
+            got = [s for s in ix.score(MODEL, [d + 1] * bs).workers if s.cached_blocks]
+            assert sorted(s.worker_id for s in got) == want and {s.cached_blocks for s in got} == {1}

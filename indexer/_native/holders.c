@@ -17,6 +17,9 @@
 
 #define HL_DENSE 8  /* words (128 worker slots): the 100-worker fleet's tables stay exactly as they were */
 #define HL_INLINE 4 /* entries in the two inline words */
+/* Slots a holder list takes (an entry keeps 28 bits of slot): past MAX_SLOT, the bound of dense words
+ * and of the C apply, a worker's stores go through the pure core (`U64Map.__setitem__`) and still fit. */
+#define HL_MAX_SLOT ((Py_ssize_t)1 << 24)
 
 typedef struct {
     uint32_t n;     /* holders (nonzero nibbles) */

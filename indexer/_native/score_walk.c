@@ -211,7 +211,9 @@ static int slots_of(PyObject *slotso, Py_ssize_t **out) {
         PyObject *o = PyList_GET_ITEM(slotso, s);
         /* ints only: __index__ of anything else could run Python code and change the list */
         slot[s] = PyLong_Check(o) ? PyLong_AsSsize_t(o) : -1;
-        if (slot[s] < 0 || slot[s] >= MAX_SLOT) {
+        /* (every read of a slot's nibble is bounded by its table's width: dense words end at MAX_SLOT,
+         * holder lists at HL_MAX_SLOT) */
+        if (slot[s] < 0 || slot[s] >= HL_MAX_SLOT) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad slot");
             PyMem_RawFree(slot);
             return -1;

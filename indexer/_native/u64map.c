@@ -336,7 +336,10 @@ static int set_val(U64Map *m, uint64_t k, PyObject *v) {
     Py_DECREF(bl);
     if (nbits < 0) return -1;
     Py_ssize_t words = (nbits + 63) / 64; /* Py_ssize_t: never narrowed before the bound check */
-    if (words > MAX_WIDTH) { PyErr_SetString(PyExc_OverflowError, "U64Map value wider than its bound"); return -1; }
+    if (words > (m->holders ? HL_MAX_SLOT / 16 : MAX_WIDTH)) { /* holder lists: their own bound */
+        PyErr_SetString(PyExc_OverflowError, "U64Map value wider than its bound");
+        return -1;
+    }
     if (widen(m, (int)words) < 0) return -1;
     Py_ssize_t nb = m->hl ? words : m->width; /* holder lists: the int's own words */
     PyObject *b = PyObject_CallFunction(INT_TO_BYTES, "OnO", v, (Py_ssize_t)8 * nb, STR_LITTLE);
