@@ -76,6 +76,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    on_reject: Any = None  # counts a rejection by reason (servers without a ScoreFront: `kvatlas worker`)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -172,19 +173,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _count(self, reason: str) -> None:
+        if self.on_reject is not None:
+            self.on_reject(reason)
+            return
         front = find_front(self.app)
         if front is not None:
             front.metrics.http_rejects.inc("http", reason)
 
 
 def protocol_class(fast_path: bool, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                   max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type:
-    """The uvicorn `http` protocol class for one server, with its limits."""
+                   max_connections: int = DEFAULT_MAX_CONNECTIONS, on_reject: Any = None) -> type:
+    """The uvicorn `http` protocol class for one server, with its limits (`on_reject(reason)`: where
+    rejections are counted when the app has no ScoreFront)."""
     if request_timeout_s <= 0 or max_connections < 1:
         raise ValueError("request_timeout_s must be > 0 and max_connections >= 1")
     base = ScoreHttpProtocol if fast_path else GuardedHttpProtocol
     return type(base.__name__, (base,), {"request_timeout_s": float(request_timeout_s),
-                                         "max_connections": int(max_connections)})
+                                         "max_connections": int(max_connections),
+                                         "on_reject": staticmethod(on_reject) if on_reject is not None else None})
 
 
 class _Pending:

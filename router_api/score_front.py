@@ -48,6 +48,9 @@ class _ClientGone(Exception):
     """The client disconnected before sending its whole body: nothing to answer."""
 
 
+_OFF_LOOP = Answer(0, b"", _JSON_HEADERS)  # `answer`'s "not here": a text request, answered on the pool
+
+
 class ScoreFront:
     """Pure ASGI front serving `/score` and `/query` without the framework; every other request
     goes to `app` (FastAPI). `prepare` + `answer` are the one validation / negotiation path of the
@@ -135,7 +138,9 @@ class ScoreFront:
         decides: this front (`respond`), the FastAPI routes and the protocol fast path all call it."""
         pool = self.pool
         if not pool.wants(len(body)):
-            return self.answer(route, kind, accept, query_string, body, t0)
+            ans = self.answer(route, kind, accept, query_string, body, t0, True)
+            if ans is not _OFF_LOOP:
+                return ans
         fut = pool.submit(self.answer, route, kind, accept, query_string, body, t0)
         if fut is None:
             return self.rejected(route.endpoint, ApiError(
@@ -150,8 +155,9 @@ class ScoreFront:
         return await asyncio.wrap_future(ans) if isinstance(ans, Future) else ans
 
     def answer(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes | memoryview,
-               t0: float) -> Answer:
-        """(status, body, content-type header) for a whole request body; never raises."""
+               t0: float, on_loop: bool = False) -> Answer:
+        """(status, body, content-type header) for a whole request body; never raises. `on_loop`: a
+        text request (tokenizing: CPU bound whatever its size) answers `_OFF_LOOP`, to be sent to the pool."""
         endpoint, typ, handler = route.endpoint, route.request_type, route.handler
         mp = accept is not None and b"msgpack" in accept
         try:
@@ -167,7 +173,9 @@ class ScoreFront:
                     model = req.model_name or req.model or self.default_model
                     out = handler(model, tokens, req.lora_name, req.cache_salt, mp)
                 elif score_text.is_text(tokens, req.prompt, req.messages):  # prompt / messages: tokenized here
-                    out = score_text.text_answer(self.service, req.model, req, mp)
+                    if on_loop:
+                        return _OFF_LOOP
+                    out = score_text.text_answer(self.service, req.model, req, mp, self.pool.text_slots)
                 else:
                     out = handler(req.model, tokens, req.lora_name, req.cache_salt, mp)
         except ApiError as exc:

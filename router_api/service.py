@@ -27,7 +27,7 @@ from router_api.locks import ShardedLock
 from router_api.metrics import ServiceMetrics
 from router_api.score_plan import Query, ScorePlan, ScoreRows, pending_columns, query_response, score_rows
 from router_api.worker_metrics import WorkerGauges
-from router_api.routes import RouteBook, UnknownRouteWorker
+from router_api.routes import RouteBook, RouteTimer, UnknownRouteWorker
 from indexer.pending import PendingRoutes
 from indexer.protocol import Index, ScoringIndex, Subscriber
 from indexer.reconcile import LivenessPolicy, status_columns
@@ -134,6 +134,7 @@ class IndexerService:
         self._snap_stop = threading.Event()
         self._snap_thread: threading.Thread | None = None
         self._snap_lock = threading.Lock()  # one snapshot write at a time
+        self._route_timer: RouteTimer | None = None
         self._started = False
         self._running = False  # start() completed: only then may stop() write a final snapshot
         self._blocks_cache: tuple[float, dict[tuple[str, int], dict[str, int]]] | None = None
@@ -165,6 +166,8 @@ class IndexerService:
                 log.error("event=static_worker_rejected worker=%s error=%s", reg.worker_id, exc)
         self.ingest.start()
         self._running = True
+        self._route_timer = RouteTimer(self.routes, self.lock, self.index, self.registry, self.clock)
+        self._route_timer.start()  # route expiry and admission deadlines run without traffic
         if self.store is not None:
             self._snap_thread = threading.Thread(target=self._snapshot_loop, name="kvatlas-snapshot",
                                                  daemon=True)
@@ -177,6 +180,8 @@ class IndexerService:
 
     def stop(self, final_snapshot: bool = True) -> None:
         self._snap_stop.set()
+        if self._route_timer is not None:
+            self._route_timer.stop()
         if self._snap_thread is not None:
             self._snap_thread.join(30)
         self.ingest.stop()
