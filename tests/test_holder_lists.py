@@ -2,9 +2,11 @@
 (`U64Map.holders()`) keeps dense words up to 128 worker slots, then stores each node's residency as
 a short sorted list of (slot, nibble) inline, a list in a block, or dense words in a block where a node
 is widely held. Every form reads and writes the same ints as a dict, through every transition (inline
--> list -> dense -> list -> inline, dense table -> lists -> dense table by `narrow`); and an index past
-1k workers answers, counts tiers, dumps and restores exactly as the pure core does, whichever form its
-nodes are in, through worker churn and snapshots taken in one form and restored into another."""
+-> list -> dense -> list -> inline, dense table -> lists -> dense table by `narrow`: the map's own
+encode / decode); and an index past 1k workers, whose C apply writes a bit at a time (the forms'
+per-slot writes and reads), answers, counts tiers, dumps and restores exactly as the pure core and the
+brute-force reference do, whichever form its nodes are in, through worker churn and snapshots taken in
+one form and restored into another."""
 from __future__ import annotations
 
 import random
@@ -145,33 +147,40 @@ def _codec(dump: list) -> list:
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), n_workers=st.sampled_from([100, 300, 1500]))
 def test_a_wide_index_matches_the_pure_core_through_churn_and_snapshots(seed: int, n_workers: int) -> None:
+    from support.reference import ReferenceIndex
+
     pays, queries = _history(seed, n_workers)
-    fast, pure = KVIndex(native=True), KVIndex(native=False)
-    for ix in (fast, pure):
+    fast, pure, ref = KVIndex(native=True), KVIndex(native=False), ReferenceIndex()
+    for ix in (fast, pure, ref):
         ix.ensure_model(MODEL, BS)
     half = len(pays) // 2
     for wid, rank, p in pays[:half]:
-        for ix in (fast, pure):
+        for ix in (fast, pure, ref):
             ix.apply_payload(MODEL, wid, rank, p)
     snap_early = _codec(fast.dump(MODEL))  # a snapshot taken in this form ...
     for wid, rank, p in pays[half:]:
-        for ix in (fast, pure):
+        for ix in (fast, pure, ref):
             ix.apply_payload(MODEL, wid, rank, p)
     nodes = fast._models[MODEL].nodes
     assert nodes.form == ("lists" if len(fast._models[MODEL].workers) > 128 else "dense")
-    assert _state(fast) == _state(pure) and _answers(fast, queries) == _answers(pure, queries)
+
+    def same() -> None:  # the pure core's state, and the brute-force reference's answers
+        assert _state(fast) == _state(pure) and _answers(fast, queries) == _answers(pure, queries) == \
+            _answers(ref, queries)  # type: ignore[arg-type]
+
+    same()
     # churn: workers go (slots compacted, bits moved between slots), then the table may narrow
     rng = random.Random(seed)
     gone = rng.sample(sorted(fast._models[MODEL].by_id), k=len(fast._models[MODEL].by_id) * 9 // 10)
     for wid, rank in gone[: len(gone) // 2]:
-        for ix in (fast, pure):
+        for ix in (fast, pure, ref):
             ix.remove_worker(MODEL, wid, rank)
-    assert _state(fast) == _state(pure) and _answers(fast, queries) == _answers(pure, queries)
+    same()
     snap_mid = _codec(fast.dump(MODEL))
     for wid, rank in gone[len(gone) // 2:]:
-        for ix in (fast, pure):
+        for ix in (fast, pure, ref):
             ix.remove_worker(MODEL, wid, rank)
-    assert _state(fast) == _state(pure) and _answers(fast, queries) == _answers(pure, queries)
+    same()
     if len(fast._models[MODEL].workers) <= 128:
         assert nodes.form == "dense"  # narrowed back
     # ... restored into fresh indexes, native and pure, in whatever form its slots need
