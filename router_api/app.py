@@ -81,7 +81,7 @@ class BearerAuth:
 
     def __init__(self, app: Any, token: str) -> None:
         self.app = app
-        self.fastapi = getattr(app, "fastapi", app)
+        self.fastapi = app.fastapi if isinstance(app, ScoreFront) else app
         self.token = token.encode()
         self.front: ScoreFront | None = app if isinstance(app, ScoreFront) else None
         if self.front is not None:

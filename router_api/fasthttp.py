@@ -34,10 +34,10 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from router_api.app import bearer_ok
+from router_api.app import BearerAuth, bearer_ok
 from router_api.bodies import ApiError
 from router_api.http_head import SimpleHead, fields, simple_get, simple_post
-from router_api.score_front import Answer, Route, ScoreFront
+from router_api.score_front import Answer, Route, ScoreFront, body_headers
 
 HEALTH = Route("health", type(None), lambda *a: b"")  # marks a GET /health in flight (never called)
 _NEEDED = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
@@ -56,8 +56,7 @@ def find_front(app: Any) -> ScoreFront | None:
     """The ScoreFront of an app built by `create_app` (directly, or under BearerAuth)."""
     if isinstance(app, ScoreFront):
         return app
-    front = getattr(app, "front", None)
-    return front if isinstance(front, ScoreFront) else None
+    return app.front if isinstance(app, BearerAuth) else None
 
 
 def _plain(status: int, reason: bytes, message: bytes) -> bytes:
@@ -345,14 +344,7 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
 
     def _start(self, front: ScoreFront, route: Route, query: bytes) -> None:
         t0 = time.perf_counter()
-        ctype = accept = clen = None
-        for k, v in self.headers:
-            if k == b"content-type":
-                ctype = v
-            elif k == b"accept":
-                accept = v
-            elif k == b"content-length":
-                clen = v
+        ctype, accept, clen = body_headers(self.headers)
         p = self._pending = _Pending(route, "", accept, query, t0, self._keep_alive())
         try:
             p.kind = front.prepare(ctype, clen)

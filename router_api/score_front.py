@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
-from typing import Any, Awaitable, Callable, NamedTuple, cast
+from typing import Any, Awaitable, Callable, Iterable, NamedTuple, cast
 from urllib.parse import parse_qsl
 
 import msgspec
@@ -36,6 +36,26 @@ class Route(NamedTuple):
     endpoint: str
     request_type: type
     handler: Callable[..., bytes]
+
+
+class BodyHeaders(NamedTuple):
+    """The request headers that negotiate a /score or /query body (the last of a repeated one counts)."""
+
+    content_type: bytes | None
+    accept: bytes | None
+    content_length: bytes | None
+
+
+def body_headers(headers: Iterable[tuple[bytes, bytes]]) -> BodyHeaders:
+    ctype = accept = clen = None
+    for k, v in headers:
+        if k == b"content-type":
+            ctype = v
+        elif k == b"accept":
+            accept = v
+        elif k == b"content-length":
+            clen = v
+    return BodyHeaders(ctype, accept, clen)
 
 
 class Answer(NamedTuple):
@@ -92,14 +112,7 @@ class ScoreFront:
                         _JSON_HEADERS, ((b"allow", b"POST"),))
             return
         t0 = time.perf_counter()
-        ctype = accept = clen = None
-        for k, v in scope["headers"]:
-            if k == b"content-type":
-                ctype = v
-            elif k == b"accept":
-                accept = v
-            elif k == b"content-length":
-                clen = v
+        ctype, accept, clen = body_headers(scope["headers"])
         try:
             kind = self.prepare(ctype, clen)
             body = await self._read(receive)
