@@ -119,7 +119,9 @@ class KVIndex:
         return self._accel is not None
 
     def _new_model(self, model: str, block_size: int, trust: bool) -> ModelState:
-        return ModelState(model, block_size, trust, self._accel.new_map if self._accel is not None else dict)
+        a = self._accel
+        return ModelState(model, block_size, trust, a.new_map, a.new_nodes) if a is not None else \
+            ModelState(model, block_size, trust)
 
     # --- namespaces -------------------------------------------------------------------------
     def ensure_model(self, model: str, block_size: int, trust_engine_hashes: bool | None = None) -> None:

@@ -48,17 +48,18 @@ typedef struct {
  * group's mostly one state or a short run of misses below L. */
 enum { H_SWA_CS = 5, H_MAMBA_CS = 4 };
 
-/* The tables of `o` (a U64Map, or a tuple of them / empty dicts) into ms; 0 ok, 1 not a shape we take. */
+/* The tables of `o` (a U64Map, or a tuple of them / empty dicts) into ms; 0 ok, 1 not a shape we take
+ * (holder lists included: a main tree that wide is scored by the pure core, indexer/core/groupscore.py). */
 static int h_tables(PyObject *o, Py_ssize_t nm, U64Map **ms) {
     if (PyObject_TypeCheck(o, &U64MapType)) {
-        if (nm != 1) return 1;
+        if (nm != 1 || ((U64Map *)o)->hl) return 1;
         ms[0] = (U64Map *)o;
         return 0;
     }
     if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != nm) return 1;
     for (Py_ssize_t t = 0; t < nm; t++) {
         PyObject *x = PyTuple_GET_ITEM(o, t);
-        if (PyObject_TypeCheck(x, &U64MapType)) ms[t] = (U64Map *)x;
+        if (PyObject_TypeCheck(x, &U64MapType) && !((U64Map *)x)->hl) ms[t] = (U64Map *)x;
         else if (PyDict_CheckExact(x) && PyDict_GET_SIZE(x) == 0) ms[t] = NULL;
         else return 1;
     }
