@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
 
-from router_api.demo.procs import Child, free_port, kvatlas_cmd, wait_healthy  # noqa: E402
+from router.demo.procs import Child, free_port, kvatlas_cmd, wait_healthy  # noqa: E402
 from router_api.tokenization import ChatTokenizer  # noqa: E402
 
 TOK_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-chat"

@@ -12,8 +12,8 @@ import pytest
 from fastapi import FastAPI, Request, Response
 
 from producer.sim.httpbody import MAX_BODY_BYTES
-from router_api.proxy.app import create_proxy_app
-from router_api.proxy.core import ProxyCore
+from router.proxy.app import create_proxy_app
+from router.proxy.core import ProxyCore
 from router_api.tokenization import ChatTokenizer
 from support.net import ThreadedServer, free_port
 from support.tiny_tokenizer import TINY_CHAT

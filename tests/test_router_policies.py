@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 
 from producer.sim.schedule import QueueFull, Schedule
-from router_api.router.policies import POLICIES, RouteInput, ScoreRow, make_policy
-from router_api.router.report import format_table, mismatch_cause, quantile, summarize
-from producer.sim.api import RequestRecord, SimModel, Tokens
+from router.policies import POLICIES, RouteInput, ScoreRow, make_policy
+from router.report import format_table, mismatch_cause, quantile, summarize
+from producer.sim.api import SimModel, Tokens
+from router.records import RequestRecord
 
 W = ["a", "b", "c"]
 SIM = SimModel()
@@ -193,7 +194,7 @@ def test_a_conversation_leaves_its_cache_only_for_a_queue_several_times_its_reco
 
 
 def test_shared_backlog_adds_every_replicas_unconfirmed_prefill() -> None:
-    from router_api.router.policies import shared_backlog
+    from router.policies import shared_backlog
 
     sim = SimModel()
     assert shared_backlog(sim, 0.7, ScoreRow(inflight=0, inflight_prefill=0)) == 0.7

@@ -19,11 +19,11 @@ import httpx
 import msgspec
 import numpy as np
 
-from producer.sim.api import SimModel
-from producer.sim.httpbody import CLIENT_KEEPALIVE_S
-from router_api.router.policies import Decision, Policy, RouteInput, ScoreRow, make_policy, shared_backlog
+from schemas.costmodel import SimModel
+from router.proxy.limits import CLIENT_KEEPALIVE_S
+from router.policies import Decision, Policy, RouteInput, ScoreRow, make_policy, shared_backlog
 from router_api.tokenization import ChatTokenizer, TokenizerError
-from router_api.proxy.load import LoadPoller
+from router.proxy.load import LoadPoller
 
 log = logging.getLogger("kvatlas.router")
 _dec = msgspec.json.Decoder()
@@ -208,7 +208,7 @@ class ProxyCore:
                     backlog[w] = max(backlog[w], shared_backlog(self.sim, 0.0, row))
         keys: list[bytes] = []
         if pol.name == "approximate" and tokens is not None:
-            from router_api.router.forwarder import block_keys
+            from router.forwarder import block_keys
 
             keys = block_keys(tokens, self.block_size)
         return pol.choose(RouteInput(n, keys, self.block_size, scores if pol.uses_index else None, backlog,

@@ -10,8 +10,8 @@ import numpy as np
 from fastapi import FastAPI, Request, Response
 
 from producer.sim.httpbody import MAX_BODY_BYTES, read_capped
-from router_api.router.forwarder import RouterCore
-from router_api.router.report import summarize
+from router.forwarder import RouterCore
+from router.report import summarize
 from schemas.api import TokenList
 
 _enc = msgspec.json.Encoder()

@@ -13,7 +13,7 @@ log = logging.getLogger("kvatlas.router")
 def run(args: argparse.Namespace, workers: dict[str, str]) -> int:
     import msgspec
 
-    from producer.sim.api import SimModel
+    from schemas.costmodel import SimModel
     from router_api.cmd_indexer import read_token
     from router_api.tokenization import TokenizerError, load_tokenizer_specs
 
@@ -48,8 +48,8 @@ async def _serve(args: argparse.Namespace, workers: dict[str, str], tokenizer: o
                  token: str | None) -> int:
     import uvicorn
 
-    from router_api.proxy.app import create_proxy_app
-    from router_api.proxy.core import ProxyCore
+    from router.proxy.app import create_proxy_app
+    from router.proxy.core import ProxyCore
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     core = ProxyCore(workers, indexer=args.indexer, model=args.model, tokenizer=tokenizer,  # type: ignore[arg-type]

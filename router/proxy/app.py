@@ -14,8 +14,8 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from producer.sim.httpbody import MAX_BODY_BYTES, read_capped
-from router_api.proxy.core import NoWorker, ProxyCore
+from router.proxy.limits import MAX_BODY_BYTES
+from router.proxy.core import NoWorker, ProxyCore
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
@@ -25,6 +25,21 @@ def _error(status: int, message: str, kind: str = "BadRequestError") -> Response
     # OpenAI's error shape, so client libraries raise their usual exception
     return Response(_enc.encode({"error": {"message": message, "type": kind, "code": status}}), status_code=status,
                     media_type="application/json")
+
+
+async def read_capped(request: Request, max_bytes: int) -> bytes | None:
+    """The body, or None once it exceeds `max_bytes` (declared or streamed): answer 413."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def create_proxy_app(core: ProxyCore, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:

@@ -1,7 +1,7 @@
 """`kvatlas router`: a KV-aware router process, in one of two APIs.
 
 - `--api openai` (the default without `--trace`): an OpenAI-compatible proxy in front of vLLM /
-  SGLang engines or `kvatlas worker`s (router_api/proxy/, docs/openai.md).
+  SGLang engines or `kvatlas worker`s (router/proxy/, docs/openai.md).
 - `--api sim` (the default with `--trace`): serves `POST /generate` (route + forward), `GET /report`,
   `GET /health` for `kvatlas worker`s; optionally replays a trace (its share of it, as replica I
   of K) at scaled speed and writes the per-request report as JSON (docs/end-to-end.md)."""
@@ -78,15 +78,15 @@ def parse_workers(specs: list[str]) -> dict[str, str]:
 
 
 def select_requests(args: argparse.Namespace) -> list[Any]:
-    from router_api.router.trace import requests_for
+    from router.trace import requests_for
 
     reqs = requests_for(args.trace, args.requests, args.seed)
     return [r for r in reqs if r.index % args.replicas == args.replica_index]
 
 
 def run(args: argparse.Namespace) -> int:
-    from router_api.router.policies import POLICIES, PRECISE
-    from router_api.router.trace import TraceError
+    from router.policies import POLICIES, PRECISE
+    from router.trace import TraceError
 
     api = args.api or ("sim" if args.trace else "openai")
     if api == "openai":
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kvatlas router: {exc}", file=sys.stderr)
             return 2
-        from router_api.proxy.cmd import run as run_openai
+        from router.proxy.cmd import run as run_openai
 
         return run_openai(args, workers)
     try:
@@ -131,11 +131,11 @@ async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[An
     import msgspec
     import uvicorn
 
-    from router_api.router.app import create_router_app
-    from router_api.router.forwarder import RouterCore, fetch_sim
-    from router_api.router.policies import make_policy
-    from router_api.router.progress import Progress
-    from producer.sim.api import RouterReport
+    from router.app import create_router_app
+    from router.forwarder import RouterCore, fetch_sim
+    from router.policies import make_policy
+    from router.progress import Progress
+    from router.records import RouterReport
     from producer.sim.cmd import indexer_token
 
     async with httpx.AsyncClient() as c:

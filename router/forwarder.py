@@ -20,10 +20,11 @@ import httpx
 import msgspec
 import numpy as np
 
-from router_api.router.policies import Policy, RouteInput, ScoreRow, shared_backlog
-from router_api.router.trace import TokenExpander, TraceRequest
+from router.policies import Policy, RouteInput, ScoreRow, shared_backlog
+from router.trace import TokenExpander, TraceRequest
 from schemas.api import MAX_WAIT_ROUTES, MAX_WAIT_S
-from producer.sim.api import GenerateResponse, LoadResponse, RequestRecord, SimModel, WorkerHealth
+from producer.sim.api import GenerateResponse, LoadResponse, SimModel, WorkerHealth
+from router.records import RequestRecord
 
 log = logging.getLogger("kvatlas.router")
 _score_dec = msgspec.json.Decoder()
