@@ -62,6 +62,7 @@ def create_router_app(core: RouterCore, state: dict[str, Any], *, max_body_bytes
 
     @app.get("/health")
     async def health() -> Response:
-        return _json({"status": "ok", "policy": core.policy.name, **state})
+        return _json({"status": "ok", "policy": core.policy.name, "route_errors": core.route_errors,
+                      "indexer_unauthorized": core.unauthorized, **state})
 
     return app

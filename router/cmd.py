@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-after-replay", action="store_true", help="exit once the replay is done")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--admission-timeout", type=float, default=2.0,
-                   help="sim: wall seconds a request waits at most for the worker to admit the in-flight requests "
+                   help="wall seconds a request waits at most for the worker to admit the in-flight requests "
                         "its prediction counts on (causal forwarding, docs/CONTRACTS.md; 0 = off; default 2)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--api", choices=("openai", "sim"), default=None,
@@ -59,11 +59,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="openai: block size until the indexer's /score says it (default 16)")
     p.add_argument("--forward-token-ids", action="store_true",
                    help="openai: forward a completions text prompt as the token ids that were scored")
+    p.add_argument("--first-byte-timeout", type=float, default=300.0,
+                   help="openai: seconds an engine may take to begin its answer before the request is retried "
+                        "on another worker and the engine marked down (default 300)")
+    p.add_argument("--request-timeout", type=float, default=10.0,
+                   help="openai: seconds a client has to send a request's head and body (default 10)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="openai: open client connections at most; more are refused with 503 (default 1024)")
+    p.add_argument("--decision-log-rate", type=float, default=0.0,
+                   help="openai: share of requests whose decision is logged (logger kvatlas.router.decisions; "
+                        "default 0: off)")
+    p.add_argument("--workers-interval", type=float, default=5.0,
+                   help="openai: seconds between reads of the indexer's worker registry (0: only --worker)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="openai: SO_REUSEPORT, so several router processes share --port")
     p.add_argument("--sim", default=None,
                    help="openai: cost model of the policies as JSON (producer.sim.api.SimModel fields)")
 
 
-def parse_workers(specs: list[str]) -> dict[str, str]:
+def parse_workers(specs: list[str], required: bool = True) -> dict[str, str]:
     out: dict[str, str] = {}
     for spec in specs:
         wid, sep, url = spec.partition("=")
@@ -72,7 +86,7 @@ def parse_workers(specs: list[str]) -> dict[str, str]:
         if wid in out:
             raise ValueError(f"worker {wid!r} given twice")
         out[wid.strip()] = url.strip().rstrip("/")
-    if not out:
+    if not out and required:
         raise ValueError("at least one --worker ID=URL is needed")
     return out
 
@@ -91,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     api = args.api or ("sim" if args.trace else "openai")
     if api == "openai":
         try:
-            workers = parse_workers(args.worker)
+            workers = parse_workers(args.worker, required=not args.indexer)
             if args.trace:
                 raise ValueError("--trace replays through --api sim")
             if args.policy not in POLICIES:

@@ -75,9 +75,11 @@ def decode_body(kind: str, body: bytes, typ: type) -> Any:
     if not body:
         raise ApiError(400, "empty body", "empty_body")
     try:
-        if kind == "json":
-            return _dec_json[typ].decode(body)
-        return _dec_msgpack[typ].decode(body)
+        table = _dec_json if kind == "json" else _dec_msgpack
+        dec = table.get(typ)
+        if dec is None:  # a body type of a module that adds its own routes (router_api/decide.py)
+            dec = table[typ] = (msgspec.json.Decoder if kind == "json" else msgspec.msgpack.Decoder)(typ)
+        return dec.decode(body)
     except RecursionError:  # msgspec's nesting limit: the client's fault, not a 500
         raise _too_deep() from None
     except msgspec.ValidationError as exc:
