@@ -7,7 +7,8 @@ vLLM does it (router_api/tokenization.py: a prompt gets the post-processor's BOS
 rendered template with no tokens added; a `prompt` of token ids is taken as is), then served by
 the engine like `/generate`: its prompt blocks enter the cache and go out as KV events. The reply
 is paced to the simulated model's timeline. `return_token_ids: true` adds `prompt_token_ids`
-(as vLLM does); `usage.prompt_tokens_details.cached_tokens` is what the worker held on arrival.
+(as vLLM does); `usage.prompt_tokens_details.cached_tokens` is what the request took from the cache
+when it ran (vLLM's count at scheduling; `x-kvatlas-cached-tokens`: what the worker held on arrival).
 A client that disconnects before the reply ends (a closed SSE stream, or a non-streamed request
 whose client leaves) cancels the request, as `/generate` does: `Engine.cancel` gives its wait,
 prefill interval and batch slot back on the timeline; counted as `outcome="cancelled"`.
@@ -166,7 +167,9 @@ class OpenAIFront:
 
     def usage(self, ids: list[int], n_out: int, served: Any) -> dict[str, Any]:
         return {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out,
-                "prompt_tokens_details": {"cached_tokens": served.arrival_cached}}
+                # as vLLM counts it: the prompt tokens the request took from the cache when it was
+                # scheduled (a request queued behind the one storing its prefix gets that prefix)
+                "prompt_tokens_details": {"cached_tokens": served.tokens.cached}}
 
     async def handle(self, request: Request, body: dict[str, Any], chat: bool) -> Response:
         ids = self.chat_ids(body) if chat else self.prompt_ids(body)

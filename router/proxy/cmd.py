@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+from typing import Any
 
 import httpx
 import msgspec
@@ -90,13 +91,29 @@ async def _learn_loop(core: object, args: argparse.Namespace, token: str | None,
             await asyncio.sleep(args.workers_interval)  # the registry is re-read on a period
 
 
-async def _serve(args: argparse.Namespace, workers: dict[str, str], tokenizer: object, sim: object,
-                 token: str | None) -> int:
+def build_server(core: object, host: str, port: int, *, max_body_bytes: int, request_timeout_s: float = 10.0,
+                 max_connections: int = 1024, reuse_port: bool = False) -> tuple[Any, socket.socket]:
+    """The proxy's uvicorn server and its bound socket (serve with `server.serve(sockets=[sock])`)."""
     import uvicorn
 
     from router.proxy.app import create_proxy_app
     from router.proxy.core import ProxyCore
     from router_api.fasthttp import protocol_class
+
+    assert isinstance(core, ProxyCore)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(create_proxy_app(core, max_body_bytes), log_level="warning", access_log=False,
+                            lifespan="off", http=protocol_class(False, request_timeout_s, max_connections))
+    return uvicorn.Server(config), sock
+
+
+async def _serve(args: argparse.Namespace, workers: dict[str, str], tokenizer: object, sim: object,
+                 token: str | None) -> int:
+    from router.proxy.core import ProxyCore
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     core = ProxyCore(workers, indexer=args.indexer, model=args.model, tokenizer=tokenizer,  # type: ignore[arg-type]
@@ -112,15 +129,9 @@ async def _serve(args: argparse.Namespace, workers: dict[str, str], tokenizer: o
     await core.start()
     for w, st in core.poller.states.items():
         log.info("event=worker worker=%s url=%s up=%s reason=%s", w, st.url, st.up, st.reason)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if args.reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((args.host, args.port))
-    config = uvicorn.Config(create_proxy_app(core, int(args.max_body_mb * 1024 * 1024)), log_level="warning",
-                            access_log=False, lifespan="off",
-                            http=protocol_class(False, args.request_timeout, args.max_connections))
-    server = uvicorn.Server(config)
+    server, sock = build_server(core, args.host, args.port, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                                request_timeout_s=args.request_timeout, max_connections=args.max_connections,
+                                reuse_port=args.reuse_port)
     log.info("event=listening url=http://%s:%d api=openai policy=%s", args.host, args.port, args.policy)
     try:
         await server.serve(sockets=[sock])
