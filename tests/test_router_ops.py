@@ -95,6 +95,7 @@ class RouterThread:
         wait_until(lambda: self.server is not None and self.server.started, timeout=30)
 
     async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
         core = self.core = self._make()
         await core.start()
         server, sock = build_server(core, "127.0.0.1", self.port, **self._kw)
@@ -373,3 +374,41 @@ def test_slow_heads_are_cut_and_connections_capped(engines) -> None:
         finally:
             for s in held:
                 s.close()
+
+
+def test_workers_are_learned_from_the_registry_and_routed_by_model(engines) -> None:
+    """Workers (id, url, model) come from the indexer's `GET /workers`; a `--worker` flag wins for its
+    id; requests go to the workers serving their `model`."""
+    from router.proxy.cmd import learn_workers
+
+    a, b, pinned = engines("a"), engines("b"), engines("pinned")
+    app = FastAPI()
+
+    @app.get("/workers")
+    async def workers() -> Response:
+        return Response(json.dumps({"workers": [
+            {"worker_id": "a", "url": a.url, "model": "llama"}, {"worker_id": "b", "url": b.url, "model": "qwen"},
+            {"worker_id": "p", "url": "http://127.0.0.1:1", "model": "qwen"}, {"worker_id": "old"},
+            {"worker_id": "bad", "url": "file:///etc/passwd", "model": "qwen"}]}), media_type="application/json")
+
+    reg = ThreadedServer(app)
+    try:
+        def make() -> ProxyCore:
+            return ProxyCore({"p": pinned.url}, indexer=None, model="default", tokenizer=None, policy="round_robin",
+                             worker_models={"p": "qwen"})
+
+        with RouterThread(make) as rt:
+            assert rt.core is not None
+            core = rt.core
+            fut = asyncio.run_coroutine_threadsafe(
+                learn_workers(core, reg.url, None, {"p": pinned.url}, core.client), rt.loop)
+            assert fut.result(10) == 2
+            assert core.workers == {"p": pinned.url, "a": a.url, "b": b.url}
+            wait_until(lambda: set(core.poller.up()) == {"p", "a", "b"}, timeout=10)
+            c = httpx.Client(base_url=rt.url, timeout=10)
+            got = {c.post("/v1/completions", json={**PROMPT, "model": m}).headers["x-kvatlas-worker"]
+                   for m in ("llama", "llama", "qwen", "qwen", "qwen", "qwen")}
+            assert got == {"a", "b", "p"}
+            assert a.requests == 2 and b.requests + pinned.requests == 4 and pinned.requests > 0
+    finally:
+        reg.stop()
