@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission-timeout", type=float, default=2.0,
                    help="wall seconds a request waits at most for the worker to admit the in-flight requests "
                         "its prediction counts on (causal forwarding, docs/CONTRACTS.md; 0 = off; default 2)")
+    p.add_argument("--via", default=None, metavar="URL",
+                   help="with --trace: replay through this OpenAI router (kvatlas router --api openai) as token-id "
+                        "completions, in place of routing here (router/replay.py)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--api", choices=("openai", "sim"), default=None,
                    help="openai: OpenAI-compatible proxy (/v1/completions, /v1/chat/completions) in front of "
@@ -117,10 +120,12 @@ def run(args: argparse.Namespace) -> int:
 
         return run_openai(args, workers)
     try:
-        workers = parse_workers(args.worker)
+        workers = parse_workers(args.worker, required=not args.via)
+        if args.via and not args.trace:
+            raise ValueError("--via replays a --trace")
         if args.policy not in POLICIES:
             raise ValueError(f"unknown policy {args.policy!r}; expected one of {', '.join(POLICIES)}")
-        if args.policy in PRECISE and not args.indexer:
+        if args.policy in PRECISE and not args.indexer and not args.via:
             raise ValueError(f"policy {args.policy} needs --indexer")
         if args.replicas < 1 or not 0 <= args.replica_index < args.replicas:
             raise ValueError("need --replicas >= 1 and 0 <= --replica-index < --replicas")
@@ -139,19 +144,52 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def _write_report(args: argparse.Namespace, records: list[Any]) -> None:
+    import msgspec
+
+    from router.records import RouterReport
+
+    rep = RouterReport(policy=args.policy, replica=args.replica_index, replicas=args.replicas,
+                       records=sorted(records, key=lambda r: r.index))
+    # temp + rename: a reader (a script, the compose test) never sees a half-written report
+    tmp = f"{args.report}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(rep))
+    os.replace(tmp, args.report)
+
+
+async def _replay_via(args: argparse.Namespace, reqs: list[Any]) -> int:
+    """The trace through an OpenAI router (router/replay.py): what `kvatlas demo` measures."""
+    from router.progress import Progress
+    from router.replay import OpenAIReplay
+
+    replay = OpenAIReplay(args.via, args.model, args.speed)
+    bar = None if args.quiet else Progress(len(reqs), f"replay {args.replica_index + 1}/{args.replicas} "
+                                                      f"{args.policy} via {args.via}")
+    try:
+        records = await replay.replay(reqs, bar.update if bar is not None else None, args.start_at)
+    finally:
+        await replay.close()
+    if bar is not None:
+        bar.close()
+    if args.report:
+        _write_report(args, records)
+    return 0
+
+
 async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[Any] | None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     import httpx
-    import msgspec
     import uvicorn
 
     from router.app import create_router_app
     from router.forwarder import RouterCore, fetch_sim
     from router.policies import make_policy
     from router.progress import Progress
-    from router.records import RouterReport
     from producer.sim.cmd import indexer_token
 
+    if args.via:
+        return await _replay_via(args, reqs or [])
     async with httpx.AsyncClient() as c:
         healths = await asyncio.gather(*(fetch_sim(c, u) for u in workers.values()))
     sizes = {h.block_size for h in healths}
@@ -192,13 +230,7 @@ async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[An
                 bar.close()
             log.info("replayed %d requests in %.1fs", len(records), time.monotonic() - t0)
             if args.report:
-                rep = RouterReport(policy=args.policy, replica=args.replica_index, replicas=args.replicas,
-                                   records=sorted(records, key=lambda r: r.index))
-                # temp + rename: a reader (a script, the compose test) never sees a half-written report
-                tmp = f"{args.report}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(msgspec.json.encode(rep))
-                os.replace(tmp, args.report)
+                _write_report(args, records)
             if args.exit_after_replay or serve_task is None:
                 return 0
         if serve_task is not None:

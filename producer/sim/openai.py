@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from producer.sim.engine import Engine, VirtualClock
-from producer.sim.httpbody import MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within, read_capped
+from producer.sim.httpbody import MAX_AHEAD_S, MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within, read_capped
 from producer.sim.schedule import QueueFull
 
 _enc = msgspec.json.Encoder()
@@ -136,8 +136,9 @@ class OpenAIFront:
         return ids, [self.tokenizer.decode([t]) for t in ids]
 
     # -- serving ---------------------------------------------------------------------------------
-    async def run(self, ids: list[int], max_tokens: int) -> tuple[Any, float]:
-        """Submit to the engine; returns (Served, wall monotonic time of arrival)."""
+    async def run(self, ids: list[int], max_tokens: int, arrival_s: float | None = None) -> tuple[Any, float]:
+        """Submit to the engine (at `arrival_s` on its virtual clock; None: now); returns (Served, wall
+        monotonic time of arrival)."""
         if not ids:
             raise BadRequest(400, "the prompt is empty")
         if len(ids) + max_tokens > self.max_model_len:
@@ -145,7 +146,8 @@ class OpenAIFront:
                                   f"max_model_len {self.max_model_len}")
         t_wall = time.monotonic()
         try:
-            served = await asyncio.wrap_future(self.engine.submit(ids, max_tokens, self.clock.now()))
+            at = self.clock.now() if arrival_s is None else arrival_s
+            served = await asyncio.wrap_future(self.engine.submit(ids, max_tokens, at))
         except QueueFull as exc:
             raise BadRequest(503, f"queue full: {exc}") from None
         return served, t_wall
@@ -171,16 +173,32 @@ class OpenAIFront:
                 # scheduled (a request queued behind the one storing its prefix gets that prefix)
                 "prompt_tokens_details": {"cached_tokens": served.tokens.cached}}
 
+    def arrival_of(self, body: dict[str, Any]) -> float | None:
+        """`kvatlas_arrival_s` (an extension field): the request's arrival on the simulated clock, as
+        `/generate`'s `arrival_s` (a trace replay sets it, so virtual times do not depend on the
+        machine's load); at most MAX_AHEAD_S past the worker's clock."""
+        at = body.get("kvatlas_arrival_s")
+        if at is None:
+            return None
+        if type(at) not in (int, float) or not 0 <= at <= self.clock.now() + MAX_AHEAD_S:
+            raise BadRequest(400, f"kvatlas_arrival_s must be a number within [0, now + {MAX_AHEAD_S:g}]")
+        return float(at)
+
     async def handle(self, request: Request, body: dict[str, Any], chat: bool) -> Response:
         ids = self.chat_ids(body) if chat else self.prompt_ids(body)
         n = _max_tokens(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
         model = body.get("model") or self.model
-        served, t_wall = await self.run(ids, n)
+        served, t_wall = await self.run(ids, n, self.arrival_of(body))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         created = int(time.time())
         out_ids, pieces = self.output(n)
         extra = {"prompt_token_ids": ids} if body.get("return_token_ids") else {}
-        headers = {"x-kvatlas-worker": self.worker_id, "x-kvatlas-cached-tokens": str(served.arrival_cached)}
+        t = served.tokens
+        headers = {"x-kvatlas-worker": self.worker_id, "x-kvatlas-cached-tokens": str(served.arrival_cached),
+                   # the simulated timeline (virtual seconds) and where the prompt came from: what a
+                   # trace replay through the router records (router/replay.py)
+                   "x-kvatlas-served": f"gpu={t.gpu},host={t.host},disk={t.disk},shared={t.shared},computed={t.computed}",
+                   "x-kvatlas-ttft-s": f"{served.ttft_s:.6f}", "x-kvatlas-queue-s": f"{served.queue_s:.6f}"}
         if body.get("stream"):
             opts = body.get("stream_options") or {}
             done = asyncio.Event()

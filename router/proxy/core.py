@@ -63,7 +63,7 @@ class Route:
     """One routed request: the decision and what was scored."""
 
     __slots__ = ("request_id", "worker_id", "tokens", "cached_tokens", "policy", "tried", "reserved", "dp_rank",
-                 "scored", "unscored_reason", "model", "after", "decide_s")
+                 "scored", "unscored_reason", "model", "after", "decide_s", "pending_tokens")
 
     def __init__(self, request_id: str, tokens: np.ndarray | None, policy: str, model: str) -> None:
         self.request_id = request_id
@@ -79,6 +79,7 @@ class Route:
         self.unscored_reason = ""
         self.after: list[str] = []     # routes to wait for (causal forwarding)
         self.decide_s = 0.0
+        self.pending_tokens: int | None = None  # of the prediction: in-flight routes' blocks
 
     def header(self) -> str:
         predicted = ("unscored" if not self.scored else
@@ -86,6 +87,8 @@ class Route:
         parts = [f"worker={self.worker_id}", f"policy={self.policy}",
                  f"prompt_tokens={'' if self.tokens is None else len(self.tokens)}",
                  f"predicted_cached_tokens={predicted}", f"retries={max(0, len(self.tried) - 1)}"]
+        if self.scored and self.pending_tokens:
+            parts.append(f"predicted_pending_tokens={self.pending_tokens}")
         if not self.scored and self.unscored_reason:
             parts.append(f"unscored={self.unscored_reason}")
         return "; ".join(parts)
@@ -345,6 +348,7 @@ class ProxyCore:
         route.scored = ans.scored or local is not None
         route.reserved = ans.reserved
         route.after = ans.after
+        route.pending_tokens = ans.pending_blocks * self.block_size
         if local is not None:
             route.cached_tokens = local.predicted_cached
         elif ans.predicted_cached_tokens is not None:
