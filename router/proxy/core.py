@@ -28,6 +28,7 @@ from router.policies import Decision, Policy, ScoreRow, make_policy
 from router.proxy.indexer import IndexerClient, Unavailable
 from router.proxy.limits import CLIENT_KEEPALIVE_S
 from router.proxy.load import LoadPoller
+from router.proxy.rawhttp import RawClient, RawResponse, UpstreamError
 from router.proxy.stats import TAIL_BYTES, Accuracy, Histogram, served_cached
 from router_api.decide import Candidate, DecideRequest
 from router_api.tokenization import ChatTokenizer, TokenizerError
@@ -136,6 +137,8 @@ class ProxyCore:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
                                         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
                                                             keepalive_expiry=CLIENT_KEEPALIVE_S))
+        # forwards to plain-http engines go through the pooled raw client (docs/openai.md, "Cost per request")
+        self.raw = RawClient(max_idle=256, keepalive_s=CLIENT_KEEPALIVE_S, connect_timeout_s=connect_timeout_s)
         self.indexer = IndexerClient(indexer, self.client, indexer_token) if indexer else None
         self.poller = LoadPoller(self.workers, self.client, interval_s=metrics_interval_s)
         self._policies: dict[tuple[str, ...], Policy] = {}
@@ -175,6 +178,7 @@ class ProxyCore:
             t.cancel()
         if self.indexer is not None:
             await self.indexer.close()
+        self.raw.close()
         await self.client.aclose()
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -376,8 +380,15 @@ class ProxyCore:
             return _enc.encode({**body, "prompt": route.tokens.tolist(), "add_special_tokens": False})
         return raw
 
+    def _send(self, url: str, path: str, content: bytes, headers: list[tuple[bytes, bytes]]) -> Any:
+        """The upstream exchange up to its head: the raw client for http://, httpx for https://."""
+        if url.startswith("http://"):
+            return self.raw.request(url, "POST", path, headers, content)
+        return self.client.send(self.client.build_request("POST", f"{url}{path}", content=content, headers=headers),
+                                stream=True)
+
     async def forward(self, path: str, raw: bytes, body: dict[str, Any], headers: list[tuple[bytes, bytes]],
-                      route: Route, chat: bool) -> httpx.Response:
+                      route: Route, chat: bool) -> RawResponse | httpx.Response:
         """Open the upstream response (status and headers read, body not yet); retry another
         worker on a connection failure or a missed first-byte deadline. Raises NoWorker when none
         is left. Cancelled (the client left): the upstream request is closed, the route released."""
@@ -393,11 +404,11 @@ class ProxyCore:
                 w = route.worker_id
                 route.tried.append(w)
                 self.inflight[w] += 1
-                req = self.client.build_request("POST", f"{self.workers[w]}{path}", content=content, headers=fwd)
                 try:
-                    resp = await asyncio.wait_for(self.client.send(req, stream=True), self.first_byte_timeout_s)
+                    resp = await asyncio.wait_for(self._send(self.workers[w], path, content, fwd),
+                                                  self.first_byte_timeout_s)
                 except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                        asyncio.TimeoutError) as exc:
+                        UpstreamError, asyncio.TimeoutError) as exc:
                     self.inflight[w] -= 1
                     self.counts["retries"] += 1
                     if isinstance(exc, asyncio.TimeoutError):
@@ -425,7 +436,7 @@ class ProxyCore:
             self.release(route)
             raise
 
-    async def relay(self, resp: httpx.Response, route: Route) -> AsyncIterator[bytes]:
+    async def relay(self, resp: RawResponse | httpx.Response, route: Route) -> AsyncIterator[bytes]:
         """The upstream body, chunk for chunk (SSE passes through unchanged); the route is released
         and the in-flight count dropped when it ends, however it ends. An answer that breaks off
         raises Truncated after its last chunk: the client's connection is cut, not ended cleanly."""
@@ -434,7 +445,7 @@ class ProxyCore:
             async for chunk in resp.aiter_raw():
                 tail = (tail + chunk)[-TAIL_BYTES:] if len(chunk) < TAIL_BYTES else chunk[-TAIL_BYTES:]
                 yield chunk
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, UpstreamError) as exc:
             self.counts["upstream_errors"] += 1
             self.counts["truncated"] += 1
             log.warning("event=upstream_broke request=%s worker=%s error=%s", route.request_id, route.worker_id, exc)
@@ -452,8 +463,9 @@ class ProxyCore:
         if served is not None:
             self.accuracy.observe(route.cached_tokens, served)
 
-    def response_headers(self, resp: httpx.Response, route: Route) -> dict[str, str]:
-        out = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESP}
+    def response_headers(self, resp: RawResponse | httpx.Response, route: Route) -> dict[str, str]:
+        items = resp.headers if isinstance(resp, RawResponse) else resp.headers.items()
+        out = {k: v for k, v in items if k.lower() not in _DROP_RESP}
         out["x-kvatlas-worker"] = route.worker_id
         out["x-kvatlas-route"] = route.header()
         out["x-kvatlas-request-id"] = route.request_id
