@@ -8,7 +8,7 @@ Per target: added p50 / p99 latency over direct (ms), router CPU per request (it
 system time over the requests it served), requests/s; at concurrency 16, short chats (a shared
 system prompt plus a short question) streamed and not, and long chats (~26k tokens) not streamed.
 
-    python bench/bench_router.py [--quick] [--concurrency 16] [--requests 800]
+    python -m bench.bench_router [--quick] [--concurrency 16] [--requests 800]
 
 Real processes on loopback (indexer, one `kvatlas worker` with a near-instant simulated model,
 routers). The load generator shares the machine's cores with them: compare ratios within a run.
@@ -25,11 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import httpx
 
-import httpx  # noqa: E402
-
-from router.demo.procs import Child, free_port, kvatlas_cmd, wait_healthy  # noqa: E402
+from router.demo.procs import Child, free_port, kvatlas_cmd, wait_healthy
 
 TOK_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-chat"
 WORDS = ("the cache holds key and value blocks for every token of the prompt routing a request to the worker "
@@ -154,7 +152,7 @@ def main() -> None:
             kids.append(w)
             wait_healthy([(w, f"http://127.0.0.1:{wp}")])
             wurl = f"http://127.0.0.1:{wp}"
-            pt = Child("passthrough", [sys.executable, os.path.abspath(__file__), "--passthrough", str(pp), wurl], tmp)
+            pt = Child("passthrough", [sys.executable, "-m", "bench.bench_router", "--passthrough", str(pp), wurl], tmp)
             kids.append(pt)
             routers = {}
             for name, port, policy in (("router round_robin", rr, "round_robin"),

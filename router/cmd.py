@@ -77,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse-port", action="store_true",
                    help="openai: SO_REUSEPORT, so several router processes share --port")
     p.add_argument("--sim", default=None,
-                   help="openai: cost model of the policies as JSON (producer.sim.api.SimModel fields)")
+                   help="openai: cost model of the policies as JSON (sim.api.SimModel fields)")
 
 
 def parse_workers(specs: list[str], required: bool = True) -> dict[str, str]:
@@ -186,7 +186,7 @@ async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[An
     from router.forwarder import RouterCore, fetch_sim
     from router.policies import make_policy
     from router.progress import Progress
-    from producer.sim.cmd import indexer_token
+    from sim.cmd import indexer_token
 
     if args.via:
         return await _replay_via(args, reqs or [])

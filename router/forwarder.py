@@ -23,7 +23,7 @@ import numpy as np
 from router.policies import Policy, RouteInput, ScoreRow, shared_backlog
 from router.trace import TokenExpander, TraceRequest
 from schemas.api import MAX_WAIT_ROUTES, MAX_WAIT_S
-from producer.sim.api import GenerateResponse, LoadResponse, SimModel, WorkerHealth
+from sim.api import GenerateResponse, LoadResponse, SimModel, WorkerHealth
 from router.records import RequestRecord
 
 log = logging.getLogger("kvatlas.router")
@@ -78,7 +78,7 @@ class RouterCore:
         self.sim = sim
         self.speed = speed
         self.load_poll_s = load_poll_s
-        # idle connections are kept until the worker closes them (producer.sim.httpbody, WORKER_KEEPALIVE_S)
+        # idle connections are kept until the worker closes them (sim.httpbody, WORKER_KEEPALIVE_S)
         self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512,
                                                                                keepalive_expiry=None))
         self.inflight = {w: 0 for w in workers}
@@ -147,15 +147,19 @@ class RouterCore:
             for w, row in scores.items():
                 if w not in self.shared_until:
                     continue
-                # The rows say what is in flight now: their value replaces the kept one (a largest-ever
-                # value would keep one hostile or stale report for good), bounded to MAX_AHEAD_S.
+                # The rows say what is in flight now and are believed (bounded to MAX_AHEAD_S); what was
+                # kept from earlier rows counts only a short while past now (until the workers' next
+                # load reports carry that work): a largest-ever value would keep one hostile or stale
+                # report for good.
+                kept = min(self.shared_until[w], max(now, self.polled_end[w]) + self.linger_s())
                 if row.busy_until is not None:  # every replica's own overlay, reported with its routes
-                    self.shared_until[w] = min(row.busy_until, now + MAX_AHEAD_S)
+                    cur = min(row.busy_until, now + MAX_AHEAD_S)
                 elif row.inflight:  # routers that report no end time: their unconfirmed routes' prefill
                     reported = max(0.0, self.polled_end[w] - now)
-                    self.shared_until[w] = min(now + shared_backlog(self.sim, reported, row), now + MAX_AHEAD_S)
-                else:  # nothing unconfirmed: the kept end time holds only until the next load report
-                    self.shared_until[w] = min(self.shared_until[w], max(now, self.polled_end[w]) + self.linger_s())
+                    cur = min(now + shared_backlog(self.sim, reported, row), now + MAX_AHEAD_S)
+                else:
+                    cur = 0.0
+                self.shared_until[w] = max(cur, kept)
         return {w: max(0.0, max(self.polled_end[w], self.busy_until[w], self.shared_until[w]) - now)
                 for w in self.workers}
 

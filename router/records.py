@@ -7,7 +7,7 @@ from typing import Optional
 import msgspec
 from msgspec import Struct
 
-from producer.sim.api import Tokens
+from sim.api import Tokens
 
 
 class RequestRecord(Struct, omit_defaults=True):

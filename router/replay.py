@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import httpx
 import msgspec
 
-from producer.sim.api import Tokens
+from sim.api import Tokens
 from router.records import RequestRecord
 from router.trace import TokenExpander, TraceRequest
 

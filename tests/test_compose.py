@@ -130,7 +130,7 @@ def localize(services: dict, redis_port: int, out_dir: Path) -> tuple[dict[tuple
         if name == "nats":  # the image's entrypoint prepends nats-server to a command of flags
             cmds[name] = [nats_binary(), *cmd, "-a", "127.0.0.1"]
         else:
-            cmds[name] = [sys.executable, "-m", "router_api.cli", *cmd[1:]]
+            cmds[name] = [sys.executable, "-m", "cli.main", *cmd[1:]]
     return ports, cmds
 
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from producer.sim.schedule import QueueFull, Schedule
+from sim.schedule import QueueFull, Schedule
 from router.policies import POLICIES, RouteInput, ScoreRow, make_policy
 from router.report import format_table, mismatch_cause, quantile, summarize
-from producer.sim.api import SimModel, Tokens
+from sim.api import SimModel, Tokens
 from router.records import RequestRecord
 
 W = ["a", "b", "c"]

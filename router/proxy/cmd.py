@@ -23,7 +23,7 @@ log = logging.getLogger("kvatlas.router")
 
 
 def run(args: argparse.Namespace, workers: dict[str, str]) -> int:
-    from router_api.cmd_indexer import read_token
+    from schemas.auth import read_token
     from router_api.tokenization import TokenizerError, load_tokenizer_specs
     from schemas.costmodel import SimModel
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Annotated, Optional
 
-import msgspec
 from msgspec import Meta, Struct
 
 from schemas.api import TokenList
