@@ -75,11 +75,12 @@ def decode_body(kind: str, body: bytes, typ: type) -> Any:
     if not body:
         raise ApiError(400, "empty body", "empty_body")
     try:
-        table = _dec_json if kind == "json" else _dec_msgpack
-        dec = table.get(typ)
-        if dec is None:  # a body type of a module that adds its own routes (router_api/decide.py)
-            dec = table[typ] = (msgspec.json.Decoder if kind == "json" else msgspec.msgpack.Decoder)(typ)
-        return dec.decode(body)
+        # a body type of a module that adds its own routes (router_api/decide.py) gets its decoder here
+        if kind == "json":
+            dec = _dec_json.get(typ) or _dec_json.setdefault(typ, msgspec.json.Decoder(typ))
+            return dec.decode(body)
+        mdec = _dec_msgpack.get(typ) or _dec_msgpack.setdefault(typ, msgspec.msgpack.Decoder(typ))
+        return mdec.decode(body)
     except RecursionError:  # msgspec's nesting limit: the client's fault, not a 500
         raise _too_deep() from None
     except msgspec.ValidationError as exc:

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import msgspec
@@ -49,12 +49,13 @@ def run(args: argparse.Namespace, workers: dict[str, str]) -> int:
                     "give --tokenizer DIR (the model's Hugging Face tokenizer directory)")
     if not args.indexer:
         log.warning("event=no_indexer detail=routing on load only; give --indexer URL for KV-aware routing")
-    try:  # uvloop: httpx's round trips to the indexer and the engines cost about half (bench/bench_openai.py)
+    runner: Callable[..., Any] = asyncio.run
+    try:  # uvloop: the round trips to the indexer and the engines cost about half
         import uvloop
 
         runner = uvloop.run
     except ImportError:
-        runner = asyncio.run
+        pass
     return int(runner(_serve(args, workers, tokenizer, sim, token)))
 
 
