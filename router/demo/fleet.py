@@ -139,6 +139,9 @@ class Run:
                 raise RuntimeError(f"{self.policy} {c.name} failed ({c.proc.returncode}):\n{c.tail()}")
             records.extend(msgspec.json.decode(path.read_bytes(), type=RouterReport).records)
         bar.update(len(records))
+        errors = [r.error for r in records if r.error]
+        if errors:  # said, not only counted: the table's errors column has no room for why
+            print(f"  {self.policy} x{self.routers}: {len(errors)} errors; first: {errors[0][:300]}", file=sys.stderr)
         return summarize(self.policy, self.routers, records)
 
     def stop(self) -> None:
