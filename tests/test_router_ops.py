@@ -85,6 +85,7 @@ class RouterThread:
 
     def __init__(self, make_core: Callable[[], ProxyCore], **server_kw: Any) -> None:
         self.port = free_port()
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.url = f"http://127.0.0.1:{self.port}"
         self.core: ProxyCore | None = None
         self.server: Any = None
@@ -412,3 +413,22 @@ def test_workers_are_learned_from_the_registry_and_routed_by_model(engines) -> N
             assert a.requests == 2 and b.requests + pinned.requests == 4 and pinned.requests > 0
     finally:
         reg.stop()
+
+
+def test_several_routers_share_a_port_with_reuse_port(engines) -> None:
+    a = engines("a")
+
+    def make() -> ProxyCore:
+        return ProxyCore({"a": a.url}, indexer=None, model="default", tokenizer=None, policy="round_robin")
+
+    first = RouterThread(make, reuse_port=True)
+    try:
+        second_core = make()
+        server, sock = build_server(second_core, "127.0.0.1", first.port, max_body_bytes=1 << 20, reuse_port=True)
+        sock.close()  # bound beside the first: the kernel would spread connections over both
+        with pytest.raises(OSError):
+            build_server(second_core, "127.0.0.1", first.port, max_body_bytes=1 << 20)  # without it: in use
+        assert httpx.post(f"{first.url}/v1/completions", json=PROMPT, timeout=10).status_code == 200
+        asyncio.run(second_core.close())
+    finally:
+        first.stop()
