@@ -67,7 +67,10 @@ class OpenAIReplay:
         self.via = via.rstrip("/")
         self.model = model
         self.speed = speed
-        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512))
+        # idle connections dropped before the router's server closes them (uvicorn: 5 s), so a request
+        # is never sent on one in the instant it closes
+        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512,
+                                                                               keepalive_expiry=2.0))
         self.records: list[RequestRecord] = []
         self.t0 = time.monotonic()
 

@@ -143,7 +143,7 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
                   for k, v in sorted(engine.cache.stats.items())]
         lines += [f'kvatlas_worker_openai_requests_total{{worker="{wid}",outcome="{k}"}} {v}'
                   for k, v in front.counts.items()]
-        lines += vllm_metric_lines(engine, clock, health.model)
+        lines += vllm_metric_lines(engine, front.load_clock, health.model)
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app

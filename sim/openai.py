@@ -74,6 +74,30 @@ class PacedStream(StreamingResponse):
             self.on_end()
 
 
+class ArrivalClock:
+    """The replay's clock as this worker sees it: the latest explicit arrival (`kvatlas_arrival_s`)
+    plus the wall time since, at the worker's speed; the worker's own clock until one arrives. The
+    load under vLLM's gauge names is read at this time, so a router polling it sees the queue of the
+    replay's present, not of the worker's own clock (which started before the replay)."""
+
+    __slots__ = ("clock", "last", "t_wall")
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+        self.last: float | None = None
+        self.t_wall = 0.0
+
+    def saw(self, at: float) -> None:
+        if self.last is None or at >= self.last:
+            self.last = at
+            self.t_wall = time.monotonic()
+
+    def now(self) -> float:
+        if self.last is None:
+            return self.clock.now()
+        return self.last + (time.monotonic() - self.t_wall) * self.clock.speed
+
+
 class OpenAIFront:
     """Turns OpenAI request bodies into engine submissions and paced replies."""
 
@@ -81,6 +105,7 @@ class OpenAIFront:
                  max_model_len: int = 1 << 20) -> None:
         self.engine = engine
         self.clock = clock
+        self.load_clock = ArrivalClock(clock)  # what /metrics reads the load at
         self.worker_id = worker_id
         self.model = model
         self.tokenizer = tokenizer  # router_api.tokenization.ChatTokenizer or None (token-id prompts only)
@@ -182,6 +207,7 @@ class OpenAIFront:
             return None
         if type(at) not in (int, float) or not 0 <= at <= self.clock.now() + MAX_AHEAD_S:
             raise BadRequest(400, f"kvatlas_arrival_s must be a number within [0, now + {MAX_AHEAD_S:g}]")
+        self.load_clock.saw(float(at))
         return float(at)
 
     async def handle(self, request: Request, body: dict[str, Any], chat: bool) -> Response:
@@ -267,7 +293,7 @@ class OpenAIFront:
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
 
-def vllm_metric_lines(engine: Engine, clock: VirtualClock, model: str) -> list[str]:
+def vllm_metric_lines(engine: Engine, clock: VirtualClock | ArrivalClock, model: str) -> list[str]:
     """The worker's load under vLLM's gauge names (what `kvatlas router` polls on a real vLLM)."""
     _, queued, running, *_ = engine.load(clock.now())
     free, total = engine.pages()

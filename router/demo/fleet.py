@@ -99,7 +99,7 @@ class Run:
             port = free_port()
             argv = kvatlas_cmd("router", "--api", "openai", "--indexer", self.indexer, "--model", self.model,
                                "--policy", self.policy, "--port", str(port), "--seed", str(self.s.seed + i),
-                               "--admission-timeout", str(self.s.admission_timeout), "--metrics-interval", "0.25",
+                               "--admission-timeout", str(self.s.admission_timeout), "--metrics-interval", "0.1",
                                "--workers-interval", "0", "--block-size", str(MODEL_BLOCK),
                                "--first-byte-timeout", "600",
                                *[a for c, wid, u in self.workers for a in ("--worker", f"{wid}={u}")])
