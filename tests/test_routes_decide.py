@@ -14,7 +14,7 @@ import numpy as np
 from router.decision import PolicyChooser
 from router_api.config import ServiceConfig
 from router_api.decide import Candidate, Decider, DecideRequest, ReleaseRequest
-from router_api.routes import UnknownRouteWorker
+from router_api.routes import UnknownRouteWorker, route_handle
 from router_api.service import UnknownModel
 from support.net import free_port
 from support.service import LiveIndexer
@@ -48,7 +48,8 @@ def test_decisions_see_each_others_pending_blocks() -> None:
         assert answers[0].get("pending_blocks", 0) == 0 and answers[0].get("predicted_cached_tokens") == 0
         for a in answers[1:]:
             assert a["pending_blocks"] == 100 and a["predicted_cached_tokens"] == 400
-            assert "r0" in a["after"]  # causal forwarding: after the routes that store the prefix
+            # causal forwarding: after the routes that store the prefix (named by handles, never by id)
+            assert route_handle(idx.service.routes.handle_key, "default", "r0") in a["after"]
         # the router's own choice, recorded as sent; an unknown worker is refused for that route only
         r = msgspec.msgpack.decode(idx.client.post("/routes/decide", headers=MP, content=msgspec.msgpack.encode(
             DecideRequest("x", [Candidate("w0"), Candidate("ghost")], token_ids=list(range(1, 9)),
