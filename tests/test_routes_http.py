@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from sim.api import SimModel
-from router_api.router.forwarder import RouterCore
-from router_api.router.policies import make_policy
+from router.forwarder import RouterCore
+from router.policies import make_policy
 from router_api.config import ServiceConfig
 from support.net import free_port
 from support.service import LiveIndexer, indexer_with_publishers
@@ -89,7 +89,7 @@ def test_two_router_replicas_see_each_others_routes(live: LiveIndexer) -> None:
             rows = await b.score(second)
             assert rows["rw2"].pending == 4 and rows["rw2"].cached == 0 and rows["rw0"].pending == 0
             # and its precise policy sends the request sharing the system prompt there
-            from router_api.router.policies import RouteInput
+            from router.policies import RouteInput
             d = b.policy.choose(RouteInput(len(second), [], BS, rows, {w: 0.0 for w in WIDS},
                                            {w: 0 for w in WIDS}))
             assert d.worker_id == "rw2" and d.predicted_cached == 4 * BS and d.predicted_pending == 4 * BS
@@ -129,7 +129,7 @@ def test_two_router_replicas_share_in_flight_load(live: LiveIndexer) -> None:
             own = b.backlog(now)  # b's own view: it has sent nothing, and no worker reported load
             backlog = b.backlog(now, rows)
             assert backlog["rw0"] >= sim.prefill_s(len(big)) - 1e-9 and backlog["rw1"] == backlog["rw2"] == 0.0
-            from router_api.router.policies import RouteInput
+            from router.policies import RouteInput
             # b has sent nothing: its own view alone ties the three workers and breaks the tie on rw0
             assert b.policy.choose(RouteInput(len(other), [], BS, {}, own, {w: 0 for w in WIDS})
                                    ).worker_id == "rw0"

@@ -36,11 +36,12 @@ class LiveIndexer:
                  index: Any | None = None) -> None:
         import uvicorn
 
+        from router.decision import PolicyChooser
         from router_api.app import create_app
         from router_api.service import IndexerService
 
         self.service = IndexerService(config, subscriber_factory=subscriber_factory, index=index)
-        self.app = create_app(self.service)
+        self.app = create_app(self.service, chooser=PolicyChooser())
         self.server = uvicorn.Server(uvicorn.Config(
             self.app, host="127.0.0.1", port=config.port, log_level="warning", access_log=False,
             lifespan="off"))
