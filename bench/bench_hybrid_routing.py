@@ -35,10 +35,10 @@ from sim.api import SimModel  # noqa: E402
 from sim.engine import Engine  # noqa: E402
 from producer.storage.config import make_storage_backend  # noqa: E402
 from producer.storage.worker import StorageWorker  # noqa: E402
-from router_api.demo.fleet import MODEL_BLOCK  # noqa: E402
-from router_api.router.policies import RouteInput, ScoreRow, make_policy  # noqa: E402
-from router_api.router.report import quantile  # noqa: E402
-from router_api.router.trace import TokenExpander, requests_for  # noqa: E402
+from router.demo.fleet import MODEL_BLOCK  # noqa: E402
+from router.policies import RouteInput, ScoreRow, make_policy  # noqa: E402
+from router.report import quantile  # noqa: E402
+from router.trace import TokenExpander, requests_for  # noqa: E402
 
 P = MODEL_BLOCK
 

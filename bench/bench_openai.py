@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx  # noqa: E402
 
-from router_api.demo.procs import Child, free_port, kvatlas_cmd, wait_healthy  # noqa: E402
+from router.demo.procs import Child, free_port, kvatlas_cmd, wait_healthy  # noqa: E402
 from router_api.tokenization import ChatTokenizer  # noqa: E402
 
 TOK_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-chat"

@@ -64,13 +64,14 @@ from producer.page_hash import page_ids  # noqa: E402
 from schemas.codec import encode_batch  # noqa: E402
 from schemas.events import BlockStored, KVEventBatch  # noqa: E402
 from bench.support.service_report import SIZES, ratios, report, summary  # noqa: E402
-from bench.support.service_stream import BS, SHAPES, RawPublisher, Stream, chunked, send_chunks, send_interleaved  # noqa: E402
+from bench.support.service_stream import BS, SHAPES, RawPublisher, Stream, chunked, group_events, send_chunks, send_interleaved  # noqa: E402
 from bench.support.service_procs import CLIENT, CLIENTS, Dynamo, Embedded, Kvatlas, Service, cpu_s, rss_kib, wait_for  # noqa: E402
 
 
 # --- one measured run ---------------------------------------------------------------------------
 
-def connect(svc: Any, ctx: zmq.Context | None, n: int, pubs: list[RawPublisher] | None = None) -> list[RawPublisher]:
+def connect(svc: Any, ctx: zmq.Context | None, n: int, pubs: list[RawPublisher] | None = None,
+            hybrid: bool = False) -> list[RawPublisher]:
     """Register `n` publishers (new ones, or `pubs` already streaming: the subscriber then replays
     their history from seq 0) and wait until each has delivered a probe block."""
     if pubs is None:
@@ -80,8 +81,9 @@ def connect(svc: Any, ctx: zmq.Context | None, n: int, pubs: list[RawPublisher] 
         svc.register(i, p.endpoint, p.replay_endpoint)
     # A probe block per worker, re-sent until visible (PUB drops before SUB connects).
     probe = [7] * BS
-    probe_ev = encode_batch(KVEventBatch(time.time(), [BlockStored(block_hashes=page_ids(probe, BS), parent_block_hash=None,
-                                                                    token_ids=probe, block_size=BS, medium="GPU")]))
+    probe_ev = encode_batch(KVEventBatch(time.time(), group_events(
+        BlockStored, hybrid, block_hashes=page_ids(probe, BS), parent_block_hash=None, token_ids=probe, block_size=BS,
+        medium="GPU")))
 
     def all_probed() -> bool:
         for p in pubs:
@@ -123,7 +125,7 @@ def wait_visible(svc: Any, stream: Stream, pubs: list[RawPublisher]) -> float:
 
 def ingest(svc: Service, stream: Stream, backlog: Stream, ctx: zmq.Context) -> tuple[dict[str, Any], list[RawPublisher]]:
     """Live run of `stream`, then a backlog run of `backlog`; returns the figures and the publishers."""
-    pubs = connect(svc, ctx, len(stream.payloads))
+    pubs = connect(svc, ctx, len(stream.payloads), hybrid=stream.hybrid)
     rss0 = rss_kib(svc.proc.pid)
     cpu0 = cpu_s(svc.proc.pid)
     plan = chunked(pubs, stream.payloads)
@@ -264,15 +266,15 @@ def embedded_latencies(emb: Embedded, stream: Stream, n_queries: int) -> dict[st
 def measure(args: argparse.Namespace, shape: str, dyn_reason: str | None) -> tuple[dict[str, dict[str, Any]], str | None]:
     """One run in one event shape: ingestion reps, then the latency phase (answers checked), then the
     embedded mode. Returns the results per service and why Dynamo was not measured (None: it was)."""
-    stream = Stream(args.workers, args.batches, shape=shape)
-    backlog = Stream(args.workers, args.batches, seed=2, shape=shape)
-    print(f"\n=== shape {shape}: {args.workers} workers, {sum(map(len, stream.payloads))} batches, {stream.blocks} "
+    stream = Stream(args.workers, args.batches, shape=shape, hybrid=args.hybrid)
+    backlog = Stream(args.workers, args.batches, seed=2, shape=shape, hybrid=args.hybrid)
+    print(f"\n=== shape {shape}{' (hybrid: 3 groups)' if args.hybrid else ''}: {args.workers} workers, {sum(map(len, stream.payloads))} batches, {stream.blocks} "
           f"blocks (block size {BS}), then a backlog of {backlog.blocks} blocks; {args.reps} reps (medians); "
           f"queries: {args.queries} per size per format", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {}
     shards = ("--ingest-shards", str(args.ingest_shards)) if args.ingest_shards else ()  # none: its default
     makers: list[tuple[str, Callable[[], Service]]] = [
-        ("kvatlas", lambda: Kvatlas(*shards)), ("dynamo", lambda: Dynamo(args.bench_python, args.dynamo_threads))]
+        ("kvatlas", lambda: Kvatlas(*shards, root=Path(args.kvatlas_root))), ("dynamo", lambda: Dynamo(args.bench_python, args.dynamo_threads))]
     ctx = zmq.Context()
     running: list[Service] = []
     pubs: list[RawPublisher] = []
@@ -309,7 +311,7 @@ def measure(args: argparse.Namespace, shape: str, dyn_reason: str | None) -> tup
         if args.asgi_peer:  # same stream, replayed from seq 0 by the publishers; latency only
             peer = Kvatlas("--http-fast-path", "off", name="kvatlas-asgi")
             running.append(peer)
-            connect(peer, None, len(kv_pubs), kv_pubs)
+            connect(peer, None, len(kv_pubs), kv_pubs, hybrid=args.hybrid)
             wait_visible(peer, backlog, kv_pubs)
             results[peer.name] = {}
         lat_svcs = sorted(running, key=lambda s: s.name != "kvatlas")
@@ -327,7 +329,7 @@ def measure(args: argparse.Namespace, shape: str, dyn_reason: str | None) -> tup
         if not args.no_embedded:
             emb = Embedded()
             try:
-                connect(emb, None, len(kv_pubs), kv_pubs)
+                connect(emb, None, len(kv_pubs), kv_pubs, hybrid=args.hybrid)
                 wait_visible(emb, backlog, kv_pubs)
                 results["embedded"] = embedded_latencies(emb, stream, args.queries)
             finally:
@@ -359,6 +361,12 @@ def main() -> int:
     ap.add_argument("--asgi-peer", action="store_true",
                     help="also time a kvatlas started with --http-fast-path off (the ASGI front) in the same run")
     ap.add_argument("--no-embedded", action="store_true", help="skip the embedded-mode rows")
+    ap.add_argument("--kvatlas-root", default=str(ROOT),
+                    help="the checkout the kvatlas service runs from (another worktree, built in place: an A/B)")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="a hybrid model's stream in vLLM's group shape (service_stream.HYBRID_GROUPS): every block "
+                         "stored in a full-attention, a sliding-window and a Mamba group; kvatlas' answers also "
+                         "checked for kv_blocks")
     ap.add_argument("--client", choices=sorted(CLIENTS), default="lean",
                     help="HTTP client for every request (default: a minimal keep-alive client; see LeanHttp)")
     args = ap.parse_args()

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 
 from bench.bench_policy_replay import P, replay
-from router_api.router.report import quantile
-from router_api.router.trace import TokenExpander, TraceRequest, requests_for
+from router.report import quantile
+from router.trace import TokenExpander, TraceRequest, requests_for
 from sim.api import SimModel
 
 ROWS = (("round_robin", 1), ("least_loaded", 1), ("approximate", 1), ("precise_tiered", 1),

@@ -18,8 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # The parts kvnative.c includes (one translation unit, so their functions stay static).
-KVNATIVE_PARTS = ("hashing.c", "bodies.c", "u64map.c", "node_maps.c", "score_walk.c", "groups_walk.c", "answer.c",
-                  "wire_walk.c", "groups_apply.c", "batch_apply.c")
+KVNATIVE_PARTS = ("hashing.c", "bodies.c", "u64map.c", "holders.c", "node_maps.c", "score_walk.c", "groups_walk.c", "answer.c",
+                  "wire_walk.c", "kv_apply.c", "groups_apply.c", "batch_apply.c")
 KVNATIVE_FILES = ("indexer/_native/kvnative.c", *(f"indexer/_native/{f}" for f in KVNATIVE_PARTS),
                   "indexer/_native/wire_tables.h")
 # The producer helper's C files (also the Makefile's sanitize build: keep the two lists alike).

@@ -431,7 +431,9 @@ def run(args: argparse.Namespace) -> int:
             plane.close()
         return 2
     pool = AnswerPool(OFFLOAD_MIN_BYTES if offload is None else offload)
-    app = create_app(service, pool=pool)
+    from router.decision import PolicyChooser  # the routers' policies, for POST /routes/decide
+
+    app = create_app(service, pool=pool, chooser=PolicyChooser())
     # Everything imported and built so far lives as long as the process: keep it out of the
     # collector's full passes, which would otherwise walk it during /score requests (p99).
     import gc

@@ -11,13 +11,13 @@ import sys
 # name -> (module, one-line help). Modules keep heavy imports (FastAPI, torch) inside run(), so
 # `kvatlas record` never pays for FastAPI and nothing here imports torch.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("router_api.cmd_demo", "run the end-to-end demo on embedded defaults"),
+    "demo": ("router.cmd_demo", "run the end-to-end demo on embedded defaults"),
     "record": ("cli.record", "record live publishers into an event log"),
     "replay": ("cli.replay", "apply an event log offline or re-publish it over ZMQ"),
     "indexer": ("cli.indexer", "run the indexer service: ZMQ ingestion + HTTP API"),
     "relay": ("cli.relay", "bridge ZeroMQ publishers into NATS JetStream"),
     "worker": ("sim.cmd", "run a worker: simulated model over the tiered cache, KV events on ZMQ"),
-    "router": ("router_api.router.cmd", "run the KV-aware router: policies over /score, forwarding, trace replay"),
+    "router": ("router.cmd", "run the KV-aware router: policies over /score, forwarding, trace replay"),
 }
 
 

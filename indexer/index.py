@@ -83,6 +83,14 @@ def _split(m: Any, wl: list[tuple[str, int]] | None) -> tuple[list[WorkerState],
     return hybrid, [(w.worker_id, w.dp_rank) for w in ws if w.layout is None or not w.layout.groups]
 
 
+def _selected(m: Any, wl: list[tuple[str, int]] | None) -> list[WorkerState]:
+    """The workers a score covers in (worker_id, dp_rank) order: all, or the named ones that exist."""
+    if wl is None:
+        return m.ranked()[0]
+    ws = (m.by_id.get((wid, int(r))) for wid, r in wl)
+    return sorted((w for w in ws if w is not None), key=lambda w: (w.worker_id, w.dp_rank))
+
+
 class KVIndex:
     __slots__ = ("weights", "trust_engine_hashes", "orphan_grace_batches", "rank_limits", "_models", "_accel", "_plans")
 
@@ -111,7 +119,9 @@ class KVIndex:
         return self._accel is not None
 
     def _new_model(self, model: str, block_size: int, trust: bool) -> ModelState:
-        return ModelState(model, block_size, trust, self._accel.new_map if self._accel is not None else dict)
+        a = self._accel
+        return ModelState(model, block_size, trust, a.new_map, a.new_nodes) if a is not None else \
+            ModelState(model, block_size, trust)
 
     # --- namespaces -------------------------------------------------------------------------
     def ensure_model(self, model: str, block_size: int, trust_engine_hashes: bool | None = None) -> None:
@@ -310,18 +320,20 @@ class KVIndex:
         return score_keys(m, keys, self.weights, wl)
 
     def _plan(self, m: Any, wl: list[tuple[str, int]] | None) -> tuple[list[WorkerState], Any, tuple | None]:
-        """`_split` with the C arguments of its hybrid workers, kept per model object for scores of
-        every worker (the common case) until its membership or a layout changes."""
+        """`_split`, and with the accelerator and some hybrid worker the C arguments of every selected
+        worker (`hybrid_args`: plain ones with an empty layout), so the whole fleet is hashed and walked
+        in one call whatever its mix; kept per model object for scores of every worker (the common
+        case) until its membership or a layout changes."""
         if wl is not None or m.groups is None or self._accel is None:
             hybrid, plain = _split(m, wl)
-            return hybrid, plain, None
+            return hybrid, plain, hybrid_args(_selected(m, wl)) if hybrid and self._accel is not None else None
         ranked = m.ranked()
         version = m.groups.version  # (m.groups is not None here)
         hit = self._plans.get(id(m))
         if hit is not None and hit[0] is m and hit[1] is ranked and hit[2] == version:
             return hit[3], hit[4], hit[5]
         hybrid, plain = _split(m, None)
-        args = hybrid_args(hybrid) if hybrid else None
+        args = hybrid_args(ranked[0]) if hybrid else None
         if len(self._plans) > 256:  # models come and go: start afresh rather than grow
             self._plans.clear()
         self._plans[id(m)] = (m, ranked, version, hybrid, plain, args)
@@ -331,21 +343,14 @@ class KVIndex:
         self, m: Any, keys: list[int] | None, tokens: object, seed: int, hybrid: list[WorkerState],
         plain: list[tuple[str, int]] | None, args: tuple | None = None,
     ) -> ScoreResult | None:
-        """Workers with groups score usable prefixes, the others as full-attention ones, in C where it
-        serves (else the pure core): each row is what that worker's own events make of it. Keys come
-        hashed from `tokens` when `keys` is None; then None when the C calls cannot judge them."""
-        accel = self._accel
-        if accel is not None and not plain:  # every worker hybrid: ranked rows from the one C call
-            res = accel.hybrid_score(m, keys, tokens, seed, self.weights, hybrid, args)
+        """Workers with groups score usable prefixes, the others as full-attention ones: in one C call
+        over every worker (`args`, from `_plan`) where it serves, else the pure core; each row is what
+        that worker's own events make of it. Keys come hashed from `tokens` when `keys` is None; then
+        None when the C call cannot judge them."""
+        if self._accel is not None and args is not None:
+            res = self._accel.hybrid_score(m, keys, tokens, seed, self.weights, hybrid, args)
             if res is not None:
                 return res
-        elif accel is not None:
-            got = accel.hybrid_rows(m, keys, tokens, seed, self.weights, hybrid, args)
-            res = accel.score(m, keys, tokens, seed, self.weights, plain) if got is not None and plain else None
-            if got is not None and (res is not None or not plain):
-                rows = got[1] + (res.workers if res is not None else [])
-                rows.sort(key=rank_key)
-                return ScoreResult(query_blocks=got[0], block_size=m.block_size, workers=rows)
         if keys is None:
             return None
         rows = score_keys(m, keys, self.weights, plain).workers if plain else []
@@ -358,7 +363,8 @@ class KVIndex:
         cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None,
     ) -> ScoreTable | None:
         """`score` with the rows packed for a C answer writer (no object per row), or None where only
-        `score` serves: no accelerator, a hybrid model, tokens the C call does not take."""
+        `score` serves: no accelerator, tokens the C call does not take (a hybrid model's rows carry their
+        kv_blocks column, `ScoreTable.kv`)."""
         if self._accel is None or type(token_ids) not in _SEQ_TYPES:
             return None
         return self.score_table_model(self._model(model), token_ids, lora_name, cache_salt, workers)
@@ -379,8 +385,9 @@ class KVIndex:
         if self._accel is None or type(token_ids) not in _SEQ_TYPES:
             return None
         wl = list(workers) if workers is not None else None
-        if _split(m, wl)[0]:
-            return None
+        hybrid, _, args = self._plan(m, wl)
+        if hybrid:  # every worker's row in one C call, with the kv_blocks column
+            return self._accel.hybrid_table(m, token_ids, m.seed(lora_name, cache_salt), self.weights, hybrid, args)
         return self._accel.score_table(m, token_ids, m.seed(lora_name, cache_salt), self.weights, wl)
 
     def score_keys(self, model: str, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
@@ -390,9 +397,9 @@ class KVIndex:
     def score_keys_model(self, m: Any, keys: list[int], workers: Iterable[tuple[str, int]] | None = None) -> ScoreResult:
         """`score_keys` over a model object (see `score_model`)."""
         wl = list(workers) if workers is not None else None
-        hybrid, plain = _split(m, wl)
+        hybrid, plain, args = self._plan(m, wl)
         if hybrid:
-            res = self._score_mixed(m, keys if type(keys) is list else list(keys), None, 0, hybrid, plain)
+            res = self._score_mixed(m, keys if type(keys) is list else list(keys), None, 0, hybrid, plain, args)
             assert res is not None
             return res
         if self._accel is not None and type(keys) is list:

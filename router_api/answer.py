@@ -49,8 +49,8 @@ def layout(mp: bool) -> tuple[bytes, ...]:
     """The fixed pieces of the answer in `write_answer`'s order (its L_* enum)."""
     enc = _msgpack.encode if mp else _json.encode
     k = lambda name, first=False: _key(mp, name, first)  # noqa: E731
-    # kv_blocks is None here and the in-flight fields are written only when set (omit_defaults): a msgpack
-    # row opens with the 9 fields always present, and C raises the count by the in-flight ones it writes
+    # kv_blocks (a hybrid worker's) and the in-flight fields are written only when set (omit_defaults): a
+    # msgpack row opens with the 9 fields always present, and C raises the count by the others it writes
     row_fields = len(WorkerScoreOut.__struct_fields__) - 5
     return (
         bytes([0x80 | row_fields]) if mp else b"{",             # L_ROW_OPEN
@@ -68,6 +68,7 @@ def layout(mp: bool) -> tuple[bytes, ...]:
         enc(None), enc(True), enc(False),                       # L_NULL, L_TRUE, L_FALSE
         k("pending_blocks"), k("pending_requests"),             # L_PBLOCKS, L_PREQS
         k("pending_prefill_tokens"), k("busy_until"),           # L_PTOKENS, L_BUSY
+        k("kv_blocks"),                                         # L_KV (a hybrid worker's row)
     )
 
 

@@ -26,6 +26,8 @@ from router_api.metrics import CONTENT_TYPE_LATEST
 from router_api.bodies import ApiError, check_length, content_kind, decode_body
 from router_api.http_log import RateLimitedLog, escape_log
 from router_api.registry import RegistryError
+from router_api.decide import Chooser, Decider
+from router_api.decide_http import add_decide_routes
 from router_api.routes import UnknownRouteWorker, WaitsFull
 from router_api.offload import AnswerPool
 from router_api.score_front import ASGIApp, Route, ScoreFront
@@ -111,11 +113,13 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-def create_app(service: IndexerService, native_bodies: bool | None = None, pool: AnswerPool | None = None) -> ASGIApp:
+def create_app(service: IndexerService, native_bodies: bool | None = None, pool: AnswerPool | None = None,
+               chooser: Chooser | None = None) -> ASGIApp:
     """The service's ASGI app: bearer check (when configured) -> ScoreFront -> FastAPI.
     The FastAPI app itself is reachable as `.fastapi` on the result. `native_bodies` picks the
     /score body decoder like `indexer.core.native.select` (None: native when built); `pool` answers
-    large /score and /query bodies off the event loop (None: the defaults of router_api/offload.py)."""
+    large /score and /query bodies off the event loop (None: the defaults of router_api/offload.py);
+    `chooser` picks workers for `POST /routes/decide` (router_api/decide.py; None: routers choose)."""
     cfg = service.config
     metrics = service.metrics
     max_body = cfg.max_body_bytes
@@ -203,6 +207,9 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
             return reject("routes", ApiError(404, str(exc).strip("'\""), "unknown_worker"))
         observe("routes", t0)
         return encode_for(request, answer)
+
+    decider = Decider(service, chooser, UnknownModel, UnknownRouteWorker)
+    add_decide_routes(app, decider, structured_body, encode_for, reject, observe)
 
     @app.post("/routes/admitted")
     async def route_admitted(request: Request) -> Response:

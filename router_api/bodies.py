@@ -75,9 +75,12 @@ def decode_body(kind: str, body: bytes, typ: type) -> Any:
     if not body:
         raise ApiError(400, "empty body", "empty_body")
     try:
+        # a body type of a module that adds its own routes (router_api/decide.py) gets its decoder here
         if kind == "json":
-            return _dec_json[typ].decode(body)
-        return _dec_msgpack[typ].decode(body)
+            dec = _dec_json.get(typ) or _dec_json.setdefault(typ, msgspec.json.Decoder(typ))
+            return dec.decode(body)
+        mdec = _dec_msgpack.get(typ) or _dec_msgpack.setdefault(typ, msgspec.msgpack.Decoder(typ))
+        return mdec.decode(body)
     except RecursionError:  # msgspec's nesting limit: the client's fault, not a 500
         raise _too_deep() from None
     except msgspec.ValidationError as exc:

@@ -357,8 +357,8 @@ class IndexerService:
                      msgpack: bool = False) -> bytes:
         """`score`, encoded: exactly `msgspec.{json,msgpack}.encode(self.score(...))`, from one lookup of the
         model and its registered pairs. With the native core the rows never become objects: the index packs
-        them and C writes the bytes (router_api/answer.py); what that path does not take (pure core, hybrid
-        models, odd tokens or scores) becomes `score`'s rows, encoded by msgspec."""
+        them and C writes the bytes (router_api/answer.py); what that path does not take (pure core, a hybrid
+        model's rows with routes pending, odd tokens or scores) becomes `score`'s rows, encoded by msgspec."""
         now = self.clock()
         with self.lock:
             block_size, plan = self._scope(model)
@@ -402,8 +402,8 @@ class IndexerService:
         if table is None:
             workers = plan.scope(index.workers(model))
             table = index.score_table(model, token_ids, lora_name, cache_salt, workers)
-        if table is None:
-            return None
+        if table is None or (table.kv is not None and self.routes.pending.active(model)):
+            return None  # (a hybrid model's in-flight rows: the Python path, with its ends-only pending runs)
         rows = plan.answer_rows(table, workers is None)
         fmt = self._formats
         i = 1 if msgpack else 0
@@ -416,7 +416,8 @@ class IndexerService:
             pend = got
         return writer.write_answer(
             msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks, table.rows,
-            rows.heads[i], rows.wix, *status_columns(plan.states, now, self.registry.policy), fmt.statuses[i], *pend)
+            rows.heads[i], rows.wix, *status_columns(plan.states, now, self.registry.policy), fmt.statuses[i],
+            *(pend or (None, None)), table.kv)
 
     def _pending_columns(self, model: str, block_size: int, query: Query,
                          pairs: list[tuple[str, int]], packed: bytes, now: float) -> tuple[Any, ...] | None:

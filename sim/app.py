@@ -174,7 +174,7 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
                   for k, v in front.counts.items()]
         lines += [f'kvatlas_worker_http_rejects_total{{worker="{wid}",reason="{k}"}} {v}'
                   for k, v in sorted(limits.rejects.items())]
-        lines += vllm_metric_lines(engine, clock, health.model)
+        lines += vllm_metric_lines(engine, front.load_clock, health.model)
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app

@@ -7,7 +7,8 @@ vLLM does it (router_api/tokenization.py: a prompt gets the post-processor's BOS
 rendered template with no tokens added; a `prompt` of token ids is taken as is), then served by
 the engine like `/generate`: its prompt blocks enter the cache and go out as KV events. The reply
 is paced to the simulated model's timeline. `return_token_ids: true` adds `prompt_token_ids`
-(as vLLM does); `usage.prompt_tokens_details.cached_tokens` is what the worker held on arrival.
+(as vLLM does); `usage.prompt_tokens_details.cached_tokens` is what the request took from the cache
+when it ran (vLLM's count at scheduling; `x-kvatlas-cached-tokens`: what the worker held on arrival).
 A client that disconnects before the reply ends (a closed SSE stream, or a non-streamed request
 whose client leaves) cancels the request, as `/generate` does: `Engine.cancel` gives its wait,
 prefill interval and batch slot back on the timeline; counted as `outcome="cancelled"`.
@@ -26,7 +27,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from sim.engine import Engine, VirtualClock
-from sim.httpbody import MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within, read_capped
+from sim.httpbody import MAX_AHEAD_S, MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within, read_capped
 from sim.schedule import QueueFull
 
 _enc = msgspec.json.Encoder()
@@ -73,6 +74,30 @@ class PacedStream(StreamingResponse):
             self.on_end()
 
 
+class ArrivalClock:
+    """The replay's clock as this worker sees it: the latest explicit arrival (`kvatlas_arrival_s`)
+    plus the wall time since, at the worker's speed; the worker's own clock until one arrives. The
+    load under vLLM's gauge names is read at this time, so a router polling it sees the queue of the
+    replay's present, not of the worker's own clock (which started before the replay)."""
+
+    __slots__ = ("clock", "last", "t_wall")
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+        self.last: float | None = None
+        self.t_wall = 0.0
+
+    def saw(self, at: float) -> None:
+        if self.last is None or at >= self.last:
+            self.last = at
+            self.t_wall = time.monotonic()
+
+    def now(self) -> float:
+        if self.last is None:
+            return self.clock.now()
+        return self.last + (time.monotonic() - self.t_wall) * self.clock.speed
+
+
 class OpenAIFront:
     """Turns OpenAI request bodies into engine submissions and paced replies."""
 
@@ -80,6 +105,7 @@ class OpenAIFront:
                  max_model_len: int = 1 << 20) -> None:
         self.engine = engine
         self.clock = clock
+        self.load_clock = ArrivalClock(clock)  # what /metrics reads the load at
         self.worker_id = worker_id
         self.model = model
         self.tokenizer = tokenizer  # router_api.tokenization.ChatTokenizer or None (token-id prompts only)
@@ -135,8 +161,9 @@ class OpenAIFront:
         return ids, [self.tokenizer.decode([t]) for t in ids]
 
     # -- serving ---------------------------------------------------------------------------------
-    async def run(self, ids: list[int], max_tokens: int) -> tuple[Any, float]:
-        """Submit to the engine; returns (Served, wall monotonic time of arrival)."""
+    async def run(self, ids: list[int], max_tokens: int, arrival_s: float | None = None) -> tuple[Any, float]:
+        """Submit to the engine (at `arrival_s` on its virtual clock; None: now); returns (Served, wall
+        monotonic time of arrival)."""
         if not ids:
             raise BadRequest(400, "the prompt is empty")
         if len(ids) + max_tokens > self.max_model_len:
@@ -144,7 +171,8 @@ class OpenAIFront:
                                   f"max_model_len {self.max_model_len}")
         t_wall = time.monotonic()
         try:
-            served = await asyncio.wrap_future(self.engine.submit(ids, max_tokens, self.clock.now()))
+            at = self.clock.now() if arrival_s is None else arrival_s
+            served = await asyncio.wrap_future(self.engine.submit(ids, max_tokens, at))
         except QueueFull as exc:
             raise BadRequest(503, f"queue full: {exc}") from None
         return served, t_wall
@@ -166,18 +194,37 @@ class OpenAIFront:
 
     def usage(self, ids: list[int], n_out: int, served: Any) -> dict[str, Any]:
         return {"prompt_tokens": len(ids), "completion_tokens": n_out, "total_tokens": len(ids) + n_out,
-                "prompt_tokens_details": {"cached_tokens": served.arrival_cached}}
+                # as vLLM counts it: the prompt tokens the request took from the cache when it was
+                # scheduled (a request queued behind the one storing its prefix gets that prefix)
+                "prompt_tokens_details": {"cached_tokens": served.tokens.cached}}
+
+    def arrival_of(self, body: dict[str, Any]) -> float | None:
+        """`kvatlas_arrival_s` (an extension field): the request's arrival on the simulated clock, as
+        `/generate`'s `arrival_s` (a trace replay sets it, so virtual times do not depend on the
+        machine's load); at most MAX_AHEAD_S past the worker's clock."""
+        at = body.get("kvatlas_arrival_s")
+        if at is None:
+            return None
+        if type(at) not in (int, float) or not 0 <= at <= self.clock.now() + MAX_AHEAD_S:
+            raise BadRequest(400, f"kvatlas_arrival_s must be a number within [0, now + {MAX_AHEAD_S:g}]")
+        self.load_clock.saw(float(at))
+        return float(at)
 
     async def handle(self, request: Request, body: dict[str, Any], chat: bool) -> Response:
         ids = self.chat_ids(body) if chat else self.prompt_ids(body)
         n = _max_tokens(body, ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
         model = body.get("model") or self.model
-        served, t_wall = await self.run(ids, n)
+        served, t_wall = await self.run(ids, n, self.arrival_of(body))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         created = int(time.time())
         out_ids, pieces = self.output(n)
         extra = {"prompt_token_ids": ids} if body.get("return_token_ids") else {}
-        headers = {"x-kvatlas-worker": self.worker_id, "x-kvatlas-cached-tokens": str(served.arrival_cached)}
+        t = served.tokens
+        headers = {"x-kvatlas-worker": self.worker_id, "x-kvatlas-cached-tokens": str(served.arrival_cached),
+                   # the simulated timeline (virtual seconds) and where the prompt came from: what a
+                   # trace replay through the router records (router/replay.py)
+                   "x-kvatlas-served": f"gpu={t.gpu},host={t.host},disk={t.disk},shared={t.shared},computed={t.computed}",
+                   "x-kvatlas-ttft-s": f"{served.ttft_s:.6f}", "x-kvatlas-queue-s": f"{served.queue_s:.6f}"}
         if body.get("stream"):
             opts = body.get("stream_options") or {}
             done = asyncio.Event()
@@ -246,7 +293,7 @@ class OpenAIFront:
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
 
-def vllm_metric_lines(engine: Engine, clock: VirtualClock, model: str) -> list[str]:
+def vllm_metric_lines(engine: Engine, clock: VirtualClock | ArrivalClock, model: str) -> list[str]:
     """The worker's load under vLLM's gauge names (what `kvatlas router` polls on a real vLLM)."""
     _, queued, running, *_ = engine.load(clock.now())
     free, total = engine.pages()

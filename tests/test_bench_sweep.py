@@ -5,7 +5,7 @@ here is timed."""
 from __future__ import annotations
 
 from bench import bench_sweep as bs
-from router_api.router.trace import conversations
+from router.trace import conversations
 from sim.api import SimModel
 
 ROWS = (("round_robin", 1), ("approximate", 1), ("precise_tiered", 1), ("precise_tiered", 2))

@@ -18,10 +18,10 @@ import pytest
 
 from sim.api import GenerateResponse, WorkerHealth
 from router_api.config import ServiceConfig
-from router_api.demo.procs import Child, wait_healthy
-from router_api.router.forwarder import RouterCore, fetch_sim
-from router_api.router.policies import make_policy
-from router_api.router.report import mismatch_cause
+from router.demo.procs import Child, wait_healthy
+from router.forwarder import RouterCore, fetch_sim
+from router.policies import make_policy
+from router.report import mismatch_cause
 from router_api.routes import route_handle
 from support.net import free_port, wait_until
 from support.service import LiveIndexer

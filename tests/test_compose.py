@@ -17,10 +17,10 @@ from typing import Any
 import msgspec
 import yaml
 
-from router_api.demo.procs import Child, http_json
-from router_api.router.report import summarize
-from router_api.router.trace import TokenExpander, load_trace, slice_conversations
-from sim.api import RouterReport
+from router.demo.procs import Child, http_json
+from router.report import summarize
+from router.trace import TokenExpander, load_trace, slice_conversations
+from router.records import RouterReport
 from support.net import REPO_ROOT, free_port, wait_until
 from support.nats import nats_binary
 

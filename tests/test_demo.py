@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from router_api.demo.inprocess import DemoConfig, main
+from router.demo.inprocess import DemoConfig, main
 
 ROOT = Path(__file__).resolve().parents[1]
 

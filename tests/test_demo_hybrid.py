@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from router_api.router.report import CAUSES
+from router.report import CAUSES
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from router_api.demo.procs import Child, http_json, wait_healthy
+from router.demo.procs import Child, http_json, wait_healthy
 from support.net import free_port
 
 BLOCK = 16

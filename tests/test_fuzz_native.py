@@ -420,7 +420,7 @@ def test_score_rows_refuses_bad_slots_and_names() -> None:
         def __index__(self) -> int:
             return 0
 
-    for slots in ([-1], [2**62], [Idx()], [1 << 20]):
+    for slots in ([-1], [2**62], [Idx()], [1 << 24]):
         with pytest.raises((ValueError, OverflowError, TypeError)):
             _score(slots=slots)
 
@@ -465,7 +465,7 @@ def test_hybrid_rows_declines_odd_arguments() -> None:
         assert N.hybrid_rows(main_, keys, None, 0, 1, groups, layouts, slots) is None
     for toks, seed, bs in (([1, 2], "s", 1), ([1, 2], 0, 0), (None, 0, 1), (["x"], 0, 1), ([1.5], 0, 1)):
         assert N.hybrid_rows(main, None, toks, seed, bs, [(2, -1, g)], [(0,)], [0]) is None
-    for slots in ([-1], [2**62], [1 << 20]):
+    for slots in ([-1], [2**62], [1 << 24]):
         with pytest.raises((ValueError, OverflowError)):
             N.hybrid_rows(main, [5], None, 0, 1, [(2, -1, g)], [(0,)], slots)
     with pytest.raises(TypeError):

@@ -28,13 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "router": {"schemas", "cbuild", "transport", "indexer", "router_api", "producer", "sim"},
     "cli": {"schemas", "cbuild", "transport", "indexer", "router_api", "producer", "sim", "router"},
 }
-# Parts of router_api/ that are the router layer until they move to the top-level `router/` package.
-ROUTER_PARTS = ("router_api.router", "router_api.proxy", "router_api.demo", "router_api.cmd_demo")
-
-
 def layer(module: str) -> str:
-    if module.startswith(ROUTER_PARTS):
-        return "router"
     return module.split(".")[0]
 
 

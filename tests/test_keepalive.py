@@ -23,9 +23,9 @@ from starlette.routing import Route
 from sim.api import SimModel
 from sim.cmd import server_config
 from sim.httpbody import CLIENT_KEEPALIVE_S, WORKER_KEEPALIVE_S
-from router_api.proxy.core import ProxyCore
-from router_api.router.forwarder import RouterCore, describe
-from router_api.router.policies import make_policy
+from router.proxy.core import ProxyCore
+from router.forwarder import RouterCore, describe
+from router.policies import make_policy
 from support.net import free_port, wait_until
 
 ENGINE_KEEPALIVE_S = 5.0  # vLLM's and uvicorn's default: what the proxy's engines do

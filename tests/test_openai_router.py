@@ -185,3 +185,36 @@ def test_demo_runs_through_the_openai_path() -> None:
     for cols in rows.values():
         assert cols[1] == "24" and cols[-1] == "0"  # 6 chats x 4 turns, no errors
     assert rows["round_robin"][4] == "-" and rows["precise_tiered"][4].endswith("%")
+
+
+def _long_system(words: int, seed: str) -> dict[str, str]:
+    text = " ".join(f"{seed}{i % 97} block{i % 13} cache{i % 7}" for i in range(words))
+    return {"role": "system", "content": text}
+
+
+def test_a_burst_sharing_a_new_system_prompt_goes_to_one_worker_predicted_right(fleet) -> None:
+    """Issue 32: 8 requests sent at once, sharing a new long system prompt. Each is decided and
+    reserved at the indexer in one step, so every one after the first counts the earlier ones'
+    pending blocks: all go to one worker, and the prediction is what the worker served."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    system = _long_system(95, "burst")  # ~1.1k tokens: 270 of the workers' 320 GPU pages
+    assert len(TOK.encode_chat([system], add_generation_prompt=False)) > 1000
+    c = httpx.Client(base_url=fleet["router"], timeout=60.0)
+
+    def one(i: int) -> httpx.Response:
+        return c.post("/v1/chat/completions", json={
+            "model": "default", "max_tokens": 2, "stream": False,
+            "messages": [system, {"role": "user", "content": f"question number {i}"}]})
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(8)))
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+    workers = {r.headers["x-kvatlas-worker"] for r in answers}
+    assert len(workers) == 1, [r.headers["x-kvatlas-route"] for r in answers]
+    right = [int(_route(r)["predicted_cached_tokens"]) == r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+             for r in answers]
+    assert sum(right) >= 7, [(r.headers["x-kvatlas-route"], r.json()["usage"]) for r in answers]
+    # the router's live accuracy counts them (the engine reports cached_tokens)
+    health = c.get("/health").json()
+    assert health["status"] == "ok" and health["prediction"]["compared"] >= 8

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
 
-from sim.httpbody import MAX_BODY_BYTES
-from router_api.proxy.app import create_proxy_app
-from router_api.proxy.core import ProxyCore
+from router.proxy.limits import MAX_BODY_BYTES
+from router.proxy.app import create_proxy_app
+from router.proxy.core import ProxyCore
 from router_api.tokenization import ChatTokenizer
 from support.net import ThreadedServer, free_port
 from support.tiny_tokenizer import TINY_CHAT
@@ -121,9 +121,10 @@ def test_indexer_token_is_sent_and_a_refusal_is_unscored_not_failed() -> None:
             core = ProxyCore({"a": f"http://127.0.0.1:{free_port()}"}, indexer=idx.url, model="default",
                              tokenizer=None, policy="precise_tiered", indexer_token=token)
             try:
-                return await core.score(np.asarray([1, 2, 3, 4], dtype="<u4"), {})
+                assert core.indexer is not None
+                return await core.indexer.score("default", np.asarray([1, 2, 3, 4], dtype="<u4").tobytes(), {})
             finally:
                 await core.close()
 
-        assert asyncio.run(score("sekret")) == {}  # an answer (no worker registered yet)
+        assert asyncio.run(score("sekret")) == []  # an answer (no worker registered yet)
         assert asyncio.run(score(None)) is None    # 401: routed on load, logged

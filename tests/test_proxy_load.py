@@ -1,4 +1,4 @@
-"""Worker load for the OpenAI router (router_api/proxy/load.py): vLLM's and SGLang's metric names,
+"""Worker load for the OpenAI router (router/proxy/load.py): vLLM's and SGLang's metric names,
 data-parallel series summed, junk skipped; workers whose metrics cannot be read are marked down with
 a reason (refused, 404, empty bodies) instead of crashing or waiting; the sim router names the fix
 when pointed at a server shaped like vLLM."""
@@ -11,8 +11,8 @@ import httpx
 import pytest
 from fastapi import FastAPI, Response
 
-from router_api.proxy.load import LoadPoller, parse_load
-from router_api.router.forwarder import fetch_sim
+from router.proxy.load import LoadPoller, parse_load
+from router.forwarder import fetch_sim
 from support.net import ThreadedServer, free_port
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -135,7 +135,9 @@ def test_native_restore_equals_pure(seed: int, n_workers: int, n_docs: int, odd:
     assert load_model_dump(m, dump) + load_groups(m, dump) == n
     assert state(loop) == state(fast)
     a, b = fast._models[MODEL].nodes, m.nodes
-    assert (a.width, a.nbytes) == (b.width, b.nbytes)
+    assert (a.form, a.width) == (b.form, b.width)
+    if a.form == "dense":  # (holder-list blocks keep the room their growth left: the two differ there)
+        assert a.nbytes == b.nbytes
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

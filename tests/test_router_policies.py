@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 
 from sim.schedule import QueueFull, Schedule
-from router_api.router.policies import POLICIES, RouteInput, ScoreRow, make_policy
-from router_api.router.report import format_table, mismatch_cause, quantile, summarize
-from sim.api import RequestRecord, SimModel, Tokens
+from router.policies import POLICIES, RouteInput, ScoreRow, make_policy
+from router.report import format_table, mismatch_cause, quantile, summarize
+from sim.api import SimModel, Tokens
+from router.records import RequestRecord
 
 W = ["a", "b", "c"]
 SIM = SimModel()
@@ -228,7 +229,7 @@ def test_a_new_conversation_avoids_the_worker_recently_sent_the_most_work() -> N
 
 
 def test_shared_backlog_adds_every_replicas_unconfirmed_prefill() -> None:
-    from router_api.router.policies import shared_backlog
+    from router.policies import shared_backlog
 
     sim = SimModel()
     assert shared_backlog(sim, 0.7, ScoreRow(inflight=0, inflight_prefill=0)) == 0.7

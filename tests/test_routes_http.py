@@ -10,13 +10,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from producer.publisher import ZmqEventPublisher
 from sim.api import SimModel
-from router_api.router.forwarder import RouterCore
-from router_api.router.policies import make_policy
+from router.forwarder import RouterCore
+from router.policies import make_policy
 from router_api.config import ServiceConfig
 from support.net import free_port
-from support.service import LiveIndexer
+from support.service import LiveIndexer, indexer_with_publishers
 
 BS = 16
 WIDS = ["rw0", "rw1", "rw2"]
@@ -24,20 +23,8 @@ WIDS = ["rw0", "rw1", "rw2"]
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveIndexer]:
-    li = LiveIndexer(ServiceConfig(port=free_port(), block_size=BS, stats_ttl_s=0.0)).start()
-    pubs = []
-    try:
-        for wid in WIDS:
-            pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
-            pubs.append(pub)
-            r = li.client.post("/workers", json={"worker_id": wid, "endpoint": pub.endpoint,
-                                                  "replay_endpoint": pub.replay_endpoint, "block_size": BS})
-            assert r.status_code == 201, r.text
+    with indexer_with_publishers(ServiceConfig(port=free_port(), block_size=BS, stats_ttl_s=0.0), WIDS, BS) as li:
         yield li
-    finally:
-        for p in pubs:
-            p.close()
-        li.stop()
 
 
 def _rows(li: LiveIndexer, tokens: list[int]) -> dict[str, dict]:
@@ -102,7 +89,7 @@ def test_two_router_replicas_see_each_others_routes(live: LiveIndexer) -> None:
             rows = await b.score(second)
             assert rows["rw2"].pending == 4 and rows["rw2"].cached == 0 and rows["rw0"].pending == 0
             # and its precise policy sends the request sharing the system prompt there
-            from router_api.router.policies import RouteInput
+            from router.policies import RouteInput
             d = b.policy.choose(RouteInput(len(second), [], BS, rows, {w: 0.0 for w in WIDS},
                                            {w: 0 for w in WIDS}))
             assert d.worker_id == "rw2" and d.predicted_cached == 4 * BS and d.predicted_pending == 4 * BS
@@ -142,7 +129,7 @@ def test_two_router_replicas_share_in_flight_load(live: LiveIndexer) -> None:
             own = b.backlog(now)  # b's own view: it has sent nothing, and no worker reported load
             backlog = b.backlog(now, rows)
             assert backlog["rw0"] >= sim.prefill_s(len(big)) - 1e-9 and backlog["rw1"] == backlog["rw2"] == 0.0
-            from router_api.router.policies import RouteInput
+            from router.policies import RouteInput
             # b has sent nothing: its own view alone ties the three workers and breaks the tie on rw0
             assert b.policy.choose(RouteInput(len(other), [], BS, {}, own, {w: 0 for w in WIDS})
                                    ).worker_id == "rw0"

@@ -5,6 +5,8 @@ clock's (docs/end-to-end.md, "The worker")."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from sim import cmd as worker_cmd
@@ -16,17 +18,26 @@ from producer.storage.worker import StorageWorker
 B = 16
 
 
-def engine(tmp: Path) -> Engine:
+@contextmanager
+def engine(tmp: Path) -> Iterator[Engine]:
+    """A simulated engine over a small tiered cache (L3 on a directory), closed with its cache's workers."""
     p = argparse.ArgumentParser()
     worker_cmd.add_arguments(p)
     args = p.parse_args(["--block-size", str(B), "--gpu-pages", "64", "--host-pages", "128"])
     storage = StorageWorker(make_storage_backend("file", {"root": str(tmp / "l3")}))
-    return Engine(worker_cmd._make_cache(args, storage, None), SimModel())
+    e = Engine(worker_cmd._make_cache(args, storage, None), SimModel())
+    try:
+        yield e
+    finally:
+        e.close()
+        if e.cache.transfer is not None:
+            e.cache.transfer.close()
+        if e.cache.storage is not None:
+            e.cache.storage.close()
 
 
 def test_a_late_request_is_served_before_a_later_arrival_waiting_with_it(tmp_path: Path) -> None:
-    e = engine(tmp_path)
-    try:
+    with engine(tmp_path) as e:
         shared = list(range(1, 4 * B + 1))
         with e.lock:  # the engine thread is busy (it blocks in its first request) while both arrive
             first = e.submit(list(range(1000, 1000 + 2 * B)), 1, 0.0)
@@ -38,17 +49,10 @@ def test_a_late_request_is_served_before_a_later_arrival_waiting_with_it(tmp_pat
         assert a.tokens.computed == 4 * B and a.tokens.cached == 0
         assert b.tokens.cached == 4 * B and b.tokens.computed == 0
         assert a.ttft_s > 0 and b.arrival_cached == 4 * B
-    finally:
-        e.close()
-        if e.cache.transfer is not None:
-            e.cache.transfer.close()
-        if e.cache.storage is not None:
-            e.cache.storage.close()
 
 
 def test_equal_arrivals_keep_their_submission_order(tmp_path: Path) -> None:
-    e = engine(tmp_path)
-    try:
+    with engine(tmp_path) as e:
         shared = list(range(1, 4 * B + 1))
         with e.lock:
             first = e.submit(list(range(1000, 1000 + 2 * B)), 1, 0.0)
@@ -56,17 +60,10 @@ def test_equal_arrivals_keep_their_submission_order(tmp_path: Path) -> None:
             y = e.submit(shared, 1, 3.0)
         first.result(30)
         assert x.result(30).tokens.computed == 4 * B and y.result(30).tokens.cached == 4 * B
-    finally:
-        e.close()
-        if e.cache.transfer is not None:
-            e.cache.transfer.close()
-        if e.cache.storage is not None:
-            e.cache.storage.close()
 
 
 def test_a_barrier_completes_after_every_request_handed_over_before_it(tmp_path: Path) -> None:
-    e = engine(tmp_path)
-    try:
+    with engine(tmp_path) as e:
         with e.lock:  # nothing is served until the barrier is in the queue too
             futs = [e.submit(list(range(100 * i, 100 * i + 2 * B)), 1, float(10 - i)) for i in range(3)]
             done = e.barrier()
@@ -74,9 +71,3 @@ def test_a_barrier_completes_after_every_request_handed_over_before_it(tmp_path:
         assert all(f.done() for f in futs)
         t, queued, running, backlog, free_at = e.load(0.0)
         assert free_at >= max(f.result().ttft_s + 10 - i for i, f in enumerate(futs)) - 1e-9  # their prefills
-    finally:
-        e.close()
-        if e.cache.transfer is not None:
-            e.cache.transfer.close()
-        if e.cache.storage is not None:
-            e.cache.storage.close()

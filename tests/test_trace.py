@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from router_api.router.trace import (DEFAULT_TRACE, TokenExpander, TraceError, load_trace, multi_turn,
+from router.trace import (DEFAULT_TRACE, TokenExpander, TraceError, load_trace, multi_turn,
                                      parse_trace, slice_conversations)
 
 
@@ -84,7 +84,7 @@ def test_builtin_multi_turn_generator_extends_prefixes() -> None:
 
 
 def test_builtin_chat_is_bursty_shared_prefix_multi_turn_and_seeded() -> None:
-    from router_api.router.trace import bursty_chat, requests_for
+    from router.trace import bursty_chat, requests_for
 
     for seed in (0, 1, 7):
         reqs = bursty_chat(300, seed=seed)

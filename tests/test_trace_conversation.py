@@ -1,11 +1,11 @@
-"""`builtin-conversation` (router_api.router.trace.conversations): long multi-turn conversations whose
+"""`builtin-conversation` (router.trace.conversations): long multi-turn conversations whose
 every turn is the previous prompt + its answer + a new message, arriving a think time after the
 previous answer; a few system prompts of skewed popularity; seeded."""
 from __future__ import annotations
 
 import pytest
 
-from router_api.router.trace import (BUILTIN_TRACES, TRACE_BLOCK_TOKENS, bursty_chat, conversations,
+from router.trace import (BUILTIN_TRACES, TRACE_BLOCK_TOKENS, bursty_chat, conversations,
                                      requests_for)
 
 

@@ -3,7 +3,8 @@ at scale"): the native walk, which follows only the workers still in it, and its
 only rows with a block, give the pure core's answers exactly, row for row and in order, for one index
 and a worker-sharded one, with any tier weights (a row with no block scores 0.0, or -0.0 when every
 weight is negative); the packed rows are the same rows; the residency table's width stays on its
-ladder as workers come and go, and a restore ends at the width that growing to it reached."""
+ladder as workers come and go (a group's dense table) or, for a main tree past 128 slots, turns to holder
+lists (U64Map.holders, holders.c) and back, and a restore ends in the form growing to it reached."""
 from __future__ import annotations
 
 import math
@@ -70,7 +71,7 @@ def rows(res) -> list[tuple]:
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @example(seed=14961, n_workers=150, wi=0)  # its last slot holds no block: a restore is narrower
-@given(seed=st.integers(0, 2**32 - 1), n_workers=st.sampled_from([150, 400]), wi=st.integers(0, len(WEIGHTS) - 1))
+@given(seed=st.integers(0, 2**32 - 1), n_workers=st.sampled_from([150, 400, 1200]), wi=st.integers(0, len(WEIGHTS) - 1))
 def test_wide_walk_and_ranking_match_the_pure_core(seed: int, n_workers: int, wi: int) -> None:
     w = WEIGHTS[wi]
     pays, queries = history(seed, n_workers)
@@ -80,7 +81,8 @@ def test_wide_walk_and_ranking_match_the_pure_core(seed: int, n_workers: int, wi
         for wid, p in pays:
             ix.apply_payload(MODEL, wid, 0, p)
     m = fast._models[MODEL]
-    assert m.nodes.width == ladder(math.ceil(4 * len(m.workers) / 64))
+    # past 8 words (128 slots): holder lists, two words a value
+    assert m.nodes.form == ("lists" if len(m.workers) > 128 else "dense")
     for q in queries:
         want = rows(pure.score(MODEL, q))
         assert rows(fast.score(MODEL, q)) == want
@@ -91,26 +93,48 @@ def test_wide_walk_and_ranking_match_the_pure_core(seed: int, n_workers: int, wi
             [(r[0], r[1], r[2], r[3], tuple(v for _, v in r[4]), r[5]) for r in want]
         some = [(f"w{i:04d}", 0) for i in range(0, n_workers, 7)]
         assert rows(fast.score(MODEL, q, workers=some)) == rows(pure.score(MODEL, q, workers=some))
-    # a restore lays the table out once, on the ladder, at the width its highest holding slot needs:
-    # as wide as the grown one, or narrower when the last slots hold nothing (seed 14961, 150 workers)
+    # a restore lays the table out once, in the form its highest holding slot needs: holder lists past
+    # 128 slots, dense words on the ladder below (seed 14961, 150 workers: its last slots hold nothing)
     back = KVIndex(w, native=True)
     back.load_dump(MODEL, BS, fast.dump(MODEL))
-    width = back._models[MODEL].nodes.width
-    assert width == ladder(width) and width <= m.nodes.width
+    nodes = back._models[MODEL].nodes
+    top = max(w.slot for w in back._models[MODEL].workers if w is not None and w.ext)
+    assert nodes.form == ("lists" if top >= 128 else "dense")
+    assert nodes.form == "lists" or nodes.width == ladder(nodes.width)
     assert [rows(back.score(MODEL, q)) for q in queries] == [rows(pure.score(MODEL, q)) for q in queries]
 
 
-def test_width_follows_the_ladder_as_workers_come_and_go() -> None:
+def test_dense_width_follows_the_ladder() -> None:
+    """A dense table (a full-attention group's, `U64Map()`) widens on the ladder and narrows onto it."""
+    from indexer._native import _kvnative as kvn
+
+    m = kvn.U64Map()
+    seen = set()
+    for i in range(700):  # 700 slots: 44 words needed, 44 on the ladder (8, 10, 13, 17, 22, 28, 35, 44)
+        m[7] = m.get(7, 0) | 1 << (4 * i)
+        seen.add(m.width)
+    assert seen == {1, 2, 3, 4, 5, 6, 7, 8, 10, 13, 17, 22, 28, 35, 44} and m.form == "dense"
+    m[7] &= (1 << (4 * 300)) - 1
+    assert m.narrow() == ladder(math.ceil(300 * 4 / 64)) == 22
+
+
+def test_main_tree_turns_to_holder_lists_and_back_as_workers_come_and_go() -> None:
     ix = KVIndex(native=True)
     ix.ensure_model(MODEL, BS)
     pay = encode_batch(KVEventBatch(0.0, [BlockStored([7], None, [1, 2, 3, 4], BS, medium="GPU")]))
     m = ix._models[MODEL]
     seen = set()
-    for i in range(700):  # 700 slots: 44 words needed, 44 on the ladder (8, 10, 13, 17, 22, 28, 35, 44)
+    for i in range(700):
         ix.apply_payload(MODEL, f"w{i:04d}", 0, pay)
-        seen.add(m.nodes.width)
-    assert seen == {1, 2, 3, 4, 5, 6, 7, 8, 10, 13, 17, 22, 28, 35, 44}
+        seen.add((m.nodes.form, m.nodes.width))
+    # dense words up to 8 (128 slots), then holder lists: one node held by 700 workers is dense words
+    # inside its block (widely held); the table stays two words wide
+    assert seen == {("dense", w) for w in range(1, 9)} | {("lists", 2)}
     for i in range(300, 700):
         ix.remove_worker(MODEL, f"w{i:04d}")
-    assert m.nodes.width == ladder(math.ceil(300 * 4 / 64)) == 22  # compacted, then narrowed onto the ladder
-    assert ix.score(MODEL, [1, 2, 3, 4]).workers[0].cached_blocks == 1
+    assert m.nodes.form == "lists"  # 300 slots still held
+    assert [w.cached_blocks for w in ix.score(MODEL, [1, 2, 3, 4]).workers] == [1] * 300
+    for i in range(100, 300):
+        ix.remove_worker(MODEL, f"w{i:04d}")
+    assert (m.nodes.form, m.nodes.width) == ("dense", ladder(math.ceil(100 * 4 / 64))) == ("dense", 7)
+    assert [w.cached_blocks for w in ix.score(MODEL, [1, 2, 3, 4]).workers] == [1] * 100

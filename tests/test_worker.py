@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from router_api.demo.procs import Child, http_json, wait_healthy
+from router.demo.procs import Child, http_json, wait_healthy
 from support.net import free_port, wait_until
 
 BLOCK = 512

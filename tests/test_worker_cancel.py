@@ -16,7 +16,7 @@ import pytest
 
 from sim.api import SimModel
 from sim.schedule import Schedule
-from router_api.demo.procs import Child, http_json, wait_healthy
+from router.demo.procs import Child, http_json, wait_healthy
 from support.net import free_port, wait_until
 from support.tiny_tokenizer import TINY_CHAT
 

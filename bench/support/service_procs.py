@@ -207,9 +207,12 @@ class Kvatlas(Service):
                        lambda b: self._q("/score", b, "application/octet-stream", "application/msgpack")),
         }
 
-    def decode(self, fmt: str, body: bytes) -> dict[str, int]:
+    def decode(self, fmt: str, body: bytes) -> dict[str, Any]:
+        """Per worker its cached_blocks; on a hybrid stream (rows with kv_blocks, every block in every
+        group) a kv_blocks other than cached_blocks shows as a mismatch."""
         ans = (msgspec.json.decode if fmt == "json" else msgspec.msgpack.decode)(body)
-        return {w["worker_id"]: w["cached_blocks"] for w in ans["workers"]}
+        return {w["worker_id"]: w["cached_blocks"] if w.get("kv_blocks", w["cached_blocks"]) == w["cached_blocks"]
+                else f"cached {w['cached_blocks']} kv {w['kv_blocks']}" for w in ans["workers"]}
 
     def _q(self, path: str, body: bytes, ctype: str, accept: str = "application/json") -> bytes:
         st, out = self.http.post(path, body, ctype, accept)

@@ -24,6 +24,19 @@ SIZES = (1024, 8192, 32768)
 # Event shapes on the wire: tagged maps (SGLang, vLLM 0.33) and vLLM's array-like tagged events
 # (`["BlockStored", hashes, parent, tokens, block_size, lora_id, medium]`), same content.
 SHAPES = {"map": BlockStored, "array": BlockStoredArr}
+# The hybrid stream (`Stream(..., hybrid=True)`): vLLM's group shape for a model with full-attention,
+# sliding-window and Mamba layers, every block stored in the three groups in one batch (the
+# window's W tokens and a state at every block: the usable prefix is the KV match, so both services'
+# answers are checked against the same truth; Dynamo indexes the KV alone).
+HYBRID_GROUPS = ((0, "full_attention", None), (1, "sliding_window", 4096), (2, "mamba", None))
+
+
+def group_events(event: Any, hybrid: bool, **fields: Any) -> list[Any]:
+    """One store, or (hybrid) the same store in each group of HYBRID_GROUPS."""
+    if not hybrid:
+        return [event(**fields)]
+    return [event(**fields, group_idx=g, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=w)
+            for g, kind, w in HYBRID_GROUPS]
 
 # --- the workload -------------------------------------------------------------------------------
 
@@ -31,9 +44,10 @@ class Stream:
     """Per worker: a long document (for deep queries) stored in chunks, then many requests that
     share system prompts; the last batch of each worker is a marker chain polled for visibility."""
 
-    def __init__(self, workers: int, batches: int, seed: int = 0, shape: str = "map") -> None:
+    def __init__(self, workers: int, batches: int, seed: int = 0, shape: str = "map", hybrid: bool = False) -> None:
         rng = random.Random(seed)
         self.event = SHAPES[shape]
+        self.hybrid = hybrid
         self.ts = time.time()
         self.payloads: list[list[bytes]] = []
         self.docs: list[list[int]] = []
@@ -70,9 +84,10 @@ class Stream:
         out = []
         for i in range(first, len(ids), per_batch):
             j = min(len(ids), i + per_batch)
-            ev = self.event(block_hashes=ids[i:j], parent_block_hash=ids[i - 1] if i else None,
-                            token_ids=toks[i * BS: j * BS], block_size=BS, medium="GPU")
-            out.append(encode_batch(KVEventBatch(self.ts, [ev])))
+            evs = group_events(self.event, self.hybrid, block_hashes=ids[i:j],
+                               parent_block_hash=ids[i - 1] if i else None, token_ids=toks[i * BS: j * BS],
+                               block_size=BS, medium="GPU")
+            out.append(encode_batch(KVEventBatch(self.ts, evs)))
             self.blocks += j - i
         return out
 

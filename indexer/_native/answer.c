@@ -3,7 +3,7 @@
 
 /* ---------------------------------------------------------------- /score answer bytes
  * write_answer(msgpack, layout, prefix, query_blocks, rows, heads, wix, statuses, seqs, status_map
- *              [, pend_ints, pend_busy]) -> bytes | None
+ *              [, pend_ints, pend_busy[, kv]]) -> bytes | None
  * The body `POST /score` answers, byte for byte what msgspec encodes for the ScoreResponse the Python
  * path builds (router_api/answer.py passes the pieces; tests/test_score_answer.py holds the two equal):
  *  - rows: packed PRow (score_rows with row type None), best first; heads[s] / wix[s] belong to the row
@@ -13,13 +13,16 @@
  *  - status_map: status str -> (encoded status, is stale); layout: the pre-encoded keys and punctuation;
  *  - optional pend_ints, pend_busy: the rows' in-flight fields per head (router_api/score_plan.py):
  *    int64 (pending_blocks, pending_requests, pending_prefill_tokens) and a double busy_until (NaN: None).
- *    Each is written after `status` when it is not its default (0 / None), as omit_defaults writes it.
+ *    Each is written after `status` when it is not its default (0 / None), as omit_defaults writes it;
+ *    None for both: no in-flight fields;
+ *  - optional kv: int64 per row slot (hybrid_rows' packed column), the row's kv_blocks, written after
+ *    `status` where >= 0 (None: omitted, as for a full-attention model's rows).
  * Rows are ordered like the Python path: fresh before stale, each by score descending, stable.
  * None (the caller encodes with msgspec): a non-finite score or busy_until, a status or last_seq it does
  * not know. */
 enum { L_ROW_OPEN, L_DEV, L_CACH, L_TIERS, L_HOST, L_DISK, L_SHARED, L_SCORE, L_STALE, L_SEQ, L_STATUS,
        L_ROW_CLOSE, L_WORKERS, L_AFTER, L_END, L_BEST_OPEN, L_BEST_CLOSE, L_SEP, L_NULL, L_TRUE, L_FALSE,
-       L_PBLOCKS, L_PREQS, L_PTOKENS, L_BUSY, L_COUNT };
+       L_PBLOCKS, L_PREQS, L_PTOKENS, L_BUSY, L_KV, L_COUNT };
 #define PEND_INTS 3 /* per head in pend_ints: pending_blocks, pending_requests, pending_prefill_tokens */
 
 /* Writers into a buffer the caller sized for the worst case (answer_bound): no checks per piece. */
@@ -123,11 +126,20 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     int mp;
     PyObject *layout, *prefix, *heads, *statuses, *seqs, *smap;
     Py_ssize_t qb;
-    Py_buffer rows, wixb, pib = {0}, pbb = {0};
-    if (!PyArg_ParseTuple(args, "pO!O!ny*O!y*O!O!O!|y*y*", &mp, &PyTuple_Type, &layout, &PyBytes_Type, &prefix, &qb,
+    PyObject *pio = Py_None, *pbo = Py_None, *kvo = Py_None;
+    Py_buffer rows, wixb, pib = {0}, pbb = {0}, kvb = {0};
+    if (!PyArg_ParseTuple(args, "pO!O!ny*O!y*O!O!O!|OOO", &mp, &PyTuple_Type, &layout, &PyBytes_Type, &prefix, &qb,
                           &rows, &PyTuple_Type, &heads, &wixb, &PyList_Type, &statuses, &PyList_Type, &seqs,
-                          &PyDict_Type, &smap, &pib, &pbb))
+                          &PyDict_Type, &smap, &pio, &pbo, &kvo))
         return NULL;
+    /* the optional columns: None or a contiguous buffer each */
+    if ((pio != Py_None && PyObject_GetBuffer(pio, &pib, PyBUF_SIMPLE) < 0) ||
+        (pbo != Py_None && PyObject_GetBuffer(pbo, &pbb, PyBUF_SIMPLE) < 0) ||
+        (kvo != Py_None && PyObject_GetBuffer(kvo, &kvb, PyBUF_SIMPLE) < 0)) {
+        PyBuffer_Release(&rows); PyBuffer_Release(&wixb);
+        PyBuffer_Release(&pib); PyBuffer_Release(&pbb); PyBuffer_Release(&kvb);
+        return NULL;
+    }
     PyObject *out = NULL;
     ARow *ar = NULL;
     int64_t *seq = NULL;
@@ -145,10 +157,13 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     int pend = pib.obj != NULL;
     if (ok && pend != (pbb.obj != NULL)) ok = 0;
     if (ok && pend) ok = pib.len == nh * PEND_INTS * 8 && pbb.len == nh * 8;
+    const char *kvc = kvb.buf;
+    int haskv = kvb.obj != NULL;
+    if (ok && haskv) ok = kvb.len == nrows * 8;
     if (ok && mp) {
         PyObject *ro = PyTuple_GET_ITEM(layout, L_ROW_OPEN);
         unsigned char h0 = PyBytes_GET_SIZE(ro) == 1 ? (unsigned char)PyBytes_AS_STRING(ro)[0] : 0;
-        ok = (h0 & 0xF0) == 0x80 && (h0 & 0x0F) + 4 <= 15;
+        ok = (h0 & 0xF0) == 0x80 && (h0 & 0x0F) + 4 + haskv <= 15;
     }
     if (!ok) goto none;
     ar = PyMem_RawMalloc(sizeof(ARow) * (size_t)(nh ? nh : 1));
@@ -210,6 +225,7 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     Py_ssize_t fixed = LEN(L_SEP) + LEN(L_ROW_OPEN) + LEN(L_DEV) + LEN(L_CACH) + LEN(L_TIERS) + LEN(L_HOST) +
                        LEN(L_DISK) + LEN(L_SHARED) + LEN(L_SCORE) + LEN(L_STALE) + LEN(L_TRUE) + LEN(L_FALSE) +
                        LEN(L_SEQ) + LEN(L_NULL) + LEN(L_STATUS) + LEN(L_ROW_CLOSE) + 7 * INT_MAX_CHARS + DBL_MAX_CHARS +
+                       (haskv ? LEN(L_KV) + INT_MAX_CHARS : 0) +
                        (pend ? LEN(L_PBLOCKS) + LEN(L_PREQS) + LEN(L_PTOKENS) + LEN(L_BUSY) + PEND_INTS * INT_MAX_CHARS +
                                    DBL_MAX_CHARS : 0);
     bound = PyBytes_GET_SIZE(prefix) + INT_MAX_CHARS + LEN(L_WORKERS) + 5 + row + na * fixed + LEN(L_AFTER) +
@@ -238,9 +254,11 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
             memcpy(&busy, pbusy + a->h * 8, sizeof busy);
         }
         int has_busy = !isnan(busy);
+        int64_t kv = -1; /* the rows past the index's (registered pairs it does not hold) have none */
+        if (haskv && p) memcpy(&kv, kvc + p->s * 8, sizeof kv);
         if (has_busy && !isfinite(busy)) { PyMem_RawFree(buf); goto none; } /* msgspec's JSON: null; not ours */
         q = put_obj(q, LY(L_ROW_OPEN));
-        if (mp) q[-1] = (char)((unsigned char)q[-1] + (pi[0] != 0) + (pi[1] != 0) + (pi[2] != 0) + has_busy);
+        if (mp) q[-1] = (char)((unsigned char)q[-1] + (kv >= 0) + (pi[0] != 0) + (pi[1] != 0) + (pi[2] != 0) + has_busy);
         q = put_obj(q, PyTuple_GET_ITEM(heads, a->h));
         q = put_obj(q, LY(L_DEV)); INT(p ? p->dev : 0);
         q = put_obj(q, LY(L_CACH)); INT(p ? p->cach : 0);
@@ -257,7 +275,8 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
         if (stl[a->w] & 2) q = put_obj(q, LY(L_NULL)); else INT(seq[a->w]);
         q = put_obj(q, LY(L_STATUS));
         q = put_obj(q, senc[a->w]);
-        /* kv_blocks (None on this path) is omitted; the in-flight fields follow, when set */
+        /* kv_blocks where set (a hybrid worker's row), then the in-flight fields, when set */
+        if (kv >= 0) { q = put_obj(q, LY(L_KV)); INT(kv); }
         if (pi[0]) { q = put_obj(q, LY(L_PBLOCKS)); INT(pi[0]); }
         if (pi[1]) { q = put_obj(q, LY(L_PREQS)); INT(pi[1]); }
         if (pi[2]) { q = put_obj(q, LY(L_PTOKENS)); INT(pi[2]); }
@@ -294,6 +313,7 @@ done:
     PyBuffer_Release(&wixb);
     PyBuffer_Release(&pib); /* no-ops when not passed (obj NULL) */
     PyBuffer_Release(&pbb);
+    PyBuffer_Release(&kvb);
     return out;
 }
 

@@ -14,9 +14,14 @@
  *   groups: [(kind 0 full / 1 sliding / 2 mamba, span or -1 for none, nodes as main: an empty dict
  *           standing for a shard without the group)];
  *   layouts: per worker a tuple of indices into groups; slots: per worker its slot.
+ *   A worker whose layout is empty is a plain (full-attention only) one: its row is score_rows' (the
+ *   main tree's prefix, no group) and its kv_blocks -1 (None), so a fleet mixing both kinds is hashed
+ *   and walked once.
  * hybrid_rows(..., slots, weights, row_type, tier_names, worker_ids, ranks) -> (query blocks, [row_type
- *   best first]): the rows weighted, ranked and built as score_rows builds them (kv_blocks set), the
- *   workers given in (worker_id, dp_rank) order; None for weights that are not finite floats.
+ *   best first]): the rows weighted, ranked and built as score_rows builds them (kv_blocks set, None for
+ *   plain workers), the workers given in (worker_id, dp_rank) order; None for weights that are not
+ *   finite floats. With row_type None: (query blocks, packed PRow rows as score_rows packs them, kv) with
+ *   kv an int64 per worker position (-1: None), for write_answer.
  * The tables are only read, with the GIL held throughout (nothing can change them meanwhile). */
 
 enum { HK_FULL = 0, HK_SWA = 1, HK_MAMBA = 2, H_ABSENT = 4 };
@@ -43,17 +48,18 @@ typedef struct {
  * group's mostly one state or a short run of misses below L. */
 enum { H_SWA_CS = 5, H_MAMBA_CS = 4 };
 
-/* The tables of `o` (a U64Map, or a tuple of them / empty dicts) into ms; 0 ok, 1 not a shape we take. */
+/* The tables of `o` (a U64Map, or a tuple of them / empty dicts) into ms; 0 ok, 1 not a shape we take
+ * (holder lists included: a main tree that wide is scored by the pure core, indexer/core/groupscore.py). */
 static int h_tables(PyObject *o, Py_ssize_t nm, U64Map **ms) {
     if (PyObject_TypeCheck(o, &U64MapType)) {
-        if (nm != 1) return 1;
+        if (nm != 1 || ((U64Map *)o)->hl) return 1;
         ms[0] = (U64Map *)o;
         return 0;
     }
     if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != nm) return 1;
     for (Py_ssize_t t = 0; t < nm; t++) {
         PyObject *x = PyTuple_GET_ITEM(o, t);
-        if (PyObject_TypeCheck(x, &U64MapType)) ms[t] = (U64Map *)x;
+        if (PyObject_TypeCheck(x, &U64MapType) && !((U64Map *)x)->hl) ms[t] = (U64Map *)x;
         else if (PyDict_CheckExact(x) && PyDict_GET_SIZE(x) == 0) ms[t] = NULL;
         else return 1;
     }
@@ -69,6 +75,8 @@ static inline int h_same(const HTab *h, Py_ssize_t i) {
     }
     return 1;
 }
+
+enum { H_WALK_SHARDS = 64 }; /* shards the main walk drops one by one (ServiceConfig allows 64) */
 
 /* Read a table's values for blocks [from, to); with `walk`, stop at the first block no shard holds
  * (the main tree: no worker holds KV past it). Probes are prefetched PF_AHEAD keys ahead, as the
@@ -95,13 +103,22 @@ static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
         }
         goto runs;
     }
+    /* The main tree's walk stops reading a shard at a block it lacks where no shard holds a shared-pool
+     * claim: none of its workers passes that block, so none holds KV past it — unless its table ever
+     * held a shared-pool claim, which counts for every shard's workers (such a shard is read on). A
+     * miss probe of a full table is its longest, and after the first blocks most shards hold none of
+     * a deep query. */
+    U64Map *ms[H_WALK_SHARDS];
+    int skip = walk && nm <= H_WALK_SHARDS;
+    if (skip) memcpy(ms, h->ms, (size_t)nm * sizeof *ms);
+    U64Map *const *tabs = skip ? ms : h->ms;
     for (Py_ssize_t i = from; i < to && i < from + PF_AHEAD; i++)
-        for (Py_ssize_t t = 0; t < nm; t++) if (h->ms[t]) pf_slot(h->ms[t], h->keys[i]);
+        for (Py_ssize_t t = 0; t < nm; t++) if (tabs[t]) pf_slot(tabs[t], h->keys[i]);
     for (Py_ssize_t i = from; i < to; i++) {
-        int pool = 0, any = 0;
+        int pool = 0, any = 0, missed = 0;
         for (Py_ssize_t t = 0; t < nm; t++) {
             const uint64_t *v = NULL;
-            U64Map *m = h->ms[t];
+            U64Map *m = tabs[t];
             if (m) {
                 if (i + PF_AHEAD < to) pf_slot(m, h->keys[i + PF_AHEAD]);
                 int f;
@@ -110,12 +127,16 @@ static Py_ssize_t h_fill(HTab *h, Py_ssize_t from, Py_ssize_t to, int walk) {
                     v = VALS(m, j);
                     any = 1;
                     if (m->pool) for (int w = 0; w < m->width; w++) if (v[w] & POOL_BITS) pool = 1;
+                } else {
+                    missed = 1;
                 }
             }
             h->v[i * nm + t] = v;
         }
         if (walk && !any) { end = i; break; }
         h->pool[i] = (unsigned char)pool;
+        if (skip && missed && !pool) /* the shards that lack block i are done */
+            for (Py_ssize_t t = 0; t < nm; t++) if (ms[t] && !ms[t]->pool && !h->v[i * nm + t]) ms[t] = NULL;
     }
 runs:
     if (h->kind != HK_MAMBA) { /* run ends, from the top of this read down */
@@ -326,7 +347,7 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
             WRow *r = wrows + w;
             r->dev = dev; r->cach = cached;
             for (int t = 0; t < 4; t++) r->sp[t] = sp[t];
-            kvs[w] = kv;
+            kvs[w] = PyTuple_GET_SIZE(lay) ? kv : -1; /* a plain worker's row has no kv_blocks */
             continue;
         }
         PyObject *row = Py_BuildValue("(nnnnnnn)", dev, cached, kv, sp[0], sp[1], sp[2], sp[3]);
@@ -339,6 +360,17 @@ static PyObject *py_hybrid_rows(PyObject *self, PyObject *const *args, Py_ssize_
         rankt = widt ? PyList_AsTuple(args[12]) : NULL;
         if (!rankt) goto done;
         if (PyTuple_GET_SIZE(widt) != nw || PyTuple_GET_SIZE(rankt) != nw) { out = Py_None; Py_INCREF(out); goto done; }
+        if (args[9] == Py_None) { /* packed rows and the kv column (write_answer) */
+            PyObject *kvb = PyBytes_FromStringAndSize(NULL, nw * 8);
+            lst = kvb ? pack_rows(wrows, nw, wt, bs) : NULL;
+            if (!lst) { Py_XDECREF(kvb); goto done; }
+            for (Py_ssize_t w = 0; w < nw; w++) {
+                int64_t x = kvs[w];
+                memcpy(PyBytes_AS_STRING(kvb) + 8 * w, &x, 8);
+            }
+            out = Py_BuildValue("(nNN)", nk, lst, kvb);
+            goto done;
+        }
         lst = build_rows(wrows, nw, widt, rankt, wt, bs, args[9], args[10], kvs);
         if (!lst) goto done;
     }

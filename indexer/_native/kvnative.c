@@ -61,11 +61,15 @@ static inline void gil_need(void) {
 /* One translation unit: each part is included once, in dependency order, so everything stays static. */
 #include "hashing.c"      /* block digests, chained keys (twin of hashing.py) */
 #include "bodies.c"       /* request bodies -> u32 tokens (the HTTP body codec) */
-#include "u64map.c"       /* U64Map and its type object */
+#include "u64map.c"       /* U64Map and its type object (includes holders.c, holder-list values) */
 #include "node_maps.c"    /* residency bits / nibbles over the maps, tier_counts */
-#include "score_walk.c"   /* the walk and score_rows (includes groups_walk.c) */
+#include "score_walk.c"   /* the walk and score_rows, ranking, packed rows */
+#include "groups_walk.c"  /* hybrid_rows: usable-prefix rows (groupscore.py's twin) */
 #include "answer.c"       /* the /score answer writer */
-#include "batch_apply.c"  /* apply_msgpack(_run) (includes wire_walk.c, groups_apply.c) */
+#include "wire_walk.c"    /* the raw payload reader of the whole-batch walk */
+#include "kv_apply.c"     /* the walk's main-tree events: store, remove, clear */
+#include "groups_apply.c" /* the walk's group events of a known layout */
+#include "batch_apply.c"  /* apply_msgpack(_run) */
 
 /* ---------------------------------------------------------------- tables, for the import-time check */
 

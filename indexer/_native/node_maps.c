@@ -34,6 +34,17 @@ static int set_u64(U64Map *m, PyObject *key, uint64_t val) {
 
 static int node_bit(U64Map *m, uint64_t key, int pos, int op);
 
+/* node_bit over a holder-list value: the bit before, -1 on memory error. */
+static int hl_bit(U64Map *m, uint64_t *v, int pos, int op) {
+    int slot = pos >> 2, b = 1 << (pos & 3), nib = hl_nib(v, slot), was = (nib & b) != 0;
+    if (op == 1 && !was) {
+        if ((pos & 3) == 3) m->pool = 1;
+        if (hl_put(v, slot, nib | b) < 0) return -1;
+    }
+    if (op == 2 && was && hl_put(v, slot, nib & ~b) < 0) return -1;
+    return was;
+}
+
 /* Set residency bit `pos` of node `key` (node_bit's op 1), inline: the per-block call of every
  * store. Returns the bit before, -1 on error. */
 static inline int node_set(U64Map *m, uint64_t key, int pos) {
@@ -42,6 +53,7 @@ static inline int node_set(U64Map *m, uint64_t key, int pos) {
     if (word >= m->width && widen(m, word + 1) < 0) return -1;
     Py_ssize_t i = find_or_insert(m, key, &f);
     if (i < 0) return -1;
+    if (m->hl) return hl_bit(m, VALS(m, i), pos, 1);
     uint64_t *v = VALS(m, i) + word, b = 1ULL << (pos & 63);
     int was = (*v & b) != 0;
     *v |= b;
@@ -80,6 +92,7 @@ static int node_bit(U64Map *m, uint64_t key, int pos, int op) {
     if (op == 1) return node_set(m, key, pos);
     int f;
     Py_ssize_t i = find(m, key, &f);
+    if (f && m->hl) return hl_bit(m, VALS(m, i), pos, op);
     if (!f || word >= m->width) return 0;
     uint64_t *v = VALS(m, i) + word;
     int was = (*v & b) != 0;
@@ -109,6 +122,7 @@ static int node_nibble(U64Map *m, uint64_t key, int shift, int *any) {
     Py_ssize_t i = find(m, key, &f);
     if (!f) { *any = 0; return 0; }
     uint64_t *v = VALS(m, i);
+    if (m->hl) { *any = hl_any(v); return hl_nib(v, shift >> 2); }
     *any = 0;
     for (int w = 0; w < m->width; w++) if (v[w]) { *any = 1; break; }
     int word = shift >> 6;
@@ -160,12 +174,12 @@ static PyObject *py_tier_counts(PyObject *self, PyObject *const *args, Py_ssize_
     PyMem_RawFree(seen);
     Py_ssize_t counts[4] = {0, 0, 0, 0};
     int word = (int)(shift >> 6), bit = (int)(shift & 63);
-    for (Py_ssize_t j = 0; j < u && word < nodes->width; j++) {
+    for (Py_ssize_t j = 0; j < u && (nodes->hl || word < nodes->width); j++) {
         if (j + 8 < u) pf_slot(nodes, keys[j + 8]); /* random probes: overlap their misses */
         int f;
         Py_ssize_t i = find(nodes, keys[j], &f);
         if (!f) continue;
-        uint64_t nib = (VALS(nodes, i)[word] >> bit) & 0xF;
+        uint64_t nib = nodes->hl ? (uint64_t)hl_nib(VALS(nodes, i), shift >> 2) : (VALS(nodes, i)[word] >> bit) & 0xF;
         for (int t = 0; t < 4; t++) counts[t] += (nib >> t) & 1;
     }
     PyMem_RawFree(keys);

@@ -58,6 +58,20 @@ static inline int words_eq(const uint64_t *a, const uint64_t *b, int w) {
     return memcmp(a, b, sizeof(uint64_t) * (size_t)w) == 0;
 }
 
+/* A slot's nibble and the shared-pool test of value v, either form. (Holder lists compare as their
+ * two words: equal inline values are equal, two blocks only when they are one; a run split there
+ * only costs one more step, the rows are the same.) */
+static inline int val_nib(const U64Map *m, const uint64_t *v, Py_ssize_t slot) {
+    if (m->hl) return hl_nib(v, slot);
+    Py_ssize_t word = slot >> 4;
+    return word < m->width ? (int)((v[word] >> (4 * (slot & 15))) & 0xF) : 0;
+}
+static inline int val_pool(const U64Map *m, const uint64_t *v) {
+    if (m->hl) return hl_pool(v);
+    for (int w = 0; w < m->width; w++) if (v[w] & POOL_BITS) return 1;
+    return 0;
+}
+
 /* Probes of a deep walk are random cache misses (and, in 4 KB pages, page walks): the slots of the
  * next PF_AHEAD keys are requested ahead so that their misses overlap; the first PF_AHEAD before the
  * walk starts. Cold-cache A/B of a 512-block walk in process (docs/index-core.md): 4 ahead ~30 µs,
@@ -84,12 +98,11 @@ static int walk_core(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const Py_ss
         if (have_prev && words_eq(v, prev, W)) { run++; continue; }
         add_run(rows, &a, run);
         depth += run;
-        int pool = 0;
-        for (int w = 0; w < W; w++) if (v[w] & POOL_BITS) { pool = 1; break; }
+        int pool = val_pool(m, v);
         Py_ssize_t kept = 0;
         for (Py_ssize_t x = 0; x < a.n; x++) {
-            Py_ssize_t s = a.live[x], word = slot[s] >> 4;
-            int nib = word < W ? (int)((v[word] >> (4 * (slot[s] & 15))) & 0xF) : 0;
+            Py_ssize_t s = a.live[x];
+            int nib = val_nib(m, v, slot[s]);
             if (meet(rows + s, &a, s, nib, pool, depth)) a.live[kept++] = s;
         }
         a.n = kept;
@@ -156,12 +169,11 @@ static int walk_multi(U64Map *const *ms, Py_ssize_t nm, const uint64_t *keys, Py
         add_run(rows, &a, run);
         depth += run;
         int pool = 0;
-        for (Py_ssize_t t = 0; t < nm && !pool; t++)
-            if (cur[t]) for (int w = 0; w < ms[t]->width; w++) if (cur[t][w] & POOL_BITS) { pool = 1; break; }
+        for (Py_ssize_t t = 0; t < nm && !pool; t++) if (cur[t]) pool = val_pool(ms[t], cur[t]);
         Py_ssize_t kept = 0;
         for (Py_ssize_t x = 0; x < a.n; x++) {
-            Py_ssize_t s = a.live[x], t = slot[s] % nm, l = slot[s] / nm, word = l >> 4;
-            int nib = cur[t] && word < ms[t]->width ? (int)((cur[t][word] >> (4 * (l & 15))) & 0xF) : 0;
+            Py_ssize_t s = a.live[x], t = slot[s] % nm, l = slot[s] / nm;
+            int nib = cur[t] ? val_nib(ms[t], cur[t], l) : 0;
             if (meet(rows + s, &a, s, nib, pool, depth)) a.live[kept++] = s;
             else talive[t]--;
         }
@@ -199,7 +211,9 @@ static int slots_of(PyObject *slotso, Py_ssize_t **out) {
         PyObject *o = PyList_GET_ITEM(slotso, s);
         /* ints only: __index__ of anything else could run Python code and change the list */
         slot[s] = PyLong_Check(o) ? PyLong_AsSsize_t(o) : -1;
-        if (slot[s] < 0 || slot[s] >= MAX_SLOT) {
+        /* (every read of a slot's nibble is bounded by its table's width: dense words end at MAX_SLOT,
+         * holder lists at HL_MAX_SLOT) */
+        if (slot[s] < 0 || slot[s] >= HL_MAX_SLOT) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad slot");
             PyMem_RawFree(slot);
             return -1;
@@ -251,7 +265,7 @@ static void rank_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py_ssiz
     }
 }
 
-/* The ranked rows as `cls` objects; with `kv` (hybrid rows) each also gets its kv_blocks. */
+/* The ranked rows as `cls` objects; with `kv` (hybrid rows) each also gets its kv_blocks (None where < 0). */
 static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyObject *ranks, const double *wt,
                             Py_ssize_t bs, PyObject *cls, PyObject *names, const Py_ssize_t *kv) {
     Ranked *rk = PyMem_RawMalloc(sizeof(Ranked) * (size_t)(ns ? ns : 1));
@@ -275,7 +289,7 @@ static PyObject *build_rows(const WRow *rows, Py_ssize_t ns, PyObject *wids, PyO
         args[3] = PyLong_FromSsize_t(w->cach);
         args[4] = tiers;
         args[5] = PyFloat_FromDouble(rk[r].score);
-        if (kv) args[6] = PyLong_FromSsize_t(kv[s]);
+        if (kv) args[6] = kv[s] >= 0 ? PyLong_FromSsize_t(kv[s]) : Py_NewRef(Py_None); /* < 0: a plain worker's */
         PyObject *o = (args[2] && args[3] && args[5] && (!kv || args[6])) ? PyObject_Vectorcall(cls, args, kv ? 7 : 6, NULL) : NULL;
         Py_XDECREF(args[2]); Py_XDECREF(args[3]); Py_XDECREF(args[5]); Py_XDECREF(args[6]); Py_DECREF(tiers);
         if (!o) goto fail;
@@ -310,8 +324,6 @@ static PyObject *pack_rows(const WRow *rows, Py_ssize_t ns, const double *wt, Py
     return out;
 }
 
-/* Usable-prefix rows of hybrid workers (groupscore.py's twin): groups_walk.c. */
-#include "groups_walk.c"
 
 /* score_rows(nodes, keys|None, tokens|None, seed, block_size, slots, wids, ranks, weights, WorkerScore|None, names)
  *   -> (query_blocks, [WorkerScore best first]) | (query_blocks, packed rows: bytes) | None

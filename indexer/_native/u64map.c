@@ -12,6 +12,8 @@ typedef struct {
     int pool; /* a value has held a shared-pool bit (bit 3 of a nibble) since the map was made: sticky,
                  so walk_multi may skip a shard whose workers are all out of a walk only when 0 */
     int load_num, load_den; /* max load: LOAD_NUM/LOAD_DEN, or 1/3 for a churning map (U64Map.sparse) */
+    int holders; /* a model's main tree (U64Map.holders): values past HL_DENSE words become holder lists */
+    int hl;      /* its values are holder lists now (holders.c), the table two words wide */
     PyObject *other; /* dict for keys that are not ints in [1, 2^64) */
 } U64Map;
 
@@ -169,10 +171,24 @@ static inline Py_ssize_t grown_cap(Py_ssize_t cap) {
     return cap;
 }
 
+/* A sparse map (U64Map.sparse) is kept a third full while it is small; from SPARSE_UNTIL slots on, two
+ * thirds: a big one holds many blocks (a group whose blocks stay resident), and its bytes should follow
+ * them (at a third full a sliding-window or Mamba group's tables took 2.5x the main tree's bytes per
+ * entry), while a probe's miss still walks ~5 slots, not the default load's ~20. */
+#ifndef SPARSE_UNTIL
+#define SPARSE_UNTIL 4096
+#endif
+
+/* n entries in cap slots exceed the map's load. */
+static inline int over_load(const U64Map *m, Py_ssize_t n, Py_ssize_t cap) {
+    if (m->load_num * 3 == m->load_den && cap >= SPARSE_UNTIL) return n * 3 > cap * 2;
+    return n * m->load_den > cap * m->load_num;
+}
+
 /* Insert absent key k whose empty slot `find` gave as i (value zero); the slot it ends at (the table
  * may grow first). -1 on memory error. Lets a caller probe once for "get, else compute and insert". */
 static Py_ssize_t insert_at(U64Map *m, Py_ssize_t i, uint64_t k) {
-    if ((m->used + 1) * m->load_den > m->cap * m->load_num) {
+    if (over_load(m, m->used + 1, m->cap)) {
         int f;
         if (rehash(m, grown_cap(m->cap), m->width) < 0) return -1;
         i = find(m, k, &f);
@@ -187,7 +203,7 @@ static Py_ssize_t insert_at(U64Map *m, Py_ssize_t i, uint64_t k) {
  * would otherwise all land in the first part of a smaller table: one long run, probed per insert. */
 static int reserve(U64Map *m, Py_ssize_t n) {
     Py_ssize_t cap = m->cap;
-    while (n * m->load_den > cap * m->load_num) cap = grown_cap(cap);
+    while (over_load(m, n, cap)) cap = grown_cap(cap);
     return cap == m->cap ? 0 : rehash(m, cap, m->width);
 }
 
@@ -197,10 +213,13 @@ static Py_ssize_t find_or_insert(U64Map *m, uint64_t k, int *found) {
     return *found ? i : insert_at(m, i, k);
 }
 
+#include "holders.c"      /* holder lists: residency values whose cost follows their holders */
+
 /* Backward-shift delete (linear probing without tombstones). */
 static void erase(U64Map *m, Py_ssize_t i) {
     Py_ssize_t cap = m->cap, j = i;
     int w = m->width;
+    if (m->hl) hl_release(VALS(m, i));
     for (;;) {
         if (++j == cap) j = 0;
         uint64_t k = KEY(m, j);
@@ -254,6 +273,23 @@ static PyObject *INT_FROM_BYTES, *INT_TO_BYTES, *INT_BIT_LENGTH, *STR_LITTLE;
 
 static PyObject *val_obj(const U64Map *m, Py_ssize_t i) {
     const uint64_t *v = VALS(m, i);
+    if (m->hl) { /* the same int as the dense form */
+        Py_ssize_t words = hl_need_words(v);
+        if (words <= 1) {
+            uint64_t x;
+            hl_to_dense(v, &x, 1);
+            return PyLong_FromUnsignedLongLong(words ? x : 0);
+        }
+        uint64_t *d = PyMem_Malloc((size_t)words * 8);
+        if (!d) return PyErr_NoMemory();
+        hl_to_dense(v, d, words);
+        PyObject *b = PyBytes_FromStringAndSize((const char *)d, 8 * words);
+        PyMem_Free(d);
+        if (!b) return NULL;
+        PyObject *r = PyObject_CallFunctionObjArgs(INT_FROM_BYTES, b, STR_LITTLE, NULL);
+        Py_DECREF(b);
+        return r;
+    }
     int hi = m->width;
     while (hi > 1 && v[hi - 1] == 0) hi--;
     if (hi == 1) return PyLong_FromUnsignedLongLong(v[0]);
@@ -279,8 +315,11 @@ static int ladder_width(int need) {
     return w < MAX_WIDTH ? w : MAX_WIDTH;
 }
 
+/* Room for values `width` words wide. A holders map past HL_DENSE words turns to holder lists
+ * instead (any width from then on). */
 static int widen(U64Map *m, int width) {
-    if (width <= m->width) return 0;
+    if (m->hl || width <= m->width) return 0;
+    if (m->holders && width > HL_DENSE) return hl_convert(m);
     return rehash(m, m->cap, ladder_width(width));
 }
 
@@ -290,9 +329,10 @@ static inline int set_word(U64Map *m, uint64_t k, uint64_t x) {
     Py_ssize_t i = find_or_insert(m, k, &f);
     if (i < 0) return -1;
     uint64_t *dst = VALS(m, i);
+    if (x & POOL_BITS) m->pool = 1;
+    if (m->hl) return hl_from_dense(dst, &x, 1);
     memset(dst, 0, sizeof(uint64_t) * m->width);
     dst[0] = x;
-    if (x & POOL_BITS) m->pool = 1;
     return 0;
 }
 
@@ -310,11 +350,15 @@ static int set_val(U64Map *m, uint64_t k, PyObject *v) {
     Py_DECREF(bl);
     if (nbits < 0) return -1;
     Py_ssize_t words = (nbits + 63) / 64; /* Py_ssize_t: never narrowed before the bound check */
-    if (words > MAX_WIDTH) { PyErr_SetString(PyExc_OverflowError, "U64Map value wider than its bound"); return -1; }
+    if (words > (m->holders ? HL_MAX_SLOT / 16 : MAX_WIDTH)) { /* holder lists: their own bound */
+        PyErr_SetString(PyExc_OverflowError, "U64Map value wider than its bound");
+        return -1;
+    }
     if (widen(m, (int)words) < 0) return -1;
-    PyObject *b = PyObject_CallFunction(INT_TO_BYTES, "OnO", v, (Py_ssize_t)8 * m->width, STR_LITTLE);
+    Py_ssize_t nb = m->hl ? words : m->width; /* holder lists: the int's own words */
+    PyObject *b = PyObject_CallFunction(INT_TO_BYTES, "OnO", v, (Py_ssize_t)8 * nb, STR_LITTLE);
     if (!b) return -1;
-    if (!PyBytes_Check(b) || PyBytes_GET_SIZE(b) != (Py_ssize_t)8 * m->width) {
+    if (!PyBytes_Check(b) || PyBytes_GET_SIZE(b) != (Py_ssize_t)8 * nb) {
         Py_DECREF(b);
         PyErr_SetString(PyExc_SystemError, "int.to_bytes gave an unexpected result");
         return -1;
@@ -322,6 +366,13 @@ static int set_val(U64Map *m, uint64_t k, PyObject *v) {
     int f;
     Py_ssize_t i = find_or_insert(m, k, &f);
     if (i < 0) { Py_DECREF(b); return -1; }
+    if (m->hl) {
+        const uint64_t *d = (const uint64_t *)PyBytes_AS_STRING(b);
+        for (Py_ssize_t w = 0; w < nb; w++) if (d[w] & POOL_BITS) m->pool = 1;
+        int r = hl_from_dense(VALS(m, i), d, nb);
+        Py_DECREF(b);
+        return r;
+    }
     memcpy(VALS(m, i), PyBytes_AS_STRING(b), sizeof(uint64_t) * m->width);
     Py_DECREF(b);
     for (int w = 0; w < m->width; w++) if (VALS(m, i)[w] & POOL_BITS) m->pool = 1;
@@ -343,7 +394,7 @@ static PyObject *U64Map_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 }
 
 static void U64Map_dealloc(U64Map *m) {
-    if (m->tab) tab_free(m->tab, m->cap, m->width);
+    if (m->tab) { hl_release_all(m); tab_free(m->tab, m->cap, m->width); }
     Py_XDECREF(m->other);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }
@@ -454,6 +505,12 @@ static PyObject *U64Map_clear(U64Map *m, PyObject *u) {
     Py_ssize_t ocap = m->cap, used = m->used;
     int ow = m->width;
     if (map_alloc(m, MIN_CAP, 1) < 0) { m->tab = ot; m->cap = ocap; m->width = ow; m->used = used; return NULL; }
+    if (m->hl) { /* the old table's blocks, then dense words again */
+        U64Map old = *m;
+        old.tab = ot; old.cap = ocap; old.width = ow;
+        hl_release_all(&old);
+        m->hl = 0;
+    }
     tab_free(ot, ocap, ow);
     PyDict_Clear(m->other);
     Py_RETURN_NONE;
@@ -463,6 +520,13 @@ static PyObject *U64Map_clear(U64Map *m, PyObject *u) {
  * when the workers of high slots go, docs/index-core.md). */
 static PyObject *U64Map_narrow(U64Map *m, PyObject *u) {
     int need = 1;
+    if (m->hl) { /* holder lists: back to dense words when what is held fits HL_DENSE words */
+        Py_ssize_t top = 1;
+        for (Py_ssize_t i = 0; i < m->cap && top <= HL_DENSE; i++)
+            if (KEY(m, i)) { Py_ssize_t w = hl_need_words(VALS(m, i)); if (w > top) top = w; }
+        if (top <= HL_DENSE && hl_unconvert(m, ladder_width((int)top)) < 0) return NULL;
+        return PyLong_FromLong(m->width);
+    }
     for (Py_ssize_t i = 0; i < m->cap && need < m->width; i++) {
         if (!KEY(m, i)) continue;
         const uint64_t *v = VALS(m, i);
@@ -474,25 +538,45 @@ static PyObject *U64Map_narrow(U64Map *m, PyObject *u) {
 }
 
 static PyObject *U64Map_nbytes(U64Map *m, void *c) {
-    return PyLong_FromSsize_t(sizeof(U64Map) + m->cap * (Py_ssize_t)sizeof(uint64_t) * (1 + m->width));
+    Py_ssize_t n = sizeof(U64Map) + m->cap * (Py_ssize_t)sizeof(uint64_t) * (1 + m->width);
+    if (m->hl)
+        for (Py_ssize_t i = 0; i < m->cap; i++)
+            if (KEY(m, i) && hl_spilled(VALS(m, i))) {
+                HBlock *b = hl_block(VALS(m, i));
+                n += (Py_ssize_t)sizeof(HBlock) + (b->words ? (Py_ssize_t)b->words * 8 : (Py_ssize_t)b->cap * 4);
+            }
+    return PyLong_FromSsize_t(n);
 }
+/* "dense" or "lists" (a holders map past HL_DENSE words) */
+static PyObject *U64Map_form(U64Map *m, void *c) { return PyUnicode_FromString(m->hl ? "lists" : "dense"); }
 static PyObject *U64Map_width(U64Map *m, void *c) { return PyLong_FromLong(m->width); }
 
-/* U64Map.sparse() -> a map kept at most a third full. For the maps of sliding-window and Mamba groups
- * (indexer/core/groups.py): a window's blocks come and go with every chunk, and at the default
- * load a linear probe's miss and a backward-shift delete walk ~20 slots; at 1/3, under 2 (a hybrid
- * stream's apply ran ~2-4% faster than at 1/2, bench_index.py --hybrid-only). Their tables are small
- * (a window's blocks), so the bytes this costs are too. */
+/* U64Map.sparse() -> a map kept at most a third full while small, two thirds from SPARSE_UNTIL slots
+ * (over_load). For the maps of sliding-window and Mamba groups (indexer/core/groups.py): a window's
+ * blocks come and go with every chunk, and at the default load a linear probe's miss and a
+ * backward-shift delete walk ~20 slots; at 1/3, under 2 (a hybrid stream's apply ran ~2-4% faster than
+ * at 1/2, bench_index.py --hybrid-only). A big table is a group whose blocks stay resident (vLLM keeps
+ * freed window blocks hittable): its bytes follow them. */
 static PyObject *U64Map_sparse(PyObject *cls, PyObject *u) {
     U64Map *m = (U64Map *)U64Map_new((PyTypeObject *)cls, NULL, NULL);
     if (m) { m->load_num = 1; m->load_den = 3; }
     return (PyObject *)m;
 }
 
+/* U64Map.holders() -> the map of a model's main tree (ModelState.nodes): dense words while its values
+ * fit HL_DENSE words, holder lists past that (holders.c), so a node costs what its holders cost. */
+static PyObject *U64Map_holders(PyObject *cls, PyObject *u) {
+    U64Map *m = (U64Map *)U64Map_new((PyTypeObject *)cls, NULL, NULL);
+    if (m) m->holders = 1;
+    return (PyObject *)m;
+}
+
 static PyObject *U64Map_load(U64Map *m, PyObject *const *args, Py_ssize_t nargs); /* node_maps.c */
 
 static PyMethodDef U64Map_methods[] = {
-    {"sparse", (PyCFunction)U64Map_sparse, METH_CLASS | METH_NOARGS, "a map kept at most a third full (churning group maps)"},
+    {"sparse", (PyCFunction)U64Map_sparse, METH_CLASS | METH_NOARGS,
+     "a map kept at most a third full while small, two thirds when big (churning group maps)"},
+    {"holders", (PyCFunction)U64Map_holders, METH_CLASS | METH_NOARGS, "a main tree's map: holder lists past 128 worker slots"},
     {"get", (PyCFunction)(void (*)(void))U64Map_get, METH_FASTCALL, "get(key, default=None)"},
     {"keys", (PyCFunction)U64Map_keys, METH_NOARGS, "list of keys"},
     {"values", (PyCFunction)U64Map_values, METH_NOARGS, "list of values"},
@@ -507,6 +591,7 @@ static PyMethodDef U64Map_methods[] = {
 static PyGetSetDef U64Map_getset[] = {
     {"nbytes", (getter)U64Map_nbytes, NULL, "bytes held by the inline table (side dict excluded)", NULL},
     {"width", (getter)U64Map_width, NULL, "64-bit words per value", NULL},
+    {"form", (getter)U64Map_form, NULL, "dense words or holder lists", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -79,13 +79,14 @@ def _learner(m: ModelState, w: WorkerState, fresh: bool) -> Callable[[int, int, 
 
 def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list, list, list]:
     """`hybrid_rows`' groups, layouts and slots for these workers (each group once, each layout as
-    the positions of its groups), and their worker ids and ranks (`hybrid_score`'s rows)."""
+    the positions of its groups; a plain worker's is empty), and their worker ids and ranks
+    (`hybrid_score`'s rows)."""
     groups: list[tuple[int, int, Any]] = []
     at: dict[int, int] = {}
     layouts = []
     for w in ws:
         idx = []
-        for g in w.layout.groups.values():
+        for g in (w.layout.groups.values() if w.layout is not None else ()):
             i = at.get(id(g))
             if i is None:
                 i = at[id(g)] = len(groups)
@@ -96,11 +97,12 @@ def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list, list, list]:
 
 
 class Accelerator:
-    __slots__ = ("mod", "new_map")
+    __slots__ = ("mod", "new_map", "new_nodes")
 
     def __init__(self, mod: ModuleType) -> None:
         self.mod = mod
         self.new_map: Callable[[], Any] = mod.U64Map
+        self.new_nodes: Callable[[], Any] = mod.U64Map.holders  # a main tree: holder lists past 128 slots
 
     # --- apply ------------------------------------------------------------------------------
     def apply_payload(
@@ -256,32 +258,15 @@ class Accelerator:
             return None
         return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
 
-    def hybrid_rows(
-        self, m: ModelState, keys: list[int] | None, tokens: object, seed: int, weights: TierWeights,
-        ws: list[WorkerState], args: tuple | None = None,
-    ) -> tuple[int, list[WorkerScore]] | None:
-        """`groupscore.score_groups` in one C call (`hybrid_rows`, keys hashed from `tokens` when `keys`
-        is None): (query blocks, the usable-prefix rows of workers with a hybrid layout, unranked);
-        None when the C call cannot judge the input (the pure core does). `args`: `hybrid_args(ws)`,
-        when the caller keeps them."""
-        groups, layouts, slots = (args if args is not None else hybrid_args(ws))[:3]
-        bs = m.block_size
-        res = self.mod.hybrid_rows(m.nodes, keys, tokens, seed, bs, groups, layouts, slots)
-        if res is None:
-            return None
-        wg, wh, wd, wsh = weights.as_tuple()
-        return res[0], [
-            WorkerScore(w.worker_id, w.dp_rank, dev, cached, {"gpu": g, "host": h, "disk": d, "shared": sh},
-                        float(bs * (g * wg + h * wh + d * wd + sh * wsh)), kv)
-            for w, (dev, cached, kv, g, h, d, sh) in zip(ws, res[1])
-        ]
-
     def hybrid_score(
         self, m: ModelState, keys: list[int] | None, tokens: object, seed: int, weights: TierWeights,
         ws: list[WorkerState], args: tuple | None = None,
     ) -> ScoreResult | None:
-        """`hybrid_rows` when every scored worker has a hybrid layout: the rows weighted, ranked and
-        built in the C call (`ws` in (worker_id, dp_rank) order, as `score`'s); None as there."""
+        """`groupscore.score_groups` (and `score_keys` for plain workers) in one C call (`hybrid_rows`,
+        keys hashed from `tokens` when `keys` is None): the rows weighted, ranked and built in C (`ws` in
+        (worker_id, dp_rank) order, as `score`'s; plain workers with an empty layout); None when the C
+        call cannot judge the input (the pure core does). `args`: `hybrid_args(ws)`, when the caller
+        keeps them."""
         groups, layouts, slots, wids, ranks = args if args is not None else hybrid_args(ws)
         res = self.mod.hybrid_rows(
             m.nodes, keys, tokens, seed, m.block_size, groups, layouts, slots, weights.as_tuple(), WorkerScore,
@@ -290,6 +275,21 @@ class Accelerator:
         if res is None:
             return None
         return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
+
+    def hybrid_table(
+        self, m: ModelState, tokens: object, seed: int, weights: TierWeights, ws: list[WorkerState],
+        args: tuple | None = None,
+    ) -> ScoreTable | None:
+        """`hybrid_score` without a row object: the ranked rows packed for `write_answer` and their
+        kv_blocks column (`ScoreTable.kv`); None as there."""
+        groups, layouts, slots, wids, ranks = args if args is not None else hybrid_args(ws)
+        res = self.mod.hybrid_rows(
+            m.nodes, None, tokens, seed, m.block_size, groups, layouts, slots, weights.as_tuple(), None,
+            TIER_NAMES, wids, ranks,
+        )
+        if res is None:
+            return None
+        return ScoreTable(res[0], m.block_size, wids, ranks, res[1], res[2])
 
     def table_lane(self, m: Any, seed: int, weights: TierWeights) -> Callable[[object], ScoreTable | None]:
         """`score_table(m, tokens, seed, weights, None)` with all but the tokens bound, for a caller that

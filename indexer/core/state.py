@@ -104,12 +104,17 @@ class ModelState:
         "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "new_map", "_ranked", "groups", "rank_count",
     )
 
-    def __init__(self, name: str, block_size: int, trust: bool, new_map: Callable[[], Any] = dict) -> None:
+    def __init__(
+        self, name: str, block_size: int, trust: bool, new_map: Callable[[], Any] = dict,
+        new_nodes: Callable[[], Any] | None = None,
+    ) -> None:
         self.name = name
         self.block_size = block_size
         self.trust = trust
         self.new_map = new_map  # an empty key -> non-negative int map: dict, or the accelerator's U64Map
-        self.nodes: dict[int, int] = self.new_map()
+        # the main tree's map: `new_map`'s, or one whose storage follows each node's holders
+        # (U64Map.holders: holder lists past 128 worker slots); either reads and writes the same ints
+        self.nodes: dict[int, int] = (new_nodes or new_map)()
         self.workers: list[WorkerState | None] = []
         self.by_id: dict[tuple[str, int], WorkerState] = {}
         self.free_slots: list[int] = []

@@ -122,17 +122,20 @@ class ScoreTable:
     """A score with its rows packed in C (`score_rows` without a row type): `rows` holds one record
     per scored (worker_id, dp_rank), best first, each naming its position in `worker_ids` / `ranks`
     (the (worker_id, dp_rank)-sorted order the index scored them in). Read only by the C answer writer
-    (router_api/answer.py); `KVIndex.score` gives the same score as objects."""
+    (router_api/answer.py); `KVIndex.score` gives the same score as objects. `kv`: on a model with
+    hybrid workers, an int64 per position, that row's kv_blocks (-1: None, a plain worker's); None on a
+    full-attention model (no row has kv_blocks)."""
 
-    __slots__ = ("query_blocks", "block_size", "worker_ids", "ranks", "rows")
+    __slots__ = ("query_blocks", "block_size", "worker_ids", "ranks", "rows", "kv")
 
     def __init__(self, query_blocks: int, block_size: int, worker_ids: list[str], ranks: list[int],
-                 rows: bytes) -> None:
+                 rows: bytes, kv: bytes | None = None) -> None:
         self.query_blocks = query_blocks
         self.block_size = block_size
         self.worker_ids = worker_ids
         self.ranks = ranks
         self.rows = rows
+        self.kv = kv
 
 
 def full_block_hashes(ev: Any, ntok: int, bs: int, stats: ApplyStats) -> list[Any]:

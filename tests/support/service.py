@@ -36,11 +36,12 @@ class LiveIndexer:
                  index: Any | None = None) -> None:
         import uvicorn
 
+        from router.decision import PolicyChooser
         from router_api.app import create_app
         from router_api.service import IndexerService
 
         self.service = IndexerService(config, subscriber_factory=subscriber_factory, index=index)
-        self.app = create_app(self.service)
+        self.app = create_app(self.service, chooser=PolicyChooser())
         self.server = uvicorn.Server(uvicorn.Config(
             self.app, host="127.0.0.1", port=config.port, log_level="warning", access_log=False,
             lifespan="off"))
@@ -324,6 +325,28 @@ def service_with_publisher(block_size: int) -> Iterator[tuple[object, object]]:
     finally:
         pub.close()
         svc.stop(final_snapshot=False)
+
+
+@contextmanager
+def indexer_with_publishers(config: Any, worker_ids: list[str], block_size: int) -> Iterator[LiveIndexer]:
+    """A started `LiveIndexer` with one real ZmqEventPublisher (and replay endpoint) registered over
+    HTTP per worker id; every publisher and the indexer closed afterwards."""
+    from producer.publisher import ZmqEventPublisher
+
+    li = LiveIndexer(config).start()
+    pubs = []
+    try:
+        for wid in worker_ids:
+            pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+            pubs.append(pub)
+            r = li.client.post("/workers", json={"worker_id": wid, "endpoint": pub.endpoint,
+                                                  "replay_endpoint": pub.replay_endpoint, "block_size": block_size})
+            assert r.status_code == 201, r.text
+        yield li
+    finally:
+        for p in pubs:
+            p.close()
+        li.stop()
 
 
 def snapshot_marks(path: Path) -> dict[str, int]:

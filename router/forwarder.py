@@ -20,10 +20,11 @@ import httpx
 import msgspec
 import numpy as np
 
-from router_api.router.policies import Policy, RouteInput, ScoreRow, shared_backlog
-from router_api.router.trace import TokenExpander, TraceRequest
+from router.policies import Policy, RouteInput, ScoreRow, shared_backlog
+from router.trace import TokenExpander, TraceRequest
 from schemas.api import MAX_WAIT_ROUTES, MAX_WAIT_S
-from sim.api import GenerateResponse, LoadResponse, RequestRecord, SimModel, WorkerHealth
+from sim.api import GenerateResponse, LoadResponse, SimModel, WorkerHealth
+from router.records import RequestRecord
 
 log = logging.getLogger("kvatlas.router")
 _score_dec = msgspec.json.Decoder()
@@ -33,6 +34,10 @@ _health_dec = msgspec.json.Decoder(WorkerHealth)
 _enc = msgspec.json.Encoder()
 _mp_enc = msgspec.msgpack.Encoder()
 _NO_LOCK = contextlib.nullcontext()
+# The farthest ahead of now (virtual seconds) an end time is believed, from any replica or our own
+# overlay: within the indexer's own bound on `busy_until`, and short enough that one hostile report
+# cannot park a worker for longer than a long queue would.
+MAX_AHEAD_S = 3600.0
 
 
 def block_keys(tokens: np.ndarray, block: int) -> list[bytes]:
@@ -83,6 +88,7 @@ class RouterCore:
         self.records: list[RequestRecord] = []
         self.indexer_auth: dict[str, str] = {}  # {"Authorization": "Bearer ..."} for an indexer run with auth
         self.route_errors = 0
+        self.unauthorized = 0  # route calls the indexer refused with 401/403
         # Causal forwarding: wall seconds a request waits at most for the routes its prediction counted
         # to be admitted by their worker (0: it does not wait, nor report admissions)
         self.admission_timeout_s = admission_timeout_s
@@ -141,13 +147,26 @@ class RouterCore:
             for w, row in scores.items():
                 if w not in self.shared_until:
                     continue
+                # The rows say what is in flight now and are believed (bounded to MAX_AHEAD_S); what was
+                # kept from earlier rows counts only a short while past now (until the workers' next
+                # load reports carry that work): a largest-ever value would keep one hostile or stale
+                # report for good.
+                kept = min(self.shared_until[w], max(now, self.polled_end[w]) + self.linger_s())
                 if row.busy_until is not None:  # every replica's own overlay, reported with its routes
-                    self.shared_until[w] = max(self.shared_until[w], row.busy_until)
+                    cur = min(row.busy_until, now + MAX_AHEAD_S)
                 elif row.inflight:  # routers that report no end time: their unconfirmed routes' prefill
                     reported = max(0.0, self.polled_end[w] - now)
-                    self.shared_until[w] = max(self.shared_until[w], now + shared_backlog(self.sim, reported, row))
+                    cur = min(now + shared_backlog(self.sim, reported, row), now + MAX_AHEAD_S)
+                else:
+                    cur = 0.0
+                self.shared_until[w] = max(cur, kept)
         return {w: max(0.0, max(self.polled_end[w], self.busy_until[w], self.shared_until[w]) - now)
                 for w in self.workers}
+
+    def linger_s(self) -> float:
+        """Virtual seconds a confirmed route's end time is kept: until the workers' next load reports
+        (a few poll periods), which then carry that work themselves."""
+        return 4 * self.load_poll_s * self.speed
 
     # -- score -----------------------------------------------------------------------------
     async def score(self, tokens: np.ndarray) -> dict[str, ScoreRow]:
@@ -175,13 +194,15 @@ class RouterCore:
                                "admits": self.admission_timeout_s > 0})
         try:
             r = await self.client.post(f"{self.indexer}/routes", content=body,
-                                       headers={"Content-Type": "application/msgpack"}, timeout=30.0)
+                                       headers={"Content-Type": "application/msgpack", **self.indexer_auth},
+                                       timeout=30.0)
         except httpx.HTTPError as exc:  # routing goes on; other routers just do not see this one
             self.route_errors += 1
             log.debug("route report %s -> %s failed: %s", request_id, worker_id, exc)
             return None
         if r.status_code != 200:
             self.route_errors += 1
+            self._refused(r.status_code, "routes")
             log.debug("route report %s -> %s: HTTP %d %s", request_id, worker_id, r.status_code, r.text[:200])
             return None
         return _score_dec.decode(r.content)
@@ -228,11 +249,24 @@ class RouterCore:
     async def release_route(self, request_id: str) -> None:
         assert self.indexer is not None
         try:
-            await self.client.delete(f"{self.indexer}/routes/{request_id}", params={"model": self.model},
-                                     timeout=30.0)
+            r = await self.client.delete(f"{self.indexer}/routes/{request_id}", params={"model": self.model},
+                                         headers=self.indexer_auth, timeout=30.0)
         except httpx.HTTPError as exc:  # the indexer's TTL forgets it anyway
             self.route_errors += 1
             log.debug("route release %s failed: %s", request_id, exc)
+            return
+        if r.status_code != 200:
+            self.route_errors += 1
+            self._refused(r.status_code, "release")
+
+    def _refused(self, status: int, what: str) -> None:
+        """An indexer answer other than 200 to a route call: 401/403 are counted apart and said once
+        (a missing or wrong --indexer-token-file turns in-flight reporting off silently otherwise)."""
+        if status in (401, 403):
+            self.unauthorized += 1
+            if self.unauthorized == 1:
+                log.warning("event=indexer_refused what=%s status=%d detail=the indexer wants a bearer token: "
+                            "give --indexer-token-file (or $KVATLAS_AUTH_TOKEN)", what, status)
 
     # -- one request -----------------------------------------------------------------------
     async def handle(self, index: int, tokens: np.ndarray, max_tokens: int, arrival_s: float | None = None,
@@ -255,7 +289,8 @@ class RouterCore:
                 w = d.worker_id
                 rec.worker_id = w
                 rec.predicted_cached = d.predicted_cached
-                self.busy_until[w] = max(self.busy_until[w], self.polled_end[w], self.shared_until[w], now) + d.est_cost_s
+                self.busy_until[w] = min(max(self.busy_until[w], self.polled_end[w], self.shared_until[w], now)
+                                         + d.est_cost_s, now + MAX_AHEAD_S)
                 self.inflight[w] += 1
                 if route_id is not None:
                     rec.predicted_pending = d.predicted_pending

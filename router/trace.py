@@ -15,7 +15,7 @@ import numpy as np
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake traces: one hash id per 512-token block
 VOCAB = 32_000
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 class TraceError(ValueError):

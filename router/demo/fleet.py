@@ -1,6 +1,7 @@
 """`kvatlas demo` on real processes: one indexer, then per run (policy × router replicas) a fresh
-fleet of workers and K routers replaying the same bounded trace slice; one table at the end
-(docs/end-to-end.md). The next run's workers start while the current run replays — the workers'
+fleet of workers and K OpenAI routers (`kvatlas router --api openai`, what users deploy), each fed
+its share of the same bounded trace slice as token-id completions by a replay client; one table at
+the end (docs/end-to-end.md). The next run's workers start while the current run replays — the workers'
 times are virtual (the simulated model's), so sharing the CPU does not change the numbers."""
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from typing import TextIO
 
 import msgspec
 
-from router_api.demo.procs import Child, free_port, http_json, kvatlas_cmd, wait_healthy
-from router_api.router.progress import Progress
-from router_api.router.report import format_table, format_waits, summarize
-from router_api.router.trace import DEFAULT_TRACE
-from sim.api import PolicyRow, RouterReport
+from router.demo.procs import Child, free_port, http_json, kvatlas_cmd, wait_healthy
+from router.progress import Progress
+from router.report import format_table, format_waits, summarize
+from router.trace import DEFAULT_TRACE
+from router.records import PolicyRow, RouterReport
 
 MODEL_BLOCK = 512
 _PROGRESS = re.compile(r" (\d+)/\d+ \(\d+%\)")
@@ -56,7 +57,8 @@ class Run:
         self.dir = tmp / f"run{n}"
         self.dir.mkdir()
         self.workers: list[tuple[Child, str, str]] = []  # child, worker id, url
-        self.router_children: list[tuple[Child, str, Path]] = []
+        self.router_children: list[tuple[Child, str, Path]] = []  # the trace replay clients
+        self.proxies: list[Child] = []  # the OpenAI routers they send through
 
     def start_workers(self) -> None:
         for j in range(self.s.workers):
@@ -90,17 +92,30 @@ class Run:
                         self.workers[j] = self._spawn_worker(j)
 
     def start_routers(self) -> None:
-        start_at = time.time() + (3.0 if self.routers > 1 else 0.0)  # replicas start the trace together
+        """K OpenAI routers (what users deploy), each fed its share of the trace by a replay client
+        (`kvatlas router --trace --via`): token-id completions through the router to the workers."""
+        urls = []
         for i in range(self.routers):
+            port = free_port()
+            argv = kvatlas_cmd("router", "--api", "openai", "--indexer", self.indexer, "--model", self.model,
+                               "--policy", self.policy, "--port", str(port), "--seed", str(self.s.seed + i),
+                               "--admission-timeout", str(self.s.admission_timeout), "--metrics-interval", "0.1",
+                               "--workers-interval", "0", "--block-size", str(MODEL_BLOCK),
+                               "--first-byte-timeout", "600",
+                               *[a for c, wid, u in self.workers for a in ("--worker", f"{wid}={u}")])
+            child = Child(f"openai-router-{i}", argv, self.dir)
+            self.proxies.append(child)
+            urls.append(f"http://127.0.0.1:{port}")
+        wait_healthy(list(zip(self.proxies, urls)))
+        start_at = time.time() + (3.0 if self.routers > 1 else 0.0)  # replicas start the trace together
+        for i, url in enumerate(urls):
             report = self.dir / f"router-{i}.json"
-            argv = kvatlas_cmd("router", "--indexer", self.indexer, "--model", self.model, "--policy", self.policy,
+            argv = kvatlas_cmd("router", "--api", "sim", "--via", url, "--model", self.model, "--policy", self.policy,
                                "--port", "0", "--requests", str(self.s.requests), "--speed", str(self.s.speed),
                                "--replicas", str(self.routers), "--replica-index", str(i), "--report", str(report),
                                "--exit-after-replay", "--seed", str(self.s.seed),
-                               "--admission-timeout", str(self.s.admission_timeout),
-                               "--start-at", f"{start_at:.3f}", "--trace", self.s.trace or str(DEFAULT_TRACE),
-                               *[a for c, wid, u in self.workers for a in ("--worker", f"{wid}={u}")])
-            self.router_children.append((Child(f"router-{i}", argv, self.dir), "", report))
+                               "--start-at", f"{start_at:.3f}", "--trace", self.s.trace or str(DEFAULT_TRACE))
+            self.router_children.append((Child(f"replay-{i}", argv, self.dir), "", report))
 
     def progress(self) -> int:
         """Requests done, from the routers' own progress lines (they print one per 10%)."""
@@ -124,10 +139,15 @@ class Run:
                 raise RuntimeError(f"{self.policy} {c.name} failed ({c.proc.returncode}):\n{c.tail()}")
             records.extend(msgspec.json.decode(path.read_bytes(), type=RouterReport).records)
         bar.update(len(records))
+        errors = [r.error for r in records if r.error]
+        if errors:  # said, not only counted: the table's errors column has no room for why
+            print(f"  {self.policy} x{self.routers}: {len(errors)} errors; first: {errors[0][:300]}", file=sys.stderr)
         return summarize(self.policy, self.routers, records)
 
     def stop(self) -> None:
         for c, _, _ in self.router_children:
+            c.stop()
+        for c in self.proxies:
             c.stop()
         for c, wid, _ in self.workers:
             c.stop()

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from router_api.demo.procs import Child, free_port, kvatlas_cmd, wait_healthy
+from router.demo.procs import Child, free_port, kvatlas_cmd, wait_healthy
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny-chat"
 BLOCK = 16

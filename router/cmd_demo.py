@@ -1,7 +1,7 @@
 """`kvatlas demo`: the indexer, workers and routers as real processes on loopback, a bounded slice
 of the bundled trace replayed under each routing policy, one table (docs/end-to-end.md).
-`--in-process` runs the fast single-process example instead (router_api.demo.inprocess); `--openai`
-drives chats through `kvatlas router --api openai` instead (router_api.demo.openai_demo, docs/openai.md)."""
+`--in-process` runs the fast single-process example instead (router.demo.inprocess); `--openai`
+drives chats through `kvatlas router --api openai` instead (router.demo.openai_demo, docs/openai.md)."""
 from __future__ import annotations
 
 import argparse
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _in_process(args: argparse.Namespace) -> int:
     try:
-        from router_api.demo.inprocess import DemoConfig, main
+        from router.demo.inprocess import DemoConfig, main
     except ImportError as exc:
         raise SystemExit(f"kvatlas demo needs the producer extra (torch): {exc}") from None
     host_pages = 384 if args.host_pages == 960 else args.host_pages
@@ -57,8 +57,8 @@ def _in_process(args: argparse.Namespace) -> int:
 
 
 def _openai(args: argparse.Namespace) -> int:
-    from router_api.demo.openai_demo import TOKENIZER, run_openai_demo
-    from router_api.router.policies import POLICIES
+    from router.demo.openai_demo import TOKENIZER, run_openai_demo
+    from router.policies import POLICIES
 
     if not (TOKENIZER / "tokenizer.json").is_file():
         raise SystemExit(f"kvatlas demo --openai needs the test tokenizer at {TOKENIZER} (a source checkout)")
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from router_api.router.policies import POLICIES
+    from router.policies import POLICIES
 
     for name in ("workers", "page_size", "device_pages", "host_pages", "gpu_pages", "routers"):
         if getattr(args, name) <= 0:
@@ -96,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         return _in_process(args)
     if args.openai:
         return _openai(args)
-    from router_api.demo.fleet import HYBRID_POLICIES, DemoSettings, rows_json, run_demo
+    from router.demo.fleet import HYBRID_POLICIES, DemoSettings, rows_json, run_demo
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip()) if args.policies else None
     bad = [p for p in policies or () if p not in POLICIES]
@@ -108,7 +108,7 @@ def _run(args: argparse.Namespace) -> int:
     s = DemoSettings(trace=args.trace, requests=args.requests or 300, speed=args.speed, routers=args.routers,
                      workers=args.workers, gpu_pages=args.gpu_pages, host_pages=args.host_pages, seed=args.seed,
                      family=args.family, admission_timeout=args.admission_timeout, **kw)
-    from router_api.router.trace import BUILTIN_TRACES, TraceError, load_trace
+    from router.trace import BUILTIN_TRACES, TraceError, load_trace
     if args.trace and args.trace not in BUILTIN_TRACES:
         try:
             load_trace(args.trace)

@@ -1,7 +1,7 @@
 """`kvatlas router`: a KV-aware router process, in one of two APIs.
 
 - `--api openai` (the default without `--trace`): an OpenAI-compatible proxy in front of vLLM /
-  SGLang engines or `kvatlas worker`s (router_api/proxy/, docs/openai.md).
+  SGLang engines or `kvatlas worker`s (router/proxy/, docs/openai.md).
 - `--api sim` (the default with `--trace`): serves `POST /generate` (route + forward), `GET /report`,
   `GET /health` for `kvatlas worker`s; optionally replays a trace (its share of it, as replica I
   of K) at scaled speed and writes the per-request report as JSON (docs/end-to-end.md)."""
@@ -45,8 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-after-replay", action="store_true", help="exit once the replay is done")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--admission-timeout", type=float, default=2.0,
-                   help="sim: wall seconds a request waits at most for the worker to admit the in-flight requests "
+                   help="wall seconds a request waits at most for the worker to admit the in-flight requests "
                         "its prediction counts on (causal forwarding, docs/CONTRACTS.md; 0 = off; default 2)")
+    p.add_argument("--via", default=None, metavar="URL",
+                   help="with --trace: replay through this OpenAI router (kvatlas router --api openai) as token-id "
+                        "completions, in place of routing here (router/replay.py)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--api", choices=("openai", "sim"), default=None,
                    help="openai: OpenAI-compatible proxy (/v1/completions, /v1/chat/completions) in front of "
@@ -60,11 +63,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="openai: block size until the indexer's /score says it (default 16)")
     p.add_argument("--forward-token-ids", action="store_true",
                    help="openai: forward a completions text prompt as the token ids that were scored")
+    p.add_argument("--first-byte-timeout", type=float, default=300.0,
+                   help="openai: seconds an engine may take to begin its answer before the request is retried "
+                        "on another worker and the engine marked down (default 300)")
+    p.add_argument("--request-timeout", type=float, default=10.0,
+                   help="openai: seconds a client has to send a request's head and body (default 10)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="openai: open client connections at most; more are refused with 503 (default 1024)")
+    p.add_argument("--decision-log-rate", type=float, default=0.0,
+                   help="openai: share of requests whose decision is logged (logger kvatlas.router.decisions; "
+                        "default 0: off)")
+    p.add_argument("--workers-interval", type=float, default=5.0,
+                   help="openai: seconds between reads of the indexer's worker registry (0: only --worker)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="openai: SO_REUSEPORT, so several router processes share --port")
     p.add_argument("--sim", default=None,
                    help="openai: cost model of the policies as JSON (sim.api.SimModel fields)")
 
 
-def parse_workers(specs: list[str]) -> dict[str, str]:
+def parse_workers(specs: list[str], required: bool = True) -> dict[str, str]:
     out: dict[str, str] = {}
     for spec in specs:
         wid, sep, url = spec.partition("=")
@@ -73,26 +90,26 @@ def parse_workers(specs: list[str]) -> dict[str, str]:
         if wid in out:
             raise ValueError(f"worker {wid!r} given twice")
         out[wid.strip()] = url.strip().rstrip("/")
-    if not out:
+    if not out and required:
         raise ValueError("at least one --worker ID=URL is needed")
     return out
 
 
 def select_requests(args: argparse.Namespace) -> list[Any]:
-    from router_api.router.trace import requests_for
+    from router.trace import requests_for
 
     reqs = requests_for(args.trace, args.requests, args.seed)
     return [r for r in reqs if r.index % args.replicas == args.replica_index]
 
 
 def run(args: argparse.Namespace) -> int:
-    from router_api.router.policies import POLICIES, PRECISE
-    from router_api.router.trace import TraceError
+    from router.policies import POLICIES, PRECISE
+    from router.trace import TraceError
 
     api = args.api or ("sim" if args.trace else "openai")
     if api == "openai":
         try:
-            workers = parse_workers(args.worker)
+            workers = parse_workers(args.worker, required=not args.indexer)
             if args.trace:
                 raise ValueError("--trace replays through --api sim")
             if args.policy not in POLICIES:
@@ -100,14 +117,16 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"kvatlas router: {exc}", file=sys.stderr)
             return 2
-        from router_api.proxy.cmd import run as run_openai
+        from router.proxy.cmd import run as run_openai
 
         return run_openai(args, workers)
     try:
-        workers = parse_workers(args.worker)
+        workers = parse_workers(args.worker, required=not args.via)
+        if args.via and not args.trace:
+            raise ValueError("--via replays a --trace")
         if args.policy not in POLICIES:
             raise ValueError(f"unknown policy {args.policy!r}; expected one of {', '.join(POLICIES)}")
-        if args.policy in PRECISE and not args.indexer:
+        if args.policy in PRECISE and not args.indexer and not args.via:
             raise ValueError(f"policy {args.policy} needs --indexer")
         if args.replicas < 1 or not 0 <= args.replica_index < args.replicas:
             raise ValueError("need --replicas >= 1 and 0 <= --replica-index < --replicas")
@@ -126,19 +145,52 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def _write_report(args: argparse.Namespace, records: list[Any]) -> None:
+    import msgspec
+
+    from router.records import RouterReport
+
+    rep = RouterReport(policy=args.policy, replica=args.replica_index, replicas=args.replicas,
+                       records=sorted(records, key=lambda r: r.index))
+    # temp + rename: a reader (a script, the compose test) never sees a half-written report
+    tmp = f"{args.report}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.encode(rep))
+    os.replace(tmp, args.report)
+
+
+async def _replay_via(args: argparse.Namespace, reqs: list[Any]) -> int:
+    """The trace through an OpenAI router (router/replay.py): what `kvatlas demo` measures."""
+    from router.progress import Progress
+    from router.replay import OpenAIReplay
+
+    replay = OpenAIReplay(args.via, args.model, args.speed)
+    bar = None if args.quiet else Progress(len(reqs), f"replay {args.replica_index + 1}/{args.replicas} "
+                                                      f"{args.policy} via {args.via}")
+    try:
+        records = await replay.replay(reqs, bar.update if bar is not None else None, args.start_at)
+    finally:
+        await replay.close()
+    if bar is not None:
+        bar.close()
+    if args.report:
+        _write_report(args, records)
+    return 0
+
+
 async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[Any] | None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     import httpx
-    import msgspec
     import uvicorn
 
-    from router_api.router.app import create_router_app
-    from router_api.router.forwarder import RouterCore, fetch_sim
-    from router_api.router.policies import make_policy
-    from router_api.router.progress import Progress
-    from sim.api import RouterReport
+    from router.app import create_router_app
+    from router.forwarder import RouterCore, fetch_sim
+    from router.policies import make_policy
+    from router.progress import Progress
     from sim.cmd import indexer_token
 
+    if args.via:
+        return await _replay_via(args, reqs or [])
     async with httpx.AsyncClient() as c:
         healths = await asyncio.gather(*(fetch_sim(c, u) for u in workers.values()))
     sizes = {h.block_size for h in healths}
@@ -179,13 +231,7 @@ async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[An
                 bar.close()
             log.info("replayed %d requests in %.1fs", len(records), time.monotonic() - t0)
             if args.report:
-                rep = RouterReport(policy=args.policy, replica=args.replica_index, replicas=args.replicas,
-                                   records=sorted(records, key=lambda r: r.index))
-                # temp + rename: a reader (a script, the compose test) never sees a half-written report
-                tmp = f"{args.report}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(msgspec.json.encode(rep))
-                os.replace(tmp, args.report)
+                _write_report(args, records)
             if args.exit_after_replay or serve_task is None:
                 return 0
         if serve_task is not None:

@@ -10,8 +10,8 @@ import numpy as np
 from fastapi import FastAPI, Request, Response
 
 from sim.httpbody import MAX_BODY_BYTES, read_capped
-from router_api.router.forwarder import RouterCore
-from router_api.router.report import summarize
+from router.forwarder import RouterCore
+from router.report import summarize
 from schemas.api import TokenList
 
 _enc = msgspec.json.Encoder()
@@ -62,6 +62,7 @@ def create_router_app(core: RouterCore, state: dict[str, Any], *, max_body_bytes
 
     @app.get("/health")
     async def health() -> Response:
-        return _json({"status": "ok", "policy": core.policy.name, **state})
+        return _json({"status": "ok", "policy": core.policy.name, "route_errors": core.route_errors,
+                      "indexer_unauthorized": core.unauthorized, **state})
 
     return app

@@ -1,0 +1,187 @@
+"""The OpenAI router's data-plane cost (docs/openai.md, "Cost per request"), every figure against
+peers measured in the same run: the same requests sent straight to the worker, through a minimal
+pass-through on the router's own stack (uvicorn + httptools + httpx, no tokenizing, no indexer: the
+stack's floor), and through `kvatlas router --api openai` with `round_robin` (tokenizes, one
+`/routes/decide` carrying the router's choice) and `precise_tiered` (the indexer chooses).
+
+Per target: added p50 / p99 latency over direct (ms), router CPU per request (its process's user +
+system time over the requests it served), requests/s; at concurrency 16, short chats (a shared
+system prompt plus a short question) streamed and not, and long chats (~26k tokens) not streamed.
+
+    python -m bench.bench_router [--quick] [--concurrency 16] [--requests 800]
+
+Real processes on loopback (indexer, one `kvatlas worker` with a near-instant simulated model,
+routers). The load generator shares the machine's cores with them: compare ratios within a run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from router.demo.procs import Child, free_port, kvatlas_cmd, wait_healthy
+
+TOK_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-chat"
+WORDS = ("the cache holds key and value blocks for every token of the prompt routing a request to the worker "
+         "that already holds its prefix saves prefill time answer briefly and precisely").split()
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system seconds of a process so far (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def passthrough_main(port: int, upstream: str) -> None:
+    """The floor: uvicorn + httpx forwarding the body as is (no tokenizer, no indexer, no policy)."""
+    import uvicorn
+    from starlette.responses import StreamingResponse
+
+    client = httpx.AsyncClient(base_url=upstream, timeout=60.0,
+                               limits=httpx.Limits(max_connections=256, keepalive_expiry=2.0))
+
+    async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        if scope["method"] == "GET":
+            r = await client.get(scope["path"])
+            await StreamingResponse(iter([r.content]), status_code=r.status_code)(scope, receive, send)
+            return
+        req = client.build_request("POST", scope["path"], content=body, headers={"content-type": "application/json"})
+        resp = await client.send(req, stream=True)
+
+        async def relay():  # type: ignore[no-untyped-def]
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            finally:
+                await resp.aclose()
+
+        await StreamingResponse(relay(), status_code=resp.status_code,
+                                media_type=resp.headers.get("content-type"))(scope, receive, send)
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off",
+                http="httptools", loop="uvloop")
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+async def load(url: str, bodies: list[dict], concurrency: int) -> tuple[list[float], float]:
+    """(latencies, wall seconds) of all bodies sent with `concurrency` in flight."""
+    lat: list[float] = []
+    queue = list(reversed(bodies))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as c:
+        async def one_client() -> None:
+            while queue:
+                b = queue.pop()
+                t0 = time.perf_counter()
+                if b.get("stream"):
+                    async with c.stream("POST", "/v1/chat/completions", json=b) as r:
+                        async for _ in r.aiter_raw():
+                            pass
+                        assert r.status_code == 200
+                else:
+                    r = await c.post("/v1/chat/completions", json=b)
+                    assert r.status_code == 200, r.text[:200]
+                lat.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        return lat, time.perf_counter() - t0
+
+
+def measure(targets: dict[str, tuple[str, int | None]], bodies: list[dict], concurrency: int, label: str) -> None:
+    for url, _ in targets.values():  # warm connections and caches
+        asyncio.run(load(url, bodies[: 2 * concurrency], concurrency))
+    rows: dict[str, tuple[float, float, float, float | None]] = {}
+    for name, (url, pid) in targets.items():
+        c0 = cpu_s(pid) if pid else 0.0
+        lat, wall = asyncio.run(load(url, bodies, concurrency))
+        cpu = (cpu_s(pid) - c0) / len(bodies) if pid else None
+        lat.sort()
+        rows[name] = (statistics.median(lat), lat[int(0.99 * (len(lat) - 1))], len(lat) / wall, cpu)
+    d50, d99 = rows["direct"][0], rows["direct"][1]
+    print(f"\n{label}: {len(bodies)} requests, concurrency {concurrency}")
+    print(f"  {'target':<26} {'p50 ms':>8} {'+p50 ms':>8} {'p99 ms':>8} {'+p99 ms':>8} {'req/s':>8} {'cpu ms/req':>11}")
+    for name, (p50, p99, rps, cpu) in rows.items():
+        print(f"  {name:<26} {1e3 * p50:8.2f} {1e3 * (p50 - d50):8.2f} {1e3 * p99:8.2f} {1e3 * (p99 - d99):8.2f} "
+              f"{rps:8.0f} {'' if cpu is None else f'{1e3 * cpu:11.3f}'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=800)
+    ap.add_argument("--passthrough", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.passthrough:
+        passthrough_main(int(a.passthrough[0]), a.passthrough[1])
+        return
+    n = 160 if a.quick else a.requests
+    with tempfile.TemporaryDirectory(prefix="kvatlas-bench-router-") as tmpd:
+        tmp = Path(tmpd)
+        ip, wp, pp, rr, rp = (free_port() for _ in range(5))
+        kids: list[Child] = []
+        try:
+            idx = Child("indexer", kvatlas_cmd("indexer", "--port", str(ip)), tmp)
+            kids.append(idx)
+            wait_healthy([(idx, f"http://127.0.0.1:{ip}")])
+            w = Child("w0", kvatlas_cmd("worker", "--id", "w0", "--port", str(wp), "--indexer",
+                                        f"http://127.0.0.1:{ip}", "--tokenizer", str(TOK_DIR), "--speed", "100000",
+                                        "--gpu-pages", "4096"), tmp)
+            kids.append(w)
+            wait_healthy([(w, f"http://127.0.0.1:{wp}")])
+            wurl = f"http://127.0.0.1:{wp}"
+            pt = Child("passthrough", [sys.executable, "-m", "bench.bench_router", "--passthrough", str(pp), wurl], tmp)
+            kids.append(pt)
+            routers = {}
+            for name, port, policy in (("router round_robin", rr, "round_robin"),
+                                       ("router precise_tiered", rp, "precise_tiered")):
+                ch = Child(name.replace(" ", "-"), kvatlas_cmd(
+                    "router", "--port", str(port), "--indexer", f"http://127.0.0.1:{ip}", "--tokenizer", str(TOK_DIR),
+                    "--worker", f"w0={wurl}", "--policy", policy), tmp)
+                kids.append(ch)
+                routers[name] = (f"http://127.0.0.1:{port}", ch.proc.pid)
+                wait_healthy([(ch, f"http://127.0.0.1:{port}")])
+            wait_healthy([(pt, f"http://127.0.0.1:{pp}")])
+            targets = {"direct": (wurl, w.proc.pid), "pass-through (floor)": (f"http://127.0.0.1:{pp}", pt.proc.pid),
+                       **routers}
+            rng = random.Random(2)
+            system = {"role": "system", "content": words(rng, 120)}
+            short = [{"model": "default", "max_tokens": 1,
+                      "messages": [system, {"role": "user", "content": words(rng, 12)}]} for _ in range(n)]
+            measure(targets, short, a.concurrency, "short chats (~300 tokens), not streamed")
+            streamed = [{**b, "stream": True, "max_tokens": 4} for b in short]
+            measure(targets, streamed, a.concurrency, "short chats, streamed (4 tokens)")
+            long_system = {"role": "system", "content": words(rng, 2400 if a.quick else 6000)}
+            longs = [{"model": "default", "max_tokens": 1,
+                      "messages": [long_system, {"role": "user", "content": words(rng, 12)}]}
+                     for _ in range(max(32, n // 10))]
+            measure(targets, longs, min(a.concurrency, 4), "long chats (shared system prompt), not streamed")
+        finally:
+            for k in reversed(kids):
+                k.stop()
+
+
+if __name__ == "__main__":
+    main()
