@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from .base import StorageCapacity
+from .base import StorageCapacity, copy_into
 
 
 class LruLedger:
@@ -89,6 +89,11 @@ class LedgerAccounting:
         node-local store this is what it holds; the cache uses it to size prefetches."""
         with self._lock:
             return [k in self._ledger for k in keys]
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        if len(buffers) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        return copy_into(self.get(keys), buffers)
 
     def drain_evicted(self) -> list[str]:
         with self._lock:
