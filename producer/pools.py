@@ -60,6 +60,13 @@ class KVPool:
         """One page as raw bytes (the L3 value)."""
         return self.buffer[page].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
+    def page_view(self, page: int) -> memoryview:
+        """One host page's own memory as bytes (no copy): what an L3 backup writes from and a
+        prefetch reads into. The caller keeps the page allocated and unchanged while in use."""
+        if self.buffer.device.type != "cpu":
+            raise ValueError(f"{self.name}: page views are of host memory")
+        return memoryview(self.buffer[page].view(torch.uint8).numpy()).cast("B")
+
     def page_from_bytes(self, page: int, data: bytes) -> None:
         """Write raw bytes into one page; wrong-sized data is refused, never truncated."""
         if len(data) != self.page_bytes:

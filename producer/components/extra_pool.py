@@ -34,6 +34,10 @@ class ExtraPool:
     def page_to_bytes(self, page: int, host: bool = True) -> bytes:
         return self.tensor(host)[page].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
+    def page_view(self, page: int) -> memoryview:
+        """One host page's own memory (no copy), as `KVPool.page_view`."""
+        return memoryview(self.tensor(True)[page].view(torch.uint8).numpy()).cast("B")
+
     def page_bytes(self) -> int:
         return self.device[0].numel() * self.device.element_size()
 
