@@ -21,6 +21,12 @@ without telling its clients, so the producer owns capacity and audits what it cl
   worker removed it, the master restarted empty) is reported evicted. The index's shared tier is
   therefore stale for at most ceil(claimed / audit_batch) * audit_interval_s (plus one poll).
 - A read that finds a claimed key absent reports it at once.
+Every lookup (a read, an existence check) leases the object for the master's
+`--default_kv_lease_ttl`: a leased object is neither evicted nor removable. An audit that visits
+each key more often than the lease lasts pins everything it claims, so pace it slower than the
+lease (run the master with a short lease, e.g. 1 s: a page read takes milliseconds). Removals
+refused for a lease are retried on later drains; the claim is dropped at once (a claim may lag
+the bytes, never lead them).
 
 Failures never raise into the caller: a master that is down at start is retried every
 `reconnect_interval_s` (probed by TCP first: the client's own setup retries for ~90 s), and a
@@ -300,6 +306,9 @@ class MooncakeStorageBackend:
                     n += 1
                 elif rc == HAS_LEASE or rc == RPC_FAIL:
                     self._doomed.append(k)
+                elif rc != NOT_FOUND:
+                    self.failures += 1
+                    log.warning("Mooncake L3 %s: remove of %r failed (%s)", self.name, k, _NAMES.get(rc, rc))
         return n
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
