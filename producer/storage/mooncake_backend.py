@@ -62,7 +62,11 @@ _NAMES = {NO_SPACE: "no space", INVALID_PARAMS: "invalid params", NOT_FOUND: "no
 
 def _addr(view: memoryview) -> int:
     """The address of a contiguous buffer's first byte (the buffer stays owned by the caller)."""
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+    if not view.nbytes:
+        return 0
+    if view.readonly:  # bytes: numpy takes read-only buffers (ctypes does not)
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))  # 10x cheaper than numpy's
 
 
 def _bytes_view(v: BytesLike) -> memoryview:
