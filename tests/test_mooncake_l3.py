@@ -264,3 +264,55 @@ def test_master_killed_mid_backup_worker_keeps_serving_and_claims_nothing(moonca
     settle(cache, engine, 0.4)
     assert cache.match_prefix([9] * 16).host_len == 0 and cache.host.allocator.used == used  # pages back
     assert cache.audit() == []
+
+
+def test_after_a_pressure_run_the_shared_tier_in_the_index_equals_the_store(tmp_path_factory) -> None:
+    """The master evicts on its own (a 16 MiB pool, 32 MiB written) and tells nobody: the claims
+    run ahead of the store until the audit has visited every claimed key; then the index's shared
+    rows are exactly the nodes the store holds whole."""
+    from support.mooncake import start_mooncake_master
+
+    master = start_mooncake_master(tmp_path_factory.mktemp("mc"), "--default_kv_lease_ttl=50",
+                                   "--eviction_high_watermark_ratio=0.7", "--eviction_ratio=0.3")
+    be = mc(master, global_segment_size=16 << 20, audit_batch=128, audit_interval_s=1e-6)
+    w = Settled(be, idle_evict_poll_s=None)
+    sink = ListSink()
+    eng = ManualTransferEngine()
+    cache = build_cache(page_size=P, device_pages=128, host_pages=128, page_shape=(2, 8, 128), transfer=eng,
+                        storage=w, recorder=EventRecorder(sink), prefetch_threshold_tokens=P)
+    try:
+        for c in range(16):  # 16 x 64 pages of 32 KiB
+            compute_and_insert(cache, [c * 10_000 + i for i in range(64 * P)])
+            settle(cache, eng)
+            cache.evict(10 ** 9)
+            cache.evict_host(10 ** 9)  # the L3 copies are all that is left: the store is the truth
+            cache.step(0.0)
+
+        def lacking() -> int:
+            return sum(1 for n in cache.tree.nodes() if n.stored and not all(be.exists(cache._l3_keys(n))))
+
+        assert lacking() > 0  # the master evicted claimed pages behind the worker's back
+        claimed = len(be._ledger)
+        drains = 0
+        while lacking() and drains < 64:
+            w.submit_exists([], None)  # an op: the storage thread drains and audits after it
+            cache.step(0.0)
+            drains += 1
+        assert lacking() == 0 and be.audit_losses > 0
+        # bounded: two passes of 128 keys a drain (removals shift the round-robin cursor)
+        assert drains <= 2 * -(-claimed // 128) + 1
+        ix = KVIndex()
+        ix.ensure_model("m", P)
+        ix.register_worker("m", "idle", 0)
+        ix.apply("m", "a", 0, KVEventBatch(0.0, sink.events()))
+        held = {n for n in cache.tree.nodes() if n.stored}
+        assert held
+        for c in range(16):  # the index promises a chunk's prefix exactly as far as the store holds it
+            tokens = [c * 10_000 + i for i in range(64 * P)]
+            idle = {x.worker_id: x for x in ix.score("m", tokens).workers}["idle"]
+            m = cache.match_prefix(tokens)
+            assert idle.tiers["shared"] * P == idle.cached_blocks * P == m.storage_len
+    finally:
+        w.close()
+        be.close()
+        master.stop()
