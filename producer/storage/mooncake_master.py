@@ -21,7 +21,7 @@ def master_binary() -> str | None:
     return str(here) if here.exists() else shutil.which("mooncake_master")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
@@ -89,7 +89,7 @@ class MooncakeMaster:
 
 def _spawn(args: list[str], log_path: Path, mode: str) -> subprocess.Popen[bytes]:
     with open(log_path, mode) as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
 
 
 def start_mooncake_master(log_dir: Path, *flags: str, attempts: int = 3,
