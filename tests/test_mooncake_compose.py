@@ -48,7 +48,7 @@ def test_the_master_command_runs_and_a_worker_config_stores_through_it(tmp_path:
     rpc, http = free_port(), free_port()
     args = [master_binary() or "mooncake_master"] + [
         re.sub(r"^(--rpc_port=)\d+", rf"\g<1>{rpc}", re.sub(r"^(--http_metadata_server_port=)\d+", rf"\g<1>{http}", a))
-        for a in m["command"][1:]]
+        for a in m["command"][1:]] + [f"--metrics_port={free_port()}", "--metrics_host=127.0.0.1"]  # not 9003
     with open(tmp_path / "master.log", "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
     master = MooncakeMaster(rpc, http, proc, tmp_path / "master.log", args)

@@ -104,9 +104,10 @@ def start_mooncake_master(log_dir: Path, *flags: str, attempts: int = 3,
     for _ in range(attempts):
         rpc, http = ports or (_free_port(), _free_port())
         log_path = log_dir / f"mooncake-master-{rpc}.log"
+        # its metrics/admin server too (0.0.0.0:9003 by default: a second master would fail to start)
         args = [binary, f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
                 f"--http_metadata_server_port={http}", "--http_metadata_server_host=127.0.0.1",
-                "--rpc_address=127.0.0.1", *flags]
+                "--rpc_address=127.0.0.1", f"--metrics_port={_free_port()}", "--metrics_host=127.0.0.1", *flags]
         master = MooncakeMaster(rpc, http, _spawn(args, log_path, "wb"), log_path, args)
         if master._wait_ready(20.0):
             return master
