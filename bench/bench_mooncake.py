@@ -268,11 +268,13 @@ def main() -> None:
         if args.pressure_pages:
             s = staleness(Path(tmp), args.pressure_pages)
             print(f"pressure: {s['written_pages']} pages of 64 KiB into a 64 MiB pool (the master evicts on its own)")
-            print(f"  EXTERNAL blocks claimed after the writes {s['claimed_before']} ({s['stale_nodes_before']} "
-                  f"claimed nodes already evicted by the master: the staleness), after the audit "
-                  f"{s['claimed_after']}; {s['drains']} drains of 512 keys ({s['audited_keys']} keys checked, "
-                  f"{s['keys_claimed']} claimed, {s['audit_losses']} found gone); claimed nodes the store "
-                  f"lacks after: {s['lacking_after']}")
+            stale = s['claimed_before'] - s['claimed_after']
+            print(f"  right after the writes: {s['claimed_before']} blocks claimed EXTERNAL, {stale} of them "
+                  f"({100 * stale / max(1, s['claimed_before']):.0f}%, in {s['stale_nodes_before']} nodes) no longer "
+                  f"held whole by the store (the master evicted them and told nobody)")
+            print(f"  the audit withdrew them in {s['drains']} drains of 512 keys ({s['audited_keys']} keys checked "
+                  f"of {s['keys_claimed']} claimed, {s['audit_losses']} found gone); claimed nodes the store lacks "
+                  f"after: {s['lacking_after']}")
 
 
 if __name__ == "__main__":
