@@ -9,9 +9,13 @@ RUN apt-get update && apt-get install -y --no-install-recommends build-essential
 RUN pip install torch --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml setup.py README.md ./
 COPY schemas ./schemas
+COPY cbuild ./cbuild
+COPY transport ./transport
 COPY producer ./producer
 COPY indexer ./indexer
 COPY router_api ./router_api
+COPY sim ./sim
+COPY cli ./cli
 COPY tests/data/traces ./tests/data/traces
 RUN pip install -e '.[producer,yaml,mooncake]'
 EXPOSE 8700 8100 8800 5557 5558

@@ -12,9 +12,9 @@ from setuptools import Extension, setup
 
 
 def _c_tables():
-    """schemas/c_tables.py loaded by path: the build runs in pip's isolated environment, where the
+    """cbuild/tables.py loaded by path: the build runs in pip's isolated environment, where the
     `schemas` package itself (msgspec) cannot be imported; this one module needs only the stdlib."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas", "c_tables.py")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cbuild", "tables.py")
     spec = importlib.util.spec_from_file_location("kvatlas_c_tables", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

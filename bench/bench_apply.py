@@ -10,7 +10,7 @@ peer comparison for the index core is `bench_index.py` (Dynamo's RadixTree in th
 time (`apply_run` drops the GIL; shards share no table), against one index and one thread in the
 same run, reps interleaved; it prints the ratio sharded / one.
 
-  .venv/bin/python bench/bench_apply.py [--workers 32] [--batches 500] [--reps 3] [--shards N]
+  .venv/bin/python -m bench.bench_apply [--workers 32] [--batches 500] [--reps 3] [--shards N]
 """
 from __future__ import annotations
 
@@ -23,10 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from service_stream import BS, Stream  # noqa: E402
+from bench.support.service_stream import BS, Stream  # noqa: E402
 from indexer.index import KVIndex  # noqa: E402
 
 RUN = 16  # batches per apply_run call

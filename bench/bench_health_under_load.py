@@ -2,7 +2,7 @@
 kvatlas answering large bodies off the event loop (the default, router_api/offload.py) vs on it
 (`--http-offload-bytes 0`, the behaviour before), in the same run.
 
-  .venv/bin/python bench/bench_health_under_load.py [--seconds 10] [--rounds 2] [--scorers 1] [--base-tree DIR]
+  .venv/bin/python -m bench.bench_health_under_load [--seconds 10] [--rounds 2] [--scorers 1] [--base-tree DIR]
 
 Per round and mode a fresh `kvatlas indexer` starts; one worker (a real ZeroMQ publisher) stores a
 30,000-block chain (block size 16); `--scorers` clients POST the whole chain's 480k tokens as JSON
@@ -30,7 +30,6 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from producer.publisher import ZmqEventPublisher  # noqa: E402
 from schemas.events import BlockStored  # noqa: E402
@@ -39,7 +38,7 @@ BS = 16
 BASE_PYTHON: str | None = None  # --base-python
 BLOCKS = 30_000
 
-_PROBE = str(REPO / "bench" / "health_probe.py")  # GET /health every 10 ms from its own process
+_PROBE = ["-m", "bench.support.health_probe"]  # GET /health every 10 ms from its own process
 
 
 def free_port() -> int:
@@ -64,7 +63,8 @@ def one(mode: str, seconds: float, scorers: int, tokens: list[int], hashes: list
     extra = ["--http-offload-bytes", "0"] if mode == "off" else []
     tree, python = (base, BASE_PYTHON or str(base / ".venv/bin/python")) if mode == "base" and base else \
         (REPO, sys.executable)
-    proc = subprocess.Popen([python, "-m", "router_api.cli", "indexer", "--port", str(port), "--block-size",
+    entry = "cli.main" if (tree / "cli" / "main.py").exists() else "router_api.cli"  # a base tree may predate cli/
+    proc = subprocess.Popen([python, "-m", entry, "indexer", "--port", str(port), "--block-size",
                              str(BS), *extra], cwd=str(tree), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pub = ZmqEventPublisher("tcp://127.0.0.1:*")
     client = httpx.Client(base_url=url, timeout=60.0)
@@ -88,8 +88,8 @@ def one(mode: str, seconds: float, scorers: int, tokens: list[int], hashes: list
         pub.flush(30)
         mark = pub.next_seq - 1
         wait(lambda: (client.get("/workers").json()["workers"][0]["last_seq"] or 0) >= mark, 60, "the chain")
-        probe = subprocess.Popen([sys.executable, _PROBE, url, "10"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True)
+        probe = subprocess.Popen([sys.executable, *_PROBE, url, "10"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, cwd=str(REPO))
         stop = threading.Event()
         answers: list[int] = []
         bad: list[str] = []

@@ -17,7 +17,7 @@ instead of minutes; its figures track the demo's but are not identical: no route
 no event lag, no pending routes). Every copy and L3 write lands before the next arrival, so a run's
 figures are deterministic. `--worker-args "--host-pages 0"` runs GPU-only workers (no L3).
 
-    .venv/bin/python bench/bench_hybrid_routing.py --family swa [--trace builtin-chat] [--seed 1]
+    .venv/bin/python -m bench.bench_hybrid_routing --family swa [--trace builtin-chat] [--seed 1]
 """
 from __future__ import annotations
 
@@ -27,13 +27,12 @@ import sys
 import tempfile
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from producer.cache import TieredCache  # noqa: E402
 from producer.components.base import DEVICE, HOST, STORAGE  # noqa: E402
-from producer.sim import cmd as worker_cmd  # noqa: E402
-from producer.sim.api import SimModel  # noqa: E402
-from producer.sim.engine import Engine  # noqa: E402
+from sim import cmd as worker_cmd  # noqa: E402
+from sim.api import SimModel  # noqa: E402
+from sim.engine import Engine  # noqa: E402
 from producer.storage.config import make_storage_backend  # noqa: E402
 from producer.storage.worker import StorageWorker  # noqa: E402
 from router_api.demo.fleet import MODEL_BLOCK  # noqa: E402

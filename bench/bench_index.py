@@ -1,6 +1,6 @@
 """Index benchmark: kvatlas KVIndex vs Dynamo's in-process RadixTree on one deterministic workload.
 
-    bash bench/setup_bench_env.sh && .venv-bench/bin/python bench/bench_index.py [--scale 1.0]
+    bash bench/setup_bench_env.sh && .venv-bench/bin/python -m bench.bench_index [--scale 1.0]
 
 Workload (deterministic, seed 0): 32 workers, block size 16, ~1M stored blocks: 500 shared system
 prefixes (8-64 blocks, Zipf popularity) + 8 long documents (2048 blocks) + unique suffixes; per worker
@@ -41,7 +41,6 @@ import msgspec
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 BS = 16
 W = 32
@@ -506,8 +505,8 @@ def main() -> None:
         for kind in kinds:
             out = os.path.join(tmp, kind + ".json")
             env = dict(os.environ, KVATLAS_PURE_PYTHON="1" if kind == "kvatlas-pure" else "0")
-            subprocess.run([sys.executable, __file__, "--child", kind, path, out, "--reps", str(args.reps)],
-                           check=True, env=env)
+            subprocess.run([sys.executable, "-m", "bench.bench_index", "--child", kind, path, out, "--reps",
+                            str(args.reps)], check=True, env=env, cwd=str(ROOT))
             res[kind] = json.loads(Path(out).read_text())
     for kind, r in res.items():
         if "native" in r:

@@ -7,8 +7,8 @@ step to the last batch applied is reported (the ingest thread's own cost per bat
 The ratio printed is against the same run's baseline: the per-batch path (`--per-batch`) when
 comparing, otherwise just the absolute figures.
 
-  .venv/bin/python bench/bench_ingest.py [--workers 32] [--batches 2000] [--reps 3]
-  py-spy record -o prof.svg -- .venv/bin/python bench/bench_ingest.py --reps 1
+  .venv/bin/python -m bench.bench_ingest [--workers 32] [--batches 2000] [--reps 3]
+  py-spy record -o prof.svg -- .venv/bin/python -m bench.bench_ingest --reps 1
 """
 from __future__ import annotations
 
@@ -23,11 +23,9 @@ from pathlib import Path
 import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-from service_stream import BS, RawPublisher, Stream, send_interleaved  # noqa: E402
-from zmtp_pub import encode  # noqa: E402
+from bench.support.service_stream import BS, RawPublisher, Stream, send_interleaved  # noqa: E402
+from bench.support.zmtp_pub import encode  # noqa: E402
 from router_api.config import ServiceConfig  # noqa: E402
 from router_api.service import IndexerService  # noqa: E402
 from schemas.api import RegisterWorker  # noqa: E402

@@ -1,9 +1,9 @@
 """In-process ceiling: the embedded index's ops/s on a Mooncake-trace-shaped stream, 1 and 2 threads,
 against Dynamo's in-process RadixTree (ai-dynamo-runtime 1.6.1) in the same run.
 
-    bash bench/setup_bench_env.sh && .venv-bench/bin/python bench/bench_inprocess.py [--short]
+    bash bench/setup_bench_env.sh && .venv-bench/bin/python -m bench.bench_inprocess [--short]
 
-Workload (bench/mooncake_trace.py, seed 0): a generated trace of the Mooncake trace's shape (23,608
+Workload (bench/support/mooncake_trace.py, seed 0): a generated trace of the Mooncake trace's shape (23,608
 requests, 512-token blocks, mean input ~7.6k tokens, heavy prefix sharing), replayed on 16 workers of
 2,000 GPU blocks each with KV-aware routing and LRU eviction. Each request is one lookup (every
 worker's prefix match for its full blocks) followed by its apply (BlockStored of the blocks the chosen
@@ -43,10 +43,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-import mooncake_trace as mt  # noqa: E402
+from bench.support import mooncake_trace as mt  # noqa: E402
 import numpy as np  # noqa: E402
 
 MODEL = "m"

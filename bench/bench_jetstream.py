@@ -1,7 +1,7 @@
 """Capacity of the JetStream event plane against the ZeroMQ path, same synthetic fleet, same run.
 
-    .venv/bin/python bench/bench_jetstream.py --quick
-    .venv/bin/python bench/bench_jetstream.py --workers 1000 --batches 40 --rate 5000
+    .venv/bin/python -m bench.bench_jetstream --quick
+    .venv/bin/python -m bench.bench_jetstream --workers 1000 --batches 40 --rate 5000
 
 A lean sender publishes pre-encoded batches of a simulated fleet (W workers). Replicas are
 processes running the real consumer (JetStreamSubscriber or the ZeroMQ Subscriber) plus a KVIndex
@@ -28,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec  # noqa: E402
 
@@ -202,7 +201,7 @@ def run_replicas(kind: str, n: int, target: str, endpoints: list[tuple[str, str]
 
 def js_send(url: str, payloads: list[list[bytes]], rate: float | None, stamp: bool, epoch: str = "e1") -> float:
     """Publish every batch (round-robin over workers) with core NATS publishes into the stream."""
-    from schemas.natsio import NatsThread
+    from transport.natsio import NatsThread
 
     nt = NatsThread(url, name="bench-sender")
     subjects = [event_subject(MODEL, f"w{i}") for i in range(len(payloads))]
@@ -233,7 +232,7 @@ def js_send(url: str, payloads: list[list[bytes]], rate: float | None, stamp: bo
 
 
 def wait_stored(url: str, total: int) -> None:
-    from schemas.natsio import NatsThread
+    from transport.natsio import NatsThread
 
     nt = NatsThread(url, name="bench-probe")
     try:
@@ -301,7 +300,7 @@ def main() -> int:
 
     srv = Server()
     try:
-        from schemas.natsio import NatsThread, ensure_stream
+        from transport.natsio import NatsThread, ensure_stream
         nt = NatsThread(srv.url)
         nt.call(lambda: ensure_stream(nt.js, StreamSettings(name="BENCH", duplicate_window_s=120.0)))
         nt.close()
@@ -332,7 +331,7 @@ def main() -> int:
             def send() -> None:
                 js_send(srv.url, with_ts, args.rate, True, f"live{n}")
 
-            from schemas.natsio import NatsThread as _NT
+            from transport.natsio import NatsThread as _NT
             probe = _NT(srv.url)
             start_mark = probe.call(lambda: probe.js.stream_info("BENCH")).state.last_seq
             probe.close()

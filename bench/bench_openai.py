@@ -6,7 +6,7 @@
    the same request sent straight to the worker: real processes (indexer, one `kvatlas worker`
    with a near-instant simulated model, router), sequential requests, median latency.
 
-    python bench/bench_openai.py [--quick]
+    python -m bench.bench_openai [--quick]
 
 Uses the small test tokenizer (tests/data/tiny-chat); a real model's tokenizer is slower per
 token, which makes the cache matter more, not less.
@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
 

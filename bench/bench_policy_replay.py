@@ -15,7 +15,7 @@ request reaches its worker in trace order, as in the demo only when the machine 
 row moves from run to run). No processes, no event lag; copies between tiers land before the next
 request.
 
-    .venv/bin/python bench/bench_policy_replay.py [--trace builtin-chat] [--seed 1] [--requests 300]
+    .venv/bin/python -m bench.bench_policy_replay [--trace builtin-chat] [--seed 1] [--requests 300]
 """
 from __future__ import annotations
 
@@ -26,12 +26,11 @@ import sys
 import tempfile
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from producer.components.base import DEVICE, HOST, STORAGE  # noqa: E402
-from producer.sim import cmd as worker_cmd  # noqa: E402
-from producer.sim.api import SimModel  # noqa: E402
-from producer.sim.engine import Engine  # noqa: E402
+from sim import cmd as worker_cmd  # noqa: E402
+from sim.api import SimModel  # noqa: E402
+from sim.engine import Engine  # noqa: E402
 from producer.storage.config import make_storage_backend  # noqa: E402
 from producer.storage.worker import StorageWorker  # noqa: E402
 from router_api.demo.fleet import MODEL_BLOCK  # noqa: E402
@@ -40,7 +39,7 @@ from router_api.router.policies import RouteInput, ScoreRow, make_policy  # noqa
 from router_api.router.report import quantile  # noqa: E402
 from router_api.router.trace import TokenExpander, requests_for  # noqa: E402
 
-from bench_hybrid_routing import close_engines, tally  # noqa: E402  (bench/ is on sys.path when run as a script)
+from bench.bench_hybrid_routing import close_engines, tally
 
 P = MODEL_BLOCK
 

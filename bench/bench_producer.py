@@ -13,12 +13,12 @@ this is the stable figure; the ratios are computed from it).
 Events "on" means the full path an engine pays: SHA-256 page chain, event structs with coalescing,
 and a msgpack-encoded batch per step (handed to a sink that drops it, so no socket is measured).
 
-The SGLang row runs SGLang 0.5.23's own Python `RadixCache` (bench/sglang_peer.py) on the same
+The SGLang row runs SGLang 0.5.23's own Python `RadixCache` (bench/support/sglang_peer.py) on the same
 request stream, page size 16, events off and on (its recorder + msgpack encoding of each batch),
 interleaved with the kvatlas cache in the same rounds; it needs .venv-bench (sglang --no-deps).
 
     bash bench/setup_bench_env.sh     # once: .venv-bench with sglang 0.5.23 (and Dynamo)
-    .venv-bench/bin/python bench/bench_producer.py [--requests 2000] [--rounds 3] [--quick]
+    .venv-bench/bin/python -m bench.bench_producer [--requests 2000] [--rounds 3] [--quick]
 """
 from __future__ import annotations
 
@@ -27,10 +27,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/sglang_peer.py
 
-from producer.sim.driver import StreamSpec, build_cache, synthetic_stream  # noqa: E402
+from sim.driver import StreamSpec, build_cache, synthetic_stream  # noqa: E402
 from producer.events import EventRecorder  # noqa: E402
 from producer.page_hash import native_available, page_ids  # noqa: E402
 from producer.sinks import _PayloadSink  # noqa: E402
@@ -155,8 +153,7 @@ def hybrid_rows(requests: list[list[int]], rounds: int) -> None:
 def sglang_rows(requests: list[list[int]], rounds: int) -> None:
     """kvatlas vs SGLang 0.5.23's Python RadixCache, page size 16, events off and on, same stream,
     interleaved rounds, best of each; ratios are kvatlas / SGLang."""
-    import sglang_peer
-
+    from bench.support import sglang_peer
     sg, why, stubbed = sglang_peer.load_sglang()
     if sg is None:
         print(f"SGLang RadixCache side-by-side: not run — {why}\n")

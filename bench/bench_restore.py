@@ -3,8 +3,8 @@
 width) against the per-entry Python loop over the same accelerator maps (`dump.load_model_dump` +
 `groupdump.load_groups`: what restore ran before, kept as the reference), same snapshot, same process.
 
-    .venv/bin/python bench/bench_restore.py                       # 1M × 100 / 1k workers, 320k × 10k
-    .venv/bin/python bench/bench_restore.py --points 1e7x100 --rounds 1
+    .venv/bin/python -m bench.bench_restore                       # 1M × 100 / 1k workers, 320k × 10k
+    .venv/bin/python -m bench.bench_restore --points 1e7x100 --rounds 1
 
 The snapshot is the bench_scaling.py workload without its ingest (docs/scaling.md, "The index at
 scale"): documents of 32 blocks, each held by 4 random workers, every worker E / W entries on GPU,
@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from indexer.core.dump import DUMP_KIND, load_model_dump  # noqa: E402
 from indexer.core.groupdump import load_groups  # noqa: E402

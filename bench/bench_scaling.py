@@ -1,9 +1,9 @@
 """Scaling curve of the embedded index: resident (worker, block) entries × workers.
 
     bash bench/setup_bench_env.sh                            # creates .venv-bench (Dynamo 1.6.1)
-    .venv-bench/bin/python bench/bench_scaling.py --short    # 1M × 100 / 1k workers, 320k × 10k (2-5 min)
-    .venv-bench/bin/python bench/bench_scaling.py            # + 10M × 100 / 1k / 10k (--big: + 50M × 100)
-    .venv/bin/python bench/bench_scaling.py --short          # kvatlas alone (no Dynamo in .venv)
+    .venv-bench/bin/python -m bench.bench_scaling --short    # 1M × 100 / 1k workers, 320k × 10k (2-5 min)
+    .venv-bench/bin/python -m bench.bench_scaling            # + 10M × 100 / 1k / 10k (--big: + 50M × 100)
+    .venv/bin/python -m bench.bench_scaling --short          # kvatlas alone (no Dynamo in .venv)
 Results and their reading: docs/scaling.md, "The index at scale".
 
 Each point (entries E, workers W) runs in a fresh subprocess per engine, so resident-memory growth is
@@ -37,7 +37,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 BS = 16
 DOC_BLOCKS = 32
@@ -205,10 +204,10 @@ def child_dynamo(entries: int, workers: int) -> dict:
 
 
 def run_point(engine: str, entries: int, workers: int, python: str, timeout_s: float, shards: int) -> dict:
-    cmd = [python, __file__, "--child", engine, "--entries", str(entries), "--workers", str(workers),
+    cmd = [python, "-m", "bench.bench_scaling", "--child", engine, "--entries", str(entries), "--workers", str(workers),
            "--shards", str(shards)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=str(ROOT))
     except subprocess.TimeoutExpired:
         return {"engine": engine, "entries": entries, "workers": workers, "error": f"over {timeout_s:.0f}s"}
     if p.returncode != 0:

@@ -6,7 +6,7 @@ Differences of medians:
   body  = miss 8k - miss 1k  (28 KiB more body to read, 448 more blocks to hash)
 so hit 8k - hit 1k = walk 8k + body - walk 1k.
 
-  .venv/bin/python bench/bench_score_depth.py [--queries 400] [--base /path/to/other/checkout]
+  .venv/bin/python -m bench.bench_score_depth [--queries 400] [--base /path/to/other/checkout]
 
 `--base`: a second kvatlas service run from another source tree (built in place), fed the same
 stream; requests to both alternate one by one in a fresh random order each round (an A/B on a
@@ -22,12 +22,10 @@ from pathlib import Path
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_service import chunked, connect, send_chunks, wait_visible  # noqa: E402
-from service_procs import Kvatlas  # noqa: E402
-from service_stream import Stream  # noqa: E402
+from bench.bench_service import chunked, connect, send_chunks, wait_visible  # noqa: E402
+from bench.support.service_procs import Kvatlas  # noqa: E402
+from bench.support.service_stream import Stream  # noqa: E402
 
 SIZES = (1024, 8192)
 

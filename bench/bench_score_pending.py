@@ -3,7 +3,7 @@ pending columns (`IndexerService.score_answer`, router_api/score_plan.py `pendin
 path such answers took before it (`score` builds a WorkerScoreOut per row, msgspec encodes it), in
 the same run, interleaved.
 
-    .venv/bin/python bench/bench_score_pending.py [--workers 32] [--pending 16] [--tokens 4096] [--calls 3000]
+    .venv/bin/python -m bench.bench_score_pending [--workers 32] [--pending 16] [--tokens 4096] [--calls 3000]
 
 One native service (no HTTP, no ingest thread; a frozen clock, so no route expires): `--workers`
 workers with block size 16, each holding a different prefix of a shared system prompt (0 to 3/4 of
@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402

@@ -4,7 +4,7 @@ stream, same queries. Both run as subprocesses fed by real ZMQ publishers; print
 ratios kvatlas / Dynamo (lower is better for latency and memory, higher for ingestion).
 
   bash bench/setup_bench_env.sh        # once: creates .venv-bench with ai-dynamo-runtime
-  .venv/bin/python bench/bench_service.py [--runs 2] [--shapes map,array] [--dynamo-threads 4]
+  .venv/bin/python -m bench.bench_service [--runs 2] [--shapes map,array] [--dynamo-threads 4]
 
 Defaults are issue 25's comparison: kvatlas with no flags against Dynamo `--threads 4`, 32 publishers,
 ~600k stored blocks, once per event shape (`map`: SGLang / vLLM 0.33 tagged maps; `array`: vLLM's
@@ -16,7 +16,7 @@ exits 1. Dynamo's WARN / ERROR log lines (an event it dropped or could not parse
 Measured (ingestion figures are the median of `--reps` fresh service pairs, the order alternating):
 - ingestion, live: blocks/s from the first send until the last block of every worker is visible via
   a query (one service at a time, the other idle). Both are fed by the same sender: a PUB endpoint
-  per worker that speaks ZMTP itself (`bench/zmtp_pub.py`; a replay socket the bench answers
+  per worker that speaks ZMTP itself (`bench/support/zmtp_pub.py`; a replay socket the bench answers
   itself), every message encoded before the clock starts and 32 of a worker's messages written per
   `sendall`, round the fleet, into a send buffer that holds the stream — the whole stream leaves in
   ~0.01-0.02 s, so the figure is the service's ingest rate, not the sender's (a pyzmq PUB loop took
@@ -59,15 +59,13 @@ import numpy as np
 import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 from producer.page_hash import page_ids  # noqa: E402
 from schemas.codec import encode_batch  # noqa: E402
 from schemas.events import BlockStored, KVEventBatch  # noqa: E402
-from service_report import SIZES, ratios, report, summary  # noqa: E402
-from service_stream import BS, SHAPES, RawPublisher, Stream, chunked, send_chunks, send_interleaved  # noqa: E402
-from service_procs import CLIENT, CLIENTS, Dynamo, Embedded, Kvatlas, Service, cpu_s, rss_kib, wait_for  # noqa: E402
+from bench.support.service_report import SIZES, ratios, report, summary  # noqa: E402
+from bench.support.service_stream import BS, SHAPES, RawPublisher, Stream, chunked, send_chunks, send_interleaved  # noqa: E402
+from bench.support.service_procs import CLIENT, CLIENTS, Dynamo, Embedded, Kvatlas, Service, cpu_s, rss_kib, wait_for  # noqa: E402
 
 
 # --- one measured run ---------------------------------------------------------------------------

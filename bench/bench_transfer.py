@@ -1,7 +1,7 @@
 """The producer on a GPU: write-through offload and load-back GB/s through `TieredCache` with the CUDA
 transfer engine, against plain torch copies of the same pages in the same run.
 
-    .venv/bin/python bench/bench_transfer.py [--requests 32 --pages 32 --layers 32 --reps 3]
+    .venv/bin/python -m bench.bench_transfer [--requests 32 --pages 32 --layers 32 --reps 3]
 
 Pages are Llama-8B-shaped by default (16 tokens × 32 layers × K/V × 8 heads × 128 dims, bf16: 2 MiB).
 - kvatlas offload: `--requests` prompts of `--pages` pages each are inserted into a write-through
@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Decode throughput of `schemas.codec.decode_batch` against the floor: plain untyped
 `msgspec.msgpack.decode` of the same bytes, measured in the same run.
 
-    python bench/bench_wire.py [--quick]
+    python -m bench.bench_wire [--quick]
 
 Payloads are SGLang-shaped (map events, signed int64 hashes, `CPU_PINNED`) and vLLM-shaped (map
 events with the hybrid-group extras, unsigned u64 hashes, `CPU`), 16-token blocks. Prints blocks/s
@@ -18,7 +18,6 @@ import time
 
 import msgspec
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from schemas.codec import decode_batch  # noqa: E402
 from schemas.events import KVEventBatch  # noqa: E402

@@ -316,7 +316,7 @@ class KVIndex:
             hybrid, plain = _split(m, wl)
             return hybrid, plain, None
         ranked = m.ranked()
-        version = getattr(m.groups, "version", 0)
+        version = m.groups.version  # (m.groups is not None here)
         hit = self._plans.get(id(m))
         if hit is not None and hit[0] is m and hit[1] is ranked and hit[2] == version:
             return hit[3], hit[4], hit[5]

@@ -25,6 +25,7 @@ worker's watermark, so the drop costs a re-read, never an event (`stats.slow_con
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import time
@@ -36,7 +37,7 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from indexer.jetstream_sequencing import StepKind, StreamCursor
-from schemas.natsio import NatsThread, ensure_stream
+from transport.natsio import NatsThread, ensure_stream
 from indexer.deliveries import Batch, Delivery, Gap, Restart
 from schemas.codec import DEFAULT_MAX_PAYLOAD as MAX_BATCH_BYTES
 from schemas.jetstream import StreamSettings, control_subject, endpoint_subject, parse_headers, split_subject
@@ -331,7 +332,7 @@ class JetStreamSubscriber:
             x.sub = None
             x.gen += 1
             try:
-                self._nats.call(lambda x=x: self._start(x), timeout=15.0)
+                self._nats.call(functools.partial(self._start, x), timeout=15.0)
             except Exception as exc:
                 self.stats.subscribe_errors += 1
                 log.error("worker %s: cannot restart its consumer: %r", x.worker_id, exc)

@@ -159,6 +159,11 @@ class Subscriber(Protocol):
         """Messages dropped below the event layer, by reason (cumulative counts)."""
         ...
 
+    @property
+    def stats(self) -> Any:
+        """The transport's own counters (a Struct of its kind), for operators."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -85,7 +85,7 @@ ORPHANS_ECHO = Decision(drop="orphans_after_resync")
 
 
 class StreamState:
-    """What the policy knows of one worker's stream. The live registry's WorkerState extends it;
+    """What the policy knows of one worker's stream. The live registry's RegisteredWorker extends it;
     the offline replay keeps one per recorded worker."""
 
     __slots__ = (
@@ -141,22 +141,20 @@ def statuses(states: Sequence[StreamState], now: float, policy: LivenessPolicy) 
 
 def status_columns(states: Sequence[StreamState], now: float,
                    policy: LivenessPolicy) -> tuple[list[str], list[int | None]]:
-    """`[s.status(now, policy) for s in states]` and `[s.last_seq for s in states]` in one loop with
-    the calls inlined: every /score answer carries each worker's status and last sequence number, and
-    three method calls per worker were ~3 us of a 1k-token query at 32 workers, a second pass over the
-    states ~1 us more (tests/test_reconcile.py holds the columns equal to the per-state rule). With the
-    C module the same loop reads the states' slots in C (`status_columns` in indexer/_native/answer.c,
-    ~3 us less at 32 workers); what it declines (a state not in plain slots, a time not a float) this
-    loop answers."""
-    hb = policy.stale_after_s
-    silent = hb * policy.silent_engine_factor
+    """`[s.status(now, policy) for s in states]` and `[s.last_seq for s in states]`: every /score
+    answer carries each worker's status and last sequence number. `StreamState.status` is the rule;
+    with the C module the columns are read from the states' slots in C (`status_columns` in
+    indexer/_native/answer.c, its accelerator: ~3 us less at 32 workers), held equal to the rule by
+    tests/test_reconcile.py. What C declines (a state not in plain slots, a time not a float) the rule
+    answers here."""
     if _native_columns is not None and type(states) is list and type(now) is float:
-        h, q = _exact_float(hb), _exact_float(silent)
-        if h is not None and q is not None:
-            got = _native_columns(states, now, h, q, _STATUS_NAMES)
+        hb = _exact_float(policy.stale_after_s)
+        silent = _exact_float(policy.stale_after_s * policy.silent_engine_factor)
+        if hb is not None and silent is not None:
+            got = _native_columns(states, now, hb, silent, _STATUS_NAMES)
             if got is not None:
                 return got
-    return python_status_columns(states, now, hb, silent)
+    return [s.status(now, policy) for s in states], [s.last_seq for s in states]
 
 
 def _exact_float(x: object) -> float | None:
@@ -166,27 +164,6 @@ def _exact_float(x: object) -> float | None:
     if type(x) is int and -(1 << 53) <= x <= 1 << 53:
         return float(x)
     return None
-
-
-def python_status_columns(states: Sequence[StreamState], now: float, hb: float,
-                          silent: float) -> tuple[list[str], list[int | None]]:
-    """`status_columns` in Python (without the C module, and for what it declines)."""
-    out: list[str] = []
-    seqs: list[int | None] = []
-    put = out.append
-    seq = seqs.append
-    for s in states:
-        last = s.last_msg_at
-        seq(s.last_seq)
-        if now - (s.registered_at if last is None else last) > (hb if s.heartbeats else silent):
-            put("stale")
-        elif s.resync_until is not None and now < s.resync_until:
-            put("resyncing")
-        elif last is None:
-            put("connecting")
-        else:
-            put("live")
-    return out, seqs
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -277,7 +254,7 @@ def whole_batch_drop(drops: Mapping[str, int]) -> str | None:
     return None
 
 
-def cleared_in(counts: Mapping[tuple[str, ...], int]) -> bool:
+def cleared_in(counts: Mapping[tuple[str, str, str], int]) -> bool:
     """Whether an apply's block counts include an AllBlocksCleared."""
     for key, n in counts.items():
         if n and key[0] == "cleared":

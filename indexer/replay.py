@@ -1,6 +1,6 @@
 """Offline replay of recorded event logs (design §7): the decision core behind `kvatlas replay`.
 
-No I/O beyond what callers hand in, no threads, no clocks: the shell (router_api/cmd_replay.py)
+No I/O beyond what callers hand in, no threads, no clocks: the shell (cli/replay.py)
 opens files, measures time, paces and owns sockets.
 
 Applying a log runs the same reconciliation policy as live ingestion (indexer.reconcile,
@@ -32,7 +32,7 @@ from indexer.protocol import Index
 from indexer.sequencing import DeliverStep, GapStep, SeqTracker, on_live
 from schemas.batchhead import read_head as _read_head
 from schemas.codec import DecodeError, decode_batch
-from schemas.events import BlockStored
+from schemas.events import BlockStored, KVEventBatch
 
 log = logging.getLogger(__name__)
 
@@ -245,12 +245,13 @@ class LogReplayer:
         head = _read_head(frame.payload)
         if head is not None:
             batch_rank, types = head.data_parallel_rank, [e.type_name for e in head.events]
-            batch = None
+            batch: KVEventBatch | None = None
         else:
-            batch = decode_batch(frame.payload)
-            if isinstance(batch, DecodeError):
-                self._drop("decode_" + batch.reason, f"worker={wid} seq={frame.seq}: {batch.message}")
+            got = decode_batch(frame.payload)
+            if isinstance(got, DecodeError):
+                self._drop("decode_" + got.reason, f"worker={wid} seq={frame.seq}: {got.message}")
                 return
+            batch = got
             batch_rank, types = batch.data_parallel_rank, [type(ev).__name__ for ev in batch.events]
         dp_rank = reconcile.batch_rank(batch_rank, frame.dp_rank, self.default_dp_rank)
         now = frame.recv_ts

@@ -222,7 +222,7 @@ class RestartStep:
 class GapStep:
     __slots__ = ("resolution",)
 
-    def __init__(self, resolution: GapResolution) -> None:  # type: ignore[type-arg]
+    def __init__(self, resolution: GapResolution) -> None:
         self.resolution = resolution
 
 

@@ -49,7 +49,7 @@ def _spread(x: int, n: int, t: int) -> int:
     return out
 
 
-class _MergedNodes(tuple):  # type: ignore[type-arg]
+class _MergedNodes(tuple):
     """The shards' node tables of one model: a tuple for the C walk (`score_rows` reads merged slot s
     as shard s % n's worker s // n), `.get` for the pure core — the shards' values spread into that
     layout and OR-ed, None when no shard holds the key."""
@@ -84,7 +84,7 @@ class _MergedGroups:
 
     def __init__(self, tables: list[Any]) -> None:
         """`tables`: each shard's GroupTable or None (position = shard)."""
-        self.classes: dict[Any, _MergedGroup] = {}
+        self.classes: dict[Any, Any] = {}  # _MergedGroup, which a Layout holds where a Group would be
         for key in {k for t in tables if t is not None for k in t.classes}:
             per_shard = [t.classes.get(key) if t is not None else None for t in tables]
             first = next(g for g in per_shard if g is not None)

@@ -18,7 +18,7 @@ import msgspec
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 
-from schemas.natsio import NatsThread
+from transport.natsio import NatsThread
 from schemas.api import RegisterWorker
 from schemas.jetstream import DEFAULT_KV_BUCKET, kv_key, kv_key_name
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import Optional, Protocol
+from typing import Optional, Protocol, cast
 
 import msgspec
 
@@ -148,7 +148,7 @@ class RedisSnapshotStore:
         import redis
 
         try:
-            return self._client.get(self.key)
+            return cast("bytes | None", self._client.get(self.key))  # a client without decode_responses
         except redis.RedisError as exc:
             raise SnapshotError(f"cannot read snapshot from {self.description}: {exc}") from exc
 

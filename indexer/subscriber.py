@@ -31,7 +31,7 @@ import zmq
 from indexer.deliveries import Batch, Delivery, Gap, Restart, Run
 from indexer.sequencing import DeliverStep, GapStep, SeqTracker, on_live
 from indexer.zmq_replay import Replay, gap_of, parse_replay_reply
-from indexer.zmqdrain import recv_run as _recv_run
+from indexer.zmqdrain import OddKind, odd_message, recv_run as _recv_run
 from schemas.codec import DEFAULT_MAX_PAYLOAD
 from schemas.frames import SEQ_BYTES, SNAPSHOT_REQUEST, seq_bytes, seq_of
 
@@ -323,11 +323,12 @@ class Subscriber:
                     self._deliver_run(src, last + 1, payloads, out)
                 if odd is None:
                     break  # nothing more ready, or the limit
-                kind, value, payload = odd
-                if kind == 0:
-                    if self._on_live(src, value, payload, out):
+                msg = odd_message(odd)
+                value = msg.value
+                if msg.kind is OddKind.OTHER_SEQ:
+                    if self._on_live(src, value, msg.payload, out):
                         break  # a replay started: this publisher's live stream is parked until it ends
-                elif kind == 1:
+                elif msg.kind is OddKind.FRAME_COUNT:
                     self._bad_frame("frame_count", f"live message from {src.worker_id!r}: {value} frame"
                                     + ("" if value == 1 else "s"))
                 else:

@@ -49,5 +49,9 @@ def gap_of(tracker: SeqTracker, seq: int) -> tuple[int, int] | None:
     probe = SeqTracker()
     probe.last, probe.live_last = tracker.last, tracker.live_last
     asked: list[tuple[int, int]] = []
-    on_live(probe, seq, None, lambda first, last: asked.append((first, last)) or ())
+    def fetch(first: int, last: int) -> tuple[()]:
+        asked.append((first, last))
+        return ()
+
+    on_live(probe, seq, None, fetch)
     return asked[0] if asked else None

@@ -9,13 +9,34 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from enum import IntEnum
+from typing import Any, NamedTuple
 
 import zmq
 
 from indexer.core.native import ENV_PURE  # the one switch to the pure-Python paths
 
 log = logging.getLogger(__name__)
+
+
+class OddKind(IntEnum):
+    """Why `recv_run` stopped at a message (its C codes)."""
+
+    OTHER_SEQ = 0  # a well-formed message out of the run's order: `value` its seq, `payload` its frame
+    FRAME_COUNT = 1  # not two frames: `value` the count
+    SEQ_FRAME_SIZE = 2  # a seq frame not 8 bytes: `value` its size
+
+
+class OddMessage(NamedTuple):
+    """The message that ended a run of `recv_run` (its third result, a C tuple made this record)."""
+
+    kind: OddKind
+    value: int
+    payload: bytes  # the message's payload frame for OTHER_SEQ, else b""
+
+
+def odd_message(raw: tuple[int, int, bytes | None]) -> OddMessage:
+    return OddMessage(OddKind(raw[0]), raw[1], raw[2] or b"")
 
 
 def loaded_libzmq() -> str | None:
@@ -36,9 +57,10 @@ def _load() -> tuple[Callable[..., Any] | None, str | None]:
     if os.environ.get(ENV_PURE, "") not in ("", "0"):
         return None, f"{ENV_PURE} is set"
     try:
-        from indexer._native import _zmqdrain as mod
+        from indexer._native import _zmqdrain as loaded
     except ImportError as exc:
         return None, f"not built: {exc}"
+    mod: Any = loaded
     path = loaded_libzmq()
     if path is None:
         return None, "pyzmq's libzmq not found in /proc/self/maps"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, Union
+from typing import Any, Protocol, Union, cast
 
 import msgspec
 
@@ -33,10 +33,14 @@ CANONICAL_MEDIA: Mapping[Medium, str] = {m: m.name for m in Medium}
 
 
 class EventSink(Protocol):
-    """Where batches go. A sink whose class sets `encodes_events = True` only ever sends the
-    msgpack of a batch (schemas.codec.encode_batch of KVEventBatch(batch_ts(), events, dp_rank)):
-    it also has `batch_ts() -> float` and `send_payload(bytes)`, and the recorder may hand it the
-    encoded bytes directly (docs/producer-events.md)."""
+    """Where batches go (producer/sinks.py). Two declared capabilities: a sink with `encodes_events`
+    only ever sends the msgpack of a batch (schemas.codec.encode_batch of KVEventBatch(batch_ts(),
+    events, dp_rank)): it also has `batch_ts() -> float` and `send_payload(bytes)`, and the recorder
+    may hand it the encoded bytes directly (docs/producer-events.md); a sink without
+    `asks_snapshots` never answers True to `snapshot_requested`, so the recorder does not poll it."""
+
+    encodes_events: bool
+    asks_snapshots: bool
 
     def emit(self, events: list[KVEvent], dp_rank: int | None) -> None: ...
     def heartbeat(self, dp_rank: int | None) -> None: ...
@@ -97,7 +101,7 @@ class _Store(_Ids):
     def event(self) -> BlockStored:
         chunks = self.chunks
         tokens = list(chunks[0]) if len(chunks) == 1 else list(itertools.chain.from_iterable(chunks))
-        ids = self.int_ids()
+        ids: list[Any] = self.int_ids()  # the event field is list[int | bytes]: ints are one
         if self.group_idx is None and self.kind is None and self.window is None:
             return BlockStored(ids, self.parent, tokens, self.block_size, None, self.medium)
         return BlockStored(ids, self.parent, tokens, self.block_size, None, self.medium,
@@ -119,7 +123,7 @@ class _Removed(_Ids):
         self.group_idx = group_idx
 
     def event(self) -> BlockRemoved:
-        ids = self.int_ids()
+        ids: list[Any] = self.int_ids()  # the event field is list[int | bytes]: ints are one
         if self.group_idx is None:
             return BlockRemoved(ids, self.medium)
         return BlockRemoved(ids, self.medium, group_idx=self.group_idx)
@@ -144,12 +148,14 @@ def _records_of(payload: bytes) -> list[_Record]:
     in Python with the same coalescing (the rare path: a value the batch declined)."""
     out: list[_Record] = []
     for e in _BATCH_DECODER.decode(payload).events:
+        # the C batch writes int ids, an int parent and a medium name (what the recorder gave it)
         if type(e) is BlockStored:
-            ids = list(e.block_hashes)
-            out.append(_Store(ids, None, 0, ids[-1], e.parent_block_hash, [tuple(e.token_ids)], e.block_size,
-                              e.medium, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window))
+            ids = cast("list[int]", list(e.block_hashes))
+            out.append(_Store(ids, None, 0, ids[-1], cast("int | None", e.parent_block_hash), [tuple(e.token_ids)],
+                              e.block_size, cast(str, e.medium), e.group_idx, e.kv_cache_spec_kind,
+                              e.kv_cache_spec_sliding_window))
         elif type(e) is BlockRemoved:
-            out.append(_Removed(list(e.block_hashes), None, 0, e.medium, e.group_idx))
+            out.append(_Removed(cast("list[int]", list(e.block_hashes)), None, 0, cast(str, e.medium), e.group_idx))
         else:
             out.append(_Cleared())
     return out
@@ -181,14 +187,14 @@ class EventRecorder:
         # `_pending` (Python records, event structs encoded by msgspec at the flush) takes over
         # until the next flush when the batch declines a value, and serves every other sink.
         mod = page_hash.native_module(native)
-        encodes = mod is not None and getattr(sink, "encodes_events", False)
+        encodes = mod is not None and sink is not None and sink.encodes_events
         # `batch` is the Batch while it is the one recording (None otherwise): a cache may record
         # into it directly (producer.cache.emitter), falling back to these methods if it raises.
-        self._batch: Any = mod.Batch() if encodes and enabled else None
+        self._batch: Any = mod.Batch() if mod is not None and encodes and enabled else None
         self.batch: Any = self._batch
         # A sink that says it never asks for a snapshot (`asks_snapshots = False`) is not polled.
-        self._ask: Callable[[], bool] | None = (getattr(sink, "snapshot_requested", None)
-                                                if enabled and getattr(sink, "asks_snapshots", True) else None)
+        self._ask: Callable[[], bool] | None = (sink.snapshot_requested if enabled and sink is not None
+                                                and sink.asks_snapshots else None)
         self._pending: list[_Record] = []
         self._last_sent: float | None = None
         self.events_emitted = 0

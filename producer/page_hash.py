@@ -32,7 +32,7 @@ from typing import Union
 
 import numpy as np
 
-from schemas.c_tables import PAGEHASH_FILES, stale_build
+from cbuild.tables import PAGEHASH_FILES, stale_build
 
 Tokens = Union[Sequence[int], bytes, bytearray, memoryview]
 ChainIds = Callable[[Tokens, int, Union[bytes, None]], tuple[list[bytes], list[int]]]

@@ -7,15 +7,38 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from schemas.codec import encode_batch
 from schemas.events import KVEvent, KVEventBatch
+
+
+class EventPublisher(Protocol):
+    """What a ZmqSink drives: `producer.publisher.ZmqEventPublisher`, or
+    `transport.jetstream_publisher.JetStreamEventPublisher` (same methods)."""
+
+    @property
+    def next_seq(self) -> int: ...
+    def publish_payload(self, payload: bytes) -> None: ...
+    def snapshot_requested(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class LogWriter(Protocol):
+    """What an EventLogSink writes to: `indexer.eventlog.EventLogWriter` (not imported: the producer
+    does not depend on the indexer)."""
+
+    def write(self, recv_ts: float, worker: str, dp_rank: int | None, seq: int, payload: bytes) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class ListSink:
     """Keeps every batch in memory (tests, demos)."""
 
     __slots__ = ("batches", "heartbeats", "closed")
+    encodes_events = False  # keeps the events themselves (producer.events.EventSink)
+    asks_snapshots = False
 
     def __init__(self) -> None:
         self.batches: list[KVEventBatch] = []
@@ -56,6 +79,9 @@ class _PayloadSink:
     def send_payload(self, payload: bytes) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def close(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
     # The batch timestamp: wall clock, as vLLM and SGLang stamp theirs (the clock itself, so a
     # flush pays no Python frame for it).
     batch_ts = staticmethod(time.time)
@@ -76,7 +102,7 @@ class ZmqSink(_PayloadSink):
 
     __slots__ = ("publisher", "owns")
 
-    def __init__(self, publisher, owns: bool = True) -> None:  # noqa: ANN001 - avoid importing zmq here
+    def __init__(self, publisher: EventPublisher, owns: bool = True) -> None:
         self.publisher = publisher
         self.owns = owns
 
@@ -97,7 +123,7 @@ class EventLogSink(_PayloadSink):
 
     __slots__ = ("writer", "worker", "dp_rank", "seq", "owns", "clock")
 
-    def __init__(self, writer, worker: str, dp_rank: int | None = None, start_seq: int = 0,  # noqa: ANN001
+    def __init__(self, writer: LogWriter, worker: str, dp_rank: int | None = None, start_seq: int = 0,
                  owns: bool = True, clock: Callable[[], float] = time.time) -> None:
         self.writer = writer
         self.worker = worker
@@ -139,13 +165,14 @@ class TeeSink(_PayloadSink):
             s.close()
 
 
-def make_sink(publisher=None, log_writer=None, worker: str = "worker", dp_rank: int | None = None):  # noqa: ANN001, ANN201
+def make_sink(publisher: EventPublisher | None = None, log_writer: LogWriter | None = None,
+              worker: str = "worker", dp_rank: int | None = None) -> _PayloadSink:
     """The ZMQ publisher, an event log, or both (sharing payload and seq)."""
     sinks: list[_PayloadSink] = []
     if publisher is not None:
         sinks.append(ZmqSink(publisher))
     if log_writer is not None:
-        start = getattr(publisher, "next_seq", 0) if publisher is not None else 0
+        start = publisher.next_seq if publisher is not None else 0
         sinks.append(EventLogSink(log_writer, worker, dp_rank, start_seq=start))
     if not sinks:
         raise ValueError("make_sink needs a publisher, a log writer, or both")

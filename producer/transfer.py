@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -156,7 +156,7 @@ class _Op:
         self.dp = dp
         self.nbytes = page_bytes(src) * len(sp)
         self.keep: list[torch.Tensor] = []  # temporaries that must outlive the async copy
-        self.event: object = None
+        self.event: Any = None  # a torch.cuda.Event once recorded
 
 
 class _EngineBase:
@@ -220,7 +220,7 @@ class _EngineBase:
             failed, self._failed = self._failed, []
         return failed
 
-    def __enter__(self):  # type: ignore[no-untyped-def]
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -474,7 +474,7 @@ class CudaTransferEngine(_EngineBase):
             while q:
                 op = q[0]
                 try:
-                    finished = op.event.query()  # type: ignore[union-attr]
+                    finished = op.event.query()
                 except Exception as exc:  # a CUDA error must not be mistaken for completion
                     q.popleft()
                     self._fail(op, exc)
@@ -496,9 +496,9 @@ class CudaTransferEngine(_EngineBase):
                 continue
             last = q[-1].event
             if deadline is None:
-                last.synchronize()  # type: ignore[union-attr]
+                last.synchronize()
             else:
-                while not last.query():  # type: ignore[union-attr]
+                while not last.query():
                     if time.monotonic() > deadline:
                         done += self.poll()
                         raise TimeoutError(f"{self.inflight} CUDA transfer op(s) still in flight")

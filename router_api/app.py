@@ -51,6 +51,12 @@ _msgpack = msgspec.msgpack.Encoder()
 T = TypeVar("T")
 
 
+def _settle(fut: asyncio.Future[None]) -> None:
+    """Resolve a waiter's future once, on the loop (a second wake finds it done)."""
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(_json.encode(ErrorResponse(error=message)), status_code=status,
                     media_type="application/json", headers=headers)
@@ -214,7 +220,7 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
         woken = loop.create_future()
 
         def wake() -> None:  # under the service lock, maybe on another thread (a replica's admission)
-            loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+            loop.call_soon_threadsafe(_settle, woken)
 
         token = service.watch_routes(w.model, w.request_ids, wake)
         try:
@@ -233,6 +239,14 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
     @app.get("/workers")
     async def workers(request: Request) -> Response:
         return encode_for(request, service.workers())
+
+    @app.get("/workers/{worker_id:path}")
+    async def worker(request: Request, worker_id: str) -> Response:
+        """One registered worker's row (404 when the indexer does not know it)."""
+        try:
+            return encode_for(request, service.worker(worker_id))
+        except RegistryError as exc:
+            return _error(exc.status, str(exc))
 
     @app.get("/health")
     async def health() -> Response:
@@ -282,7 +296,7 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
             kind = front.prepare(_hb(h.get("content-type")), _hb(h.get("content-length")))
             body = await read_body(request)
         except ApiError as exc:
-            status, out, hdr = front.rejected(route[0], exc)
+            status, out, hdr = front.rejected(route.endpoint, exc)
         else:
             status, out, hdr = await front.respond(route, kind, _hb(h.get("accept")), request.scope["query_string"],
                                                    body, t0)

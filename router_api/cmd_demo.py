@@ -74,6 +74,13 @@ def _openai(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from router_api.procs import exit_on_signals
+
+    with exit_on_signals():  # SIGTERM / SIGHUP stop the children as Ctrl-C does (router_api/procs.py)
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from router_api.router.policies import POLICIES
 
     for name in ("workers", "page_size", "device_pages", "host_pages", "gpu_pages", "routers"):

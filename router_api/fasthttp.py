@@ -23,7 +23,7 @@ one gets 503 and is closed at once (docs/limits.md). Both are counted in
 
 It reads uvicorn's `HttpToolsProtocol` internals (`parser`, `url`, `headers`, `cycle`, `pipeline`,
 `expect_100_continue`, `on_response_complete`, `flow`, `timeout_keep_alive`, `server_state`); `supported()`
-checks them, and `router_api.cmd_indexer.server_settings` falls back to plain httptools without them.
+checks them, and `cli.indexer.server_settings` falls back to plain httptools without them.
 """
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router_api.app import bearer_ok
 from router_api.bodies import ApiError
-from router_api.http_head import SimplePost, fields, simple_get, simple_post
+from router_api.http_head import SimpleHead, fields, simple_get, simple_post
 from router_api.score_front import Answer, Route, ScoreFront
 
-HEALTH: Route = ("health", type(None), lambda *a: None)  # marks a GET /health in flight
+HEALTH = Route("health", type(None), lambda *a: b"")  # marks a GET /health in flight (never called)
 _NEEDED = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
            "_unset_keepalive_if_required", "connection_made", "connection_lost", "on_message_begin",
            "timeout_keep_alive_handler")
@@ -88,7 +88,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._watch: Any = None
         self._watch_at = 0.0
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
             self._count("connection_limit")
@@ -254,37 +254,37 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
             if data.startswith(b"POST /"):
                 head = simple_post(data)
                 if head is not None:
-                    route = front.raw_routes.get(head[0])
+                    route = front.raw_routes.get(head.target)
                     if route is not None and self._whole(front, route, head, data):
                         return
             elif data.startswith(b"GET /health HTTP/1.1\r\n"):  # the load balancers' probe (no auth)
                 head = simple_get(data)
-                if head is not None and head[0] == b"/health" and head[6] == len(data):
+                if head is not None and head.target == b"/health" and head.end == len(data):
                     self._idle_until = self._request_until = None
-                    self._reply(front.health(), close=not head[5])
+                    self._reply(front.health(), close=not head.keep_alive)
                     return
         super().data_received(data)
 
-    def _whole(self, front: ScoreFront, route: Route, head: SimplePost, data: bytes) -> bool:
+    def _whole(self, front: ScoreFront, route: Route, head: SimpleHead, data: bytes) -> bool:
         """Answer the request `head` begins when `data` is exactly that request; False (nothing done)
         when the parser's path must judge it: a body not whole or followed by more bytes, an oversize
         or unauthorised request."""
-        _target, block, ctype, accept, clen, keep_alive, end = head
+        clen, keep_alive, end = head.content_length, head.keep_alive, head.end
         size = int(clen) if clen is not None else 0
         if size > front.max_body or len(data) - end != size:
             return False
-        if front.token is not None and not bearer_ok(fields(block), front.token):
+        if front.token is not None and not bearer_ok(fields(head.block), front.token):
             return False  # uvicorn's path: BearerAuth answers 401
         t0 = time.perf_counter()
         # the request is whole: neither its read deadline nor keep-alive's governs until the answer is out
         self._idle_until = self._request_until = None
         try:
-            kind = front.prepare(ctype, clen)
+            kind = front.prepare(head.content_type, clen)
         except ApiError as exc:  # (never 413: the size was checked above)
-            self._reply(front.rejected(route[0], exc), close=not keep_alive)
+            self._reply(front.rejected(route.endpoint, exc), close=not keep_alive)
             return True
         # a raw u32 body is viewed in the read's bytes (octet_tokens); a copy of it was ~5 µs at 8k tokens
-        got = front.dispatch(route, kind, accept, b"", memoryview(data)[end:] if kind == "octet" else data[end:], t0)
+        got = front.dispatch(route, kind, head.accept, b"", memoryview(data)[end:] if kind == "octet" else data[end:], t0)
         if isinstance(got, Future):
             self._later(got, keep_alive)
         else:
@@ -352,7 +352,7 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
             p.kind = front.prepare(ctype, clen)
         except ApiError as exc:
             if exc.status == 413:  # refuse a declared oversize body without reading it
-                self._reply(front.rejected(route[0], exc), close=True)
+                self._reply(front.rejected(route.endpoint, exc), close=True)
                 return
             p.error = exc  # answered once the (discarded) body has been read
 
@@ -368,7 +368,7 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
         assert front is not None
         if p.size > front.max_body:
             exc = ApiError(413, f"body exceeds the {front.max_body}-byte limit", "too_large")
-            self._reply(front.rejected(p.route[0], exc), close=True)
+            self._reply(front.rejected(p.route.endpoint, exc), close=True)
             return
         p.chunks.append(body)
 
@@ -387,7 +387,7 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
         if p.route is HEALTH:
             ans = front.health()
         elif p.error is not None:
-            ans = front.rejected(p.route[0], p.error)
+            ans = front.rejected(p.route.endpoint, p.error)
         else:
             body = p.chunks[0] if len(p.chunks) == 1 else b"".join(p.chunks)
             got = front.dispatch(p.route, p.kind, p.accept, p.query, body, p.t0)

@@ -11,12 +11,13 @@ one `Content-Length`, all digits. Anything else — HTTP/1.0, obs-fold, control 
 trailing whitespace, a bare LF, framing the subset does not read — is None, and the caller gives the
 bytes to httptools unchanged, so every request the subset leaves out is judged exactly as before.
 Every head it takes is one httptools parses without error to the same target, (name, value) pairs
-and keep-alive, and the C and regex readings give the same tuple for every input
+and keep-alive, and the C and regex readings give the same SimpleHead for every input
 (tests/test_http_head.py holds all three equal).
 """
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 from indexer.core import native as native_core
 
@@ -38,39 +39,55 @@ def fields(block: bytes) -> list[tuple[bytes, bytes]]:
     return [(k.lower(), v) for k, v in FIELD.findall(block)]
 
 
-# (target, header block, content-type, accept, content-length, keep-alive, end of the head): the header
-# block is HEAD's group 2, its fields each ending in CRLF; `fields` reads it as (name, value) pairs
-SimplePost = tuple[bytes, bytes, "bytes | None", "bytes | None", "bytes | None", bool, int]
+class SimpleHead(NamedTuple):
+    """A head in the subset. `block` is HEAD's group 2, its fields each ending in CRLF (`fields` reads
+    it as (name, value) pairs); `end` is the offset of the body. The C reading returns the same fields
+    as a plain tuple, made a SimpleHead here (`_head`: tuple.__new__, no per-field work)."""
+
+    target: bytes
+    block: bytes
+    content_type: bytes | None
+    accept: bytes | None
+    content_length: bytes | None
+    keep_alive: bool
+    end: int
 
 
-def simple_post(data: bytes) -> SimplePost | None:
+_head = tuple.__new__
+
+
+def simple_post(data: bytes) -> SimpleHead | None:
     """The head at the start of `data` when it is in the subset (module doc), else None. The last
     of a repeated Content-Type or Accept counts (as the fast path's header loop reads them)."""
     if _native is not None:
-        return _native(data, False)
+        got = _native(data, False)
+        return None if got is None else _head(SimpleHead, got)
     return regex_post(data)
 
 
-def simple_get(data: bytes) -> SimplePost | None:
+def simple_get(data: bytes) -> SimpleHead | None:
     """`simple_post` for a `GET` head: None also for any `Content-Length` (a body or a framing
     question is httptools' to judge)."""
-    got = regex_get(data) if _native is None else _native(data, True)
-    return None if got is None or got[4] is not None else got
+    if _native is None:
+        head = regex_get(data)
+        return None if head is None or head.content_length is not None else head
+    got = _native(data, True)
+    return None if got is None or got[4] is not None else _head(SimpleHead, got)  # got[4]: the C tuple's length
 
 
-def regex_post(data: bytes) -> SimplePost | None:
+def regex_post(data: bytes) -> SimpleHead | None:
     """`simple_post` by the regexes (without the C module; the reference the C reading is held to)."""
     m = HEAD.match(data)
     return None if m is None else _taken(m)
 
 
-def regex_get(data: bytes) -> SimplePost | None:
+def regex_get(data: bytes) -> SimpleHead | None:
     """`regex_post` for a GET head (Content-Length not yet refused: `simple_get` does)."""
     m = GET_HEAD.match(data)
     return None if m is None else _taken(m)
 
 
-def _taken(m: re.Match[bytes]) -> SimplePost | None:
+def _taken(m: re.Match[bytes]) -> SimpleHead | None:
     """The head HEAD or GET_HEAD matched, read by the subset's rules (module doc); None outside them."""
     ctype = accept = clen = None
     keep_alive = True
@@ -91,4 +108,4 @@ def _taken(m: re.Match[bytes]) -> SimplePost | None:
                 return None
         elif k == b"transfer-encoding" or k == b"upgrade" or k == b"expect":
             return None
-    return m[1], m[2], ctype, accept, clen, keep_alive, m.end()
+    return SimpleHead(m[1], m[2], ctype, accept, clen, keep_alive, m.end())

@@ -41,18 +41,22 @@ import time
 from typing import Any, Callable
 
 from indexer import reconcile
+from indexer.deliveries import Batch, Delivery, Gap, Restart, Run
 from indexer.protocol import Index, Subscriber
 from router_api.locks import ShardedLock
 from router_api.memtrim import MemoryTrimmer
 from router_api.metrics import ServiceMetrics
 from router_api.ingest_stats import ApplyAdapter, Tally
-from router_api.registry import Registry
+from router_api.registry import Registry, RegisteredWorker
 from schemas.api import RegisterWorker
 
 log = logging.getLogger("kvatlas.ingest")
 
 # How many of each kind of bad input are logged in full before we only count them.
 _LOG_FIRST = 20
+
+# A worker whose events are dropped is named in a WARNING at most once per this many seconds.
+DROP_WARN_INTERVAL_S = 60.0
 
 # The most batches of a run applied under one hold of the lock (~0.3 ms): /score waits at most that.
 RUN_HOLD = 64
@@ -137,6 +141,7 @@ class IngestLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._logged: dict[str, int] = {}
+        self._drop_warned: dict[str, float] = {}  # per worker, when its drops were last named in a WARNING
         self._sub: Subscriber | None = None  # set by the thread; only the thread uses it
         # Returns burst buffers to the OS once ingestion goes idle (see router_api.memtrim).
         self.trimmer = trimmer if trimmer is not None else MemoryTrimmer()
@@ -268,6 +273,7 @@ class IngestLoop:
             elif cmd.kind == "remove":
                 sub.remove(cmd.worker_id)
                 self._rank.pop(cmd.worker_id, None)
+                self._drop_warned.pop(cmd.worker_id, None)
                 log.info("event=unsubscribed worker=%s", cmd.worker_id)
         except Exception as exc:
             self.metrics.drops.inc("subscribe_error")
@@ -297,19 +303,18 @@ class IngestLoop:
                 self.metrics.drops.inc("frame_" + reason, amount=float(n - old))
                 seen[reason] = n
 
-    def _handle(self, d: Any) -> None:
+    def _handle(self, d: Delivery) -> None:
         self.deliveries += 1
-        kind = type(d).__name__
-        if kind == "Run":
+        if type(d) is Run:
             self._on_run(d)
-        elif kind == "Batch":
+        elif type(d) is Batch:
             self._on_batch(d.worker_id, d.seq, d.payload, d.replayed)
-        elif kind == "Gap":
-            self._on_seq_event(d, True)
-        elif kind == "Restart":
-            self._on_seq_event(d, False)
+        elif type(d) is Gap:
+            self._on_seq_event(d)
+        elif type(d) is Restart:
+            self._on_seq_event(d)
         else:
-            self._count_bad("unknown_delivery", f"unknown delivery {kind}")
+            self._count_bad("unknown_delivery", f"unknown delivery {type(d).__name__}")
 
     def _count_bad(self, reason: str, message: str) -> None:
         self.metrics.drops.inc(reason)
@@ -318,7 +323,7 @@ class IngestLoop:
         if n <= _LOG_FIRST or n % 1000 == 0:
             log.warning("event=dropped reason=%s count=%d detail=%s", reason, n, message)
 
-    def _on_run(self, d: Any) -> None:
+    def _on_run(self, d: Run) -> None:
         """In-order live batches `d.first_seq`..: whole common-case stretches in one index call,
         anything else one by one (`_on_batch`)."""
         wid = d.worker_id
@@ -346,6 +351,8 @@ class IngestLoop:
                     k, extra = 0, None
                 if k:
                     cleared = tally.add_stats(stats)[1]
+                    if stats.drops:
+                        self._worker_dropped(state, stats.drops, now)
                     reconcile.on_run(state, d.first_seq + i + k - 1, k, now, cleared)
                     self.registry.add_rank(state, rank)
                     if stats.ts > 0:
@@ -385,9 +392,13 @@ class IngestLoop:
                     stats = self.adapter.apply_payload(model, wid, state.reg.dp_rank, payload)
                 except Exception as exc:  # the index promises not to raise; never trust it blindly
                     self._count_bad("apply_error", f"worker={wid} seq={seq}: {exc!r}")
+                    self._worker_dropped(state, {"apply_error": 1}, now)
                     stats = None
             if stats is not None:
-                bad = reconcile.whole_batch_drop(stats.drops) if stats.drops else None
+                bad = None
+                if stats.drops:
+                    bad = reconcile.whole_batch_drop(stats.drops)
+                    self._worker_dropped(state, stats.drops, now)
                 if bad is None:
                     dp_rank = stats.dp_rank
                     if stats.n_events:
@@ -432,6 +443,28 @@ class IngestLoop:
             self._request_snapshot(wid)
         if decision.drop is not None:
             self._count_bad(decision.drop, f"worker={wid} {where}")
+            with self.lock:
+                state = self.registry.get(wid)
+                if state is not None:
+                    self._worker_dropped(state, {decision.drop: 1}, self._clock())
+
+    def _worker_dropped(self, state: RegisteredWorker, drops: dict[str, int], now: float) -> None:
+        """Count `drops` (reason -> events) against the worker: its status (`WorkerStatus.drops`,
+        `dropping`), `kvatlas_worker_drops_total`, and a WARNING naming it, at most one per worker per
+        DROP_WARN_INTERVAL_S. Called with the worker's lock held."""
+        if not state.note_drops(drops, now):
+            return
+        wid = state.worker_id
+        per = self._tally.worker_drops
+        for reason, n in drops.items():
+            if n > 0:
+                per[(wid, reason)] = per.get((wid, reason), 0) + n
+        last = self._drop_warned.get(wid)
+        if last is None or now - last >= DROP_WARN_INTERVAL_S:
+            self._drop_warned[wid] = now
+            log.warning("event=worker_dropping worker=%s drops=%s: events of this worker are dropped, its /score "
+                        "rows may lack blocks it holds (GET /workers/%s)", wid,
+                        ",".join(f"{r}:{n}" for r, n in sorted(state.drops.items())), wid)
 
     def _request_snapshot(self, wid: str) -> None:
         """Ask the worker's publisher to re-publish its state in-stream (kvatlas producers do;
@@ -447,7 +480,7 @@ class IngestLoop:
         self.metrics.snapshot_requests.inc(wid, outcome)
         log.info("event=snapshot_requested worker=%s outcome=%s", wid, outcome)
 
-    def _on_seq_event(self, d: Any, gap: bool) -> None:
+    def _on_seq_event(self, d: Gap | Restart) -> None:
         """A Gap or a Restart: the policy decides; a clear happens under the lock, before any
         batch that follows it is applied."""
         wid = d.worker_id
@@ -456,14 +489,14 @@ class IngestLoop:
             state = self.registry.get(wid)
             if state is None:
                 return
-            if gap:
+            if isinstance(d, Gap):
                 decision = reconcile.on_gap(state, d.first, d.last, now, self.registry.policy,
                                             recovered=d.recovered)
             else:
                 decision = reconcile.on_restart(state, now)
             if decision.clear:
                 self.index.clear_worker(state.reg.model, wid)
-        if gap:
+        if isinstance(d, Gap):
             self.metrics.gaps.inc(wid)
             self._carry_out(decision, wid, f"first={d.first} last={d.last}")
         else:

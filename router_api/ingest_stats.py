@@ -36,11 +36,12 @@ class Tally:
     """Metric increments of one poll's deliveries, added to `ServiceMetrics` in one go by `flush`
     (one lock per metric per poll instead of several per batch). Plain data; no I/O."""
 
-    __slots__ = ("events", "drops", "batches", "lag")
+    __slots__ = ("events", "drops", "worker_drops", "batches", "lag")
 
     def __init__(self) -> None:
         self.events: dict[tuple[str, ...], float] = {}
         self.drops: dict[tuple[str, ...], float] = {}
+        self.worker_drops: dict[tuple[str, ...], float] = {}  # (worker, reason)
         self.batches: dict[tuple[str, ...], float] = {}
         self.lag: dict[tuple[str, ...], float] = {}  # last value per worker (a gauge)
 
@@ -65,6 +66,9 @@ class Tally:
         if self.drops:
             metrics.drops.inc_many(self.drops)
             self.drops = {}
+        if self.worker_drops:
+            metrics.worker_drops.inc_many(self.worker_drops)
+            self.worker_drops = {}
         if self.batches:
             metrics.batches.inc_many(self.batches)
             self.batches = {}

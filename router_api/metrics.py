@@ -40,7 +40,7 @@ class _Collector:
 def exposition(metrics: Iterable["_Metric"]) -> str:
     """The Prometheus text format of `metrics`, written by prometheus_client."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(metrics))  # type: ignore[arg-type]
+    registry.register(_Collector(metrics))
     return generate_latest(registry).decode("utf-8")
 
 
@@ -218,7 +218,8 @@ class ServiceMetrics:
     __slots__ = (
         "events", "drops", "batches", "gaps", "replays", "resyncs", "restarts", "worker_lag",
         "worker_blocks", "request_latency", "http_rejects", "snapshots", "snapshot_requests",
-        "recent_score", "index_core", "native_declines", "visibility", "score_answers", "offload_pending", "_all",
+        "recent_score", "index_core", "native_declines", "visibility", "score_answers", "offload_pending",
+        "worker_drops", "_all",
     )
 
     def __init__(self) -> None:
@@ -226,6 +227,10 @@ class ServiceMetrics:
         self.events = Counter(p + "events_applied_total", "KV events applied, by type, tier and outcome",
                               ("type", "tier", "outcome"))
         self.drops = Counter(p + "drops_total", "Events, batches or requests dropped, by reason", ("reason",))
+        # Per worker: bounded by the registry (max_workers) and the reasons' fixed vocabulary, forgotten
+        # with the worker (`forget_worker`). `drops_total` keeps what no registered worker owns too.
+        self.worker_drops = Counter(p + "worker_drops_total", "Events of a registered worker dropped, by worker "
+                                    "and reason (also in drops_total)", ("worker", "reason"))
         self.batches = Counter(p + "batches_total", "Batches received, by worker and kind", ("worker", "kind"))
         self.gaps = Counter(p + "gaps_total", "Sequence gaps detected, by worker", ("worker",))
         self.replays = Counter(p + "replays_total", "Gaps recovered by replay, by worker", ("worker",))
@@ -256,7 +261,7 @@ class ServiceMetrics:
                                      "or running off the event loop (router_api/offload.py)")
         self._all: tuple[_Metric, ...] = (
             self.index_core, self.native_declines, self.score_answers, self.offload_pending,
-            self.events, self.drops, self.batches, self.gaps, self.replays, self.resyncs,
+            self.events, self.drops, self.worker_drops, self.batches, self.gaps, self.replays, self.resyncs,
             self.restarts, self.worker_lag, self.worker_blocks, self.request_latency,
             self.http_rejects, self.snapshots, self.snapshot_requests,
         )

@@ -30,7 +30,7 @@ from router_api.metrics import Counter, Gauge, exposition
 from router_api.registry import RegistryError
 from schemas.api import RegisterWorker
 from schemas.jetstream import DEFAULT_KV_BUCKET, StreamSettings
-from schemas.natsio import NatsThread
+from transport.natsio import NatsThread
 
 log = logging.getLogger("kvatlas.nats_plane")
 

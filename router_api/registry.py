@@ -3,7 +3,7 @@ Pure: no I/O, no threads, no clock.
 
 Each worker's stream state and its status (connecting / live / resyncing / stale, expiry) are the
 reconciliation policy's (indexer.reconcile.StreamState, docs/service.md): this module only adds the
-registration, dp ranks and lag. `WorkerState.status(now, policy)` is that policy's verdict.
+registration, dp ranks and lag. `RegisteredWorker.status(now, policy)` is that policy's verdict.
 """
 from __future__ import annotations
 
@@ -14,16 +14,21 @@ import re
 import socket
 from typing import Callable, Iterable, Iterator
 
-from indexer.reconcile import LivenessPolicy, StreamState
-from schemas.api import RegisterWorker
+from indexer.reconcile import LivenessPolicy, StreamState, status_columns
+from schemas.api import DROPPING_WINDOW_S, RegisterWorker, TierBlocks, WorkerStatus
+from schemas.rules import TIER_NAMES
 from schemas.names import worker_id_problem
 
-__all__ = ["LivenessPolicy", "Registry", "RegistryError", "WorkerState", "endpoint_keys",
-           "validate_endpoint", "validate_worker_id"]
+__all__ = ["LivenessPolicy", "Registry", "RegistryError", "RegisteredWorker", "endpoint_keys",
+           "validate_endpoint", "validate_url", "validate_worker_id"]
 
 _ENDPOINT_RE = re.compile(
     r"^(?:tcp://(?P<host>\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})"
     r"|ipc://(?P<path>[^\x00-\x1f\x7f]+)|inproc://[A-Za-z0-9_.\-]+)$"
+)
+
+_URL_RE = re.compile(
+    r"^https?://(?:\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+)(?::(?P<port>\d{1,5}))?(?:/[\x21-\x7e]*)?$"
 )
 
 Resolver = Callable[[str, int], list[str]]
@@ -39,8 +44,12 @@ class InvalidRegistration(RegistryError):
     status = 400
 
 
-class ConflictingBlockSize(InvalidRegistration):
-    """The worker's block size differs from the one its model already uses (HTTP 400)."""
+class ConflictingBlockSize(RegistryError):
+    """The worker's block size differs from the one its model already uses (HTTP 409: the model's
+    block size is fixed by its other workers, or by the indexer's --block-size for its own model;
+    every path that adds a worker goes through `Registry.check`)."""
+
+    status = 409
 
 
 class DuplicateWorker(RegistryError):
@@ -88,6 +97,17 @@ def validate_endpoint(endpoint: str, what: str = "endpoint") -> re.Match[str]:
         raise InvalidRegistration(f"invalid {what} {endpoint!r}: a wildcard host can be bound, not "
                                   "connected to; give the publisher's address")
     return m
+
+
+def validate_url(url: str) -> None:
+    """A worker's HTTP base URL: `http[s]://host[:port][/path]`, printable ASCII, a port in range
+    (not resolved here: the router that sends to it does)."""
+    m = _URL_RE.match(url)
+    if m is None:
+        raise InvalidRegistration(f"invalid url {url!r}: expected http[s]://host[:port][/path]")
+    port = m.group("port")
+    if port is not None and not 0 < int(port) < 65536:
+        raise InvalidRegistration(f"invalid url {url!r}: port out of range")
 
 
 def endpoint_keys(endpoint: str, what: str = "endpoint", resolve: Resolver = resolve_host) -> frozenset[str]:
@@ -143,11 +163,11 @@ def check_jetstream_owner(reg: RegisterWorker) -> None:
             f"of model {reg.model!r} is read from <prefix>{tail}")
 
 
-class WorkerState(StreamState):
+class RegisteredWorker(StreamState):
     """A registered worker: its registration and what the API reports beyond the stream policy's
     state (indexer.reconcile.StreamState holds liveness, seq and resync state)."""
 
-    __slots__ = ("reg", "lag", "dp_ranks", "keys")
+    __slots__ = ("reg", "lag", "dp_ranks", "keys", "drops", "dropped_at")
 
     def __init__(self, reg: RegisterWorker, now: float, last_seq: int | None = None,
                  keys: frozenset[tuple[str, str]] = frozenset()) -> None:
@@ -158,6 +178,56 @@ class WorkerState(StreamState):
         # rebound only by `Registry.add_rank` (a frozenset: an in-place add elsewhere would fail loudly
         # instead of leaving the registry's `ranks_version` behind)
         self.dp_ranks: frozenset[int] = frozenset((reg.dp_rank,))
+        self.drops: dict[str, int] = {}  # its events the index dropped, by reason (`note_drops`)
+        self.dropped_at: float | None = None  # when the last of them was
+
+    def note_drops(self, drops: dict[str, int], now: float) -> int:
+        """Count this worker's dropped events by reason; returns how many were added."""
+        added = 0
+        mine = self.drops
+        for reason, n in drops.items():
+            if n > 0:
+                mine[reason] = mine.get(reason, 0) + n
+                added += n
+        if added:
+            self.dropped_at = now
+        return added
+
+    def dropping(self, now: float, window_s: float = DROPPING_WINDOW_S) -> bool:
+        """Whether some of its events were dropped within the last `window_s` seconds."""
+        return self.dropped_at is not None and now - self.dropped_at < window_s
+
+    def degraded(self, now: float, policy: LivenessPolicy) -> list[str]:
+        """Why its rows are not to be trusted now (`GET /health`'s degraded_workers), [] when they are:
+        `stale` / `resyncing` (the liveness policy's status), `dropping`, `inexact` (a loss its
+        publisher has not answered with its full state)."""
+        status = self.status(now, policy)
+        why = [status] if status in ("stale", "resyncing") else []
+        if self.dropping(now):
+            why.append("dropping")
+        if not self.clean:
+            why.append("inexact")
+        return why
+
+    def row(self, now: float, policy: LivenessPolicy, blocks: dict[tuple[str, int], dict[str, int]] | None = None
+            ) -> WorkerStatus:
+        """Its `GET /workers` row; `blocks`: the index's counts per (worker, rank) and tier."""
+        r = self.reg
+        totals = dict.fromkeys(TIER_NAMES, 0)
+        if blocks:
+            for rank in self.dp_ranks:
+                for k, n in (blocks.get((self.worker_id, rank)) or {}).items():
+                    if k in totals:
+                        totals[k] += int(n)
+        return WorkerStatus(
+            worker_id=r.worker_id, endpoint=r.endpoint, replay_endpoint=r.replay_endpoint, model=r.model,
+            block_size=r.block_size, dp_rank=r.dp_rank, topic=r.topic, status=self.status(now, policy),
+            last_seq=self.last_seq, lag=self.lag,
+            silent_s=None if self.last_msg_at is None else max(0.0, now - self.last_msg_at),
+            blocks=TierBlocks(**totals), dp_ranks=sorted(self.dp_ranks), batches=self.batches, gaps=self.gaps,
+            replays=self.replays, resyncs=self.resyncs, restarts=self.restarts, exact=self.clean, url=r.url,
+            drops=dict(self.drops), dropping=self.dropping(now),
+        )
 
 
 class Registry:
@@ -172,7 +242,7 @@ class Registry:
         self.policy = policy or LivenessPolicy()
         self.max_workers = max_workers
         self.resolve = resolve
-        self._workers: dict[str, WorkerState] = {}
+        self._workers: dict[str, RegisteredWorker] = {}
         # Moves with every dp_rank a worker gains (`add_rank`): a score plan built at one value still
         # lists every worker's ranks while it holds (router_api/service.py `_plan`), with no pass over
         # them. A counter's next() is one step under the GIL: two pipelines adding ranks at once never
@@ -180,7 +250,7 @@ class Registry:
         self._rank_versions = itertools.count(1)
         self.ranks_version = 0
 
-    def add_rank(self, state: WorkerState, rank: int) -> None:
+    def add_rank(self, state: RegisteredWorker, rank: int) -> None:
         """Record a dp_rank `state`'s worker publishes or was restored with (ranks only grow)."""
         if rank not in state.dp_ranks:
             state.dp_ranks = state.dp_ranks | {rank}
@@ -193,10 +263,10 @@ class Registry:
         now: float,
         model_block_sizes: dict[str, int] | None = None,
         last_seq: int | None = None,
-    ) -> WorkerState:
+    ) -> RegisteredWorker:
         """Validate and add. `model_block_sizes` are block sizes already fixed elsewhere (the index)."""
         keys = self.check(reg, model_block_sizes)
-        state = WorkerState(reg, now, last_seq, keys)
+        state = RegisteredWorker(reg, now, last_seq, keys)
         self._workers[reg.worker_id] = state
         return state
 
@@ -213,6 +283,8 @@ class Registry:
                                f"{self.max_workers}")
         if not reg.topic.isprintable() or not reg.model.isprintable():
             raise InvalidRegistration("model and topic must be printable")
+        if reg.url is not None:
+            validate_url(reg.url)
         ep_keys = endpoint_keys(reg.endpoint, resolve=self.resolve)
         if reg.replay_endpoint is not None:
             if endpoint_keys(reg.replay_endpoint, "replay_endpoint", resolve=self.resolve) & ep_keys:
@@ -237,13 +309,13 @@ class Registry:
                 )
         return keys
 
-    def remove(self, worker_id: str) -> WorkerState:
+    def remove(self, worker_id: str) -> RegisteredWorker:
         try:
             return self._workers.pop(worker_id)
         except KeyError:
             raise UnknownWorker(f"worker {worker_id!r} is not registered") from None
 
-    def get(self, worker_id: str) -> WorkerState | None:
+    def get(self, worker_id: str) -> RegisteredWorker | None:
         return self._workers.get(worker_id)
 
     def __contains__(self, worker_id: object) -> bool:
@@ -252,10 +324,10 @@ class Registry:
     def __len__(self) -> int:
         return len(self._workers)
 
-    def __iter__(self) -> Iterator[WorkerState]:
+    def __iter__(self) -> Iterator[RegisteredWorker]:
         return iter(list(self._workers.values()))
 
-    def of_model(self, model: str) -> list[WorkerState]:
+    def of_model(self, model: str) -> list[RegisteredWorker]:
         return [w for w in self._workers.values() if w.reg.model == model]
 
     def block_size_of(self, model: str) -> int | None:
@@ -270,5 +342,15 @@ class Registry:
     def watermarks(self) -> dict[str, int]:
         return {w.worker_id: w.last_seq for w in self._workers.values() if w.last_seq is not None}
 
-    def statuses(self, now: float, workers: Iterable[WorkerState] | None = None) -> dict[str, str]:
+    def degraded(self, now: float) -> dict[str, list[str]]:
+        """`RegisteredWorker.degraded` of every worker with a reason (`GET /health`): the statuses in one
+        pass (`status_columns`, in C with the native module), the reasons only for those few."""
+        states = list(self._workers.values())
+        out = {}
+        for w, status in zip(states, status_columns(states, now, self.policy)[0]):
+            if status in ("stale", "resyncing") or not w.clean or w.dropping(now):
+                out[w.worker_id] = w.degraded(now, self.policy)
+        return out
+
+    def statuses(self, now: float, workers: Iterable[RegisteredWorker] | None = None) -> dict[str, str]:
         return {w.worker_id: w.status(now, self.policy) for w in (workers or self._workers.values())}

@@ -26,11 +26,11 @@ from typing import Any
 import msgspec
 from nats.js.errors import NotFoundError
 
-from schemas.natsio import NatsThread, ensure_stream
+from transport.natsio import NatsThread, ensure_stream
 from indexer.shared_registry import SharedRegistry
 from indexer.deliveries import Batch, Gap, Restart
 from indexer.subscriber import Subscriber
-from producer.jetstream_publisher import JetStreamEventPublisher, new_epoch
+from transport.jetstream_publisher import JetStreamEventPublisher, new_epoch
 from schemas.api import RegisterWorker
 from schemas.names import worker_id_problem
 from schemas.jetstream import StreamSettings, event_subject, jetstream_endpoint, parse_headers
@@ -142,6 +142,7 @@ class Relay:
         self.stats = RelayStats()
         try:
             js = self._nats.js
+            assert js is not None  # set by NatsThread's start, which the constructor ran
             self._nats.call(lambda: ensure_stream(js, self.settings))
             for w in workers:
                 self._add(w)

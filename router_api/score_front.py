@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, NamedTuple, cast
 from urllib.parse import parse_qsl
 
 import msgspec
@@ -24,12 +24,24 @@ _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
 
 
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+ASGIApp = Callable[..., Awaitable[None]]  # (scope, receive, send)
 _JSON_HEADERS = (b"content-type", b"application/json")
 _MSGPACK_HEADERS = (b"content-type", b"application/msgpack")
-# (endpoint label, request type, handler): handler(model, tokens, lora_name, cache_salt, msgpack) -> answer bytes
-Route = tuple[str, type, Callable[..., bytes]]
-Answer = tuple[int, bytes, tuple[bytes, bytes]]  # (status, body, content-type header)
+
+
+class Route(NamedTuple):
+    """One endpoint the front serves: its metrics label, request type and
+    handler(model, tokens, lora_name, cache_salt, msgpack) -> answer bytes."""
+
+    endpoint: str
+    request_type: type
+    handler: Callable[..., bytes]
+
+
+class Answer(NamedTuple):
+    status: int
+    body: bytes
+    content_type: tuple[bytes, bytes]  # the header (name, value)
 
 
 class _ClientGone(Exception):
@@ -62,8 +74,8 @@ class ScoreFront:
         self.token: bytes | None = None  # set by BearerAuth: the fast path checks it too
         self._kinds: dict[bytes | None, str] = {}  # Content-Type value -> body kind (content_kind), accepted ones
         self.routes: dict[str, Route] = {
-            "/score": ("score", ScoreRequest, service.score_answer),  # answer bytes written in C when it can
-            "/query": ("query", QueryRequest, _encoded(service.query_compat))}
+            "/score": Route("score", ScoreRequest, service.score_answer),  # answer bytes written in C when it can
+            "/query": Route("query", QueryRequest, _encoded(service.query_compat))}
         # the same routes by their raw request-target: the protocol fast path looks that up before parsing it
         self.raw_routes: dict[bytes, Route] = {path.encode(): r for path, r in self.routes.items()}
 
@@ -91,7 +103,7 @@ class ScoreFront:
         except _ClientGone:
             return
         except ApiError as exc:
-            await _send(send, *self.rejected(route[0], exc))
+            await _send(send, *self.rejected(route.endpoint, exc))
             return
         await _send(send, *await self.respond(route, kind, accept, scope["query_string"], body, t0))
 
@@ -107,14 +119,14 @@ class ScoreFront:
 
     def health(self) -> Answer:
         """`GET /health`, the same bytes the FastAPI route answers (for the protocol fast path)."""
-        return 200, _json.encode(self.service.health()), _JSON_HEADERS
+        return Answer(200, _json.encode(self.service.health()), _JSON_HEADERS)
 
     def rejected(self, endpoint: str, exc: ApiError) -> Answer:
         self.metrics.http_rejects.inc(endpoint, exc.reason)
         if exc.loud:
             self.limiter.warning(exc.reason, "event=rejected endpoint=%s reason=%s status=%d",
                                  endpoint, exc.reason, exc.status)
-        return exc.status, _json.encode(ErrorResponse(error=exc.message)), _JSON_HEADERS
+        return Answer(exc.status, _json.encode(ErrorResponse(error=exc.message)), _JSON_HEADERS)
 
     def dispatch(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes | memoryview,
                  t0: float) -> Answer | Future:
@@ -126,7 +138,7 @@ class ScoreFront:
             return self.answer(route, kind, accept, query_string, body, t0)
         fut = pool.submit(self.answer, route, kind, accept, query_string, body, t0)
         if fut is None:
-            return self.rejected(route[0], ApiError(
+            return self.rejected(route.endpoint, ApiError(
                 503, f"busy: {pool.max_pending} large request bodies are already being answered; retry",
                 "offload_full"))
         return fut
@@ -140,7 +152,7 @@ class ScoreFront:
     def answer(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes | memoryview,
                t0: float) -> Answer:
         """(status, body, content-type header) for a whole request body; never raises."""
-        endpoint, typ, handler = route
+        endpoint, typ, handler = route.endpoint, route.request_type, route.handler
         mp = accept is not None and b"msgpack" in accept
         try:
             if kind == "octet" and not query_string:  # the common raw request: the default model, no salt
@@ -150,7 +162,7 @@ class ScoreFront:
                 model = qp.get("model") or qp.get("model_name") or self.default_model
                 out = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None, mp)
             else:
-                req, tokens = self.bodies.decode(kind, body, typ)
+                req, tokens = self.bodies.decode(kind, cast(bytes, body), typ)  # a view only for "octet"
                 if typ is QueryRequest:
                     model = req.model_name or req.model or self.default_model
                     out = handler(model, tokens, req.lora_name, req.cache_salt, mp)
@@ -164,19 +176,19 @@ class ScoreFront:
             return self.rejected(endpoint, ApiError(exc.status, exc.message, exc.reason))
         except UnknownModel as exc:
             self.metrics.http_rejects.inc(endpoint, "unknown_model")
-            return 404, _json.encode(ErrorResponse(error=str(exc))), _JSON_HEADERS
+            return Answer(404, _json.encode(ErrorResponse(error=str(exc))), _JSON_HEADERS)
         except Exception as exc:  # a bug must answer 500 and be counted, never kill the connection
             path = "/" + endpoint
             self.metrics.http_rejects.inc(path, "internal_error")
             self.limiter.error(f"internal:{path}:{type(exc).__name__}", "event=internal_error path=%s", path,
                                exc_info=exc)
-            return 500, _json.encode(ErrorResponse(error=f"internal error: {type(exc).__name__}: {exc}")), \
-                _JSON_HEADERS
+            return Answer(500, _json.encode(ErrorResponse(error=f"internal error: {type(exc).__name__}: {exc}")),
+                          _JSON_HEADERS)
         dt = time.perf_counter() - t0
         self.metrics.request_latency.observe(dt, endpoint)
         if endpoint == "score":
             self.metrics.recent_score.add(dt)
-        return 200, out, _MSGPACK_HEADERS if mp else _JSON_HEADERS
+        return Answer(200, out, _MSGPACK_HEADERS if mp else _JSON_HEADERS)
 
     async def _read(self, receive: Callable) -> bytes:
         """The whole body; 413 as soon as it passes the limit (whatever Content-Length said)."""

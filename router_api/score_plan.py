@@ -1,18 +1,20 @@
-"""What `IndexerService.score` keeps of the registry between queries (`ScorePlan`), and the row pieces
-it answers with: the per-tier blocks of a row (`tiers_of`), the sort keys, and the rows' in-flight
-fields as the C answer writer takes them (`pending_columns`)."""
+"""What `IndexerService.score` keeps of the registry between queries (`ScorePlan`), and the rows it
+answers with: the index's scores as fresh and stale rows (`score_rows`, `ScoreRows.response`), the
+per-tier blocks of a row (`tiers_of`), and the rows' in-flight fields as the C answer writer takes
+them (`pending_columns`)."""
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
-from indexer.core.types import ScoreTable
+from indexer.core.types import ScoreResult, ScoreTable, WorkerScore
+from indexer.reconcile import LivenessPolicy
 from router_api import answer
-from router_api.registry import WorkerState
+from router_api.registry import RegisteredWorker
 from router_api.routes import RouteBook
-from schemas.api import TierBlocks
+from schemas.api import BestWorker, QueryInstance, QueryResponse, ScoreResponse, TierBlocks, WorkerScoreOut
 
 # 8-byte fields of one packed row (score_walk.c PRow: slot, device, cached, 4 tiers, score); the byte
 # equality tests (tests/test_score_answer_pending.py) fail if it changes without this.
@@ -30,6 +32,14 @@ def tiers_of(d: dict[str, int] | None) -> TierBlocks:
 by_score = attrgetter("score")
 
 
+class Query(NamedTuple):
+    """What one /score asks besides the model: its tokens and the namespace they hash in."""
+
+    token_ids: Any
+    lora_name: str | None
+    cache_salt: str | None
+
+
 class ScorePlan:
     """What `score` needs of the registry, kept between queries: the model's worker states, their
     (worker_id, dp_rank) pairs, and the key it was built at (its validity check: the registry's
@@ -38,13 +48,19 @@ class ScorePlan:
 
     __slots__ = ("states", "key", "pairs", "pairset", "by_id", "rows")
 
-    def __init__(self, states: list[WorkerState], key: tuple[int, int, int]) -> None:
+    def __init__(self, states: list[RegisteredWorker], key: tuple[int, int, int]) -> None:
         self.states = states
         self.key = key
         self.by_id = {w.worker_id: w for w in states}
         self.pairs = [(w.worker_id, rank) for w in states for rank in sorted(w.dp_ranks)]
         self.pairset = frozenset(self.pairs)
         self.rows: answer.AnswerRows | None = None
+
+    def scope(self, held: list[tuple[str, int]]) -> list[tuple[str, int]] | None:
+        """The `workers` a score call names, given the pairs the index holds: None (all of them, from
+        the index's own cached order, no per-query selection) when it holds exactly the registered
+        pairs, else the registered ones. The one membership check of both score paths."""
+        return None if len(held) == len(self.pairs) and self.pairset.issuperset(held) else self.pairs
 
     def answer_rows(self, table: ScoreTable, same: bool) -> answer.AnswerRows:
         rows = self.rows
@@ -58,7 +74,7 @@ class ScorePlan:
 
 
 def pending_columns(book: RouteBook, index: Any, registry: Any, model: str, block_size: int,
-                    query: tuple[Any, str | None, str | None], now: float, pairs: Sequence[tuple[str, int]],
+                    query: Query, now: float, pairs: Sequence[tuple[str, int]],
                     packed: bytes) -> tuple[array, array] | tuple[()] | None:
     """The rows' in-flight fields for `write_answer` (under the service's lock), per head (`pairs`,
     `AnswerRows.pairs`): int64 (pending_blocks, pending_requests, pending_prefill_tokens) and busy_until
@@ -89,3 +105,67 @@ def pending_columns(book: RouteBook, index: Any, registry: Any, model: str, bloc
                 return None
             busy[h] = b
     return ints, busy
+
+
+class ScoreRows:
+    """One /score's rows (`score_rows`), fresh and stale apart, in the index's order."""
+
+    __slots__ = ("model", "block_size", "query_blocks", "fresh", "stale")
+
+    def __init__(self, model: str, block_size: int, query_blocks: int, fresh: list[WorkerScoreOut],
+                 stale: list[WorkerScoreOut]) -> None:
+        self.model, self.block_size, self.query_blocks = model, block_size, query_blocks
+        self.fresh, self.stale = fresh, stale
+
+    def response(self) -> ScoreResponse:
+        """Best first; a stale worker may be gone, so it sorts after every fresh one (stable: the index's
+        tie-break order is kept; reverse=True keeps sort stability)."""
+        fresh, stale = self.fresh, self.stale
+        fresh.sort(key=by_score, reverse=True)
+        stale.sort(key=by_score, reverse=True)
+        best = next((BestWorker(s.worker_id, s.dp_rank) for s in fresh if s.score > 0), None)
+        return ScoreResponse(self.model, self.block_size, self.query_blocks, fresh + stale if stale else fresh, best)
+
+
+def score_rows(model: str, block_size: int, result: ScoreResult, plan: ScorePlan, now: float,
+               policy: LivenessPolicy) -> ScoreRows:
+    """The index's scores as answer rows: every registered pair is listed (a rank the index has not
+    seen yet scores 0), each with its worker's status; a pair of a worker no longer registered is left out."""
+    rows = result.workers
+    if len(rows) != len(plan.pairs):
+        scored = {(ws.worker_id, ws.dp_rank) for ws in rows}
+        rows = list(rows) + [WorkerScore(wid, rank, 0, 0, {}, 0.0) for wid, rank in plan.pairs
+                             if (wid, rank) not in scored]
+    by_id = plan.by_id
+    fresh: list[WorkerScoreOut] = []
+    stale: list[WorkerScoreOut] = []
+    for ws in rows:
+        w = by_id.get(ws.worker_id)
+        if w is None:
+            continue
+        status = w.status(now, policy)
+        t = ws.tiers
+        tiers = TierBlocks(t["gpu"], t["host"], t["disk"], t["shared"]) if len(t) == 4 else tiers_of(t)
+        is_stale = status == "stale"
+        (stale if is_stale else fresh).append(WorkerScoreOut(
+            ws.worker_id, ws.dp_rank, ws.device_blocks, ws.cached_blocks, tiers, float(ws.score),
+            is_stale, w.last_seq, status, ws.kv_blocks))
+    return ScoreRows(model, block_size, result.query_blocks, fresh, stale)
+
+
+def query_response(res: ScoreResponse) -> QueryResponse:
+    """`/query`'s Dynamo / Mooncake-RFC shape of a /score answer, in tokens; per worker the best dp rank's tiers."""
+    bs = res.block_size
+    inst: dict[str, QueryInstance] = {}
+    for s in res.workers:
+        tokens = s.cached_blocks * bs
+        cur = inst.get(s.worker_id)
+        if cur is None:
+            cur = inst[s.worker_id] = QueryInstance(0, 0, 0, 0, {})
+        cur.dp[str(s.dp_rank)] = tokens
+        if tokens > cur.longest_matched or (tokens == cur.longest_matched and not cur.dp):
+            cur.longest_matched = tokens
+            cur.gpu = s.tiers.gpu * bs
+            cur.cpu = s.tiers.host * bs
+            cur.disk = (s.tiers.disk + s.tiers.shared) * bs
+    return QueryResponse(instances=inst)

@@ -20,13 +20,12 @@ import msgspec
 
 from indexer.snapshot import Snapshot, SnapshotStore, make_snapshot_store
 from indexer.core import native as native_core
-from indexer.core.types import WorkerScore
 from router_api import answer, service_snapshot
 from router_api.config import TIER_KEYS, ServiceConfig, check_ingest_shards, default_index, default_subscriber
 from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import ShardedLock
 from router_api.metrics import ServiceMetrics
-from router_api.score_plan import ScorePlan, by_score, pending_columns, tiers_of
+from router_api.score_plan import Query, ScorePlan, ScoreRows, pending_columns, query_response, score_rows
 from router_api.worker_metrics import WorkerGauges
 from router_api.routes import RouteBook, UnknownRouteWorker
 from indexer.pending import PendingRoutes
@@ -34,7 +33,6 @@ from indexer.protocol import Index, ScoringIndex, Subscriber
 from indexer.reconcile import LivenessPolicy, status_columns
 from router_api.registry import (
     ConflictingBlockSize,
-    InvalidRegistration,
     Registry,
     RegistryError,
     RegistryFull,
@@ -42,14 +40,11 @@ from router_api.registry import (
     UnknownWorker,
 )
 from schemas.api import (
-    BestWorker,
     HealthResponse,
-    QueryInstance,
     QueryResponse,
     RegisterWorker,
     RouteAnswer,
     ScoreResponse,
-    TierBlocks,
     WorkerScoreOut,
     WorkersResponse,
     WorkerStatus,
@@ -64,6 +59,8 @@ class ServiceHealth(HealthResponse):
     """`GET /health`: the shared HealthResponse plus which index core serves (docs/service.md)."""
 
     core: str = "python"
+    # Workers whose rows are not to be trusted now, with why (RegisteredWorker.degraded); any: `status` degraded.
+    degraded_workers: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
 def core_name(index: Index) -> str:
@@ -209,7 +206,7 @@ class IndexerService:
             except Exception as exc:  # BlockSizeConflict: keep registry and index consistent
                 self.registry.remove(reg.worker_id)
                 self.worker_gauges.refuse(reg.worker_id, "block_size_conflict")
-                raise InvalidRegistration(str(exc)) from exc
+                raise ConflictingBlockSize(str(exc)) from exc
             # Known to the index before its first event, so /score lists it from the start.
             self.index.register_worker(reg.model, reg.worker_id, reg.dp_rank)
             status = self._status_of(reg.worker_id, self.clock())
@@ -286,36 +283,33 @@ class IndexerService:
         w = self.registry.get(worker_id)
         if w is None:
             raise UnknownWorker(f"worker {worker_id!r} is not registered")
-        r = w.reg
-        totals = {k: 0 for k in TIER_KEYS}
-        if blocks:
-            for rank in w.dp_ranks:
-                for k, n in (blocks.get((worker_id, rank)) or {}).items():
-                    if k in totals:
-                        totals[k] += int(n)
-        return WorkerStatus(
-            worker_id=r.worker_id, endpoint=r.endpoint, replay_endpoint=r.replay_endpoint, model=r.model,
-            block_size=r.block_size, dp_rank=r.dp_rank, topic=r.topic,
-            status=w.status(now, self.registry.policy), last_seq=w.last_seq, lag=w.lag,
-            silent_s=None if w.last_msg_at is None else max(0.0, now - w.last_msg_at),
-            blocks=tiers_of(totals), dp_ranks=sorted(w.dp_ranks), batches=w.batches, gaps=w.gaps,
-            replays=w.replays, resyncs=w.resyncs, restarts=w.restarts, exact=w.clean,
-        )
+        return w.row(now, self.registry.policy, blocks)
+
+    def worker(self, worker_id: str) -> WorkerStatus:
+        """`GET /workers/{id}`: one row of `workers()` (UnknownWorker when it is not registered; a
+        `kvatlas worker` asks it to notice an indexer that forgot it, sim/registrar.py)."""
+        stats = self._block_stats(self.clock())
+        with self.lock:
+            return self._status_of(worker_id, self.clock(), stats)
+
+    def _block_stats(self, now: float) -> dict[tuple[str, int], dict[str, int]]:
+        """Blocks per (worker, rank) and tier, counted at most once per `stats_ttl_s`."""
+        cached = self._blocks_cache
+        if cached is not None and now - cached[0] < self.config.stats_ttl_s:
+            return cached[1]
+        stats: dict[tuple[str, int], dict[str, int]] = {}
+        with self.lock:
+            models = {w.reg.model for w in self.registry}
+        for model in models:  # one model at a time: ingestion waits for one model's count only
+            with self.lock:
+                if model in self.index.models():
+                    stats.update(self.index.worker_stats(model))
+        self._blocks_cache = (now, stats)
+        return stats
 
     def workers(self) -> WorkersResponse:
         now = self.clock()
-        cached = self._blocks_cache
-        if cached is not None and now - cached[0] < self.config.stats_ttl_s:
-            stats = cached[1]
-        else:
-            stats = {}
-            with self.lock:
-                models = {w.reg.model for w in self.registry}
-            for model in models:  # one model at a time: ingestion waits for one model's count only
-                with self.lock:
-                    if model in self.index.models():
-                        stats.update(self.index.worker_stats(model))
-            self._blocks_cache = (now, stats)
+        stats = self._block_stats(now)
         with self.lock:
             rows = [self._status_of(w.worker_id, now, stats) for w in self.registry]
         rows.sort(key=lambda s: s.worker_id)
@@ -339,102 +333,84 @@ class IndexerService:
             plan = self._plans[model] = ScorePlan(states, key)
         return plan
 
+    def _scope(self, model: str) -> tuple[int, ScorePlan]:
+        """Under the lock: the model's block size and registered pairs (UnknownModel if the index lacks it)."""
+        block_size = self.index.block_size(model)
+        if block_size is None:
+            raise UnknownModel(f"unknown model {model!r}")
+        return block_size, self._plan(model)
+
     def score(self, model: str, token_ids: Any, lora_name: str | None = None,
               cache_salt: str | None = None) -> ScoreResponse:
         now = self.clock()
-        policy = self.registry.policy
         with self.lock:
-            block_size = self.index.models().get(model)
-            if block_size is None:
-                raise UnknownModel(f"unknown model {model!r}")
-            plan = self._plan(model)
-            # When the index holds exactly the registered pairs, it scores them all from its own
-            # cached order (no per-query selection); otherwise it scores the registered ones.
-            held = self.index.workers(model)
-            same = len(held) == len(plan.pairs) and plan.pairset.issuperset(held)
-            result = self.index.score(model, token_ids, lora_name=lora_name, cache_salt=cache_salt,
-                                      workers=None if same else plan.pairs)
-            rows = result.workers
-            if len(rows) != len(plan.pairs):
-                # Every registered worker is listed, even a rank the index has not seen yet.
-                scored = {(ws.worker_id, ws.dp_rank) for ws in rows}
-                rows = list(rows) + [WorkerScore(wid, rank, 0, 0, {}, 0.0)
-                                     for wid, rank in plan.pairs if (wid, rank) not in scored]
-            by_id = plan.by_id
-            fresh: list[WorkerScoreOut] = []
-            stale: list[WorkerScoreOut] = []
-            for ws in rows:
-                w = by_id.get(ws.worker_id)
-                if w is None:
-                    continue
-                status = w.status(now, policy)
-                t = ws.tiers
-                tiers = TierBlocks(t["gpu"], t["host"], t["disk"], t["shared"]) if len(t) == 4 else tiers_of(t)
-                is_stale = status == "stale"
-                (stale if is_stale else fresh).append(WorkerScoreOut(
-                    ws.worker_id, ws.dp_rank, ws.device_blocks, ws.cached_blocks, tiers, float(ws.score),
-                    is_stale, w.last_seq, status, ws.kv_blocks))
-            query_blocks = result.query_blocks
-            if self.routes.pending.active(model):
-                try:
-                    self._add_pending(model, block_size, token_ids, lora_name, cache_salt, fresh, stale, now)
-                except Exception as exc:  # pending state must never cost the exact answer
-                    self.metrics.drops.inc("pending_error")
-                    log.error("event=pending_rows_failed model=%s error=%r", model, exc)
-        # Best first; a stale worker may be gone, so it sorts after every fresh one (stable: the
-        # index's tie-break order is kept; reverse=True keeps sort stability).
-        fresh.sort(key=by_score, reverse=True)
-        stale.sort(key=by_score, reverse=True)
-        best = next((BestWorker(s.worker_id, s.dp_rank) for s in fresh if s.score > 0), None)
-        return ScoreResponse(model, block_size, query_blocks, fresh + stale if stale else fresh, best)
+            block_size, plan = self._scope(model)
+            rows = self._score_rows(model, block_size, plan, Query(token_ids, lora_name, cache_salt), now)
+        return rows.response()
 
     def score_answer(self, model: str, token_ids: Any, lora_name: str | None = None, cache_salt: str | None = None,
                      msgpack: bool = False) -> bytes:
-        """`score`, encoded: exactly `msgspec.{json,msgpack}.encode(self.score(...))`. With the native
-        core the rows never become objects: the index packs them and C writes the bytes (router_api/answer.py);
-        anything that path does not take (pure core, hybrid models, odd tokens or scores) is `score` + msgspec.
-        Rows' in-flight fields go to C as columns (score_plan.pending_columns)."""
-        writer = self._writer
-        if writer is not None:
-            now = self.clock()
-            index = self.index
-            with self.lock:
-                block_size = index.block_size(model)
-                if block_size is None:
-                    raise UnknownModel(f"unknown model {model!r}")
-                plan = self._plan(model)
-                table = None
-                if plan.rows is not None:
-                    # The last query found the index holding exactly the plan's pairs; while the index
-                    # keeps the same order list (its membership unchanged), it still does.
-                    table = index.score_table(model, token_ids, lora_name, cache_salt, None)
-                    if table is not None and table.worker_ids is not plan.rows.worker_ids:
-                        table = None
-                    same = True
-                if table is None:
-                    held = index.workers(model)
-                    same = len(held) == len(plan.pairs) and plan.pairset.issuperset(held)
-                    table = index.score_table(model, token_ids, lora_name, cache_salt, None if same else plan.pairs)
-                if table is not None:
-                    states = plan.states
-                    rows = plan.answer_rows(table, same)
-                    fmt = self._formats
-                    i = 1 if msgpack else 0
-                    policy = self.registry.policy
-                    pend = self._pending_columns(model, block_size, (token_ids, lora_name, cache_salt), rows.pairs,
-                                                 table.rows, now) if self.routes.pending.active(model) else ()
-                    out = None if pend is None else writer.write_answer(
-                        msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks,
-                        table.rows, rows.heads[i], rows.wix, *status_columns(states, now, policy),
-                        fmt.statuses[i], *pend)
-                    if out is not None:
-                        self.metrics.score_answers.inc("c")
-                        return out
-        res = self.score(model, token_ids, lora_name, cache_salt)
+        """`score`, encoded: exactly `msgspec.{json,msgpack}.encode(self.score(...))`, from one lookup of the
+        model and its registered pairs. With the native core the rows never become objects: the index packs
+        them and C writes the bytes (router_api/answer.py); what that path does not take (pure core, hybrid
+        models, odd tokens or scores) becomes `score`'s rows, encoded by msgspec."""
+        now = self.clock()
+        query = Query(token_ids, lora_name, cache_salt)
+        with self.lock:
+            block_size, plan = self._scope(model)
+            out = None if self._writer is None else self._write_answer(model, block_size, plan, query, now, msgpack)
+            if out is None:
+                rows = self._score_rows(model, block_size, plan, query, now)
+        if out is not None:
+            self.metrics.score_answers.inc("c")
+            return out
         self.metrics.score_answers.inc("msgspec")
-        return (_msgpack if msgpack else _json).encode(res)
+        return (_msgpack if msgpack else _json).encode(rows.response())
 
-    def _pending_columns(self, model: str, block_size: int, query: tuple[Any, str | None, str | None],
+    def _score_rows(self, model: str, block_size: int, plan: ScorePlan, query: Query, now: float) -> ScoreRows:
+        """The rows of every registered pair (under the lock), in the index's order, split fresh / stale."""
+        result = self.index.score(model, query.token_ids, lora_name=query.lora_name, cache_salt=query.cache_salt,
+                                  workers=plan.scope(self.index.workers(model)))
+        rows = score_rows(model, block_size, result, plan, now, self.registry.policy)
+        if self.routes.pending.active(model):
+            try:
+                self._add_pending(model, block_size, query, rows.fresh, rows.stale, now)
+            except Exception as exc:  # pending state must never cost the exact answer
+                self.metrics.drops.inc("pending_error")
+                log.error("event=pending_rows_failed model=%s error=%r", model, exc)
+        return rows
+
+    def _write_answer(self, model: str, block_size: int, plan: ScorePlan, query: Query, now: float,
+                      msgpack: bool) -> bytes | None:
+        """The answer bytes by the C writer (under the lock), or None for what it does not take."""
+        index, writer = self.index, self._writer
+        if writer is None:
+            return None
+        table = None
+        if plan.rows is not None:
+            # The last query found the index holding exactly the plan's pairs; while the index keeps the
+            # same order list (its membership unchanged), it still does: no membership check needed.
+            table = index.score_table(model, query.token_ids, query.lora_name, query.cache_salt, None)
+            if table is not None and table.worker_ids is not plan.rows.worker_ids:
+                table = None
+            workers = None
+        if table is None:
+            workers = plan.scope(index.workers(model))
+            table = index.score_table(model, query.token_ids, query.lora_name, query.cache_salt, workers)
+        if table is None:
+            return None
+        rows = plan.answer_rows(table, workers is None)
+        fmt = self._formats
+        i = 1 if msgpack else 0
+        pend = self._pending_columns(model, block_size, query, rows.pairs, table.rows, now) \
+            if self.routes.pending.active(model) else ()
+        if pend is None:
+            return None
+        return writer.write_answer(
+            msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks, table.rows,
+            rows.heads[i], rows.wix, *status_columns(plan.states, now, self.registry.policy), fmt.statuses[i], *pend)
+
+    def _pending_columns(self, model: str, block_size: int, query: Query,
                          pairs: list[tuple[str, int]], packed: bytes, now: float) -> tuple[Any, ...] | None:
         """`_add_pending` for the C writer (under the lock): the in-flight columns, () for none."""
         try:
@@ -444,16 +420,15 @@ class IndexerService:
             log.error("event=pending_rows_failed model=%s error=%r", model, exc)
             return ()
 
-    def _add_pending(self, model: str, block_size: int, token_ids: Any, lora_name: str | None,
-                     cache_salt: str | None, fresh: list[WorkerScoreOut], stale: list[WorkerScoreOut],
-                     now: float) -> None:
+    def _add_pending(self, model: str, block_size: int, query: Query, fresh: list[WorkerScoreOut],
+                     stale: list[WorkerScoreOut], now: float) -> None:
         """Rows' `pending_blocks` (under the lock): the query's leading blocks past each row's exact
         match that routes reported to that worker still hold (docs/CONTRACTS.md, "Pending routes")."""
         book = self.routes
         book.sweep(self.index, self.registry, model, now)
         if not book.pending.active(model):
             return
-        keys = book.keys(self.index, model, block_size, token_ids, lora_name, cache_salt)
+        keys = book.keys(self.index, model, block_size, query.token_ids, query.lora_name, query.cache_salt)
         for rows in (fresh, stale):
             for row in rows:
                 # kv_blocks is set exactly on a hybrid model's rows (docs/hybrid.md)
@@ -545,21 +520,7 @@ class IndexerService:
     def query_compat(self, model: str, token_ids: Any, lora_name: str | None,
                      cache_salt: str | None) -> QueryResponse:
         """Dynamo / Mooncake-RFC shape, in tokens; per worker the best dp rank's tiers."""
-        res = self.score(model, token_ids, lora_name, cache_salt)
-        bs = res.block_size
-        inst: dict[str, QueryInstance] = {}
-        for s in res.workers:
-            tokens = s.cached_blocks * bs
-            cur = inst.get(s.worker_id)
-            if cur is None:
-                cur = inst[s.worker_id] = QueryInstance(0, 0, 0, 0, {})
-            cur.dp[str(s.dp_rank)] = tokens
-            if tokens > cur.longest_matched or (tokens == cur.longest_matched and not cur.dp):
-                cur.longest_matched = tokens
-                cur.gpu = s.tiers.gpu * bs
-                cur.cpu = s.tiers.host * bs
-                cur.disk = (s.tiers.disk + s.tiers.shared) * bs
-        return QueryResponse(instances=inst)
+        return query_response(self.score(model, token_ids, lora_name, cache_salt))
 
     def dump(self) -> dict[str, Any]:
         with self.lock:
@@ -579,8 +540,11 @@ class IndexerService:
         n = len(self.registry)
         models = dict(self.index.models())
         alive = self.ingest.alive
-        return ServiceHealth(status="ok" if alive else "degraded", workers=n, ingest_alive=alive,
-                             uptime_s=self.clock() - self.started_at, models=models, core=self.core)
+        now = self.clock()
+        degraded = self.registry.degraded(now)
+        return ServiceHealth(status="ok" if alive and not degraded else "degraded", workers=n, ingest_alive=alive,
+                             uptime_s=now - self.started_at, models=models, core=self.core,
+                             degraded_workers=degraded)
 
     def stats(self) -> dict[str, Any]:
         """Numbers the dashboard polls; rates are computed client-side from these totals."""

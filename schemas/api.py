@@ -35,6 +35,10 @@ class RegisterWorker(Struct, forbid_unknown_fields=True, omit_defaults=True):
     block_size: Annotated[int, Meta(ge=1, le=1 << 20)] = 16
     dp_rank: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
     topic: Annotated[str, Meta(max_length=256)] = ""
+    # The worker's OpenAI-compatible HTTP base URL (http[s]://host:port[/path]): what a router sends
+    # its requests to (GET /workers lists it). Optional: an engine registered without one is indexed
+    # and scored all the same.
+    url: Optional[Annotated[str, Meta(min_length=1, max_length=512)]] = None
 
 
 # gc=False on the per-worker answer rows (no reference cycles are possible): a /score answer makes
@@ -70,6 +74,16 @@ class WorkerStatus(Struct):
     # False from a loss the publisher has not answered with its full state (an AllBlocksCleared
     # batch) or a restart: rows may then differ from another replica's at the same last_seq.
     exact: bool = True
+    url: Optional[str] = None  # RegisterWorker.url
+    # Events of this worker the index dropped, by reason (indexer.core.types' vocabulary, `apply_error`,
+    # the reconciliation's drops), since it registered; `dropping`: some were dropped within the last
+    # DROPPING_WINDOW_S, so its rows may lack blocks it holds (docs/reference.md, "Workers").
+    drops: dict[str, int] = msgspec.field(default_factory=dict)
+    dropping: bool = False
+
+
+# How long a drop keeps a worker `dropping` (WorkerStatus.dropping).
+DROPPING_WINDOW_S: Final = 60.0
 
 
 class WorkersResponse(Struct):

@@ -20,6 +20,7 @@ from schemas.events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    KVEvent,
     KVEventBatchArr,
 )
 from schemas.media import parse_medium
@@ -62,7 +63,7 @@ def _normalize_hashes(hashes: list) -> list | None:
 
 def _normalize(batch: KVEventBatch) -> KVEventBatch | DecodeError:
     for ev in batch.events:
-        if type(ev) is AllBlocksCleared:  # array-form twins were re-homed by _from_array_form
+        if isinstance(ev, AllBlocksCleared):  # array-form twins were re-homed by _from_array_form
             continue
         hashes = _normalize_hashes(ev.block_hashes)
         if hashes is None:
@@ -71,7 +72,7 @@ def _normalize(batch: KVEventBatch) -> KVEventBatch | DecodeError:
         medium = parse_medium(ev.medium)
         if medium is not None:
             ev.medium = medium.name
-        if type(ev) is BlockStored:
+        if isinstance(ev, BlockStored):
             p = ev.parent_block_hash
             if type(p) is int:
                 ev.parent_block_hash = p & U64_MASK
@@ -82,7 +83,7 @@ def _normalize(batch: KVEventBatch) -> KVEventBatch | DecodeError:
 
 def _from_array_form(arr: KVEventBatchArr) -> KVEventBatch:
     # Re-home positional twins onto the canonical classes (field-for-field identical).
-    events = []
+    events: list[KVEvent] = []
     for ev in arr.events:
         if isinstance(ev, BlockStored):
             events.append(BlockStored(*(getattr(ev, f) for f in BlockStored.__struct_fields__)))

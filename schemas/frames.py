@@ -8,8 +8,10 @@ Pure constants and two helpers: no sockets, no imports beyond the standard libra
 """
 from __future__ import annotations
 
+from typing import Literal
+
 SEQ_BYTES = 8
-SEQ_ORDER = "big"
+SEQ_ORDER: Literal["big"] = "big"
 # The replay end marker: -1 as a signed seq (no real seq is that large unsigned).
 END_SEQ = (-1).to_bytes(SEQ_BYTES, SEQ_ORDER, signed=True)
 # A kvatlas extension on the replay socket: `[b"", SNAPSHOT_REQUEST]` asks a kvatlas producer to

@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_apply import apply_sharded, apply_stream  # noqa: E402
-from service_stream import BS, Stream  # noqa: E402
+from bench.bench_apply import apply_sharded, apply_stream  # noqa: E402
+from bench.support.service_stream import BS, Stream  # noqa: E402
 
 from indexer.index import KVIndex  # noqa: E402
 
@@ -25,7 +24,7 @@ def fresh(n: int) -> list[KVIndex]:
 
 
 def test_short_mode_prints_the_ratio() -> None:
-    r = subprocess.run([sys.executable, "bench/bench_apply.py", "--workers", "4", "--batches", "20", "--reps", "1",
+    r = subprocess.run([sys.executable, "-m", "bench.bench_apply", "--workers", "4", "--batches", "20", "--reps", "1",
                         "--shards", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stdout.splitlines() if "2 shards on 2 threads" in ln]
@@ -33,7 +32,7 @@ def test_short_mode_prints_the_ratio() -> None:
 
 
 def test_bad_shard_count_is_refused() -> None:
-    r = subprocess.run([sys.executable, "bench/bench_apply.py", "--shards", "1"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "bench.bench_apply", "--shards", "1"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "--shards must be 2 or more" in r.stderr
 
@@ -68,7 +67,7 @@ def test_bench_publishers_answer_replays_in_round_robin_chunks(zmq_ctx) -> None:
     2026-11-25 hung that way); every reply still arrives, in order, then the end marker."""
     import zmq
 
-    from service_stream import END_SEQ, REPLAY_CHUNK, RawPublisher
+    from bench.support.service_stream import END_SEQ, REPLAY_CHUNK, RawPublisher
 
     pubs = [RawPublisher(zmq_ctx) for _ in range(2)]
     dealers = []

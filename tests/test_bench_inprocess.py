@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
-import bench_inprocess as bi  # noqa: E402
-import mooncake_trace as mt  # noqa: E402
+from bench import bench_inprocess as bi  # noqa: E402
+from bench.support import mooncake_trace as mt  # noqa: E402
 
 SMALL = mt.Shape(n_requests=600)
 CAP = 120  # small enough that evictions (BlockRemoved) happen within 600 requests

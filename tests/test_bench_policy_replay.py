@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
-import bench_policy_replay as bp  # noqa: E402
+from bench import bench_policy_replay as bp  # noqa: E402
 
 
 def test_replays_are_deterministic_exact_and_cache_aware() -> None:

@@ -11,9 +11,8 @@ from indexer.core import native as native_core
 from indexer.snapshot import decode_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
-import bench_restore as br  # noqa: E402
+from bench import bench_restore as br  # noqa: E402
 
 
 @pytest.mark.skipif(not native_core.available(), reason="accelerator not built")

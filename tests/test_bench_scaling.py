@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
-import bench_scaling as bs  # noqa: E402
+from bench import bench_scaling as bs  # noqa: E402
 
 
 def test_plan_spreads_documents_over_workers() -> None:

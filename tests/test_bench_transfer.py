@@ -10,16 +10,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
-import bench_transfer  # noqa: E402
+from bench import bench_transfer
 
 from producer.transfer import cuda_available  # noqa: E402
 
 
 @pytest.mark.skipif(cuda_available(), reason="this machine has a GPU: the bench measures instead")
 def test_without_a_gpu_it_says_so_and_exits_0() -> None:
-    r = subprocess.run([sys.executable, "bench/bench_transfer.py"], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "bench.bench_transfer"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert "no CUDA device" in r.stdout and "nothing measured" in r.stdout

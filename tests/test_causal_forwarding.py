@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from producer.sim.api import GenerateResponse, WorkerHealth
+from sim.api import GenerateResponse, WorkerHealth
 from router_api.config import ServiceConfig
 from router_api.demo.procs import Child, wait_healthy
 from router_api.router.forwarder import RouterCore, fetch_sim
@@ -32,7 +32,7 @@ BS = 16
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveIndexer, str]]:
     li = LiveIndexer(ServiceConfig(port=free_port(), block_size=BS, stats_ttl_s=0.0)).start()
     wp = free_port()
-    w = Child("worker", [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING", "worker", "--id", "cw0",
+    w = Child("worker", [sys.executable, "-m", "cli.main", "--log-level", "WARNING", "worker", "--id", "cw0",
                          "--port", str(wp), "--indexer", li.url, "--block-size", str(BS), "--gpu-pages", "256",
                          "--speed", "1000"], tmp_path_factory.mktemp("causal"))
     url = f"http://127.0.0.1:{wp}"

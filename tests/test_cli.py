@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from router_api import cli
+from cli import main as cli
 
 
 def test_a_subcommand_missing_a_dependency_leaves_the_others_working(monkeypatch, capsys) -> None:

@@ -20,7 +20,7 @@ import yaml
 from router_api.demo.procs import Child, http_json
 from router_api.router.report import summarize
 from router_api.router.trace import TokenExpander, load_trace, slice_conversations
-from producer.sim.api import RouterReport
+from sim.api import RouterReport
 from support.net import REPO_ROOT, free_port, wait_until
 from support.nats import nats_binary
 
@@ -130,7 +130,7 @@ def localize(services: dict, redis_port: int, out_dir: Path) -> tuple[dict[tuple
         if name == "nats":  # the image's entrypoint prepends nats-server to a command of flags
             cmds[name] = [nats_binary(), *cmd, "-a", "127.0.0.1"]
         else:
-            cmds[name] = [sys.executable, "-m", "router_api.cli", *cmd[1:]]
+            cmds[name] = [sys.executable, "-m", "cli.main", *cmd[1:]]
     return ports, cmds
 
 

@@ -32,7 +32,7 @@ def _render(url: str) -> str:
 
 
 def _cell(dom: str, worker: str, tier: str) -> int:
-    row = re.search(rf'<tr data-worker="{worker}" data-status="(\w+)">(.*?)</tr>', dom, re.S)
+    row = re.search(rf'<tr data-worker="{worker}" data-status="(\w+)"[^>]*>(.*?)</tr>', dom, re.S)
     assert row, f"no row for {worker}"
     m = re.search(rf'data-tier="{tier}">([\d,]+)<', row.group(2))
     assert m, (worker, tier, row.group(2)[:500])
@@ -58,7 +58,8 @@ def test_dashboard_renders_workers_and_numbers() -> None:
         assert 'id="conn" class="ok">live<' in dom, dom[:3000]
         assert re.search(r'id="n-workers">3<', dom)
         for wid, row in rows.items():
-            assert re.search(rf'<tr data-worker="{wid}" data-status="live">', dom), wid
+            dropping = "1" if wid == "w1" else "0"  # w1's events were dropped (its garbage payload)
+            assert re.search(rf'<tr data-worker="{wid}" data-status="live" data-dropping="{dropping}">', dom), wid
             for tier in ("gpu", "host"):
                 assert _cell(dom, wid, tier) == row["blocks"][tier] and (tier == "host" or row["blocks"][tier] > 0)
         total = int(re.search(r'id="events-total">([\d,]+)<', dom).group(1).replace(",", ""))
@@ -74,6 +75,9 @@ def test_dashboard_renders_workers_and_numbers() -> None:
             assert cell and 0 <= float(cell.group(1)) < 600, wid
         assert re.search(rf'id="core">{li.client.get("/health").json()["core"]}<', dom)
         assert re.search(r'id="restarts">\d+ · 1<', dom)  # the one drop above
+        assert rows["w1"]["drops"] == {"decode_malformed": 1} and rows["w1"]["dropping"]
+        assert re.search(r'<tr data-worker="w1".*?<span class="status dropping"[^>]*>dropping</span>.*?'
+                         r'data-drops="1" title="decode_malformed 1">1<', dom, re.S), "w1's drops not shown"
         assert re.search(r'<polyline points="[^"]+" stroke="var\(--gpu\)" data-series="gpu"', dom)  # several polls drawn
 
         # Without the token the page is refused (the JSON error is what the browser shows).

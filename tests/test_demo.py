@@ -28,7 +28,7 @@ def test_demo_index_equals_caches_and_routing_beats_round_robin() -> None:
 
 def test_demo_cli_runs_and_rejects_bad_arguments() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    exe = [sys.executable, "-m", "router_api.cli"]
+    exe = [sys.executable, "-m", "cli.main"]
     ok = subprocess.run([*exe, "demo", "--in-process", "--workers", "2", "--requests", "40"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr

@@ -17,7 +17,7 @@ KEYS = ["policy", "routers", "requests", "hit_ratio", "prefill_tokens", "ttft_me
 def test_demo_on_processes_short(tmp_path: Path) -> None:
     out = tmp_path / "table.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "router_api.cli", "demo", "--requests", "40", "--workers", "2",
+    r = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--requests", "40", "--workers", "2",
                         "--policies", "round_robin,precise_tiered", "--routers", "2", "--speed", "10",
                         "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -49,7 +49,7 @@ def test_demo_on_processes_short(tmp_path: Path) -> None:
 
 def test_demo_rejects_bad_arguments() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    exe = [sys.executable, "-m", "router_api.cli", "demo"]
+    exe = [sys.executable, "-m", "cli.main", "demo"]
     for args, msg in ((["--policies", "magic"], "--policies"), (["--requests", "0"], "--requests must be positive"),
                       (["--speed", "0"], "--speed must be positive"),
                       (["--admission-timeout", "-1"], "--admission-timeout"),

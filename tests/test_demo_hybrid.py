@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_hybrid_demo_short(family: str, tmp_path: Path) -> None:
     out = tmp_path / "table.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "router_api.cli", "demo", "--family", family, "--requests", "24",
+    r = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--family", family, "--requests", "24",
                         "--workers", "2", "--policies", "precise_kv_only,precise_tiered", "--routers", "1",
                         "--speed", "10", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=240)
@@ -47,6 +47,6 @@ def test_hybrid_demo_short(family: str, tmp_path: Path) -> None:
 
 def test_hybrid_demo_rejects_other_modes() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "router_api.cli", "demo", "--family", "mamba", "--in-process"],
+    r = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--family", "mamba", "--in-process"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--family runs the process demo" in r.stderr, r.stderr

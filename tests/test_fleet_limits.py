@@ -39,7 +39,7 @@ def declared_too_big(port: int, length: int, path: bytes = b"/generate") -> byte
 
 def test_worker_and_router_work_with_an_auth_indexer_and_bound_their_inputs(tmp_path: Path) -> None:
     ip, wp, rp = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING"]
+    cmd = [sys.executable, "-m", "cli.main", "--log-level", "WARNING"]
     env = {"KVATLAS_AUTH_TOKEN": TOKEN}
     idx = Child("indexer", [*cmd, "indexer", "--port", str(ip), "--block-size", str(BLOCK)], tmp_path, env)
     w = Child("worker", [*cmd, "worker", "--id", "w0", "--port", str(wp), "--indexer", f"http://127.0.0.1:{ip}",

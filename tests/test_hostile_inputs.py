@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from indexer.eventlog import EventLogWriter
 from indexer.replay import Pacer
 from indexer.sequencing import FP_WINDOW, SeqTracker
-from router_api.cli import main as cli_main
+from cli.main import main as cli_main
 from schemas.events import KVEventBatch
+from router_api.procs import spawn
 
 U64 = (1 << 64) - 1
 
@@ -137,7 +138,7 @@ def test_record_takes_seqs_at_and_above_2_63(tmp_path: Path) -> None:
     pub = ctx.socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     out = tmp_path / "u64.kvlog"
-    proc = subprocess.Popen([sys.executable, "-m", "router_api.cli", "record", "--connect",
+    proc = spawn([sys.executable, "-m", "cli.main", "record", "--connect",
                              f"w0=tcp://127.0.0.1:{port}", "--out", str(out), "--no-progress"], cwd=REPO_ROOT,
                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

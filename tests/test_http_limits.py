@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from router_api.app import create_app
-from router_api.cmd_indexer import server_settings
+from cli.indexer import server_settings
 from router_api.config import ServiceConfig
 from router_api.service import IndexerService
 from support.net import free_port, wait_until

@@ -9,7 +9,7 @@ import pytest
 from indexer.jetstream_sequencing import Step, StepKind, StreamCursor
 from support.reference import ReferenceIndex
 from support.jetstream import MODEL, Replica, scores, stream_last_seq, wait_all_applied
-from producer.jetstream_publisher import JetStreamEventPublisher
+from transport.jetstream_publisher import JetStreamEventPublisher
 from schemas.codec import decode_batch
 from schemas.events import KVEventBatch
 from schemas.jetstream import StreamSettings, event_subject, jetstream_endpoint, split_subject, subject_token

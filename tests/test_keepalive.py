@@ -1,4 +1,4 @@
-"""Idle keep-alive between routers and the servers they forward to (producer.sim.httpbody): no forward
+"""Idle keep-alive between routers and the servers they forward to (sim.httpbody): no forward
 goes out on a connection its server is closing for idleness (a connection reset: httpx ReadError from
 BrokenResourceError, the server never saw the request). A `kvatlas router` keeps its idle connections
 (its client never expires them: httpcore can close an expiring connection it has just handed to a
@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from producer.sim.api import SimModel
-from producer.sim.cmd import server_config
-from producer.sim.httpbody import CLIENT_KEEPALIVE_S, WORKER_KEEPALIVE_S
+from sim.api import SimModel
+from sim.cmd import server_config
+from sim.httpbody import CLIENT_KEEPALIVE_S, WORKER_KEEPALIVE_S
 from router_api.proxy.core import ProxyCore
 from router_api.router.forwarder import RouterCore, describe
 from router_api.router.policies import make_policy

@@ -36,7 +36,7 @@ def test_c_receive_loop_is_built() -> None:
 def test_builds_carry_the_digest_of_the_sources_beside_them() -> None:
     """setup.py compiles each accelerator with the digest of its sources; the loaders compare it with
     the files now on disk, so a pull without a rebuild is refused, not run with an old calling convention."""
-    from schemas.c_tables import KVNATIVE_FILES, PAGEHASH_FILES, source_digest, stale_build
+    from cbuild.tables import KVNATIVE_FILES, PAGEHASH_FILES, source_digest, stale_build
 
     if os.environ.get(ENV_ALLOW, "") not in ("", "0"):
         return
@@ -52,7 +52,7 @@ def test_builds_carry_the_digest_of_the_sources_beside_them() -> None:
 
 
 def test_the_digest_covers_every_included_part(tmp_path) -> None:
-    from schemas.c_tables import KVNATIVE_FILES, ROOT, source_digest
+    from cbuild.tables import KVNATIVE_FILES, ROOT, source_digest
 
     for name in KVNATIVE_FILES:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -65,9 +65,9 @@ def test_the_digest_covers_every_included_part(tmp_path) -> None:
 
 
 def test_the_file_lists_name_every_c_source() -> None:
-    """A new C part missing from schemas/c_tables.py would neither be watched by the digest nor by
+    """A new C part missing from cbuild/tables.py would neither be watched by the digest nor by
     setup.py's `depends`."""
-    from schemas.c_tables import KVNATIVE_FILES, PAGEHASH_FILES, ROOT
+    from cbuild.tables import KVNATIVE_FILES, PAGEHASH_FILES, ROOT
 
     index_c = {str(p.relative_to(ROOT)) for p in (ROOT / "indexer/_native").glob("*.[ch]")}
     assert index_c - {"indexer/_native/zmqdrain.c"} == set(KVNATIVE_FILES)

@@ -19,10 +19,10 @@ from router_api.relay import Relay, RelayWorker
 from schemas.events import BlockStored, KVEventBatch
 from support.jetstream import Replica, scores
 from indexer.index import KVIndex
-from producer.jetstream_publisher import JetStreamEventPublisher
+from transport.jetstream_publisher import JetStreamEventPublisher
 from schemas.api import RegisterWorker
 from schemas.jetstream import DEFAULT_KV_BUCKET, jetstream_endpoint
-from schemas.natsio import NatsThread
+from transport.natsio import NatsThread
 from support.jetstream import subject_last_seq
 from support.nats import NatsServer
 from support.net import free_port, wait_until

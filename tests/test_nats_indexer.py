@@ -15,13 +15,14 @@ import pytest
 
 from support.net import REPO_ROOT, free_port, wait_until
 from support.jetstream import subject_last_seq
-from producer.jetstream_publisher import JetStreamEventPublisher
+from transport.jetstream_publisher import JetStreamEventPublisher
 from producer.publisher import ZmqEventPublisher
 from schemas.events import AllBlocksCleared
 from schemas.jetstream import DEFAULT_STREAM, event_subject, jetstream_endpoint, parse_headers
-from schemas.natsio import NatsThread
+from transport.natsio import NatsThread
 from support.nats import NatsServer
 from support.service import KVIndexerProcess, WorkerSim, check_scores, make_prompts, snapshot_marks
+from router_api.procs import spawn
 
 BS = 4
 MODEL = "default"
@@ -93,8 +94,8 @@ def test_two_replicas_agree_with_the_reference_and_share_registrations(nats: Nat
     pubs: dict = {w: JetStreamEventPublisher(nats.url, model=MODEL, worker_id=w) for w in ("j0", "j1")}
     engine = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
     pubs["z0"] = engine
-    relay = subprocess.Popen(
-        [sys.executable, "-m", "router_api.cli", "relay", "--nats", nats.url, "--worker",
+    relay = spawn(
+        [sys.executable, "-m", "cli.main", "relay", "--nats", nats.url, "--worker",
          f"z0={engine.endpoint},replay={engine.replay_endpoint},model={MODEL},block_size={BS}"],
         cwd=REPO_ROOT, stdout=open(tmp_path / "relay.log", "ab"), stderr=subprocess.STDOUT)
     nt = NatsThread(nats.url)
@@ -200,7 +201,7 @@ def test_killed_replica_catches_up_from_the_stream_and_resyncs_past_a_trimmed_on
 
 def test_indexer_refuses_an_unreachable_nats(tmp_path: Path) -> None:
     port = free_port()
-    out = subprocess.run([sys.executable, "-m", "router_api.cli", "indexer", "--port", "0", "--nats",
+    out = subprocess.run([sys.executable, "-m", "cli.main", "indexer", "--port", "0", "--nats",
                           f"nats://127.0.0.1:{port}"], cwd=REPO_ROOT, capture_output=True, timeout=60)
     assert out.returncode == 2 and f"nats://127.0.0.1:{port}".encode() in out.stderr
 

@@ -18,6 +18,7 @@ import pytest
 from router_api.tokenization import ChatTokenizer
 from support.net import REPO_ROOT, free_port, wait_until
 from support.tiny_tokenizer import TINY_CHAT
+from router_api.procs import spawn
 
 BS = 4
 TOK = ChatTokenizer.from_dir(TINY_CHAT)
@@ -34,7 +35,7 @@ class Proc:
         self.name = name
         self.log = tmp / f"{name}.log"
         self._f = open(self.log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "router_api.cli", *args], cwd=str(REPO_ROOT),
+        self.proc = spawn([sys.executable, "-m", "cli.main", *args], cwd=str(REPO_ROOT),
                                      stdout=self._f, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
@@ -174,7 +175,7 @@ def test_openai_router_end_to_end(fleet) -> None:
 
 
 def test_demo_runs_through_the_openai_path() -> None:
-    out = subprocess.run([sys.executable, "-m", "router_api.cli", "demo", "--openai", "--workers", "2",
+    out = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--openai", "--workers", "2",
                           "--requests", "6", "--policies", "round_robin,precise_tiered", "--speed", "50"],
                          cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from producer.publisher import ZmqEventPublisher
-from router_api import cli
-from router_api.cmd_indexer import DEFAULTS, build_config
+from cli import main as cli
+from cli.indexer import DEFAULTS, build_config
 from router_api.embedded import EmbeddedIndexer
 from router_api.registry import ConflictingBlockSize
 from router_api.config import ServiceConfig
@@ -48,7 +48,7 @@ def test_http_and_embedded_refusals_and_worker_gauges() -> None:
         with LiveIndexer(cfg) as idx:
             c = idx.client
             bad = c.post("/workers", json={"worker_id": "odd-one", "endpoint": "tcp://127.0.0.1:5996", "block_size": 32})
-            assert bad.status_code == 400
+            assert bad.status_code == 409
             assert bad.json()["error"] == "block_size 32 conflicts with model 'default', which uses 16"
             assert c.post("/workers", json={"worker_id": "w0", "endpoint": pub.endpoint,
                                             "replay_endpoint": pub.replay_endpoint}).status_code == 201

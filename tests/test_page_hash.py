@@ -12,7 +12,7 @@ import pytest
 import xxhash
 
 from producer import page_hash as ph
-from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
+from sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from schemas.codec import encode_batch
 from schemas.events import KVEvent, KVEventBatch

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from producer import page_hash as ph
-from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
+from sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.sinks import _PayloadSink
 from schemas.codec import encode_batch

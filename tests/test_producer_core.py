@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from producer.allocator import PageAllocator, PoolExhausted
-from producer.sim.driver import Driver, StreamSpec, build_cache, page_matches, synthetic_stream, write_pattern
+from sim.driver import Driver, StreamSpec, build_cache, page_matches, synthetic_stream, write_pattern
 from producer.events import CANONICAL_MEDIA, EventRecorder
 from producer.page_hash import chain_digests, page_ids
 from producer.pools import make_host_pool

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from producer.sim.driver import build_cache, page_matches, write_pattern
+from sim.driver import build_cache, page_matches, write_pattern
 from producer.events import EventRecorder
 from producer.page_hash import chain_digests, page_ids
 from producer.sinks import ListSink

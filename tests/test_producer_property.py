@@ -13,7 +13,7 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer.sim.driver import Driver, build_cache, page_matches, page_pattern
+from sim.driver import Driver, build_cache, page_matches, page_pattern
 from producer.events import EventRecorder
 from producer.sinks import ListSink
 from producer.storage import FileStorageBackend, StorageWorker

@@ -37,6 +37,7 @@ from producer.storage.ledger import LruLedger
 from schemas.media import Medium
 
 from support.net import REDIS_BIN, RedisServer, wait_until
+from router_api.procs import spawn
 
 BINARY = bytes(range(256)) * 4  # every byte value, incl. NUL and CR/LF
 
@@ -408,7 +409,7 @@ def test_make_storage_backend(tmp_path: Path) -> None:
 
 def restart_redis_on(server: RedisServer, workdir: Path) -> subprocess.Popen[bytes]:
     """Start a fresh (empty) redis-server on the same port as `server` was using."""
-    proc = subprocess.Popen(
+    proc = spawn(
         [REDIS_BIN, "--port", str(server.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(workdir), "--protected-mode", "no", "--loglevel", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

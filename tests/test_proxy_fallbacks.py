@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
 
-from producer.sim.httpbody import MAX_BODY_BYTES
+from sim.httpbody import MAX_BODY_BYTES
 from router_api.proxy.app import create_proxy_app
 from router_api.proxy.core import ProxyCore
 from router_api.tokenization import ChatTokenizer

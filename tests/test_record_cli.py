@@ -15,13 +15,14 @@ import pytest
 from indexer.eventlog import read_event_log
 from producer.publisher import ZmqEventPublisher
 from schemas.events import BlockStored, KVEventBatch
+from router_api.procs import spawn
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def record_cmd(*args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "router_api.cli", "record", *args], cwd=REPO, env=env,
+    return spawn([sys.executable, "-m", "cli.main", "record", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -104,7 +105,7 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path: Path, args: list[str], me
 
 
 def test_transport_modules_do_not_import_torch_or_fastapi() -> None:
-    code = ("import sys, router_api.cli, router_api.cmd_record, indexer.subscriber, indexer.eventlog, "
+    code = ("import sys, cli.main, cli.record, indexer.subscriber, indexer.eventlog, "
             "indexer.sequencing, producer.publisher; "
             "bad = [m for m in ('torch', 'fastapi', 'uvicorn') if m in sys.modules]; "
             "assert not bad, bad")

@@ -21,6 +21,7 @@ from schemas.events import KVEventBatch
 from schemas.jetstream import jetstream_endpoint
 from support.nats import NatsServer
 from support.service import WorkerSim, make_prompts
+from router_api.procs import spawn
 
 BS = 4
 
@@ -165,8 +166,8 @@ def test_relay_survives_engine_restart_relay_restart_and_loss_beyond_the_buffer(
 
 def test_relay_cli_runs_and_registers(nats: NatsServer, tmp_path) -> None:  # noqa: ANN001
     engine = _engine()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "router_api.cmd_relay", "--nats", nats.url, "--duration", "30",
+    proc = spawn(
+        [sys.executable, "-m", "cli.relay", "--nats", nats.url, "--duration", "30",
          "--worker", f"w0={engine.endpoint},replay={engine.replay_endpoint},model=m1,block_size=8"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -181,6 +182,6 @@ def test_relay_cli_runs_and_registers(nats: NatsServer, tmp_path) -> None:  # no
         out, _ = proc.communicate(timeout=20)
         engine.close()
     assert proc.returncode == 0, out.decode()
-    bad = subprocess.run([sys.executable, "-m", "router_api.cmd_relay", "--nats", nats.url,
+    bad = subprocess.run([sys.executable, "-m", "cli.relay", "--nats", nats.url,
                           "--worker", "nonsense"], cwd=REPO_ROOT, capture_output=True)
     assert bad.returncode == 2 and b"--worker expects" in bad.stderr

@@ -28,12 +28,13 @@ from indexer.replay import (
 from indexer.deliveries import Batch, Gap
 from indexer.subscriber import Subscriber
 from producer.publisher import ZmqEventPublisher
-from router_api.cli import main as cli_main
+from cli.main import main as cli_main
 from router_api.config import ServiceConfig
 from router_api.service import IndexerService
 from schemas.api import RegisterWorker
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, BlockStoredArr, KVEventBatch
 from support.service import WorkerSim, make_prompts
+from router_api.procs import spawn
 
 REPO = Path(__file__).resolve().parent.parent
 BS = 4
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def kvatlas(*args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "router_api.cli", *args], cwd=REPO, env=env,
+    return spawn([sys.executable, "-m", "cli.main", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -494,7 +495,7 @@ def test_bad_inputs_exit_2_with_a_message(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_replay_core_does_not_import_torch() -> None:
-    code = ("import sys, indexer.replay, router_api.cmd_replay, router_api.cli; "
+    code = ("import sys, indexer.replay, cli.replay, cli.main; "
             "bad = [m for m in ('torch', 'fastapi') if m in sys.modules]; assert not bad, bad")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)

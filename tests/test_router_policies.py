@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from producer.sim.schedule import QueueFull, Schedule
+from sim.schedule import QueueFull, Schedule
 from router_api.router.policies import POLICIES, RouteInput, ScoreRow, make_policy
 from router_api.router.report import format_table, mismatch_cause, quantile, summarize
-from producer.sim.api import RequestRecord, SimModel, Tokens
+from sim.api import RequestRecord, SimModel, Tokens
 
 W = ["a", "b", "c"]
 SIM = SimModel()

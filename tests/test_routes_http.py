@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from producer.publisher import ZmqEventPublisher
-from producer.sim.api import SimModel
+from sim.api import SimModel
 from router_api.router.forwarder import RouterCore
 from router_api.router.policies import make_policy
 from router_api.config import ServiceConfig

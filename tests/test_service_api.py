@@ -89,7 +89,7 @@ def test_registration_rules(live: LiveIndexer) -> None:
 
     conflict = c.post("/workers", json={"worker_id": "reg-c", "endpoint": f"tcp://127.0.0.1:{free_port()}",
                                         "block_size": BS * 2})
-    assert conflict.status_code == 400 and "block_size" in conflict.json()["error"]
+    assert conflict.status_code == 409 and "block_size" in conflict.json()["error"]
     # A different model may use its own block size.
     other = c.post("/workers", json={"worker_id": "reg-d", "endpoint": f"tcp://127.0.0.1:{free_port()}",
                                      "model": "other", "block_size": BS * 2})

@@ -39,7 +39,7 @@ class Pair:
     def __init__(self) -> None:
         import uvicorn
 
-        from router_api.cmd_indexer import server_settings
+        from cli.indexer import server_settings
 
         cfg = ServiceConfig(port=free_port(), block_size=BS, stats_ttl_s=0.0, stale_after_s=3600.0,
                             remove_after_s=7200.0)

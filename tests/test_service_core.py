@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 
 from support.net import free_port, wait_until
+from router_api.procs import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_pure_python_core_is_announced_and_reported() -> None:
     port = free_port()
     env = dict(os.environ, KVATLAS_PURE_PYTHON="1")
-    proc = subprocess.Popen([sys.executable, "-m", "router_api.cli", "--log-level", "WARNING", "indexer",
+    proc = spawn([sys.executable, "-m", "cli.main", "--log-level", "WARNING", "indexer",
                              "--port", str(port)], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
 
     def health() -> dict | None:

@@ -15,7 +15,7 @@ import pytest
 from support.service import serve_both_fronts
 from router_api import fasthttp
 from router_api.app import create_app
-from router_api.cmd_indexer import server_settings
+from cli.indexer import server_settings
 from router_api.config import ServiceConfig
 from router_api.service import IndexerService
 from schemas.api import RegisterWorker

@@ -29,7 +29,7 @@ from indexer.deliveries import Batch, Gap
 from indexer.subscriber import Subscriber
 from producer.publisher import ZmqEventPublisher
 from router_api.http_log import RateLimitedLog
-from router_api.cmd_indexer import SafeTextFormatter, add_arguments, build_config
+from cli.indexer import SafeTextFormatter, add_arguments, build_config
 from router_api.registry import DuplicateWorker, InvalidRegistration, Registry, RegistryFull
 from router_api.config import ServiceConfig
 from router_api.service import IndexerService

@@ -216,9 +216,12 @@ def test_bad_input_is_counted_and_the_service_stays_up(live: LiveIndexer) -> Non
         assert live.client.post("/score", json={"token_ids": [2] * 8}).json()["workers"][0]["cached_blocks"] == 0
         fleet.check_reference([[7] * (BS * 2), [9] * (BS * 3)])
         core = "native" if live.service.index.native else "python"
+        # the service stays up, and says which worker's events it dropped
         assert live.client.get("/health").json() | {"uptime_s": 0} == {
-            "status": "ok", "workers": 1, "ingest_alive": True, "uptime_s": 0, "models": {"default": BS},
-            "core": core}
+            "status": "degraded", "workers": 1, "ingest_alive": True, "uptime_s": 0, "models": {"default": BS},
+            "core": core, "degraded_workers": {"w0": ["dropping"]}}
+        w0 = live.client.get("/workers/w0").json()
+        assert w0["dropping"] and w0["drops"]["decode_malformed"] == 2 and w0["drops"]["block_size_mismatch"] == 2
         assert fleet.pubs["w0"] and AllBlocksCleared  # imported types used above
     finally:
         fleet.close()

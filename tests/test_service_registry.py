@@ -9,14 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_api.cmd_indexer import add_arguments, build_config, parse_tier_weights, parse_worker_spec
+from cli.indexer import add_arguments, build_config, parse_tier_weights, parse_worker_spec
 from router_api.metrics import Counter, Histogram, ServiceMetrics
 from router_api.registry import (
+    ConflictingBlockSize,
     DuplicateWorker,
     InvalidRegistration,
     Registry,
     UnknownWorker,
     validate_endpoint,
+    validate_url,
 )
 from schemas.api import RegisterWorker
 
@@ -33,9 +35,9 @@ def test_registration_errors() -> None:
     with pytest.raises(DuplicateWorker):
         r.add(_reg("b", 1), now=0)  # same endpoint and topic
     r.add(_reg("b", 1, topic="other"), now=0)  # same PUB, another topic: fine
-    with pytest.raises(InvalidRegistration, match="conflicts"):
+    with pytest.raises(ConflictingBlockSize, match="conflicts"):
         r.add(_reg("c", 3, block_size=32), now=0)
-    with pytest.raises(InvalidRegistration, match="conflicts"):
+    with pytest.raises(ConflictingBlockSize, match="conflicts"):
         Registry().add(_reg("c", 3, model="m", block_size=32), now=0, model_block_sizes={"m": 16})
     with pytest.raises(InvalidRegistration, match="replay_endpoint must differ"):
         r.add(RegisterWorker("d", "tcp://127.0.0.1:9", replay_endpoint="tcp://localhost:9"), now=0)
@@ -53,6 +55,28 @@ def test_endpoint_validation_never_crashes(text: str) -> None:
         assert text[:10] in str(exc) or "port" in str(exc)
     else:
         assert text.startswith(("tcp://", "ipc://", "inproc://"))
+
+
+@given(st.text(max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_url_validation_never_crashes(text: str) -> None:
+    try:
+        validate_url(text)
+    except InvalidRegistration as exc:
+        assert "invalid url" in str(exc)
+    else:
+        assert text.startswith(("http://", "https://")) and text.isascii() and text.isprintable()
+
+
+def test_worker_url_is_validated_and_optional() -> None:
+    r = Registry()
+    assert r.add(_reg("a", 1), now=0).reg.url is None  # optional: engines registered without one
+    assert r.add(_reg("b", 2, url="http://10.0.0.7:8000/v1"), now=0).reg.url == "http://10.0.0.7:8000/v1"
+    r.add(_reg("c", 3, url="https://[::1]:8443"), now=0)
+    for bad in ("tcp://127.0.0.1:1", "http://", "http://h:0", "http://h:70000", "http://h:1/a b", "ftp://h"):
+        with pytest.raises(InvalidRegistration, match="invalid url"):
+            r.add(_reg("d", 4, url=bad), now=0)
+    assert "d" not in r
 
 
 def test_prometheus_exposition() -> None:

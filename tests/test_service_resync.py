@@ -9,7 +9,7 @@ from typing import Any
 
 from support.net import free_port, wait_until
 from indexer.subscriber import Subscriber
-from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
+from sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.publisher import ZmqEventPublisher
 from producer.sinks import ZmqSink

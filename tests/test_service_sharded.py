@@ -21,8 +21,8 @@ from indexer.index import KVIndex
 from indexer.sharded import ShardedIndex
 from indexer.subscriber import Subscriber
 from producer.publisher import ZmqEventPublisher
-from router_api import cmd_indexer
-from router_api.cli import build_parser
+from cli import indexer as cmd_indexer
+from cli.main import build_parser
 from router_api.ingest import IngestLoop, IngestSet
 from router_api.locks import ShardedLock
 from router_api.config import ServiceConfig

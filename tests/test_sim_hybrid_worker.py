@@ -10,10 +10,10 @@ import pytest
 
 from producer.components.families import FamilySizes, build_family_cache
 from producer.events import EventRecorder
-from producer.sim.api import SimModel
-from producer.sim.driver import Driver
-from producer.sim.engine import Engine
-from producer.sim.hybrid import mamba_ends, swa_pages
+from sim.api import SimModel
+from sim.driver import Driver
+from sim.engine import Engine
+from sim.hybrid import mamba_ends, swa_pages
 from producer.sinks import ListSink
 from schemas.events import BlockStored
 
@@ -152,7 +152,7 @@ def test_worker_pool_defaults_follow_sglang() -> None:
     3/5 of the GPU state pool held by a full batch of running requests."""
     import argparse
 
-    from producer.sim.cmd import MAMBA_TOKENS_PER_STATE, add_arguments, pool_sizes
+    from sim.cmd import MAMBA_TOKENS_PER_STATE, add_arguments, pool_sizes
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -163,7 +163,7 @@ def test_worker_pool_defaults_follow_sglang() -> None:
     assert (got["mamba_states"], got["swa_device_pages"]) == (7, 9)
     # SGLang: 3 slots per running request, at most pool // 5 of them running
     assert p.parse_args([]).running_state_share == pytest.approx(3 / 5)
-    from producer.sim.cmd import run
+    from sim.cmd import run
 
     assert run(p.parse_args(["--family", "mamba", "--running-state-share", "1"])) == 2  # refused before starting
     with pytest.raises(ValueError):

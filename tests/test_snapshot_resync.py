@@ -8,7 +8,7 @@ from support.net import wait_until
 from indexer.index import KVIndex
 from indexer.deliveries import Batch, Gap, Restart
 from indexer.subscriber import Subscriber
-from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
+from sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.publisher import ZmqEventPublisher
 from producer.sinks import ZmqSink

@@ -16,7 +16,7 @@ from indexer.protocol import Subscriber
 from indexer.routed_subscriber import RoutedSubscriber
 from indexer.deliveries import Batch
 from indexer.subscriber import ZmqSubscriber
-from producer.jetstream_publisher import JetStreamEventPublisher
+from transport.jetstream_publisher import JetStreamEventPublisher
 from producer.publisher import ZmqEventPublisher
 from schemas.codec import decode_batch
 from schemas.events import BlockStored

@@ -30,7 +30,7 @@ def post(url: str, body: bytes | dict, ctype: str = "application/json") -> tuple
 @pytest.fixture
 def fleet(tmp_path: Path):
     ip, wp = free_port(), free_port()
-    cmd = [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING"]
+    cmd = [sys.executable, "-m", "cli.main", "--log-level", "WARNING"]
     idx = Child("indexer", [*cmd, "indexer", "--port", str(ip), "--block-size", str(BLOCK), "--model", "m"], tmp_path)
     w = Child("worker", [*cmd, "worker", "--id", "w0", "--port", str(wp), "--indexer", f"http://127.0.0.1:{ip}",
                          "--model", "m", "--block-size", str(BLOCK), "--gpu-pages", "8", "--host-pages", "32", "--l3", "file",
@@ -89,7 +89,7 @@ def test_worker_rejects_bad_bodies_clearly(fleet) -> None:
 
 def test_worker_cli_rejects_bad_configuration(tmp_path: Path) -> None:
     import subprocess
-    cmd = [sys.executable, "-m", "router_api.cli", "worker"]
+    cmd = [sys.executable, "-m", "cli.main", "worker"]
     for args, msg in ((["--l3", "file"], "--l3-dir"), (["--sim", "{\"bogus\": 1}"], "bad configuration"),
                       (["--gpu-pages", "0"], "must be positive"),
                       (["--l3", "redis", "--l3-config", "{\"nope\": 1}"], "bad L3 configuration")):

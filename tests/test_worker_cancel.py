@@ -14,8 +14,8 @@ from typing import Iterator
 
 import pytest
 
-from producer.sim.api import SimModel
-from producer.sim.schedule import Schedule
+from sim.api import SimModel
+from sim.schedule import Schedule
 from router_api.demo.procs import Child, http_json, wait_healthy
 from support.net import free_port, wait_until
 from support.tiny_tokenizer import TINY_CHAT
@@ -39,7 +39,7 @@ def test_cancel_frees_the_slot_from_the_cut_and_moves_no_one_else() -> None:
 def test_a_disconnected_client_gives_its_batch_slot_back(tmp_path: Path) -> None:
     wp = free_port()
     sim = json.dumps({"decode_s_per_token": 1.0})
-    w = Child("worker", [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING", "worker", "--id", "w0",
+    w = Child("worker", [sys.executable, "-m", "cli.main", "--log-level", "WARNING", "worker", "--id", "w0",
                          "--port", str(wp), "--block-size", "16", "--gpu-pages", "64", "--speed", "1",
                          "--sim", sim], tmp_path)
     try:
@@ -89,7 +89,7 @@ def _read_until(s: socket.socket, marker: bytes) -> bytes:
 def openai_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     wp = free_port()
     sim = json.dumps({"decode_s_per_token": 1.0})
-    w = Child("worker", [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING", "worker", "--id", "w0",
+    w = Child("worker", [sys.executable, "-m", "cli.main", "--log-level", "WARNING", "worker", "--id", "w0",
                          "--port", str(wp), "--block-size", "16", "--gpu-pages", "256", "--speed", "1",
                          "--tokenizer", str(TINY_CHAT), "--sim", sim], tmp_path_factory.mktemp("openai_cancel"))
     try:

@@ -20,7 +20,7 @@ from typing import Any
 from indexer import hashing
 from indexer.core import types as T
 from schemas import events as E
-from schemas.c_tables import c_str, c_strs, header_command
+from cbuild.tables import c_str, c_strs, header_command
 from schemas.media import MEDIUM_ALIASES, Medium
 
 HEADER = Path(__file__).with_name("wire_tables.h")

@@ -5,7 +5,7 @@ pure-Python core, used through `indexer.core.accel` only (docs/index-core.md). T
 reference and is always available: `KVATLAS_PURE_PYTHON=1` forces it, and `KVIndex(native=False)`
 picks it per index. A build whose wire tables differ from `schemas/` (a stale .so) is refused here,
 at import, so it can never judge events by old rules; so is one compiled from other C sources than
-those beside it (schemas/c_tables.py `stale_build`).
+those beside it (cbuild/tables.py `stale_build`).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import logging
 import os
 from types import ModuleType
 
-from schemas.c_tables import KVNATIVE_FILES, stale_build
+from cbuild.tables import KVNATIVE_FILES, stale_build
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import events as E
-from schemas.c_tables import c_strs, header_command
+from cbuild.tables import c_strs, header_command
 
 HEADER = Path(__file__).with_name("event_tables.h")
 

@@ -22,7 +22,8 @@ class Hybrid(CacheState):
         names: set[str] = set()
         groups: set[int] = set()
         suffixes: set[str] = set()
-        for c in (*components, *extras):
+        every: list[Component | ExtraPool] = [*components, *extras]
+        for c in every:
             if c.name in names or c.suffix in suffixes:
                 raise ValueError(f"component name/L3 suffix {c.name!r}/{c.suffix!r} used twice")
             names.add(c.name)

@@ -5,6 +5,8 @@ emitted only when its copy's ack arrives (`_finish_copy`)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sized
+from typing import cast
 
 from producer.allocator import PoolExhausted
 from producer.cache.flight import Flight, depth
@@ -131,7 +133,7 @@ class Transfers(CacheState):
         got: dict[str, list[int]] = {}
         kv_pages: list[int] = []
         try:
-            kv_total = sum(len(x.host_value) for x, kv, _ in items if kv)  # type: ignore[arg-type]
+            kv_total = sum(len(cast(Sized, x.host_value)) for x, kv, _ in items if kv)  # kv items hold a host value
             kv_pages = self.alloc_device(kv_total)
             for c in self.components:
                 k = sum(c.slots_for(len(x.key) // self.page_size) for x, _, cs in items if c in cs)

@@ -18,7 +18,7 @@ from router_api.demo.procs import Child, free_port, http_json, kvatlas_cmd, wait
 from router_api.router.progress import Progress
 from router_api.router.report import format_table, format_waits, summarize
 from router_api.router.trace import DEFAULT_TRACE
-from producer.sim.api import PolicyRow, RouterReport
+from sim.api import PolicyRow, RouterReport
 
 MODEL_BLOCK = 512
 _PROGRESS = re.compile(r" (\d+)/\d+ \(\d+%\)")

@@ -20,7 +20,7 @@ import msgspec
 from indexer.index import KVIndex
 from indexer.deliveries import Batch, Gap, Restart
 from indexer.subscriber import Subscriber
-from producer.sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
+from sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
 from producer.events import EventRecorder
 from producer.cache import TieredCache
 from producer.publisher import ZmqEventPublisher

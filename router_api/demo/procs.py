@@ -1,10 +1,11 @@
 """Child processes of the demo: start `kvatlas` subcommands, wait for their HTTP health, stop
-them by their own pid (SIGTERM, then SIGKILL after a grace period)."""
+them (SIGTERM to their process group, then SIGKILL after a grace period). They die with the demo
+however it ends (router_api/procs.py: process groups, PR_SET_PDEATHSIG; `kvatlas demo` runs under
+`exit_on_signals`)."""
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from router_api import procs
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -23,7 +26,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def kvatlas_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING", *args]
+    return [sys.executable, "-m", "cli.main", "--log-level", "WARNING", *args]
 
 
 class Child:
@@ -35,8 +38,8 @@ class Child:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log: IO[bytes] = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(list(argv), stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.proc = procs.spawn(argv, session=True, stdout=self._log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -48,13 +51,7 @@ class Child:
             return ""
 
     def stop(self, grace: float = 5.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        procs.stop(self.proc, grace)
         self._log.close()
 
 

@@ -14,7 +14,7 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from producer.sim.httpbody import MAX_BODY_BYTES, read_capped
+from sim.httpbody import MAX_BODY_BYTES, read_capped
 from router_api.proxy.core import NoWorker, ProxyCore
 
 _enc = msgspec.json.Encoder()

@@ -13,8 +13,8 @@ log = logging.getLogger("kvatlas.router")
 def run(args: argparse.Namespace, workers: dict[str, str]) -> int:
     import msgspec
 
-    from producer.sim.api import SimModel
-    from router_api.cmd_indexer import read_token
+    from sim.api import SimModel
+    from schemas.auth import read_token
     from router_api.tokenization import TokenizerError, load_tokenizer_specs
 
     try:

@@ -19,8 +19,8 @@ import httpx
 import msgspec
 import numpy as np
 
-from producer.sim.api import SimModel
-from producer.sim.httpbody import CLIENT_KEEPALIVE_S
+from sim.api import SimModel
+from sim.httpbody import CLIENT_KEEPALIVE_S
 from router_api.router.policies import Decision, Policy, RouteInput, ScoreRow, make_policy, shared_backlog
 from router_api.tokenization import ChatTokenizer, TokenizerError
 from router_api.proxy.load import LoadPoller

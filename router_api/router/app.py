@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 from fastapi import FastAPI, Request, Response
 
-from producer.sim.httpbody import MAX_BODY_BYTES, read_capped
+from sim.httpbody import MAX_BODY_BYTES, read_capped
 from router_api.router.forwarder import RouterCore
 from router_api.router.report import summarize
 from schemas.api import TokenList

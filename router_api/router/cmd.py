@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--forward-token-ids", action="store_true",
                    help="openai: forward a completions text prompt as the token ids that were scored")
     p.add_argument("--sim", default=None,
-                   help="openai: cost model of the policies as JSON (producer.sim.api.SimModel fields)")
+                   help="openai: cost model of the policies as JSON (sim.api.SimModel fields)")
 
 
 def parse_workers(specs: list[str]) -> dict[str, str]:
@@ -135,8 +135,8 @@ async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[An
     from router_api.router.forwarder import RouterCore, fetch_sim
     from router_api.router.policies import make_policy
     from router_api.router.progress import Progress
-    from producer.sim.api import RouterReport
-    from producer.sim.cmd import indexer_token
+    from sim.api import RouterReport
+    from sim.cmd import indexer_token
 
     async with httpx.AsyncClient() as c:
         healths = await asyncio.gather(*(fetch_sim(c, u) for u in workers.values()))

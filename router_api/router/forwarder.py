@@ -23,7 +23,7 @@ import numpy as np
 from router_api.router.policies import Policy, RouteInput, ScoreRow, shared_backlog
 from router_api.router.trace import TokenExpander, TraceRequest
 from schemas.api import MAX_WAIT_ROUTES, MAX_WAIT_S
-from producer.sim.api import GenerateResponse, LoadResponse, RequestRecord, SimModel, WorkerHealth
+from sim.api import GenerateResponse, LoadResponse, RequestRecord, SimModel, WorkerHealth
 
 log = logging.getLogger("kvatlas.router")
 _score_dec = msgspec.json.Decoder()
@@ -73,7 +73,7 @@ class RouterCore:
         self.sim = sim
         self.speed = speed
         self.load_poll_s = load_poll_s
-        # idle connections are kept until the worker closes them (producer.sim.httpbody, WORKER_KEEPALIVE_S)
+        # idle connections are kept until the worker closes them (sim.httpbody, WORKER_KEEPALIVE_S)
         self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512,
                                                                                keepalive_expiry=None))
         self.inflight = {w: 0 for w in workers}

@@ -24,7 +24,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from producer.sim.api import SimModel
+from sim.api import SimModel
 
 POLICIES = ("round_robin", "random", "least_loaded", "approximate", "precise_gpu", "precise_tiered",
             "precise_kv_only")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from producer.sim.api import PolicyRow, RequestRecord
+from sim.api import PolicyRow, RequestRecord
 
 # cause -> the table's wording
 CAUSES = {

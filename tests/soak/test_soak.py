@@ -23,6 +23,7 @@ from support.net import REDIS_BIN, RedisServer, free_port, wait_until
 from producer.publisher import ZmqEventPublisher
 from support.hostile import HostilePublisher
 from support.service import KVIndexerProcess, WorkerSim, make_prompts
+from router_api.procs import spawn
 
 BS = 4
 N_WORKERS = 8
@@ -96,7 +97,7 @@ class LossyRelay:
 
 
 def _redis(port: int, tmp: Path) -> RedisServer:
-    proc = subprocess.Popen([REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+    proc = spawn([REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(tmp), "--protected-mode", "no",
                              "--loglevel", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = RedisServer("127.0.0.1", port, proc)

@@ -27,14 +27,14 @@ import zmq
 
 from indexer.core.groups import GROUP_CAP
 from indexer.shared_registry import SharedRegistry
-from producer.jetstream_publisher import JetStreamEventPublisher
+from transport.jetstream_publisher import JetStreamEventPublisher
 from producer.publisher import ZmqEventPublisher
 from router_api.relay import Relay, RelayWorker
 from schemas.api import RegisterWorker
 from schemas.events import BlockStored, KVEventBatch
 from schemas.frames import seq_bytes
 from schemas.jetstream import DEFAULT_KV_BUCKET, event_subject, jetstream_endpoint
-from schemas.natsio import NatsThread
+from transport.natsio import NatsThread
 from support.hostile import (FLOOD_BS, HighSeqPublisher, start_flood, wait_applied, stop_parties, check_hybrid_beside_flood, check_soak_end, GroupFlood, honest_hybrid,
                              rss_kb, slowloris)
 from support.jetstream import subject_last_seq

@@ -20,6 +20,7 @@ import httpx
 import msgspec
 import zmq
 
+from router_api.procs import spawn
 from schemas.events import BlockStored, KVEventBatch
 from schemas.frames import seq_bytes
 from support.net import wait_until
@@ -150,7 +151,7 @@ class HealthProbe:
     def __init__(self, url: str) -> None:
         self.ms: list[float] = []
         self.errors: list[str] = []
-        self._proc: subprocess.Popen | None = subprocess.Popen(
+        self._proc: subprocess.Popen | None = spawn(
             [sys.executable, _PROBE, url, "20"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def stop(self) -> None:

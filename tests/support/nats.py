@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from router_api.procs import spawn
 from support.net import free_port
 
 NATS_BIN_ENV = "KVATLAS_NATS_SERVER"
@@ -55,7 +56,7 @@ class NatsServer:
         for _ in range(attempts):
             if not self.port or self.proc is not None:
                 self.port = free_port()
-            self.proc = subprocess.Popen(
+            self.proc = spawn(
                 [binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", self.store_dir,
                  "-l", self.log_path],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -76,7 +77,7 @@ class NatsServer:
         self.port = port
         self.proc = None
         binary = nats_binary()
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", self.store_dir, "-l", self.log_path],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout

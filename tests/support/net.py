@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from router_api.procs import spawn
+
 REDIS_BIN = os.environ.get("KVATLAS_REDIS_SERVER", "/usr/bin/redis-server")
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -102,7 +104,7 @@ def start_redis_server(tmp_dir: Path, attempts: int = 3) -> RedisServer:
     last_err = ""
     for _ in range(attempts):
         port = free_port()
-        proc = subprocess.Popen(
+        proc = spawn(
             [REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(tmp_dir), "--protected-mode", "no", "--loglevel", "warning"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -12,11 +12,11 @@ import sys
 # `kvatlas record` never pays for FastAPI and nothing here imports torch.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("router_api.cmd_demo", "run the end-to-end demo on embedded defaults"),
-    "record": ("router_api.cmd_record", "record live publishers into an event log"),
-    "replay": ("router_api.cmd_replay", "apply an event log offline or re-publish it over ZMQ"),
-    "indexer": ("router_api.cmd_indexer", "run the indexer service: ZMQ ingestion + HTTP API"),
-    "relay": ("router_api.cmd_relay", "bridge ZeroMQ publishers into NATS JetStream"),
-    "worker": ("producer.sim.cmd", "run a worker: simulated model over the tiered cache, KV events on ZMQ"),
+    "record": ("cli.record", "record live publishers into an event log"),
+    "replay": ("cli.replay", "apply an event log offline or re-publish it over ZMQ"),
+    "indexer": ("cli.indexer", "run the indexer service: ZMQ ingestion + HTTP API"),
+    "relay": ("cli.relay", "bridge ZeroMQ publishers into NATS JetStream"),
+    "worker": ("sim.cmd", "run a worker: simulated model over the tiered cache, KV events on ZMQ"),
     "router": ("router_api.router.cmd", "run the KV-aware router: policies over /score, forwarding, trace replay"),
 }
 

@@ -17,14 +17,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from producer.allocator import PoolExhausted
-from producer.sim.driver import write_pattern
-from producer.sim.hybrid import insert_request
+from sim.driver import write_pattern
+from sim.hybrid import insert_request
 from producer.cache import TieredCache
 from producer.components.swa import SlidingWindowComponent
 from producer.storage.keys import page_key
-from producer.sim.schedule import QueueFull, Schedule, Slot
+from sim.schedule import QueueFull, Schedule, Slot
 from schemas.media import Medium
-from producer.sim.api import SimModel, Tokens
+from sim.api import SimModel, Tokens
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Engine:
                  running_state_share: float = 0.0) -> None:
         self.cache = cache
         self.sim = sim
-        self.chunk_pages = chunk_pages  # hybrid: a Mamba state at every prefill chunk's end (producer.sim.hybrid)
+        self.chunk_pages = chunk_pages  # hybrid: a Mamba state at every prefill chunk's end (sim.hybrid)
         if not 0.0 <= running_state_share < 1.0:
             raise ValueError("running_state_share must be in [0, 1)")
         # Mamba: the share of the GPU state pool a full batch of running requests holds (their working

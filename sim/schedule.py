@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from producer.sim.api import SimModel
+from sim.api import SimModel
 
 
 class Slot:

@@ -22,6 +22,7 @@ the worker serves from cache is what that match says is usable, never the full-a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from producer.allocator import PoolExhausted
 from producer.cache import TieredCache
@@ -69,7 +70,7 @@ def insert_request(cache: TieredCache, tokens: Sequence[int], pages: Sequence[in
     if not comps or npages == 0:
         cache.insert(tokens, pages)
         return True
-    given: dict[str, object] = {}
+    given: dict[str, Any] = {}
     cuts: set[int] = set()
     try:
         for c in comps:

@@ -7,7 +7,7 @@ unchanged (a `TeeSink` of both publishes to ZeroMQ *and* JetStream).
 - Subject `kvatlas.events.<model>.<worker>`; headers `Kvatlas-Seq` (0, 1, 2, … per publisher),
   `Kvatlas-Epoch` (fresh per publisher: a restarted producer is a new epoch, which consumers read
   as a restart) and `Nats-Msg-Id` (JetStream drops a re-sent batch inside its duplicate window).
-- nats-py is asyncio: the connection lives on a private loop thread (`schemas.natsio`). Callers
+- nats-py is asyncio: the connection lives on a private loop thread (`transport.natsio`). Callers
   hand batches over through a bounded budget (blocks, and counts it, when `max_queue` are in
   flight); one pump on the loop publishes them in seq order with async acks.
 - Snapshot requests arrive on core NATS (`kvatlas.control.snapshot.<model>.<worker>`); the cache
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from schemas.natsio import NatsThread, ensure_stream
+from transport.natsio import NatsThread, ensure_stream
 from schemas.jetstream import (
     HDR_EPOCH, HDR_MSG_ID, HDR_PART, HDR_SEQ, PART_HEADROOM, StreamSettings, control_subject, event_subject, msg_id,
     part_msg_id, subject_token,
@@ -262,7 +262,7 @@ class JetStreamEventPublisher:
         return max(1024, int(max_payload) - PART_HEADROOM)
 
     async def _publish_parts(self, js, subject: str, token: str, seq: int, epoch: str,  # noqa: ANN001
-                             payload: bytes, limit: int) -> asyncio.Future:  # type: ignore[type-arg]
+                             payload: bytes, limit: int) -> asyncio.Future:
         """Store one oversized batch as consecutive parts (never a hole: consumers apply the batch
         when its last part arrives). Returns the last part's ack future; an earlier part's failure
         is counted as a send error."""
@@ -280,12 +280,12 @@ class JetStreamEventPublisher:
         assert fut is not None
         return fut
 
-    def _on_part_ack(self, fut: asyncio.Future) -> None:  # type: ignore[type-arg]
+    def _on_part_ack(self, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None:
             self.stats.send_errors += 1
             log.warning("worker %s: JetStream did not store part of a split batch", self.worker_id)
 
-    def _on_ack(self, fut: asyncio.Future) -> None:  # type: ignore[type-arg]
+    def _on_ack(self, fut: asyncio.Future) -> None:
         if fut.cancelled():
             self.stats.send_errors += 1
         else:

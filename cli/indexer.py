@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any
 
+from schemas.auth import read_token
+
 DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1",
     "port": 8700,
@@ -129,7 +131,7 @@ def usable_cpus() -> int:
 
 
 def resolve_ingest_shards(value: object, *, nats: bool, trust_engine_hashes: bool = False,
-                          cpus: int | None = None) -> tuple[object, str]:
+                          cpus: int | None = None) -> tuple[Any, str]:
     """The ingest pipeline count and why: `auto` (the default) is one pipeline per usable CPU, at most
     AUTO_SHARDS_CAP, and 1 where shards are refused (the NATS plane, trust mode). Anything else is
     returned as given (ServiceConfig and `run` check it, so an explicit value is never overridden)."""
@@ -143,14 +145,15 @@ def resolve_ingest_shards(value: object, *, nats: bool, trust_engine_hashes: boo
 
 
 def parse_worker_spec(spec: str) -> dict[str, Any]:
-    """`w1=tcp://h:p,replay=tcp://h:q,dp=0` -> registration fields."""
+    """`w1=tcp://h:p,replay=tcp://h:q,dp=0,url=http://h:8000` -> registration fields."""
     head, _, rest = spec.partition(",")
     wid, sep, endpoint = head.partition("=")
     if not sep or not wid or not endpoint:
         raise ValueError(f"worker spec {spec!r}: expected ID=ENDPOINT[,key=value...]")
     out: dict[str, Any] = {"worker_id": wid.strip(), "endpoint": endpoint.strip()}
     names = {"replay": "replay_endpoint", "replay_endpoint": "replay_endpoint", "dp": "dp_rank",
-             "dp_rank": "dp_rank", "topic": "topic", "model": "model", "block_size": "block_size"}
+             "dp_rank": "dp_rank", "topic": "topic", "model": "model", "block_size": "block_size",
+             "url": "url"}
     for item in filter(None, rest.split(",")):
         k, sep, v = item.partition("=")
         key = names.get(k.strip())
@@ -198,7 +201,7 @@ class JsonLogFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage()
         out: dict[str, Any] = {"ts": round(record.created, 6), "level": record.levelname, "logger": record.name}
-        fields = {}
+        fields: dict[str, str] = {}
         for tok in msg.split(" "):
             k, sep, v = tok.partition("=")
             if not sep or not k.isidentifier():
@@ -278,20 +281,6 @@ def _tokenizers(specs: list[str] | dict[str, str], model: str) -> Any:
     return load_tokenizer_specs(list(specs), model)
 
 
-def read_token(flag: str | None, path: str | None, env: str | None) -> str | None:
-    """The bearer token: `--auth-token`, else the file's first line, else $KVATLAS_AUTH_TOKEN.
-    An empty or unreadable file is a configuration error, never a silent "no auth"."""
-    if flag:
-        return flag
-    if path:
-        with open(path, encoding="utf-8") as f:
-            token = f.readline().strip()
-        if not token:
-            raise ValueError(f"auth token file {path} is empty")
-        return token
-    return env or None
-
-
 class SafeTextFormatter(logging.Formatter):
     """The text log format with control characters in messages escaped, so a value sent by a
     client (a path, a name) cannot start a forged log line."""
@@ -342,7 +331,7 @@ def _make_server(uvicorn: Any, config: Any) -> Any:
         the final snapshot; we take the same signals, stop serving, and return normally instead."""
 
         @contextlib.contextmanager
-        def capture_signals(self):  # type: ignore[override]
+        def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return

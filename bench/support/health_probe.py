@@ -3,7 +3,7 @@
 hostile soaks (tests/support/hostile.py HealthProbe) measure /health with, so neither the caller's
 threads nor its GIL add to the latencies.
 
-    python bench/health_probe.py URL [INTERVAL_MS]
+    python -m bench.support.health_probe URL [INTERVAL_MS]
 """
 import json
 import sys

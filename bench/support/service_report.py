@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from service_stream import SIZES  # query sizes in tokens
+from bench.support.service_stream import SIZES  # query sizes in tokens
 
 
 def pct(ts: list[float], q: float) -> float:

@@ -264,8 +264,8 @@ def _run_apply(args: argparse.Namespace, show: bool, tty: bool) -> int:
     print(format_summary(summary), file=summary_stream, flush=True)
     if args.out:
         try:
-            with open(args.out, "wb") as f:
-                f.write(msgspec.json.format(msgspec.json.encode(summary), indent=2) + b"\n")
+            with open(args.out, "wb") as out:
+                out.write(msgspec.json.format(msgspec.json.encode(summary), indent=2) + b"\n")
         except OSError as exc:
             return _fail(f"cannot write {args.out}: {exc}")
     return 0

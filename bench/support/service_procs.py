@@ -19,11 +19,9 @@ from typing import Any, Callable
 import msgspec
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+ROOT = Path(__file__).resolve().parents[2]
 
-from service_stream import BS  # noqa: E402
+from bench.support.service_stream import BS  # noqa: E402
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -184,7 +182,7 @@ class Kvatlas(Service):
         self.name = name
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router_api.cli", "--log-level", "WARNING", "indexer", "--port", str(self.port),
+            [sys.executable, "-m", "cli.main", "--log-level", "WARNING", "indexer", "--port", str(self.port),
              "--block-size", str(BS), "--stale-after", "600", "--remove-after", "3600", *extra], cwd=str(root))
         self.wait_up()
 

@@ -12,14 +12,12 @@ from typing import Any
 
 import zmq
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+ROOT = Path(__file__).resolve().parents[2]
 
 from producer.page_hash import page_ids  # noqa: E402
 from schemas.codec import encode_batch  # noqa: E402
 from schemas.events import BlockStored, BlockStoredArr, KVEventBatch  # noqa: E402
-from zmtp_pub import ZmtpPub, encode  # noqa: E402
+from bench.support.zmtp_pub import ZmtpPub, encode  # noqa: E402
 
 BS = 16
 SIZES = (1024, 8192, 32768)

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from schemas.natsio import NatsUnavailable
+    from transport.natsio import NatsUnavailable
     from router_api.relay import Relay
     from schemas.jetstream import StreamSettings
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m router_api.cmd_relay ...`), same flags as `kvatlas relay`."""
+    """Standalone entry (`python -m cli.relay ...`), same flags as `kvatlas relay`."""
     parser = argparse.ArgumentParser(prog="kvatlas relay", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

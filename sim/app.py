@@ -1,7 +1,7 @@
 """The worker's HTTP API (FastAPI): `POST /generate`, `GET /load`, `GET /health`, `GET /metrics`,
-and the OpenAI-compatible routes of `producer.sim.openai` (`/v1/completions`, `/v1/chat/completions`, ...).
+and the OpenAI-compatible routes of `sim.openai` (`/v1/completions`, `/v1/chat/completions`, ...).
 
-Bodies are msgspec-decoded (`producer.sim.api`); bad bodies get 400/422 with a message. A request's
+Bodies are msgspec-decoded (`sim.api`); bad bodies get 400/422 with a message. A request's
 response headers go out when the engine has queued it (its queue is served in order; a streaming
 engine's headers come at that point too; routers use them for causal forwarding, docs/CONTRACTS.md
 "Pending routes"); its body is held until its
@@ -18,10 +18,10 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request, Response
 
-from producer.sim.engine import Engine, VirtualClock
-from producer.sim.httpbody import MAX_AHEAD_S, MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within, read_capped
-from producer.sim.schedule import QueueFull
-from producer.sim.api import GenerateRequest, GenerateResponse, LoadResponse, WorkerHealth
+from sim.engine import Engine, VirtualClock
+from sim.httpbody import MAX_AHEAD_S, MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within, read_capped
+from sim.schedule import QueueFull
+from sim.api import GenerateRequest, GenerateResponse, LoadResponse, WorkerHealth
 
 _JSON = "application/json"
 _dec = msgspec.json.Decoder(GenerateRequest)
@@ -38,8 +38,8 @@ def _error(status: int, message: str) -> Response:
 
 def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, tokenizer: Any = None) -> FastAPI:
     """`tokenizer`: the model's router_api.tokenization.ChatTokenizer for the OpenAI routes' text
-    (producer/sim/openai.py); without one they take token-id prompts only."""
-    from producer.sim.openai import OpenAIFront, PacedStream, mount_openai, vllm_metric_lines
+    (sim/openai.py); without one they take token-id prompts only."""
+    from sim.openai import OpenAIFront, PacedStream, mount_openai, vllm_metric_lines
 
     app = FastAPI(title=f"kvatlas worker {health.worker_id}", docs_url=None, redoc_url=None)
     front = OpenAIFront(engine, clock, health.worker_id, health.model, tokenizer)
@@ -84,7 +84,7 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
         fut = engine.submit(req.token_ids, req.max_tokens, arrival)
         state: dict[str, Any] = {"served": None, "done": False}
 
-        async def body() -> AsyncIterator[bytes]:
+        async def stream() -> AsyncIterator[bytes]:
             try:
                 served = await asyncio.wrap_future(fut)
             except QueueFull as exc:  # filled up between the check and its turn: the status is sent
@@ -118,7 +118,7 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
             elif not fut.cancel():  # the engine has it already: free its slot once it is placed
                 fut.add_done_callback(cancel)
 
-        return PacedStream(body(), ended, media_type=_JSON)
+        return PacedStream(stream(), ended, media_type=_JSON)
 
     @app.get("/load")
     async def load(at: float | None = None) -> Response:

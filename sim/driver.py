@@ -19,7 +19,7 @@ from producer.allocator import PoolExhausted
 from producer.events import EventRecorder
 from producer.cache import CacheConfig, TieredCache
 from producer.pools import KVPool, make_device_pool, make_host_pool
-from producer.sim.hybrid import insert_request
+from sim.hybrid import insert_request
 
 
 class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,7 +104,7 @@ class Driver:
     def __init__(self, cache: TieredCache, *, fill: bool = True, lookahead: int = 2,
                  pump: Callable[[], None] | None = None, max_retries: int = 3, chunk_pages: int = 8) -> None:
         self.cache = cache
-        self.chunk_pages = chunk_pages  # hybrid caches: a Mamba state at every chunk's end (producer.sim.hybrid)
+        self.chunk_pages = chunk_pages  # hybrid caches: a Mamba state at every chunk's end (sim.hybrid)
         self.fill = fill
         # makes outstanding copies land when memory is short (tests complete manual acks here)
         self.pump = pump if pump is not None else (lambda: cache.wait_transfers(5.0))

@@ -1,17 +1,14 @@
 """`kvatlas worker`: one inference worker with a simulated model — real torch pools in a
 `TieredCache`, KV events over ZeroMQ with replay, L3 on a local directory or a shared Redis, and
-the HTTP API of `producer.sim.app`. Registers itself with an indexer when given one.
+the HTTP API of `sim.app`. Registers itself with an indexer when given one.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 log = logging.getLogger("kvatlas.worker")
@@ -29,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--indexer", default=None, help="indexer URL to register with, e.g. http://127.0.0.1:8700")
     p.add_argument("--indexer-token-file", default=None,
                    help="bearer token of an indexer run with auth (first line of the file; default $KVATLAS_AUTH_TOKEN)")
+    p.add_argument("--register-interval", type=float, default=None, metavar="S",
+                   help="seconds between checks that the indexer still knows this worker; one that forgot it "
+                        "(restarted without a snapshot) gets the registration again (default 2)")
     p.add_argument("--model", default="default", help="model namespace at the indexer (default 'default')")
     p.add_argument("--block-size", type=int, default=16,
                    help="tokens per page/block (default 16, the indexer's default)")
@@ -99,15 +99,16 @@ def _make_cache(args: argparse.Namespace, storage: Any, recorder: Any) -> Any:
     """The worker's cache: full attention as before; a hybrid family's pools with vLLM's group events."""
     transfer = "thread" if args.host_pages else None
     if args.family == "full":
-        from producer.sim.driver import build_cache
+        from sim.driver import build_cache
 
         return build_cache(page_size=args.block_size, device_pages=args.gpu_pages, host_pages=args.host_pages,
                            page_shape=(2, 4), transfer=transfer, storage=storage, recorder=recorder,
                            write_policy=args.write_policy)
     from producer.components.families import FamilySizes, build_family_cache
 
+    pools: dict[str, Any] = pool_sizes(args)
     sizes = FamilySizes(page_size=args.block_size, device_pages=args.gpu_pages, host_pages=args.host_pages,
-                        kv_shape=(2, 4), **pool_sizes(args), conv_shape=(2, 4), temporal_shape=(2, 4),
+                        kv_shape=(2, 4), **pools, conv_shape=(2, 4), temporal_shape=(2, 4),
                         window=args.window, swa_shape=(2, 4), dsa_shape=(4,))
     return build_family_cache(args.family, sizes, transfer=transfer, storage=storage, recorder=recorder,
                               component_events=True, write_policy=args.write_policy)
@@ -126,37 +127,13 @@ def pool_sizes(args: argparse.Namespace) -> dict[str, int]:
 
 def indexer_token(path: str | None) -> str | None:
     """The indexer's bearer token: the file's first line, else $KVATLAS_AUTH_TOKEN, else None (the
-    indexer's own rule, `router_api.cmd_indexer.read_token`); an empty file stops the command."""
-    from router_api.cmd_indexer import read_token
+    indexer's own rule, `schemas.auth.read_token`); an empty file stops the command."""
+    from schemas.auth import read_token
 
     try:
         return read_token(None, path, os.environ.get("KVATLAS_AUTH_TOKEN"))
     except ValueError as exc:
         raise SystemExit(f"kvatlas: {exc}") from None
-
-
-def _register(url: str, body: dict[str, Any], timeout: float = 60.0, token: str | None = None) -> None:
-    """POST /workers until the indexer answers (it may start after us); fail loudly at the deadline."""
-    deadline = time.monotonic() + timeout
-    data = json.dumps(body).encode()
-    delay = 0.05
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    while True:
-        req = urllib.request.Request(url.rstrip("/") + "/workers", data=data, method="POST", headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=5) as resp:
-                if resp.status < 300:
-                    return
-        except urllib.error.HTTPError as exc:
-            raise SystemExit(f"kvatlas worker: the indexer refused the registration: {exc.code} "
-                             f"{exc.read().decode(errors='replace')}") from None
-        except OSError as exc:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"kvatlas worker: indexer {url} unreachable: {exc}") from None
-        time.sleep(delay)  # retry pacing while the indexer starts (not a synchronisation)
-        delay = min(1.0, delay * 2)
 
 
 def _endpoint(bind: str, port: str) -> str:
@@ -170,15 +147,21 @@ def _advertised(bound: str, host: str | None) -> str:
     return f"tcp://{host}:{port}"
 
 
+def http_url(host: str, port: int, advertise_host: str | None) -> str:
+    """The worker's OpenAI-compatible base URL as routers reach it (RegisterWorker.url)."""
+    h = advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host)
+    return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
+
+
 def server_config(app: Any, host: str, port: int) -> Any:
     """The worker's uvicorn settings: idle connections close after WORKER_KEEPALIVE_S, later than
-    the routers' clients drop theirs (producer.sim.httpbody)."""
+    the routers' clients drop theirs (sim.httpbody)."""
     import uvicorn
 
-    from producer.sim.httpbody import WORKER_KEEPALIVE_S
+    from sim.httpbody import WORKER_KEEPALIVE_S
 
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                          timeout_keep_alive=WORKER_KEEPALIVE_S)
+                          timeout_keep_alive=int(WORKER_KEEPALIVE_S))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,14 +173,18 @@ def run(args: argparse.Namespace) -> int:
     from producer.sinks import ZmqSink
     from producer.storage.config import load_backend_config, make_storage_backend
     from producer.storage.worker import StorageWorker
-    from producer.sim.app import create_worker_app
-    from producer.sim.engine import Engine, VirtualClock
-    from producer.sim.api import SimModel, WorkerHealth
+    from sim.app import create_worker_app
+    from sim.engine import Engine, VirtualClock
+    from sim.api import SimModel, WorkerHealth
+    from sim.registrar import REGISTER_INTERVAL_S, Registrar, RegistrationRefused
 
     for name in ("block_size", "gpu_pages", "port"):
         if getattr(args, name) <= 0:
             print(f"kvatlas worker: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
+    if args.register_interval is not None and not 0 < args.register_interval <= 3600:
+        print("kvatlas worker: --register-interval must be within (0, 3600] seconds", file=sys.stderr)
+        return 2
     if args.host_pages < 0 or args.speed <= 0:
         print("kvatlas worker: --host-pages must be >= 0 and --speed positive", file=sys.stderr)
         return 2
@@ -255,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(cache, sim, probe=probe, chunk_pages=args.chunk_tokens // args.block_size,
                     running_state_share=args.running_state_share if args.family == "mamba" else 0.0)
     endpoint = _advertised(publisher.endpoint, args.advertise_host)
-    replay = _advertised(publisher.replay_endpoint, args.advertise_host)
+    replay = None if publisher.replay_endpoint is None else _advertised(publisher.replay_endpoint, args.advertise_host)
     health = WorkerHealth(status="ok", worker_id=args.worker_id, model=args.model, block_size=args.block_size,
                           endpoint=endpoint, replay_endpoint=replay, sim=sim,
                           l3=None if storage is None else ("shared" if storage.backend.shared else "disk"),
@@ -264,13 +251,24 @@ def run(args: argparse.Namespace) -> int:
              args.worker_id, args.family, endpoint, replay, args.gpu_pages, args.host_pages, args.block_size,
              health.l3)
     app = create_worker_app(engine, health, VirtualClock(args.speed), tokenizer)
+    registrar = None
     try:
         if args.indexer:
-            _register(args.indexer, {"worker_id": args.worker_id, "endpoint": endpoint, "replay_endpoint": replay,
-                                     "model": args.model, "block_size": args.block_size},
-                      token=indexer_token(args.indexer_token_file))
+            registrar = Registrar(args.indexer, {
+                "worker_id": args.worker_id, "endpoint": endpoint, "replay_endpoint": replay, "model": args.model,
+                "block_size": args.block_size, "url": http_url(args.host, args.port, args.advertise_host),
+            }, token=indexer_token(args.indexer_token_file), interval_s=args.register_interval or REGISTER_INTERVAL_S)
+            try:
+                registrar.register()
+            except RegistrationRefused as exc:
+                raise SystemExit(f"kvatlas worker: the indexer refused the registration: {exc}") from None
+            except OSError as exc:
+                raise SystemExit(f"kvatlas worker: indexer {args.indexer} unreachable: {exc}") from None
+            registrar.start()
         uvicorn.Server(server_config(app, args.host, args.port)).run()
     finally:
+        if registrar is not None:
+            registrar.close()
         engine.close()
         recorder.close(time.monotonic())
         if cache.transfer is not None:

@@ -25,9 +25,9 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from producer.sim.engine import Engine, VirtualClock
-from producer.sim.httpbody import MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within, read_capped
-from producer.sim.schedule import QueueFull
+from sim.engine import Engine, VirtualClock
+from sim.httpbody import MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within, read_capped
+from sim.schedule import QueueFull
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
