@@ -36,7 +36,7 @@ torch.set_num_threads(1)  # a shared 2-core machine: no intra-op thread pool fig
 
 from producer.events import EventRecorder  # noqa: E402
 from producer.page_hash import chain_digests  # noqa: E402
-from producer.sim.driver import build_cache, page_matches, write_pattern  # noqa: E402
+from sim.driver import build_cache, page_matches, write_pattern  # noqa: E402
 from producer.sinks import ListSink  # noqa: E402
 from producer.storage import StorageWorker, make_storage_backend  # noqa: E402
 from producer.storage.mooncake_master import start_mooncake_master  # noqa: E402

@@ -67,7 +67,7 @@ class KVPool:
         if self._flat is None:
             if self.buffer.device.type != "cpu":
                 raise ValueError(f"{self.name}: page views are of host memory")
-            self._flat = memoryview(self.buffer.view(-1).view(torch.uint8).numpy())
+            self._flat = self.buffer.view(-1).view(torch.uint8).numpy().data
         if not 0 <= page < self.buffer.shape[0]:
             raise IndexError(f"{self.name}: page {page} out of range")
         pb = self.page_bytes

@@ -13,7 +13,7 @@ from indexer.index import KVIndex
 from producer.components.families import FamilySizes, build_family_cache
 from producer.events import EventRecorder
 from producer.page_hash import chain_digests, page_ids
-from producer.sim.driver import build_cache, page_matches, write_pattern
+from sim.driver import build_cache, page_matches, write_pattern
 from producer.sinks import ListSink
 from producer.storage import StorageWorker, make_storage_backend
 from producer.storage.keys import page_key

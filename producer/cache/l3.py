@@ -290,9 +290,9 @@ class L3(CacheState):
                     self._l3_index[key] = node
                 self.emit.stored(node, self.l3_medium)  # type: ignore[arg-type]
         for node, c in landed:
-            st = self._state(node, c)
-            if st is not None and not st.stored:
-                st.stored = True
+            cst = self._state(node, c)
+            if cst is not None and not cst.stored:
+                cst.stored = True
                 for key in self._comp_keys(node, c):
                     self._l3_index[key] = node
                 self.emit.comp(node, c, self.l3_medium, True)  # type: ignore[arg-type]

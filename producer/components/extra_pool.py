@@ -39,7 +39,7 @@ class ExtraPool:
         """One host page's own memory (no copy), as `KVPool.page_view`."""
         t = self.tensor(True)
         if self._flat is None:
-            self._flat = memoryview(t.view(-1).view(torch.uint8).numpy())
+            self._flat = t.view(-1).view(torch.uint8).numpy().data
         if not 0 <= page < t.shape[0]:
             raise IndexError(f"{self.name}: page {page} out of range")
         pb = self.page_bytes()

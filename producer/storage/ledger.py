@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 
 from .base import StorageCapacity, copy_into
 
@@ -79,6 +80,11 @@ class LedgerAccounting:
     (`_ledger`), log what they drop on their own in `_evicted`, and guard both with `_lock`."""
 
     __slots__ = ()
+    # what the backend using this mixin provides
+    _lock: threading.Lock | threading.RLock
+    _ledger: LruLedger
+    _evicted: list[str]
+    get: Callable[[Sequence[str]], list[bytes | None]]
 
     def capacity(self) -> StorageCapacity:
         with self._lock:
@@ -97,7 +103,8 @@ class LedgerAccounting:
 
     def drain_evicted(self) -> list[str]:
         with self._lock:
-            out, self._evicted = self._evicted, []
+            out = self._evicted[:]
+            self._evicted.clear()
         return out
 
     def close(self) -> None:

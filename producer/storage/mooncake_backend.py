@@ -169,7 +169,7 @@ class MooncakeStorageBackend:
         self.name = name or f"mooncake:{master_server_address}"
         self.shared = bool(shared)
         self.prefix = prefix
-        self._cfg = dict(local_hostname=local_hostname, metadata_server=metadata_server,
+        self._cfg: dict[str, Any] = dict(local_hostname=local_hostname, metadata_server=metadata_server,
                          global_segment_size=global_segment_size, local_buffer_size=local_buffer_size,
                          protocol=protocol, rdma_devices=device_name, master_server_addr=master_server_address)
         self._store: Any = None

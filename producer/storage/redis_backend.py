@@ -241,7 +241,7 @@ class RedisStorageBackend:
         """Ask Redis for keyevent notifications of expired/evicted keys (best effort: a managed
         server may forbid CONFIG SET, and pub/sub messages sent while disconnected are lost)."""
         try:
-            current = self._r.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+            current = self._r.config_get("notify-keyspace-events").get("notify-keyspace-events") or ""
             flags = set(current) | {"E", "x", "e"}
             if set(current) != flags:
                 self._r.config_set("notify-keyspace-events", "".join(sorted(flags)))

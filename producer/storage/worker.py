@@ -120,7 +120,9 @@ class StorageWorker:
                 log.debug("storage worker full (%d in flight); %s batch deferred", self._inflight, op)
                 return False
             self._inflight += 1
-        self._q.put(_Request(op, list(keys), buffers if values is None else list(values), tag))
+        payload: list[BytesLike] | None = (list(values) if values is not None
+                                           else None if buffers is None else [b for b in buffers])
+        self._q.put(_Request(op, list(keys), payload, tag))
         return True
 
     def submit_set(self, keys: Sequence[str], values: Sequence[BytesLike], tag: object = None) -> bool:
