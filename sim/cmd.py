@@ -230,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.l3 == "mooncake":
             storage = StorageWorker(make_storage_backend("mooncake", l3cfg))
             probe = storage.backend  # thread-safe: one Mooncake client (one segment) per worker
+            storage.submit_exists([])  # the client connects on the storage thread now, not on a first request
     except ValueError as exc:
         print(f"kvatlas worker: bad L3 configuration: {exc}", file=sys.stderr)
         return 2
