@@ -184,3 +184,55 @@ def test_config_files_and_sizes(tmp_path) -> None:
                 {"nope": 1}):
         with pytest.raises(ValueError):
             make_storage_backend("mooncake", bad)
+
+
+def test_claims_never_lead_the_store_property(mooncake_master: MooncakeMaster) -> None:
+    """Random writes (some past the share, some empty), removals by another client behind the
+    backend's back, reads, drains: a key is claimed only after a confirmed write, every key the
+    backend stops holding is reported exactly once, and after a full audit every claim is held."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    ops = st.lists(st.one_of(
+        st.tuples(st.just("set"), st.lists(st.integers(0, 11), min_size=1, max_size=4), st.integers(0, 3)),
+        st.tuples(st.just("drop"), st.lists(st.integers(0, 11), min_size=1, max_size=3), st.just(0)),
+        st.tuples(st.just("get"), st.lists(st.integers(0, 11), min_size=1, max_size=4), st.just(0)),
+        st.tuples(st.just("drain"), st.just([0]), st.just(0)),
+    ), max_size=25)
+    be = backend(mooncake_master, capacity_bytes=5 * 1024, audit_interval_s=1e-6, audit_batch=3)
+    other = backend(mooncake_master)  # clients are costly to set up: one pair, a key namespace per example
+    run = [0]
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(ops)
+    def check(seq: list[tuple[str, list[int], int]]) -> None:
+        run[0] += 1
+        claimed: set[str] = set()
+        for op, ids, size in seq:
+            keys = [f"e{run[0]}:k{i}" for i in dict.fromkeys(ids)]
+            if op == "set":
+                ok = be.set(keys, [bytes([size]) * (size * 1024) for _ in keys])  # size 0: refused
+                assert sum(ok) * size <= 5 and all(not o for o in ok[sum(ok):])  # the head that fits
+                claimed.update(k for k, o in zip(keys, ok) if o)
+            elif op == "drop":
+                other.delete(keys)
+                wait_until(lambda: (other.drain_evicted(), other.pending_removals == 0)[1], timeout=10.0)
+            elif op == "get":
+                for k, v in zip(keys, be.get(keys)):
+                    assert v is None or len(set(v)) == 1  # whole values only
+            gone = be.drain_evicted()
+            assert len(gone) == len(set(gone)) and set(gone) <= claimed  # once each, only claims
+            claimed -= set(gone)
+            assert be.capacity().used_bytes <= 5 * 1024
+        claimed -= set(be.audit_now())
+        claimed -= set(be.drain_evicted())
+        if claimed:
+            assert all(be.exists(sorted(claimed)))  # after a full audit no claim leads the store
+        be.delete(sorted(claimed))  # the next example starts with nothing claimed
+        assert be.capacity().used_bytes == 0 and be.drain_evicted() == []
+
+    try:
+        check()
+    finally:
+        be.close()
+        other.close()

@@ -23,6 +23,11 @@ class LruLedger:
         self.used_bytes = 0
         self._sizes: OrderedDict[str, int] = OrderedDict()
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each key's size (read-only use)."""
+        return self._sizes
+
     def __contains__(self, key: str) -> bool:
         return key in self._sizes
 

@@ -264,9 +264,9 @@ class MooncakeStorageBackend:
             if store is None:
                 return out
             self._make_room(store, keys, views)
+            admit = self._admitted(keys, views)
             for lo in range(0, len(keys), self._batch):
-                idx = [i for i in range(lo, min(lo + self._batch, len(keys)))
-                       if views[i].nbytes and self._ledger.fits(views[i].nbytes)]
+                idx = [i for i in range(lo, min(lo + self._batch, len(keys))) if admit[i]]
                 if not idx:
                     continue
                 codes = store.batch_put_from([self._k(keys[i]) for i in idx], [_addr(views[i]) for i in idx],
@@ -285,6 +285,22 @@ class MooncakeStorageBackend:
         refused = len(keys) - sum(out)
         if refused:
             log.debug("Mooncake L3 %s: %d of %d puts not confirmed", self.name, refused, len(keys))
+        return out
+
+    def _admitted(self, keys: Sequence[str], views: Sequence[memoryview]) -> list[bool]:
+        """Which values of a batch are written: non-empty ones, in order, while the share holds
+        them (a batch larger than the share writes its head and refuses the rest)."""
+        limit = self._ledger.limit_bytes
+        room = None
+        if limit is not None:
+            replaced = sum(self._ledger.sizes.get(k, 0) for k in dict.fromkeys(keys))
+            room = limit - (self._ledger.used_bytes - replaced)
+        out = []
+        for v in views:
+            ok = v.nbytes > 0 and (room is None or v.nbytes <= room)
+            if ok and room is not None:
+                room -= v.nbytes
+            out.append(ok)
         return out
 
     def _make_room(self, store: Any, keys: Sequence[str], views: Sequence[memoryview]) -> None:
