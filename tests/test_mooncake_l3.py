@@ -22,7 +22,7 @@ from producer.transfer import ManualTransferEngine
 from schemas.events import BlockRemoved, BlockStored, KVEventBatch
 from schemas.media import Medium, parse_medium
 from support.hybrid_model import HybridModel
-from support.mooncake import MooncakeMaster, mooncake_master  # noqa: F401
+from support.mooncake import MooncakeMaster, drop_behind_back, mooncake_master  # noqa: F401
 from support.net import wait_until
 
 P = 4
@@ -120,8 +120,7 @@ def test_backup_is_external_and_worker_b_loads_back_what_a_backed_up(mooncake_ma
 
 
 def test_the_index_credits_the_shared_tier_to_every_worker_of_the_model(mooncake_master, workers) -> None:
-    # an existence check leases a key like a read (100 ms here): audits paced slower than that
-    # leave other clients' removals a window
+    # the storage thread audits on its own every 300 ms (slower than the 100 ms lease a check takes)
     wa = Settled(mc(mooncake_master, audit_interval_s=0.3), idle_evict_poll_s=0.05)
     workers.append(wa)
     a, ea, sa = full_cache(wa)
@@ -141,12 +140,7 @@ def test_the_index_credits_the_shared_tier_to_every_worker_of_the_model(mooncake
     # the store loses a page behind A's back: A's audit says so, and the index follows
     node = a.match_prefix(TOKENS).host_node
     gone = a._l3_keys(node)[-1]
-    other = mc(mooncake_master)
-    try:
-        other.delete([gone])
-        wait_until(lambda: (other.drain_evicted(), other.pending_removals == 0)[1], timeout=10.0)
-    finally:
-        other.close()
+    drop_behind_back(mooncake_master, [gone])
     n = len(sa.events())
     # the storage thread audits on its own (every 300 ms here): the cache learns it on a step
     wait_until(lambda: (a.step(0.2), removed(sa, Medium.EXTERNAL))[1], timeout=10.0)
@@ -208,13 +202,7 @@ def test_hybrid_node_round_trips_per_pool_and_part_of_a_node_is_absent(
     model.apply("b", sb.events())
     assert model.usable("b", tokens)[1] == 8  # usable with its component state: the pools came whole
     # a node partly in the store is absent: drop one page's pool key, a third worker finds 0 pages
-    other = mc(mooncake_master)
-    try:
-        gone = page_key(digests[0], suffix) if family == "dsa" else page_key(digests[0])
-        other.delete([gone])
-        wait_until(lambda: (other.drain_evicted(), other.pending_removals == 0)[1], timeout=10.0)
-    finally:
-        other.close()
+    drop_behind_back(mooncake_master, [page_key(digests[0], suffix) if family == "dsa" else page_key(digests[0])])
     wc = worker(workers, mooncake_master)
     c, ec, sc = hybrid(wc)
     assert c.prefetch(tokens, now=0.0)
