@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pending-ttl", type=float, default=None,
                    help="seconds an in-flight route (POST /routes) counts as pending_blocks when neither the "
                         "worker's events nor a release end it first (default 10)")
+    p.add_argument("--route-admit-timeout", type=float, default=None,
+                   help="seconds a route reported with admits holds later routes back (their `after`) when its "
+                        "admission is not reported (default 1)")
     p.add_argument("--resync-hold", type=float, help="seconds a resynced worker is reported 'resyncing' (default 30)")
     p.add_argument("--max-body-mb", type=float, help="request body limit in MiB; larger bodies get 413 (default 8)")
     p.add_argument("--replay-timeout", type=float, help="seconds to wait for a publisher's replay (default 2)")
@@ -386,9 +389,11 @@ def run(args: argparse.Namespace) -> int:
         from indexer.pending import PendingRoutes
 
         ttl = getattr(args, "pending_ttl", None)
+        admit = getattr(args, "route_admit_timeout", None)
+        pending_kw = {k: v for k, v in (("ttl_s", ttl), ("admit_timeout_s", admit)) if v is not None}
         service = IndexerService(config, subscriber_factory=None if plane is None else
                                  plane.subscriber_factory(config.replay_timeout_s),
-                                 pending=None if ttl is None else PendingRoutes(ttl_s=ttl))
+                                 pending=PendingRoutes(**pending_kw) if pending_kw else None)
     except ValueError as exc:  # e.g. stale-after > remove-after, bad snapshot target
         print(f"kvatlas indexer: bad configuration: {exc}", file=sys.stderr)
         if plane is not None:

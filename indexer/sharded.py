@@ -81,6 +81,9 @@ class _MergedGroups:
     """The shards' group tables (hybrid layouts): one merged group per (group_idx, kind, window)."""
 
     __slots__ = ("classes",)
+    # A merged view is rebuilt whenever a shard's table or its version moves (`_Merged` below), so
+    # the view itself never changes: the constant version a plan cache keyed on it needs.
+    version = 0
 
     def __init__(self, tables: list[Any]) -> None:
         """`tables`: each shard's GroupTable or None (position = shard)."""

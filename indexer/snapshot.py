@@ -3,12 +3,17 @@ msgpack blob written atomically to a file (temp + fsync + rename) or to Redis (M
 SET plus a generation counter). A restarted indexer loads it, then asks each publisher to replay
 from its watermark.
 
-The snapshot is encoded by the caller's thread; stores only move bytes.
+The snapshot is encoded by the caller's thread; stores only move bytes. On the wire it is framed
+(`encode_snapshot`): a magic, the format version, the payload's length and a SHA-256 over all three and
+the payload, so a flipped bit anywhere, a truncated or padded file, or another format is refused
+before anything is decoded, like a file that is not a snapshot at all.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import struct
 import tempfile
 from typing import Optional, Protocol, cast
 
@@ -19,7 +24,10 @@ from schemas.events import KVEvent
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+SNAPSHOT_MAGIC = b"KVATLAS-SNAPSHOT"
+_HEAD = struct.Struct(">16sIQ")  # magic, version, payload length
+_DIGEST = 32                     # SHA-256 of head + payload, after the head
 
 
 class SnapshotError(Exception):
@@ -53,12 +61,38 @@ _decoder = msgspec.msgpack.Decoder(Snapshot)
 
 
 def encode_snapshot(snap: Snapshot) -> bytes:
-    return _encoder.encode(snap)
+    """The framed snapshot: head (magic, version, length), SHA-256 of head + payload, payload."""
+    payload = _encoder.encode(snap)
+    head = _HEAD.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, len(payload))
+    digest = hashlib.sha256(head)
+    digest.update(payload)
+    return b"".join((head, digest.digest(), payload))
+
+
+def verified_payload(data: bytes) -> memoryview:
+    """The payload of a framed snapshot whose head and checksum hold (SnapshotError otherwise)."""
+    n = _HEAD.size + _DIGEST
+    if len(data) < n:
+        raise SnapshotError(f"snapshot is corrupt: {len(data)} bytes, shorter than its {n}-byte head")
+    magic, version, length = _HEAD.unpack_from(data)
+    if magic != SNAPSHOT_MAGIC:
+        raise SnapshotError("snapshot is corrupt or not a kvatlas snapshot (bad magic)")
+    if version != SNAPSHOT_VERSION:
+        raise SnapshotError(f"snapshot version {version} is not {SNAPSHOT_VERSION}")
+    if length != len(data) - n:
+        raise SnapshotError(f"snapshot is corrupt: its head says {length} payload bytes, {len(data) - n} follow")
+    view = memoryview(data)
+    digest = hashlib.sha256(view[:_HEAD.size])
+    digest.update(view[n:])
+    if digest.digest() != bytes(view[_HEAD.size:n]):
+        raise SnapshotError("snapshot is corrupt: checksum mismatch")
+    return view[n:]
 
 
 def decode_snapshot(data: bytes) -> Snapshot:
+    payload = verified_payload(data)
     try:
-        snap = _decoder.decode(data)
+        snap = _decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise SnapshotError(f"snapshot is corrupt or from an incompatible version: {exc}") from exc
     if snap.version != SNAPSHOT_VERSION:

@@ -26,7 +26,7 @@ from router_api.metrics import CONTENT_TYPE_LATEST
 from router_api.bodies import ApiError, check_length, content_kind, decode_body
 from router_api.http_log import RateLimitedLog, escape_log
 from router_api.registry import RegistryError
-from router_api.routes import UnknownRouteWorker
+from router_api.routes import UnknownRouteWorker, WaitsFull
 from router_api.offload import AnswerPool
 from router_api.score_front import ASGIApp, Route, ScoreFront
 from router_api.service import IndexerService, UnknownModel
@@ -81,7 +81,7 @@ class BearerAuth:
 
     def __init__(self, app: Any, token: str) -> None:
         self.app = app
-        self.fastapi = getattr(app, "fastapi", app)
+        self.fastapi = app.fastapi if isinstance(app, ScoreFront) else app
         self.token = token.encode()
         self.front: ScoreFront | None = app if isinstance(app, ScoreFront) else None
         if self.front is not None:
@@ -103,6 +103,12 @@ class BearerAuth:
             return
         resp = _error(401, "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"})
         await resp(scope, receive, send)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client of a request whose body was read hangs up."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(service: IndexerService, native_bodies: bool | None = None, pool: AnswerPool | None = None) -> ASGIApp:
@@ -222,12 +228,18 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
         def wake() -> None:  # under the service lock, maybe on another thread (a replica's admission)
             loop.call_soon_threadsafe(_settle, woken)
 
-        token = service.watch_routes(w.model, w.request_ids, wake)
+        try:
+            token = service.watch_routes(w.model, w.request_ids, wake)
+        except WaitsFull as exc:
+            return reject("routes_wait", ApiError(503, str(exc), "waits_full"))
         try:
             if token is not None:
-                await asyncio.wait_for(woken, w.timeout_s)
-        except asyncio.TimeoutError:
-            pass
+                # A client that hangs up ends its wait (the waiter set only holds live ones).
+                gone = asyncio.ensure_future(_client_gone(request))
+                try:
+                    await asyncio.wait((woken, gone), timeout=w.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    gone.cancel()
         finally:
             left = service.end_wait(w.model, w.request_ids, token, time.monotonic() - t0)
         return encode_for(request, RouteWaitAnswer(left, time.monotonic() - t0))

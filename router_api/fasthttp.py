@@ -34,10 +34,10 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from router_api.app import bearer_ok
+from router_api.app import BearerAuth, bearer_ok
 from router_api.bodies import ApiError
 from router_api.http_head import SimpleHead, fields, simple_get, simple_post
-from router_api.score_front import Answer, Route, ScoreFront
+from router_api.score_front import Answer, Route, ScoreFront, body_headers
 
 HEALTH = Route("health", type(None), lambda *a: b"")  # marks a GET /health in flight (never called)
 _NEEDED = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
@@ -56,8 +56,7 @@ def find_front(app: Any) -> ScoreFront | None:
     """The ScoreFront of an app built by `create_app` (directly, or under BearerAuth)."""
     if isinstance(app, ScoreFront):
         return app
-    front = getattr(app, "front", None)
-    return front if isinstance(front, ScoreFront) else None
+    return app.front if isinstance(app, BearerAuth) else None
 
 
 def _plain(status: int, reason: bytes, message: bytes) -> bytes:
@@ -76,6 +75,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    on_reject: Any = None  # counts a rejection by reason (servers without a ScoreFront: `kvatlas worker`)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -172,19 +172,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _count(self, reason: str) -> None:
+        if self.on_reject is not None:
+            self.on_reject(reason)
+            return
         front = find_front(self.app)
         if front is not None:
             front.metrics.http_rejects.inc("http", reason)
 
 
 def protocol_class(fast_path: bool, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-                   max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type:
-    """The uvicorn `http` protocol class for one server, with its limits."""
+                   max_connections: int = DEFAULT_MAX_CONNECTIONS, on_reject: Any = None) -> type:
+    """The uvicorn `http` protocol class for one server, with its limits (`on_reject(reason)`: where
+    rejections are counted when the app has no ScoreFront)."""
     if request_timeout_s <= 0 or max_connections < 1:
         raise ValueError("request_timeout_s must be > 0 and max_connections >= 1")
     base = ScoreHttpProtocol if fast_path else GuardedHttpProtocol
     return type(base.__name__, (base,), {"request_timeout_s": float(request_timeout_s),
-                                         "max_connections": int(max_connections)})
+                                         "max_connections": int(max_connections),
+                                         "on_reject": staticmethod(on_reject) if on_reject is not None else None})
 
 
 class _Pending:
@@ -339,14 +344,7 @@ class ScoreHttpProtocol(GuardedHttpProtocol):
 
     def _start(self, front: ScoreFront, route: Route, query: bytes) -> None:
         t0 = time.perf_counter()
-        ctype = accept = clen = None
-        for k, v in self.headers:
-            if k == b"content-type":
-                ctype = v
-            elif k == b"accept":
-                accept = v
-            elif k == b"content-length":
-                clen = v
+        ctype, accept, clen = body_headers(self.headers)
         p = self._pending = _Pending(route, "", accept, query, t0, self._keep_alive())
         try:
             p.kind = front.prepare(ctype, clen)

@@ -273,5 +273,23 @@ class ServiceMetrics:
             if m.labelnames[:1] == ("worker",) and isinstance(m, Counter):
                 m.forget(worker_id)
 
+    def totals(self) -> dict[str, Any]:
+        """The counters' totals `GET /stats` (the dashboard) shows; rates are computed client-side."""
+        by_type: dict[str, float] = {}
+        for (typ, _tier, _outcome), n in self.events.items():
+            by_type[typ] = by_type.get(typ, 0) + n
+        p50, p99 = self.recent_score.quantiles((0.5, 0.99))
+        return {
+            "events_total": self.events.total(),
+            "events_by_type": by_type,
+            "batches_total": self.batches.total(),
+            "drops": {labels[0]: n for labels, n in self.drops.items()},
+            "gaps": self.gaps.total(), "replays": self.replays.total(), "resyncs": self.resyncs.total(),
+            "restarts": self.restarts.total(), "snapshot_requests": self.snapshot_requests.total(),
+            "score": {"count": self.request_latency.count("score"),
+                      "p50_ms": None if p50 is None else p50 * 1e3,
+                      "p99_ms": None if p99 is None else p99 * 1e3},
+        }
+
     def render(self) -> str:
         return exposition(self._all)

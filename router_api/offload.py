@@ -7,7 +7,8 @@ body of at least `min_bytes` is answered on one of a few worker threads instead;
 of that answer (the body parse, the block hashing) run without the GIL, so the loop keeps serving.
 At most `max_pending` such answers are queued or running at once: one more is refused with 503
 (reason `offload_full`) at once rather than queued without bound. Small bodies stay on the loop,
-where a thread hand-off would cost more than the answer itself.
+where a thread hand-off would cost more than the answer itself — except text requests (`prompt` /
+`messages`), which always come here and are tokenized `TEXT_AT_ONCE` at a time.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ OFFLOAD_MIN_BYTES = 256 * 1024
 OFFLOAD_THREADS = 2
 # Queued + running off-loop answers at most; one more answers 503 (a client's burst cannot pile up memory).
 OFFLOAD_MAX_PENDING = 8
+# Text /score requests tokenized at once (on this pool): tokenizers and chat templates hold the GIL for
+# long stretches, so more in parallel would only starve the event loop; one more answers 503.
+TEXT_AT_ONCE = 1
 
 
 class AnswerPool:
@@ -28,7 +32,8 @@ class AnswerPool:
     answered on the loop: `kvatlas indexer --http-offload-bytes 0`, for comparison). Threads start on
     the first large body."""
 
-    __slots__ = ("min_bytes", "threads", "max_pending", "_slots", "_executor", "_lock", "pending", "on_pending")
+    __slots__ = ("min_bytes", "threads", "max_pending", "_slots", "_executor", "_lock", "pending", "on_pending",
+                 "text_slots")
 
     def __init__(self, min_bytes: int = OFFLOAD_MIN_BYTES, threads: int = OFFLOAD_THREADS,
                  max_pending: int = OFFLOAD_MAX_PENDING) -> None:
@@ -42,6 +47,7 @@ class AnswerPool:
         self._lock = threading.Lock()
         self.pending = 0  # queued + running
         self.on_pending: Callable[[int], None] | None = None  # told each new `pending` (the /metrics gauge)
+        self.text_slots = threading.BoundedSemaphore(TEXT_AT_ONCE)  # text requests tokenizing now (score_text)
 
     def wants(self, size: int) -> bool:
         """True when a body of `size` bytes is answered off the loop."""

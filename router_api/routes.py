@@ -4,17 +4,27 @@ workers that restarted, resynced or left, and the `pending_blocks` of `/score` r
 (docs/CONTRACTS.md, "Pending routes").
 
 Causal forwarding: a route reported with `admits` names, in its answer, the routes its prediction
-depends on that the worker has not admitted yet (`after`); their routers report admission (`admit`),
-and a waiter (`watch`) is called once one of the routes it waits for no longer awaits admission.
+depends on that the worker has not admitted yet (`after`), by opaque handles (`route_handle`: route
+ids are never handed to another client); their routers report admission (`admit`), and a waiter
+(`watch`, on handles) is called once one of the routes it waits for no longer awaits admission.
+Waits are bounded in number and in the routes they name, indexed by route (a change looks at the
+waits on the routes it settled, not at every wait), and end at their deadline.
 
 Every method but `keys` runs under the service's lock (it reads the index and the registry);
 `now` is the service clock's value. No threads of its own: work happens when routes are reported,
-admitted or released and when `/score` asks; watchers' callbacks run under the lock (they must only
-hand a wake-up to their own thread or loop).
+admitted or released, when `/score` asks (a confirmation sweep within a budget of block keys), and
+on `tick` (the service's timer: expiry and admission deadlines run without traffic); watchers'
+callbacks run under the lock (they must only hand a wake-up to their own thread or loop).
 """
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import itertools
+import logging
+import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,20 +32,29 @@ from indexer.protocol import ScoringIndex
 from indexer.pending import PendingRoutes
 from router_api.metrics import RecentWindow
 
+log = logging.getLogger("kvatlas.routes")
+
 
 class UnknownRouteWorker(LookupError):
     """A route names a worker (or model) the registry does not know."""
 
 
-class _Mark:
-    """What a worker's stream looked like at the last sweep: a changed seq means new events to check
-    routes against; a changed epoch (restart, resync, re-registration) means its routes are void."""
+class WaitsFull(RuntimeError):
+    """The waits for admission already held are at their bound (HTTP 503)."""
 
-    __slots__ = ("seq", "epoch")
+
+class _Mark:
+    """What a worker's stream looked like when its routes were last queued for confirmation: a
+    changed seq means new events to check routes against; a changed epoch (restart, resync,
+    re-registration) means its routes are void. `todo`: ids still to check (a bounded number per
+    sweep, so a worker with many routes never costs one `/score` more than the budget)."""
+
+    __slots__ = ("seq", "epoch", "todo")
 
     def __init__(self, seq: Any, epoch: tuple[int, int, float]) -> None:
         self.seq = seq
         self.epoch = epoch
+        self.todo: list[str] = []
 
 
 def _epoch(w: Any) -> tuple[int, int, float]:
@@ -45,7 +64,7 @@ def _epoch(w: Any) -> tuple[int, int, float]:
 class AdmissionCounts:
     """Causal forwarding's totals (the service exports them as counters)."""
 
-    __slots__ = ("reported", "admitted", "dependent", "waits", "wait_timeouts", "wait_seconds")
+    __slots__ = ("reported", "admitted", "dependent", "waits", "wait_timeouts", "wait_seconds", "waits_refused")
 
     def __init__(self) -> None:
         self.reported = 0       # routes added with `admits` (their routers report admission)
@@ -54,20 +73,53 @@ class AdmissionCounts:
         self.waits = 0          # waits that had to block (a route in `after` still awaiting)
         self.wait_timeouts = 0  # of which ended by their deadline, some route still awaiting
         self.wait_seconds = 0.0  # their total time
+        self.waits_refused = 0  # waits refused: the waits held were at their bound
+
+
+class _Watch:
+    __slots__ = ("model", "rids", "wake")
+
+    def __init__(self, model: str, rids: tuple[str, ...], wake: Callable[[], None]) -> None:
+        self.model = model
+        self.rids = rids
+        self.wake = wake
+
+
+DEFAULT_MAX_WAITS = 4096            # waits for admission held at once (each names up to MAX_WAIT_ROUTES)
+DEFAULT_MAX_WAIT_NAMES = 1 << 16    # route handles named by all of them together
+SWEEP_BUDGET_KEYS = 4096            # block keys one sweep checks for confirmation (at least one route)
+
+
+def route_handle(key: bytes, model: str, request_id: str) -> str:
+    """The opaque name a route awaiting admission is given in other routes' `after`: a MAC of its model
+    and id under the service's key (the route plane's secret under `--nats`, so every replica names it
+    alike). It can be waited on (`/routes/wait`) and nothing else: it is not the route's id."""
+    mac = hmac.new(key, model.encode() + b"\0" + request_id.encode(), hashlib.sha256).digest()
+    return "h-" + base64.urlsafe_b64encode(mac[:18]).decode()
 
 
 class RouteBook:
-    __slots__ = ("pending", "visibility", "admission", "_marks", "_watchers", "_watch_ids")
+    __slots__ = ("pending", "visibility", "admission", "handle_key", "max_waits", "max_wait_names", "_marks",
+                 "_watchers", "_watch_ids", "_by_route", "_due", "_wait_names")
 
-    def __init__(self, pending: PendingRoutes | None = None, visibility: RecentWindow | None = None) -> None:
+    def __init__(self, pending: PendingRoutes | None = None, visibility: RecentWindow | None = None,
+                 handle_key: bytes | None = None, max_waits: int = DEFAULT_MAX_WAITS,
+                 max_wait_names: int = DEFAULT_MAX_WAIT_NAMES) -> None:
         self.pending = pending if pending is not None else PendingRoutes()
         # Publish time -> applied in the index (visible to /score), per batch with a timestamp (seconds;
         # the ingest loop adds them): what a route's pending entry bridges.
         self.visibility = visibility if visibility is not None else RecentWindow(4096)
         self.admission = AdmissionCounts()
+        self.handle_key = handle_key if handle_key is not None else os.urandom(32)
+        self.max_waits = max_waits
+        self.max_wait_names = max_wait_names
         self._marks: dict[tuple[str, str], _Mark] = {}
-        self._watchers: dict[int, tuple[str, tuple[str, ...], Callable[[], None]]] = {}
+        self._watchers: dict[int, _Watch] = {}
         self._watch_ids = itertools.count()
+        self._by_route: dict[tuple[str, str], set[int]] = {}  # (model, id) -> waits on it
+        self._due: list[tuple[str, str]] = []  # routes waited on that stopped awaiting admission
+        self._wait_names = 0
+        self.pending.on_settle = self._settled
 
     @staticmethod
     def keys(index: ScoringIndex, model: str, block_size: int, token_ids: Any, lora_name: str | None,
@@ -81,10 +133,10 @@ class RouteBook:
                busy_until: float | None = None, admits: bool = False) -> tuple[int, int, int, list[str]]:
         """Add the route; returns (cached, pending, blocks, after): the worker's exact match of the
         request and the pending blocks past it before this route, the blocks the route holds, and the
-        routes awaiting admission that hold the last pending block counted (the route must reach the
-        worker after them; empty unless `admits`). The route's share of the worker's in-flight load is
-        its `tokens` (the prompt's length; unknown: its full blocks) less what the worker holds or has
-        pending of it now: the tokens it will prefill."""
+        handles of the routes awaiting admission that hold the last pending block counted (the route
+        must reach the worker after them; empty unless `admits`). The route's share of the worker's
+        in-flight load is its `tokens` (the prompt's length; unknown: its full blocks) less what the
+        worker holds or has pending of it now: the tokens it will prefill."""
         w = registry.get(worker_id)
         if w is None or w.reg.model != model:
             raise UnknownRouteWorker(f"worker {worker_id!r} is not registered for model {model!r}")
@@ -102,10 +154,12 @@ class RouteBook:
         prefill = max(0, n - (cached + pend) * block_size)
         after: list[str] = []
         if admits and pend:
-            after = self.pending.blockers(model, worker_id, dp_rank, keys[cached + pend - 1])
+            after = [r.handle for r in self.pending.blockers(model, worker_id, dp_rank, keys[cached + pend - 1])
+                     if r.handle is not None]
             self.admission.dependent += bool(after)
         held = self.pending.add(model, request_id, worker_id, dp_rank, keys, now, prefill_tokens=prefill,
-                                busy_until=busy_until, admits=admits)
+                                busy_until=busy_until, admits=admits,
+                                handle=route_handle(self.handle_key, model, request_id) if admits else None)
         self.admission.reported += admits
         self._notify()
         return cached, pend, held, after
@@ -134,8 +188,7 @@ class RouteBook:
         """The worker accepted the route's request (its router saw the forward's response begin)."""
         ok = self.pending.admit(model, request_id)
         self.admission.admitted += ok
-        if ok:
-            self._notify()
+        self._notify()
         return ok
 
     def forget_worker(self, model: str, worker_id: str) -> None:
@@ -150,28 +203,67 @@ class RouteBook:
             del self._marks[key]
         self._notify()
 
-    # -- waiting for admission -----------------------------------------------------------------
-    def awaiting(self, model: str, request_ids: Sequence[str], now: float | None = None) -> list[str]:
-        """Those of the routes that are held and not admitted yet (at `now`: expired ones go first)."""
-        if now is not None and self.pending.expire(now):
+    def tick(self, index: Any, registry: Any, now: float) -> None:
+        """What runs without traffic (the service's timer): expiry of routes and admission deadlines,
+        which wakes their waiters, and a budgeted confirmation sweep of every model."""
+        try:
+            self.pending.expire(now)
+            for model in list(index.models()):
+                if self.pending.has(model):
+                    self._sweep(index, registry, model, now)
+        finally:
             self._notify()
-        return [rid for rid in request_ids if self.pending.awaiting(model, rid)]
 
-    def watch(self, model: str, request_ids: Sequence[str], wake: Callable[[], None],
+    # -- waiting for admission -----------------------------------------------------------------
+    def awaiting(self, model: str, handles: Sequence[str], now: float | None = None) -> list[str]:
+        """Those of the handles that name a route of the model still awaiting admission (at `now`:
+        expired ones and admission deadlines go first)."""
+        if now is not None:
+            self.pending.expire(now)
+            self._notify()
+        by_handle = self.pending.by_handle
+        return [h for h in handles if (r := by_handle(h)) is not None and r.model == model]
+
+    def watch(self, model: str, handles: Sequence[str], wake: Callable[[], None],
               now: float | None = None) -> int | None:
-        """Call `wake` (once, under the lock) when one of the routes no longer awaits admission:
-        admitted, released, confirmed, expired or cleared (any of `after` suffices: each holds every
-        block the prediction counted). None (and no call): one of them does not await now."""
-        ids = tuple(dict.fromkeys(request_ids))
-        if not ids or len(self.awaiting(model, ids, now)) < len(ids):
+        """Call `wake` (once, under the lock) when one of the routes the handles name no longer awaits
+        admission: admitted, past its admission deadline, released, confirmed, expired or cleared (any
+        of `after` suffices: each holds every block the prediction counted). None (and no call): one
+        of them does not await now. WaitsFull: the waits held are at their bound."""
+        names = tuple(dict.fromkeys(handles))
+        if not names or len(self.awaiting(model, names, now)) < len(names):
             return None
+        if len(self._watchers) >= self.max_waits or self._wait_names + len(names) > self.max_wait_names:
+            self.admission.waits_refused += 1
+            raise WaitsFull(f"{len(self._watchers)} waits for admission are held (bound {self.max_waits}, "
+                            f"{self.max_wait_names} routes named): retry later")
+        rids = tuple(r.request_id for h in names if (r := self.pending.by_handle(h)) is not None)
         token = next(self._watch_ids)
-        self._watchers[token] = (model, ids, wake)
+        self._watchers[token] = _Watch(model, rids, wake)
+        self._wait_names += len(rids)
+        for rid in rids:
+            self._by_route.setdefault((model, rid), set()).add(token)
         return token
 
     def unwatch(self, token: int | None) -> None:
-        if token is not None:
-            self._watchers.pop(token, None)
+        if token is None:
+            return
+        w = self._watchers.pop(token, None)
+        if w is None:
+            return
+        self._wait_names -= len(w.rids)
+        for rid in w.rids:
+            key = (w.model, rid)
+            tokens = self._by_route.get(key)
+            if tokens is not None:
+                tokens.discard(token)
+                if not tokens:
+                    del self._by_route[key]
+
+    @property
+    def waits(self) -> int:
+        """Waits for admission held now."""
+        return len(self._watchers)
 
     def waited(self, seconds: float, timed_out: bool) -> None:
         """A wait that blocked ended (its endpoint measures it)."""
@@ -179,14 +271,19 @@ class RouteBook:
         self.admission.wait_timeouts += timed_out
         self.admission.wait_seconds += seconds
 
+    def _settled(self, model: str, request_id: str) -> None:
+        if (model, request_id) in self._by_route:
+            self._due.append((model, request_id))
+
     def _notify(self) -> None:
-        if not self._watchers:
-            return
-        pend = self.pending
-        for token, (model, ids, wake) in list(self._watchers.items()):
-            if not all(pend.awaiting(model, rid) for rid in ids):
-                del self._watchers[token]
-                wake()
+        """Wake the waits on routes that stopped awaiting admission since: only theirs are looked at."""
+        while self._due:
+            key = self._due.pop()
+            for token in list(self._by_route.get(key, ())):
+                w = self._watchers.get(token)
+                self.unwatch(token)
+                if w is not None:
+                    w.wake()
 
     # -- scoring -------------------------------------------------------------------------------
     def sweep(self, index: Any, registry: Any, model: str, now: float) -> None:
@@ -197,15 +294,12 @@ class RouteBook:
         finally:
             self._notify()
 
-    def _sweep(self, index: Any, registry: Any, model: str, now: float) -> None:
+    def _sweep(self, index: Any, registry: Any, model: str, now: float, budget: int = SWEEP_BUDGET_KEYS) -> None:
         pend = self.pending
         pend.expire(now)
         if not pend.has(model):
             return
-        by_worker: dict[str, list[Any]] = {}
-        for r in pend.routes(model):
-            by_worker.setdefault(r.pair[0], []).append(r)
-        for wid, routes in by_worker.items():
+        for wid in pend.workers(model):
             w = registry.get(wid)
             mark = self._marks.get((model, wid))
             if w is None or w.reg.model != model or (mark is not None and mark.epoch != _epoch(w)):
@@ -213,12 +307,20 @@ class RouteBook:
                 continue
             if mark is None:
                 mark = self._marks[(model, wid)] = _Mark(None, _epoch(w))
-            if mark.seq == w.last_seq:
-                continue
-            mark.seq = w.last_seq
-            for r in routes:
+            if not mark.todo:
+                if mark.seq == w.last_seq:
+                    continue
+                mark.seq = w.last_seq  # new events: its routes are checked against them, a budget at a time
+                mark.todo = pend.worker_routes(model, wid)[::-1]
+            while mark.todo and budget > 0:
+                r = pend.get(model, mark.todo.pop())
+                if r is None or r.pair[0] != wid:
+                    continue
+                budget -= len(r.keys) + 1
                 if r.keys and self._held(index, model, r.keys, r.pair) >= len(r.keys):
                     pend.confirm(model, r.request_id)
+            if budget <= 0:
+                return
 
     def pending_run(self, model: str, worker_id: str, dp_rank: int, keys: Sequence[int], exact: int,
                     hybrid: bool = False) -> int:
@@ -247,12 +349,18 @@ class RouteBook:
                   "of them those that timed out",
                   f"# TYPE {p}admission_total counter"]
         lines += [f'{p}admission_total{{what="{k}"}} {getattr(a, k)}'
-                  for k in ("reported", "admitted", "dependent", "waits", "wait_timeouts")]
+                  for k in ("reported", "admitted", "dependent", "waits", "wait_timeouts", "waits_refused")]
+        lines += [f'{p}admission_total{{what="deadline_passed"}} {self.pending.admission_expired}',
+                  f"# HELP {p}busy_until_refused_total busy_until values not kept (not finite or out of range)",
+                  f"# TYPE {p}busy_until_refused_total counter",
+                  f"{p}busy_until_refused_total {self.pending.busy_refused}"]
         lines += [f"# HELP {p}admission_wait_seconds_total Time waits for admission blocked",
                   f"# TYPE {p}admission_wait_seconds_total counter",
                   f"{p}admission_wait_seconds_total {a.wait_seconds:.6f}",
                   f"# HELP {p}admission_waiting Waits for admission blocked now", f"# TYPE {p}admission_waiting gauge",
-                  f"{p}admission_waiting {len(self._watchers)}"]
+                  f"{p}admission_waiting {len(self._watchers)}",
+                  f"# HELP {p}admission_waiting_routes Route handles the blocked waits name now",
+                  f"# TYPE {p}admission_waiting_routes gauge", f"{p}admission_waiting_routes {self._wait_names}"]
         lines += [f"# HELP {p}routes In-flight routes held now", f"# TYPE {p}routes gauge",
                   f"{p}routes {len(self.pending)}",
                   f"# HELP {p}blocks Block keys held by in-flight routes now", f"# TYPE {p}blocks gauge",
@@ -269,7 +377,46 @@ class RouteBook:
         a = self.admission
         return {"routes": len(self.pending), "blocks": self.pending.blocks,
                 "outcomes": dict(self.pending.counts.items()),
-                "admission": {**{k: getattr(a, k) for k in a.__slots__}, "waiting": len(self._watchers)},
+                "admission": {**{k: getattr(a, k) for k in a.__slots__}, "waiting": len(self._watchers),
+                              "deadline_passed": self.pending.admission_expired},
                 "visibility": {"count": len(self.visibility),
                                "p50_ms": None if p50 is None else p50 * 1e3,
                                "p99_ms": None if p99 is None else p99 * 1e3}}
+
+
+class RouteTimer:
+    """The shell that runs `RouteBook.tick` every `interval_s` under the service's lock, so routes
+    expire, admission deadlines pass (waking their waiters) and confirmations happen with no
+    traffic at all. Idle (nothing pending, no wait held) it takes no lock."""
+
+    __slots__ = ("book", "lock", "index", "registry", "clock", "interval_s", "_stop", "_thread")
+
+    def __init__(self, book: RouteBook, lock: Any, index: Any, registry: Any, clock: Callable[[], float],
+                 interval_s: float = 0.1) -> None:
+        self.book = book
+        self.lock = lock
+        self.index = index
+        self.registry = registry
+        self.clock = clock
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvatlas-routes", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        book = self.book
+        while not self._stop.wait(self.interval_s):  # a period, not a synchronisation
+            if not (len(book.pending) or book.pending.active_any() or book.waits):
+                continue
+            try:
+                with self.lock:
+                    book.tick(self.index, self.registry, self.clock())
+            except Exception as exc:  # the next tick tries again; never kill the timer
+                log.error("event=route_tick_failed error=%r", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)

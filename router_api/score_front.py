@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
-from typing import Any, Awaitable, Callable, NamedTuple, cast
+from typing import Any, Awaitable, Callable, Iterable, NamedTuple, cast
 from urllib.parse import parse_qsl
 
 import msgspec
@@ -38,6 +38,26 @@ class Route(NamedTuple):
     handler: Callable[..., bytes]
 
 
+class BodyHeaders(NamedTuple):
+    """The request headers that negotiate a /score or /query body (the last of a repeated one counts)."""
+
+    content_type: bytes | None
+    accept: bytes | None
+    content_length: bytes | None
+
+
+def body_headers(headers: Iterable[tuple[bytes, bytes]]) -> BodyHeaders:
+    ctype = accept = clen = None
+    for k, v in headers:
+        if k == b"content-type":
+            ctype = v
+        elif k == b"accept":
+            accept = v
+        elif k == b"content-length":
+            clen = v
+    return BodyHeaders(ctype, accept, clen)
+
+
 class Answer(NamedTuple):
     status: int
     body: bytes
@@ -46,6 +66,9 @@ class Answer(NamedTuple):
 
 class _ClientGone(Exception):
     """The client disconnected before sending its whole body: nothing to answer."""
+
+
+_OFF_LOOP = Answer(0, b"", _JSON_HEADERS)  # `answer`'s "not here": a text request, answered on the pool
 
 
 class ScoreFront:
@@ -89,14 +112,7 @@ class ScoreFront:
                         _JSON_HEADERS, ((b"allow", b"POST"),))
             return
         t0 = time.perf_counter()
-        ctype = accept = clen = None
-        for k, v in scope["headers"]:
-            if k == b"content-type":
-                ctype = v
-            elif k == b"accept":
-                accept = v
-            elif k == b"content-length":
-                clen = v
+        ctype, accept, clen = body_headers(scope["headers"])
         try:
             kind = self.prepare(ctype, clen)
             body = await self._read(receive)
@@ -135,7 +151,9 @@ class ScoreFront:
         decides: this front (`respond`), the FastAPI routes and the protocol fast path all call it."""
         pool = self.pool
         if not pool.wants(len(body)):
-            return self.answer(route, kind, accept, query_string, body, t0)
+            ans = self.answer(route, kind, accept, query_string, body, t0, True)
+            if ans is not _OFF_LOOP:
+                return ans
         fut = pool.submit(self.answer, route, kind, accept, query_string, body, t0)
         if fut is None:
             return self.rejected(route.endpoint, ApiError(
@@ -150,8 +168,9 @@ class ScoreFront:
         return await asyncio.wrap_future(ans) if isinstance(ans, Future) else ans
 
     def answer(self, route: Route, kind: str, accept: bytes | None, query_string: bytes, body: bytes | memoryview,
-               t0: float) -> Answer:
-        """(status, body, content-type header) for a whole request body; never raises."""
+               t0: float, on_loop: bool = False) -> Answer:
+        """(status, body, content-type header) for a whole request body; never raises. `on_loop`: a
+        text request (tokenizing: CPU bound whatever its size) answers `_OFF_LOOP`, to be sent to the pool."""
         endpoint, typ, handler = route.endpoint, route.request_type, route.handler
         mp = accept is not None and b"msgpack" in accept
         try:
@@ -167,7 +186,9 @@ class ScoreFront:
                     model = req.model_name or req.model or self.default_model
                     out = handler(model, tokens, req.lora_name, req.cache_salt, mp)
                 elif score_text.is_text(tokens, req.prompt, req.messages):  # prompt / messages: tokenized here
-                    out = score_text.text_answer(self.service, req.model, req, mp)
+                    if on_loop:
+                        return _OFF_LOOP
+                    out = score_text.text_answer(self.service, req.model, req, mp, self.pool.text_slots)
                 else:
                     out = handler(req.model, tokens, req.lora_name, req.cache_salt, mp)
         except ApiError as exc:

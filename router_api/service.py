@@ -27,7 +27,7 @@ from router_api.locks import ShardedLock
 from router_api.metrics import ServiceMetrics
 from router_api.score_plan import Query, ScorePlan, ScoreRows, pending_columns, query_response, score_rows
 from router_api.worker_metrics import WorkerGauges
-from router_api.routes import RouteBook, UnknownRouteWorker
+from router_api.routes import RouteBook, RouteTimer, UnknownRouteWorker
 from indexer.pending import PendingRoutes
 from indexer.protocol import Index, ScoringIndex, Subscriber
 from indexer.reconcile import LivenessPolicy, status_columns
@@ -134,6 +134,7 @@ class IndexerService:
         self._snap_stop = threading.Event()
         self._snap_thread: threading.Thread | None = None
         self._snap_lock = threading.Lock()  # one snapshot write at a time
+        self._route_timer: RouteTimer | None = None
         self._started = False
         self._running = False  # start() completed: only then may stop() write a final snapshot
         self._blocks_cache: tuple[float, dict[tuple[str, int], dict[str, int]]] | None = None
@@ -165,6 +166,8 @@ class IndexerService:
                 log.error("event=static_worker_rejected worker=%s error=%s", reg.worker_id, exc)
         self.ingest.start()
         self._running = True
+        self._route_timer = RouteTimer(self.routes, self.lock, self.index, self.registry, self.clock)
+        self._route_timer.start()  # route expiry and admission deadlines run without traffic
         if self.store is not None:
             self._snap_thread = threading.Thread(target=self._snapshot_loop, name="kvatlas-snapshot",
                                                  daemon=True)
@@ -177,6 +180,8 @@ class IndexerService:
 
     def stop(self, final_snapshot: bool = True) -> None:
         self._snap_stop.set()
+        if self._route_timer is not None:
+            self._route_timer.stop()
         if self._snap_thread is not None:
             self._snap_thread.join(30)
         self.ingest.stop()
@@ -355,12 +360,12 @@ class IndexerService:
         them and C writes the bytes (router_api/answer.py); what that path does not take (pure core, hybrid
         models, odd tokens or scores) becomes `score`'s rows, encoded by msgspec."""
         now = self.clock()
-        query = Query(token_ids, lora_name, cache_salt)
         with self.lock:
             block_size, plan = self._scope(model)
-            out = None if self._writer is None else self._write_answer(model, block_size, plan, query, now, msgpack)
+            out = None if self._writer is None else self._write_answer(
+                model, block_size, plan, token_ids, lora_name, cache_salt, now, msgpack)
             if out is None:
-                rows = self._score_rows(model, block_size, plan, query, now)
+                rows = self._score_rows(model, block_size, plan, Query(token_ids, lora_name, cache_salt), now)
         if out is not None:
             self.metrics.score_answers.inc("c")
             return out
@@ -380,8 +385,8 @@ class IndexerService:
                 log.error("event=pending_rows_failed model=%s error=%r", model, exc)
         return rows
 
-    def _write_answer(self, model: str, block_size: int, plan: ScorePlan, query: Query, now: float,
-                      msgpack: bool) -> bytes | None:
+    def _write_answer(self, model: str, block_size: int, plan: ScorePlan, token_ids: Any, lora_name: str | None,
+                      cache_salt: str | None, now: float, msgpack: bool) -> bytes | None:
         """The answer bytes by the C writer (under the lock), or None for what it does not take."""
         index, writer = self.index, self._writer
         if writer is None:
@@ -390,22 +395,25 @@ class IndexerService:
         if plan.rows is not None:
             # The last query found the index holding exactly the plan's pairs; while the index keeps the
             # same order list (its membership unchanged), it still does: no membership check needed.
-            table = index.score_table(model, query.token_ids, query.lora_name, query.cache_salt, None)
+            table = index.score_table(model, token_ids, lora_name, cache_salt, None)
             if table is not None and table.worker_ids is not plan.rows.worker_ids:
                 table = None
             workers = None
         if table is None:
             workers = plan.scope(index.workers(model))
-            table = index.score_table(model, query.token_ids, query.lora_name, query.cache_salt, workers)
+            table = index.score_table(model, token_ids, lora_name, cache_salt, workers)
         if table is None:
             return None
         rows = plan.answer_rows(table, workers is None)
         fmt = self._formats
         i = 1 if msgpack else 0
-        pend = self._pending_columns(model, block_size, query, rows.pairs, table.rows, now) \
-            if self.routes.pending.active(model) else ()
-        if pend is None:
-            return None
+        pend: tuple[Any, ...] = ()
+        if self.routes.pending.active(model):
+            got = self._pending_columns(model, block_size, Query(token_ids, lora_name, cache_salt), rows.pairs,
+                                        table.rows, now)
+            if got is None:
+                return None
+            pend = got
         return writer.write_answer(
             msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks, table.rows,
             rows.heads[i], rows.wix, *status_columns(plan.states, now, self.registry.policy), fmt.statuses[i], *pend)
@@ -548,25 +556,12 @@ class IndexerService:
 
     def stats(self) -> dict[str, Any]:
         """Numbers the dashboard polls; rates are computed client-side from these totals."""
-        m = self.metrics
-        by_type: dict[str, float] = {}
-        for (typ, _tier, _outcome), n in m.events.items():
-            by_type[typ] = by_type.get(typ, 0) + n
-        p50, p99 = m.recent_score.quantiles((0.5, 0.99))
         with self.lock:
             pending = self.routes.stats()
         return {
             "uptime_s": self.clock() - self.started_at,
-            "events_total": m.events.total(),
-            "events_by_type": by_type,
-            "batches_total": m.batches.total(),
+            **self.metrics.totals(),
             "ingest_shards": self.config.ingest_shards,  # pipelines in use (the CLI's `auto` resolved)
-            "drops": {labels[0]: n for labels, n in m.drops.items()},
-            "gaps": m.gaps.total(), "replays": m.replays.total(), "resyncs": m.resyncs.total(),
-            "restarts": m.restarts.total(), "snapshot_requests": m.snapshot_requests.total(),
-            "score": {"count": m.request_latency.count("score"),
-                      "p50_ms": None if p50 is None else p50 * 1e3,
-                      "p99_ms": None if p99 is None else p99 * 1e3},
             "snapshot_generation": self.generation,
             "core": self.core,  # native | python (the dashboard's "core" card)
             "pending": pending,

@@ -24,6 +24,33 @@ from sim.schedule import QueueFull
 from sim.api import GenerateRequest, GenerateResponse, LoadResponse, WorkerHealth
 
 _JSON = "application/json"
+# A request must arrive whole (headers and body) this long after its first byte; at most this many
+# connections are open at once (beyond: 503 and closed). Slow-header clients cannot hold the worker.
+WORKER_REQUEST_TIMEOUT_S = 10.0
+WORKER_MAX_CONNECTIONS = 1024
+
+
+class HttpLimits:
+    """The worker's HTTP limits and their rejections by reason (`/metrics`)."""
+
+    __slots__ = ("request_timeout_s", "max_connections", "rejects")
+
+    def __init__(self, request_timeout_s: float = WORKER_REQUEST_TIMEOUT_S,
+                 max_connections: int = WORKER_MAX_CONNECTIONS) -> None:
+        self.request_timeout_s = request_timeout_s
+        self.max_connections = max_connections
+        self.rejects: dict[str, int] = {}
+
+    def count(self, reason: str) -> None:
+        self.rejects[reason] = self.rejects.get(reason, 0) + 1
+
+    def protocol(self) -> type:
+        """uvicorn's `http` protocol with these limits (router_api/fasthttp.py's guard, no fast path)."""
+        from router_api.fasthttp import protocol_class, supported
+
+        if not supported():
+            raise RuntimeError("this uvicorn lacks the hooks the worker's request deadline needs")
+        return protocol_class(False, self.request_timeout_s, self.max_connections, on_reject=self.count)
 _dec = msgspec.json.Decoder(GenerateRequest)
 _enc = msgspec.json.Encoder()
 
@@ -36,7 +63,8 @@ def _error(status: int, message: str) -> Response:
     return _json({"error": message}, status)
 
 
-def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, tokenizer: Any = None) -> FastAPI:
+def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, tokenizer: Any = None,
+                      limits: HttpLimits | None = None) -> FastAPI:
     """`tokenizer`: the model's router_api.tokenization.ChatTokenizer for the OpenAI routes' text
     (sim/openai.py); without one they take token-id prompts only."""
     from sim.openai import OpenAIFront, PacedStream, mount_openai, vllm_metric_lines
@@ -45,6 +73,7 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
     front = OpenAIFront(engine, clock, health.worker_id, health.model, tokenizer)
     mount_openai(app, front)
     wid = health.worker_id
+    app.state.limits = limits = limits if limits is not None else HttpLimits()
     counters = {"generate_ok": 0, "generate_bad": 0, "generate_rejected": 0, "generate_cancelled": 0}
 
     @app.post("/generate")
@@ -143,6 +172,8 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
                   for k, v in sorted(engine.cache.stats.items())]
         lines += [f'kvatlas_worker_openai_requests_total{{worker="{wid}",outcome="{k}"}} {v}'
                   for k, v in front.counts.items()]
+        lines += [f'kvatlas_worker_http_rejects_total{{worker="{wid}",reason="{k}"}} {v}'
+                  for k, v in sorted(limits.rejects.items())]
         lines += vllm_metric_lines(engine, clock, health.model)
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

@@ -153,15 +153,18 @@ def http_url(host: str, port: int, advertise_host: str | None) -> str:
     return f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}"
 
 
-def server_config(app: Any, host: str, port: int) -> Any:
+def server_config(app: Any, host: str, port: int, limits: Any = None) -> Any:
     """The worker's uvicorn settings: idle connections close after WORKER_KEEPALIVE_S, later than
     the routers' clients drop theirs (sim.httpbody)."""
     import uvicorn
 
+    from sim.app import HttpLimits
     from sim.httpbody import WORKER_KEEPALIVE_S
 
+    # a request deadline and a connection cap (sim/app.py HttpLimits)
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                          timeout_keep_alive=int(WORKER_KEEPALIVE_S))
+                          timeout_keep_alive=int(WORKER_KEEPALIVE_S),
+                          http=(limits if limits is not None else HttpLimits()).protocol())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -266,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             except OSError as exc:
                 raise SystemExit(f"kvatlas worker: indexer {args.indexer} unreachable: {exc}") from None
             registrar.start()
-        uvicorn.Server(server_config(app, args.host, args.port)).run()
+        uvicorn.Server(server_config(app, args.host, args.port, app.state.limits)).run()
     finally:
         if registrar is not None:
             registrar.close()

@@ -247,14 +247,22 @@ def test_pending_routes_reach_every_replica(nats: NatsServer, tmp_path: Path) ->
         b.terminate()
 
 
-def test_admissions_reach_every_replica(nats: NatsServer, tmp_path: Path) -> None:
+def test_admissions_reach_every_replica(nats: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Causal forwarding across `--nats` replicas: a route reported with `admits` to replica a is one
     that replica b's reports depend on (`after`); a router waiting on b is released by the admission
     reported to a (router_api/route_plane.py)."""
+    import hashlib
+    import hmac
     import threading
 
-    a = _replica(nats.url, tmp_path, "a")
-    b = _replica(nats.url, tmp_path, "b")
+    from router_api.routes import route_handle
+
+    monkeypatch.setenv("KVATLAS_ROUTE_SECRET", "s3cret")  # shared: both replicas name a route alike
+    key = hmac.new(b"s3cret", b"kvatlas route handles", hashlib.sha256).digest()
+    h = {rid: route_handle(key, MODEL, rid) for rid in ("q1", "q2")}  # what `after` names: never the ids
+    # the admissions below, not their deadline, end the waits (a loaded machine takes its time)
+    a = _replica(nats.url, tmp_path, "a", "--route-admit-timeout", "60")
+    b = _replica(nats.url, tmp_path, "b", "--route-admit-timeout", "60")
     try:
         _register(a, "w0")
         wait_until(lambda: "w0" in _rows(b), timeout=20)
@@ -264,10 +272,10 @@ def test_admissions_reach_every_replica(nats: NatsServer, tmp_path: Path) -> Non
         assert got.status_code == 200 and got.json()["after"] == [], got.text
         wait_until(lambda: b.client.post("/routes", json={
             "request_id": "q2", "worker_id": "w0", "token_ids": toks + [9] * BS, "admits": True}).json()["after"]
-            == ["q1"], timeout=20)
+            == [h["q1"]], timeout=20)
         waited: list[dict] = []
         waiter = threading.Thread(target=lambda: waited.append(b.client.post(
-            "/routes/wait", json={"request_ids": ["q1"], "timeout_s": 30}, timeout=60).json()))
+            "/routes/wait", json={"request_ids": [h["q1"]], "timeout_s": 30}, timeout=60).json()))
         waiter.start()
         wait_until(lambda: b.client.get("/stats").json()["pending"]["admission"]["waiting"] == 1, timeout=20)
         assert a.client.post("/routes/admitted", json={"request_id": "q1"}).json() == {"admitted": True}
@@ -277,7 +285,7 @@ def test_admissions_reach_every_replica(nats: NatsServer, tmp_path: Path) -> Non
         for r in (a, b):
             wait_until(lambda: r.client.post("/routes", json={
                 "request_id": "q3", "worker_id": "w0", "token_ids": toks + [9] * BS + [8] * BS,
-                "admits": True}).json()["after"] == ["q2"], timeout=20)
+                "admits": True}).json()["after"] == [h["q2"]], timeout=20)
             r.client.delete("/routes/q3")
         assert 'kvatlas_route_fanout_total{direction="in",outcome="admit"} 1' in b.client.get("/metrics").text
     finally:

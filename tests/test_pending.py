@@ -25,7 +25,7 @@ from indexer.pending import PendingRoutes
 from indexer.sharded import ShardedIndex
 from router_api.config import ServiceConfig
 from router_api.service import IndexerService
-from router_api.routes import UnknownRouteWorker
+from router_api.routes import UnknownRouteWorker, route_handle
 from schemas.api import RegisterWorker
 from schemas.events import KVEventBatch
 from support.net import wait_until
@@ -164,7 +164,7 @@ def _index(kind: str) -> Any:
 
 def _service(kind: str, clock: _Clock) -> IndexerService:
     svc = IndexerService(ServiceConfig(block_size=BS, stale_after_s=1e6, remove_after_s=2e6), index=_index(kind),
-                         clock=clock, pending=PendingRoutes(ttl_s=5.0, max_routes=6))
+                         clock=clock, pending=PendingRoutes(ttl_s=5.0, max_routes=6, admit_timeout_s=2.0))
     svc.index.ensure_model(MODEL, BS)
     return svc
 
@@ -207,7 +207,8 @@ def test_pending_never_changes_the_exact_view(kind: str, ops: list[tuple], seed:
     sims = {w: WorkerSim(seed + i, BS, prompts) for i, w in enumerate(wids)}
     rng = random.Random(seed)
     model: dict[str, tuple[str, list[int], float]] = {}  # request id -> (worker, keys, expires_at)
-    awaiting: set[str] = set()  # of them: reported with `admits`, admission not reported yet
+    awaiting: dict[str, float] = {}  # of them: reported with `admits`, admission not reported yet -> deadline
+    handle = {f"r{i}": route_handle(routed.routes.handle_key, MODEL, f"r{i}") for i in range(9)}  # ids stay private
     seed0 = namespace_seed(BS)
 
     def queries() -> list[list[int]]:
@@ -236,12 +237,12 @@ def test_pending_never_changes_the_exact_view(kind: str, ops: list[tuple], seed:
                 holders = [r for r, (w2, ks, _) in model.items() if w2 == w and last in ks and r != rid]
                 if all(r in awaiting for r in holders):
                     want = holders
-            assert sorted(ans.after) == sorted(want), (ans, holders, awaiting)
+            assert sorted(ans.after) == sorted(handle[r] for r in want), (ans, holders, awaiting)
             model.pop(rid, None)  # a re-reported id replaces its route
-            awaiting.discard(rid)
+            awaiting.pop(rid, None)
             model[rid] = (w, keys, clock.t + 5.0)
             if o[3] and keys:
-                awaiting.add(rid)
+                awaiting[rid] = clock.t + 2.0  # the admission deadline
             while len(model) > 6:  # the cap drops the oldest (earliest expiry)
                 del model[min(model, key=lambda k: model[k][2])]
         elif o[0] == "release":
@@ -251,7 +252,7 @@ def test_pending_never_changes_the_exact_view(kind: str, ops: list[tuple], seed:
         elif o[0] == "admit":
             rid = f"r{o[1]}"
             assert routed.admit_route(MODEL, rid) == (rid in awaiting and rid in model)
-            awaiting.discard(rid)
+            awaiting.pop(rid, None)
         elif o[0] == "clock":
             clock.t += o[1]
         else:  # the worker leaves and comes back empty: the index and its routes forget it
@@ -262,8 +263,8 @@ def test_pending_never_changes_the_exact_view(kind: str, ops: list[tuple], seed:
             sims[w].clear()
             model = {k: v for k, v in model.items() if v[0] != w}
         model = {k: v for k, v in model.items() if v[2] > clock.t}
-        awaiting &= model.keys()
-        assert sorted(routed.routes.awaiting(MODEL, [f"r{i}" for i in range(9)], clock.t)) == sorted(awaiting)
+        awaiting = {k: t for k, t in awaiting.items() if k in model and t > clock.t}
+        assert sorted(routed.routes.awaiting(MODEL, list(handle.values()), clock.t)) == sorted(handle[r] for r in awaiting)
         for q in queries():
             assert _exact(routed, q) == _exact(plain, q)
             keys = query_keys(q, BS, seed0)

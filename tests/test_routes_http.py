@@ -159,14 +159,15 @@ def test_two_router_replicas_share_in_flight_load(live: LiveIndexer) -> None:
             assert rows["rw0"].inflight == rows["rw0"].inflight_prefill == 0
             # the shared view is kept as an end time: the confirmed/released route's work still counts
             assert b.backlog(now, rows)["rw0"] == backlog["rw0"]
-            # a route carries its router's own end time for the worker; every replica reads it on the rows,
-            # also once the route is released (kept for the pending TTL)
+            # a route carries its router's own end time for the worker; every replica reads it on the rows
+            # while the route is held, and forgets it with the route
             a.busy_until["rw2"] = now + 7.5
             await a.report_route("busy-a", "rw2", other)
-            await a.release_route("busy-a")
             rows = await b.score(other)
             assert rows["rw2"].busy_until == now + 7.5 and rows["rw1"].busy_until is None
             assert b.backlog(now, rows)["rw2"] == pytest.approx(7.5)
+            await a.release_route("busy-a")
+            assert (await b.score(other))["rw2"].busy_until is None
         finally:
             await a.close()
             await b.close()

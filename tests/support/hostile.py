@@ -141,7 +141,7 @@ def honest_hybrid(seed: int, blocks: int = 64) -> tuple[list, list[int]]:
 
 
 # The probe process (shared with bench/bench_health_under_load.py): GET /health every 20 ms.
-_PROBE = str(Path(__file__).resolve().parents[2] / "bench" / "health_probe.py")
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 class HealthProbe:
@@ -152,7 +152,7 @@ class HealthProbe:
         self.ms: list[float] = []
         self.errors: list[str] = []
         self._proc: subprocess.Popen | None = spawn(
-            [sys.executable, _PROBE, url, "20"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [sys.executable, "-m", "bench.support.health_probe", url, "20"], cwd=_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def stop(self) -> None:
         if self._proc is None:

@@ -32,9 +32,10 @@ def nats_binary() -> str:
 class NatsServer:
     """`nats-server -js` on 127.0.0.1; `stop()` / `start()` keep the port and store dir."""
 
-    __slots__ = ("port", "store_dir", "proc", "_own_dir", "log_path")
+    __slots__ = ("port", "store_dir", "proc", "_own_dir", "log_path", "config")
 
-    def __init__(self, store_dir: str | None = None) -> None:
+    def __init__(self, store_dir: str | None = None, config: str | None = None) -> None:
+        self.config = config  # a nats-server config file (users, permissions), or None: open to all
         self._own_dir = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="kvatlas-nats-")
         self.log_path = str(Path(self.store_dir) / "server.log")
@@ -57,8 +58,8 @@ class NatsServer:
             if not self.port or self.proc is not None:
                 self.port = free_port()
             self.proc = spawn(
-                [binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", self.store_dir,
-                 "-l", self.log_path],
+                [binary, *(["-c", self.config] if self.config else []), "-js", "-a", "127.0.0.1",
+                 "-p", str(self.port), "-sd", self.store_dir, "-l", self.log_path],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
