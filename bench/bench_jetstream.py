@@ -175,14 +175,15 @@ def _pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(p * len(s)))]
 
 
-def run_replicas(kind: str, n: int, target: str, endpoints: list[tuple[str, str]], expect: int,
-                 send=None) -> list[dict]:  # noqa: ANN001
+def _run(n: int, target: object, args: tuple, send=None) -> list[dict]:  # noqa: ANN001
+    """`n` replica processes of `target(*args, ready, conn)`; once every one is ready, `send()`, then
+    each one's result."""
     ctx = mp.get_context("spawn")
     procs, pipes, readies = [], [], []
     for _ in range(n):
         a, b = ctx.Pipe()
         ready = ctx.Event()
-        p = ctx.Process(target=_replica, args=(kind, target, endpoints, expect, ready, b))
+        p = ctx.Process(target=target, args=(*args, ready, b))
         p.start()
         procs.append(p)
         pipes.append(a)
@@ -195,6 +196,11 @@ def run_replicas(kind: str, n: int, target: str, endpoints: list[tuple[str, str]
     for p in procs:
         p.join(30)
     return out
+
+
+def run_replicas(kind: str, n: int, target: str, endpoints: list[tuple[str, str]], expect: int,
+                 send=None) -> list[dict]:  # noqa: ANN001
+    return _run(n, _replica, (kind, target, endpoints, expect), send)
 
 
 # --- senders ------------------------------------------------------------------------------------
@@ -410,23 +416,7 @@ def _replica_from(target: str, endpoints: list[tuple[str, str]], expect: int, st
 
 def run_replicas_from(kind: str, n: int, target: str, endpoints: list[tuple[str, str]], expect: int,
                       start: int, send) -> list[dict]:  # noqa: ANN001
-    ctx = mp.get_context("spawn")
-    procs, pipes, readies = [], [], []
-    for _ in range(n):
-        a, b = ctx.Pipe()
-        ready = ctx.Event()
-        p = ctx.Process(target=_replica_from, args=(target, endpoints, expect, start, ready, b))
-        p.start()
-        procs.append(p)
-        pipes.append(a)
-        readies.append(ready)
-    for r in readies:
-        r.wait(600)
-    send()
-    out = [c.recv() for c in pipes]
-    for p in procs:
-        p.join(30)
-    return out
+    return _run(n, _replica_from, (target, endpoints, expect, start), send)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 against `MooncakeDistributedStore`'s own batch put/get of the same host pages, same client, same
 run — and how stale the shared tier gets under memory pressure.
 
-    .venv/bin/python bench/bench_mooncake.py                  # 64 pages of 2 MiB, 15 rounds
-    .venv/bin/python bench/bench_mooncake.py --pages 32 --rounds 3 --pressure-pages 2048
+    .venv/bin/python -m bench.bench_mooncake                  # 64 pages of 2 MiB, 15 rounds
+    .venv/bin/python -m bench.bench_mooncake --pages 32 --rounds 3 --pressure-pages 2048
 
 Throughput: each round backs up a fresh prefix of `--pages` pages through the cache (host → store:
 `_backup_to_storage` → StorageWorker → `batch_put_from` on views of the host pages), then drops it
@@ -21,18 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("GLOG_minloglevel", "2")
+os.environ.setdefault("GLOG_minloglevel", "2")  # before the Mooncake client loads: its INFO lines are noise
 
 import torch  # noqa: E402
-
-torch.set_num_threads(1)  # a shared 2-core machine: no intra-op thread pool fighting the others
 
 from producer.events import EventRecorder  # noqa: E402
 from producer.page_hash import chain_digests  # noqa: E402
@@ -245,6 +240,7 @@ def staleness(log_dir: Path, pages: int) -> dict[str, int]:
 
 
 def main() -> None:
+    torch.set_num_threads(1)  # a shared 2-core machine: no intra-op thread pool fighting the others
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=15)

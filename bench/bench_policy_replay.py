@@ -9,8 +9,10 @@ are no pending routes) and its backlog from its timeline; `approximate` keeps it
 a request in flight until its simulated completion. Per policy: prefill tokens, TTFT mean / p90 and
 prediction accuracy, then precise_tiered's ratios to the others.
 
-Its precise rows equal the demo's ×1 rows (checked on the bundled trace and builtin-chat seeds 0, 3
-and 8: the same prefill tokens and p90). Its `approximate` row is that policy's best case: every
+Its precise rows equal the demo's ×1 rows (checked on the bundled trace, builtin-chat seeds 0, 3
+and 8 and builtin-conversation: the same prefill tokens and p90), and so does a `round_robin` row
+whenever the demo's requests reached their workers in trace order. `replay(..., routers=K)` runs K
+replicas of a policy (bench/bench_sweep.py's ×4 rows). Its `approximate` row is that policy's best case: every
 request reaches its worker in trace order, as in the demo only when the machine keeps up (the demo's
 row moves from run to run). No processes, no event lag; copies between tiers land before the next
 request.
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import os
-import sys
 import tempfile
 from collections import Counter
 
@@ -62,31 +63,50 @@ def score_row(engine: Engine, tokens: list[int]) -> ScoreRow:
     return ScoreRow(dev, best, host - dev, best - host, 0, 0)
 
 
+class Replica:
+    """One router replica's own state: its policy and the completion times of the requests it sent
+    (its in-flight view: a replica knows only its own sends)."""
+
+    __slots__ = ("policy", "ends")
+
+    def __init__(self, policy, ids: list[str]) -> None:
+        self.policy = policy
+        self.ends: dict[str, list[float]] = {w: [] for w in ids}
+
+
 def replay(policy_name: str, reqs: list, tokens: list[list[int]], workers: int, seed: int,
-           gpu_pages: int, host_pages: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory(prefix="kvatlas-policy-replay-") as tmp:
+           gpu_pages: int, host_pages: int, routers: int = 1) -> dict[str, float]:
+    """Replay `reqs` (in arrival order) through `routers` replicas of one policy (request i to replica
+    i mod routers) on `workers` engines. Every replica reads the same exact rows and timelines (the
+    shared index and the shared end times); each keeps its own tree (`approximate`), tie-break and
+    in-flight counts. Figures: prefill tokens, hit ratio, TTFT mean / p50 / p90 / p99, prediction."""
+    # the file L3 in memory when there is a tmpfs: the figures are on the virtual clock either way
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="kvatlas-policy-replay-", dir=shm) as tmp:
         engines = [make_engine(f"{tmp}/l3-{j}", gpu_pages, host_pages) for j in range(workers)]
         ids = [f"w{j}" for j in range(workers)]
-        policy = make_policy(policy_name, ids, engines[0].sim, seed)
+        reps = [Replica(make_policy(policy_name, ids, engines[0].sim, seed + k), ids) for k in range(routers)]
         ttft: list[float] = []
-        ends: dict[str, list[float]] = {w: [] for w in ids}  # completion times of each worker's requests
         counts: Counter[str] = Counter()
-        for r, t in zip(reqs, tokens):
+        for i, (r, t) in enumerate(zip(reqs, tokens)):
+            rep = reps[i % routers]
             for e in engines:
                 e.cache.wait_transfers(10.0)
                 e.cache.step()
-            rows = {w: score_row(e, t) for w, e in zip(ids, engines)} if policy.uses_index else None
+            rows = {w: score_row(e, t) for w, e in zip(ids, engines)} if rep.policy.uses_index else None
             backlog = {w: e.schedule.backlog_at(r.arrival_s) for w, e in zip(ids, engines)}
-            inflight = {w: len(ends[w]) - bisect.bisect_right(ends[w], r.arrival_s) for w in ids}
+            inflight = {w: len(rep.ends[w]) - bisect.bisect_right(rep.ends[w], r.arrival_s) for w in ids}
             keys = block_keys(t, P) if policy_name == "approximate" else []
-            d = policy.choose(RouteInput(len(t), keys, P, rows, backlog, inflight))
+            d = rep.policy.choose(RouteInput(len(t), keys, P, rows, backlog, inflight))
             s = engines[ids.index(d.worker_id)]._serve(t, r.output_length, r.arrival_s)
-            bisect.insort(ends[d.worker_id], r.arrival_s + s.e2e_s)
+            bisect.insort(rep.ends[d.worker_id], r.arrival_s + s.e2e_s)
             tally(counts, ttft, d, s)
+            counts["prompt"] += len(t)
         close_engines(engines)
     acc = counts["exact"] / counts["predicted"] if counts["predicted"] else float("nan")
-    return {"prefill": counts["prefill"], "mean": sum(ttft) / len(ttft), "p90": quantile(ttft, 0.9),
-            "accuracy": acc}
+    return {"prefill": counts["prefill"], "hit": 1.0 - counts["prefill"] / max(1, counts["prompt"]),
+            "mean": sum(ttft) / len(ttft), "p50": quantile(ttft, 0.5), "p90": quantile(ttft, 0.9),
+            "p99": quantile(ttft, 0.99), "accuracy": acc}
 
 
 def main() -> int:

@@ -11,7 +11,8 @@ import sys
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None,
                    help="Mooncake JSONL trace (default: the bundled synthetic trace), or 'builtin-chat': a "
-                        "bursty chat workload, one system prompt shared by every conversation (seeded by --seed)")
+                        "bursty chat workload, one system prompt shared by every conversation, or "
+                        "'builtin-conversation': long multi-turn conversations (both seeded by --seed)")
     p.add_argument("--requests", type=int, default=None,
                    help="requests in the slice (default 300; in-process: 400 synthetic requests)")
     p.add_argument("--speed", type=float, default=12.0, help="replay speed, virtual s per wall s (default 12)")
@@ -110,8 +111,8 @@ def _run(args: argparse.Namespace) -> int:
     s = DemoSettings(trace=args.trace, requests=args.requests or 300, speed=args.speed, routers=args.routers,
                      workers=args.workers, gpu_pages=args.gpu_pages, host_pages=args.host_pages, seed=args.seed,
                      family=args.family, admission_timeout=args.admission_timeout, l3=args.l3, **kw)
-    if args.trace and args.trace not in ("builtin", "builtin-chat"):
-        from router_api.router.trace import TraceError, load_trace
+    from router_api.router.trace import BUILTIN_TRACES, TraceError, load_trace
+    if args.trace and args.trace not in BUILTIN_TRACES:
         try:
             load_trace(args.trace)
         except TraceError as exc:

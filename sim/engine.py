@@ -8,7 +8,9 @@ against) → L3 prefetch and wait for it → host→GPU load-back → allocate a
 """
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 import queue
 import threading
 import time
@@ -46,13 +48,24 @@ class Served:
         self.slot = slot  # its place on the timeline (`Engine.cancel`)
 
 
+class _Job:
+    __slots__ = ("tokens", "max_tokens", "arrival", "fut")
+
+    def __init__(self, tokens: list[int] | None, max_tokens: int, arrival: float, fut: Future[Any]) -> None:
+        self.tokens = tokens
+        self.max_tokens = max_tokens
+        self.arrival = arrival
+        self.fut = fut
+
+
 class Engine:
     """Single-threaded owner of the cache; `submit` is safe from any thread."""
 
     def __init__(self, cache: TieredCache, sim: SimModel, *, probe: Any = None,
                  prefetch_wait_s: float = 2.0, idle_step_s: float = 0.005, chunk_pages: int = 8,
-                 running_state_share: float = 0.0) -> None:
+                 running_state_share: float = 0.0, settle_s: float = 5.0) -> None:
         self.cache = cache
+        self.settle_s = settle_s  # wall seconds a request waits for the copies before it (_settle)
         self.sim = sim
         self.chunk_pages = chunk_pages  # hybrid: a Mamba state at every prefill chunk's end (sim.hybrid)
         if not 0.0 <= running_state_share < 1.0:
@@ -68,7 +81,8 @@ class Engine:
         self.idle_step_s = idle_step_s
         self.lock = threading.Lock()  # guards `schedule` for /load readers
         self.counts = {"requests": 0, "rejected": 0, "no_memory": 0, "no_component_memory": 0, "errors": 0}
-        self._jobs: queue.Queue[tuple[list[int], int, float, Future[Served]] | None] = queue.Queue()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._seq = 0  # submissions taken off the queue: the tie-break of equal arrivals
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -87,7 +101,15 @@ class Engine:
 
     def submit(self, tokens: Sequence[int], max_tokens: int, arrival_s: float) -> Future[Served]:
         fut: Future[Served] = Future()
-        self._jobs.put((list(tokens), max_tokens, arrival_s, fut))
+        self._jobs.put(_Job(list(tokens), max_tokens, arrival_s, fut))
+        return fut
+
+    def barrier(self) -> Future[None]:
+        """Done once the engine has served every request handed to it before this call: a load read
+        after it (`load(at)`) includes them all, whatever the wall clock did meanwhile. A router that
+        decides on the virtual clock reads the load of a worker through this, not from a poll."""
+        fut: Future[None] = Future()
+        self._jobs.put(_Job(None, 0, math.inf, fut))  # sorts after every real arrival
         return fut
 
     def full(self, arrival_s: float) -> bool:
@@ -116,18 +138,38 @@ class Engine:
         self._thread.join(timeout)
 
     # -- engine thread -----------------------------------------------------------------------
-    def _run(self) -> None:
-        cache = self.cache
-        while not self._stop:
+    def _next_job(self, ready: list[tuple[float, int, _Job]]) -> _Job | None:
+        """The next job to serve: of those submitted so far, the earliest on the virtual clock (ties in
+        submission order). Requests that reached the engine late (after later arrivals) overtake the
+        later ones still waiting, so the timeline and the cache see them in arrival order however the
+        wall clock delivered them. None: stop."""
+        while True:
             try:
-                job = self._jobs.get(timeout=self.idle_step_s)
+                job = self._jobs.get_nowait() if ready else self._jobs.get(timeout=self.idle_step_s)
             except queue.Empty:
-                cache.step()  # land acks, publish their events, heartbeat
+                if ready:
+                    return heapq.heappop(ready)[2]
+                self.cache.step()  # land acks, publish their events, heartbeat
+                if self._stop:
+                    return None
                 continue
             if job is None:
+                return None
+            self._seq += 1
+            heapq.heappush(ready, (job.arrival, self._seq, job))
+
+    def _run(self) -> None:
+        cache = self.cache
+        ready: list[tuple[float, int, _Job]] = []
+        while not self._stop:
+            job = self._next_job(ready)
+            if job is None:
                 break
-            tokens, max_tokens, arrival, fut = job
+            tokens, max_tokens, arrival, fut = job.tokens, job.max_tokens, job.arrival, job.fut
             if not fut.set_running_or_notify_cancel():
+                continue
+            if tokens is None:  # a barrier: everything handed over before it is served
+                fut.set_result(None)
                 continue
             try:
                 fut.set_result(self._serve(tokens, max_tokens, arrival))
@@ -138,6 +180,8 @@ class Engine:
                 self.counts["errors"] += 1
                 log.exception("request failed")
                 fut.set_exception(exc)
+        for *_, left in ready:  # stopped with requests still waiting: their callers are told
+            left.fut.cancel()
         try:
             cache.wait_transfers(5.0)
         except TimeoutError:
@@ -168,6 +212,7 @@ class Engine:
             if self.schedule.queued_at(arrival) >= sim.max_queue:
                 raise QueueFull(f"{sim.max_queue} requests already waiting")
         self._hold_running_states(arrival)
+        self._settle()
         m = cache.match_prefix(tokens)
         arrival_cached = m.best_len + p * self._shared_run(tokens, m.best_len // p)
         near = m.device_len + m.host_len
@@ -220,6 +265,21 @@ class Engine:
         self.counts["requests"] += 1
         return Served(arrival_cached, got, slot.start - arrival, load_s, prefill_s,
                       slot.first - arrival, slot.finish - arrival, slot)
+
+    def _settle(self) -> None:
+        """Land the copies and L3 writes of the requests served before this one. They take milliseconds
+        and requests are virtual seconds apart; without the wait, the tier a block is found in (and
+        so this request's load-back and what a GPU eviction may take) would depend on how fast this
+        machine's copy threads ran, not only on the requests before it."""
+        cache = self.cache
+        try:
+            cache.wait_transfers(self.settle_s)
+        except TimeoutError:
+            self.counts["settle_timeouts"] = self.counts.get("settle_timeouts", 0) + 1
+        cache.step()
+        if cache.storage is not None and not cache.storage.wait_idle(self.settle_s):
+            self.counts["settle_timeouts"] = self.counts.get("settle_timeouts", 0) + 1
+        cache.step()
 
     def _hold_running_states(self, arrival: float) -> None:
         """Running requests' working Mamba states come from the pool the cache keeps its states in

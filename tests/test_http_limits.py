@@ -17,7 +17,7 @@ from router_api.app import create_app
 from cli.indexer import server_settings
 from router_api.config import ServiceConfig
 from router_api.service import IndexerService
-from support.net import free_port, wait_until
+from support.net import free_port, read_until_closed, wait_until
 
 
 class Server:
@@ -56,16 +56,6 @@ def _open(port: int, data: bytes) -> socket.socket:
     return s
 
 
-def _read_all(s: socket.socket) -> bytes:
-    """Everything until the server closes (the socket timeout fails the test if it never does)."""
-    out = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            return out
-        out += chunk
-
-
 PARTIAL = [
     b"",  # connected, nothing sent
     b"POST /score HTTP/1.1\r\nHost: x\r\n",  # headers never end
@@ -80,7 +70,7 @@ def test_slow_partial_requests_are_closed_with_408(fast: bool) -> None:
     srv = Server(fast, request_timeout_s=1.0, max_connections=1000)
     try:
         socks = [_open(srv.port, PARTIAL[i % len(PARTIAL)]) for i in range(40)]
-        answers = [_read_all(s) for s in socks]  # each returns once the server closed it
+        answers = [read_until_closed(s) for s in socks]  # each returns once the server closed it
         for s in socks:
             s.close()
         assert all(a == b"" or a.startswith(b"HTTP/1.1 408") for a in answers), {a[:40] for a in answers}
@@ -102,7 +92,7 @@ def test_connections_past_the_cap_get_503_and_are_closed(fast: bool) -> None:
     try:
         wait_until(lambda: len(srv.server.server_state.connections) == 20, timeout=10)
         extra = _open(srv.port, b"")  # (a request sent meanwhile, never read, may turn the close into a reset)
-        assert _read_all(extra).startswith(b"HTTP/1.1 503")
+        assert read_until_closed(extra).startswith(b"HTTP/1.1 503")
         extra.close()
         assert srv.rejects("connection_limit") == 1
         held.pop().close()
@@ -145,14 +135,14 @@ def test_idle_keep_alive_connections_are_closed_and_served_ones_keep_the_deadlin
         idle = [_open(srv.port, HEALTH) for _ in range(5)]
         for s in idle:
             s.settimeout(30)
-        answers = [_read_all(s) for s in idle]  # returns once the server closed the idle connection
+        answers = [read_until_closed(s) for s in idle]  # returns once the server closed the idle connection
         assert all(a.startswith(b"HTTP/1.1 200") and a.count(b"HTTP/1.1") == 1 for a in answers), answers
         assert srv.rejects("request_timeout") == 0
         # two whole requests and half of a third, in one write: the half one is in progress once the
         # answers are out, so the request deadline governs it, not the (shorter) keep-alive timeout
         half = [_open(srv.port, HEALTH + HEALTH + SCORE[:30]) for _ in range(5)]
         for s in half:
-            got = _read_all(s)
+            got = read_until_closed(s)
             assert got.count(b"HTTP/1.1 200") == 2 and got.count(b"HTTP/1.1 408") == 1, got
         assert srv.rejects("request_timeout") == 5
         for s in idle + half:
@@ -172,7 +162,7 @@ def test_a_request_whole_in_one_read_leaves_the_connection_to_the_keep_alive_tim
     try:
         conns = [_open(srv.port, one) for _ in range(5)]
         for s in conns:
-            got = _read_all(s)
+            got = read_until_closed(s)
             assert got.startswith(b"HTTP/1.1 200") and got.count(b"HTTP/1.1") == 1, got
             s.close()
         assert srv.rejects("request_timeout") == 0

@@ -16,27 +16,17 @@ from router_api.route_plane import DEFAULT_ROUTES_SUBJECT, RouteFanout, seal
 from router_api.service import IndexerService
 from schemas.api import RegisterWorker
 from transport.natsio import NatsThread, NatsUnavailable
-from support.nats import NatsServer
+from support.nats import ROUTE_PLANE_USERS_CONF, NatsServer
 from support.net import free_port, wait_until
 
 BS = 4
 SECRET = b"replicas-only"
-CONF = """
-authorization {
-  users = [
-    {user: indexer, password: ipw}
-    {user: worker, password: wpw, permissions: {
-        publish: {allow: ["kvatlas.events.>"], deny: ["kvatlas.routes"]},
-        subscribe: {allow: ["_INBOX.>"], deny: ["kvatlas.routes"]}}}
-  ]
-}
-"""
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     conf = tmp_path_factory.mktemp("nats-conf") / "nats.conf"
-    conf.write_text(CONF)
+    conf.write_text(ROUTE_PLANE_USERS_CONF)
     with NatsServer(config=str(conf)) as srv:
         yield srv
 

@@ -31,9 +31,9 @@ def test_least_loaded_takes_the_smallest_backlog() -> None:
 
 
 def test_precise_tiered_costs_tiers_and_load_precise_gpu_ignores_lower_tiers() -> None:
-    # 'a' holds the prompt on the host, 'b' on the GPU but is busy, 'c' has nothing.
+    # 'a' holds the prompt on the host, 'b' on the GPU but is far behind (20 s), 'c' has nothing.
     scores = {"a": ScoreRow(0, 4, host=4), "b": ScoreRow(4, 4), "c": ScoreRow()}
-    backlog = {"a": 0.1, "b": 5.0, "c": 0.0}
+    backlog = {"a": 0.1, "b": 20.0, "c": 0.0}
     t = make_policy("precise_tiered", W, SIM).choose(inp(scores=scores, backlog=backlog))
     assert t.worker_id == "a" and t.predicted_cached == 2048
     g = make_policy("precise_gpu", W, SIM).choose(inp(scores=scores, backlog=backlog))
@@ -107,8 +107,10 @@ def test_pending_blocks_count_as_cached_for_precise_policies() -> None:
     for name in ("precise_tiered", "precise_gpu"):
         d = make_policy(name, W, SIM).choose(inp(tokens=2048, scores=scores))
         assert d.worker_id == "a" and d.predicted_cached == 2048 and d.predicted_pending == 1024
-    # ...unless its queue outweighs the recompute
+    # ...unless its queue outweighs the recompute (a continuing conversation's: keep_weight times)
     d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=2048, scores=scores, backlog={"a": 1.0}))
+    assert d.worker_id == "a"
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=2048, scores=scores, backlog={"a": 5.0}))
     assert d.worker_id == "b" and d.predicted_cached == 1536 and d.predicted_pending == 0
 
 
@@ -171,11 +173,11 @@ def test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix() -> None:
     assert d.worker_id == "a" and d.predicted_cached == 22 * 512
 
 
-def test_a_conversation_leaves_its_cache_only_for_a_queue_several_times_its_recompute() -> None:
+def test_a_conversation_leaves_its_cache_only_for_a_queue_many_times_its_recompute() -> None:
     # 'a' holds 27 of the prompt's 28 blocks behind a 2.6 s queue; 'b' and 'c' are idle and hold nothing.
     # On 'b' the request would start at once (TTFT 0.92 s against 2.72 s on 'a'), but 'b' would
-    # recompute 0.79 s of work the fleet need not do: charged (work_weight - 1) more times, it outweighs
-    # the queue (the bundled trace's case: 6 such moves cost 3% more prefill than approximate x1).
+    # recompute 0.82 s of work the fleet need not do: a continuing conversation's (one worker holds
+    # more than half its prompt) recompute is charged (work_weight - 1) x keep_weight more times.
     scores = {"a": ScoreRow(0, 27, host=27), "b": ScoreRow(), "c": ScoreRow()}
     p = make_policy("precise_tiered", W, SIM)
     d = p.choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 2.6}))
@@ -185,11 +187,44 @@ def test_a_conversation_leaves_its_cache_only_for_a_queue_several_times_its_reco
     assert p.key(0.0, work_b, work_b - work_a) == pytest.approx(work_b * 2 + 2 * (work_b - work_a))
     # the recompute is what another worker would not do: without it (no excess) 'b' would have won
     assert p.key(0.0, work_b) < p.key(2.6, work_a) < p.key(0.0, work_b, work_b - work_a)
-    # a 4 s queue, five times the recompute: the conversation moves
+    # a 4 s queue, five times the recompute: it stays (the bundled trace's moves of this kind cost
+    # more prefill than approximate x1 at every load of bench/bench_sweep.py)
     d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 4.0}))
+    assert d.worker_id == "a"
+    # and at 20 s: a continuing conversation's hit is given away only for a queue there about a hundred
+    # times the recompute (2 x keep_weight): a 100 s queue, the fleet far past its capacity
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 20.0}))
+    assert d.worker_id == "a"
+    d = make_policy("precise_tiered", W, SIM).choose(inp(tokens=28 * 512, scores=scores, backlog={"a": 100.0}))
     assert d.worker_id in ("b", "c") and d.predicted_cached == 0
-    # the shared system prompt a cold worker lacks is excess too, yet a cold idle worker still takes a
-    # new conversation from busy ones (test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix)
+    # the shared system prompt a cold worker lacks is excess too, but only at the plain weight (no worker
+    # holds more than half a new conversation's prompt), so a cold idle worker still takes a new
+    # conversation from busy ones (test_a_cold_idle_worker_is_not_locked_out_by_a_shared_prefix)
+
+
+def test_a_new_conversation_avoids_the_worker_recently_sent_the_most_work() -> None:
+    # Equal queues now, nothing cached: the worker the policy recently sent 3 s of work holds
+    # conversations that will come back; a new conversation goes elsewhere, although the tie-break
+    # (least work sent ever) would pick it.
+    p = make_policy("precise_tiered", W, SIM)
+    scores = {w: ScoreRow() for w in W}
+    p.recent["a"] = 3.0
+    p.assigned.update({"a": 0.0, "b": 5.0, "c": 5.0})
+    assert p.choose(inp(tokens=8 * 512, scores=scores)).worker_id != "a"
+    # that work ages over `reuse_requests` decisions: thirty windows of other routing later, it is gone
+    q = make_policy("precise_tiered", W, SIM)
+    q.recent["a"] = 3.0
+    q.assigned.update({"a": 0.0, "b": 5.0, "c": 5.0})
+    held = {"a": ScoreRow(), "b": ScoreRow(7, 7), "c": ScoreRow()}
+    for _ in range(int(30 * q.reuse_requests)):  # continuing conversations on 'b', nothing sent to 'a'
+        q.choose(inp(tokens=8 * 512, scores=held))
+    q.assigned["a"] = -1.0
+    assert q.recent["a"] < 1e-9 and q.choose(inp(tokens=8 * 512, scores=scores)).worker_id == "a"
+    # a continuing conversation ignores it: it stays with its cache
+    r = make_policy("precise_tiered", W, SIM)
+    r.recent["a"] = 3.0
+    assert r.choose(inp(tokens=8 * 512, scores={"a": ScoreRow(7, 7), "b": ScoreRow(), "c": ScoreRow()}
+                        )).worker_id == "a"
 
 
 def test_shared_backlog_adds_every_replicas_unconfirmed_prefill() -> None:

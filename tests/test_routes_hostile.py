@@ -13,31 +13,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indexer.pending import DEFAULT_MAX_ROUTES, PendingRoutes
-from producer.publisher import ZmqEventPublisher
 from router_api.config import ServiceConfig
 from support.net import free_port, wait_until
-from support.service import LiveIndexer
+from support.service import LiveIndexer, indexer_with_publishers
 
 BS = 4
 
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveIndexer]:
-    li = LiveIndexer(ServiceConfig(port=free_port(), block_size=BS, stats_ttl_s=0.0)).start()
-    li.service.routes.pending.admit_timeout_s = 60.0  # only the deadline's own test relies on it (a loaded machine)
-    pubs = []
-    try:
-        for wid in ("hw0", "hw1"):
-            pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
-            pubs.append(pub)
-            r = li.client.post("/workers", json={"worker_id": wid, "endpoint": pub.endpoint,
-                                                  "replay_endpoint": pub.replay_endpoint, "block_size": BS})
-            assert r.status_code == 201, r.text
+    config = ServiceConfig(port=free_port(), block_size=BS, stats_ttl_s=0.0)
+    with indexer_with_publishers(config, ["hw0", "hw1"], BS) as li:
+        li.service.routes.pending.admit_timeout_s = 60.0  # only the deadline's own test relies on it (a loaded machine)
         yield li
-    finally:
-        for p in pubs:
-            p.close()
-        li.stop()
 
 
 def _report(li: LiveIndexer, rid: str, worker: str, toks: list[int], **kw: object) -> dict:

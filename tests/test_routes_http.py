@@ -10,13 +10,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from producer.publisher import ZmqEventPublisher
 from sim.api import SimModel
 from router_api.router.forwarder import RouterCore
 from router_api.router.policies import make_policy
 from router_api.config import ServiceConfig
 from support.net import free_port
-from support.service import LiveIndexer
+from support.service import LiveIndexer, indexer_with_publishers
 
 BS = 16
 WIDS = ["rw0", "rw1", "rw2"]
@@ -24,20 +23,8 @@ WIDS = ["rw0", "rw1", "rw2"]
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveIndexer]:
-    li = LiveIndexer(ServiceConfig(port=free_port(), block_size=BS, stats_ttl_s=0.0)).start()
-    pubs = []
-    try:
-        for wid in WIDS:
-            pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
-            pubs.append(pub)
-            r = li.client.post("/workers", json={"worker_id": wid, "endpoint": pub.endpoint,
-                                                  "replay_endpoint": pub.replay_endpoint, "block_size": BS})
-            assert r.status_code == 201, r.text
+    with indexer_with_publishers(ServiceConfig(port=free_port(), block_size=BS, stats_ttl_s=0.0), WIDS, BS) as li:
         yield li
-    finally:
-        for p in pubs:
-            p.close()
-        li.stop()
 
 
 def _rows(li: LiveIndexer, tokens: list[int]) -> dict[str, dict]:

@@ -14,21 +14,11 @@ from starlette.routing import Route
 
 from sim.app import HttpLimits
 from sim.cmd import server_config
-from support.net import free_port, wait_until
+from support.net import free_port, read_until_closed, wait_until
 
 
 async def _ok(request: Request) -> PlainTextResponse:
     return PlainTextResponse("ok")
-
-
-def _recv_all(s: socket.socket) -> bytes:
-    s.settimeout(30)
-    out = b""
-    while True:
-        chunk = s.recv(4096)
-        if not chunk:
-            return out
-        out += chunk
 
 
 def test_slow_headers_time_out_and_connections_are_capped() -> None:
@@ -41,19 +31,19 @@ def test_slow_headers_time_out_and_connections_are_capped() -> None:
     try:
         wait_until(lambda: server.started, timeout=30)
         for _ in range(8):  # slowloris: a header line, never finished
-            s = socket.create_connection(("127.0.0.1", port))
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
             s.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n")
             socks.append(s)
         wait_until(lambda: len(server.server_state.connections) == 8, timeout=20)
-        extra = socket.create_connection(("127.0.0.1", port))
-        assert b" 503 " in _recv_all(extra).split(b"\r\n", 1)[0]  # over the cap: refused at once
+        extra = socket.create_connection(("127.0.0.1", port), timeout=30)
+        assert b" 503 " in read_until_closed(extra).split(b"\r\n", 1)[0]  # over the cap: refused at once
         extra.close()
         for s in socks:  # each held connection ends at its deadline with 408
-            assert b" 408 " in _recv_all(s).split(b"\r\n", 1)[0]
+            assert b" 408 " in read_until_closed(s).split(b"\r\n", 1)[0]
         assert limits.rejects == {"connection_limit": 1, "request_timeout": 8}
-        with socket.create_connection(("127.0.0.1", port)) as s:  # honest clients are served again
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:  # honest clients are served again
             s.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            assert _recv_all(s).endswith(b"ok")
+            assert read_until_closed(s).endswith(b"ok")
     finally:
         for s in socks:
             s.close()

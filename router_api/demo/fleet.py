@@ -156,6 +156,8 @@ _FAMILY_NOTE = {
 def _trace_name(trace: str | None) -> str:
     if trace == "builtin-chat":
         return "builtin-chat (bursty, one shared system prompt, multi-turn; seeded)"
+    if trace == "builtin-conversation":
+        return "builtin-conversation (long multi-turn conversations, a few system prompts; seeded)"
     return trace or "bundled Mooncake synthetic"
 
 
@@ -212,7 +214,7 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
             p(f"per worker: GPU {s.gpu_pages} + host {s.host_pages} pages of {MODEL_BLOCK} tokens, "
               f"{'L3 on a local directory (DISK)' if s.l3 == 'file' else 'L3 on one Mooncake Store (EXTERNAL)'}; "
               f"trace: {_trace_name(s.trace)}, "
-              f"{s.requests} requests ({'the first by arrival' if s.trace == 'builtin-chat' else 'whole conversations'}), "
+              f"{s.requests} requests ({'the first by arrival' if s.trace in ('builtin-chat', 'builtin-conversation') else 'whole conversations'}), "
               f"speed x{s.speed:g}")
             p(f"runs: {', '.join(f'{pol} x{k}' for pol, k in runs_plan)}\n")
             for i, run in enumerate(runs):

@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8800, help="HTTP port (default 8800; 0 = no HTTP server)")
     p.add_argument("--trace", default=None,
                    help="Mooncake JSONL trace to replay ('builtin' = multi-turn generator, 'builtin-chat' = "
-                        "bursty shared-system-prompt chat generator)")
+                        "bursty shared-system-prompt chat generator, 'builtin-conversation' = long "
+                        "multi-turn conversations)")
     p.add_argument("--requests", type=int, default=0, help="bounded conversation-preserving slice (0 = all)")
     p.add_argument("--speed", type=float, default=1.0, help="replay speed: virtual seconds per wall second")
     p.add_argument("--replicas", type=int, default=1, help="router replicas sharing the trace (default 1)")

@@ -20,6 +20,7 @@ its requests in order, so they will have been computed by the time this one runs
 """
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -212,12 +213,18 @@ class PreciseGpu(Policy):
     uses_index = True
 
     def __init__(self, workers: Sequence[str], sim: SimModel, seed: int = 0, *, work_weight: float = 3.0,
-                 busy_s: float = 1.0, min_share: float = 0.5) -> None:
+                 busy_s: float = 1.0, min_share: float = 0.5, keep_weight: float = 50.0, keep_share: float = 0.5,
+                 reuse_requests: float = 100.0, reuse_weight: float = 0.6) -> None:
         super().__init__(workers, sim, seed)
         self.work_weight = work_weight
         self.busy_s = busy_s
         self.min_share = min_share
+        self.keep_weight = keep_weight  # a continuing conversation's recompute: this many times the excess weight
+        self.keep_share = keep_share    # ... when one worker holds more than this share of the prompt
+        self.reuse_requests = reuse_requests  # decisions over which the work sent to a worker comes back
+        self.reuse_weight = reuse_weight
         self.assigned = {w: 0.0 for w in self.workers}  # virtual seconds of work this policy has sent
+        self.recent = {w: 0.0 for w in self.workers}    # the same, decayed over `reuse_requests` decisions
 
     def cached_blocks(self, row: ScoreRow) -> int:
         """Leading blocks the worker will serve from cache as this policy reads the row: every tier
@@ -255,18 +262,38 @@ class PreciseGpu(Policy):
         empty = ScoreRow()
         costs = {w: self.cost(inp, scores.get(w, empty)) for w in self.workers}
         least = min(costs.values())
-        key = {w: self.key(inp.backlog.get(w, 0.0), costs[w], costs[w] - least) for w in self.workers}
+        # A continuing conversation (some worker holds most of its prompt): giving its hit away costs
+        # `keep_weight` times more; a new one (only a shared prefix is held) may teach another worker
+        # that prefix for the next burst.
+        held = max(self.cached_blocks(scores.get(w, empty)) for w in self.workers) * inp.block_size
+        keep = self.keep_weight if held > self.keep_share * inp.tokens else 1.0
+        self._decay()
+        floor = min(self.recent.values())
+        # A new conversation will come back where it starts: its later turns meet the work this worker
+        # was recently sent (conversations that come back too), not only its queue now.
+        reuse = self.reuse_weight if keep == 1.0 else 0.0
+        key = {w: self.key(inp.backlog.get(w, 0.0), costs[w], (costs[w] - least) * keep)
+               + reuse * (self.recent[w] - floor) for w in self.workers}
         best = min(key.values())
         # Ties (e.g. an idle fleet and no cache anywhere) go to the worker sent the least work so far,
         # not always to the first: new conversations spread, and their later turns follow them.
-        w = min((w for w in self.workers if key[w] <= best),
+        w = min((w for w in self.workers if key[w] <= best + 1e-9),  # a nanosecond: aged-away work ties
                 key=lambda w: (self.assigned[w], inp.inflight.get(w, 0), w))
         self.assigned[w] += costs[w]
+        self.recent[w] += costs[w]
         row = scores.get(w, empty)
         b = inp.block_size
         # What the worker will serve from cache: everything it holds (any tier; the engine loads lower
         # tiers back) and what the in-flight requests ahead of this one will have stored.
         return Decision(w, min(inp.tokens, self.cached_blocks(row) * b), costs[w], row.pending * b)
+
+    def _decay(self) -> None:
+        """Age the recent work by one decision: it counts in routing decisions, not seconds, so the
+        window follows the traffic's rate (a conversation comes back after about as many other
+        requests at any load)."""
+        f = math.exp(-1.0 / self.reuse_requests)
+        for w in self.recent:
+            self.recent[w] *= f
 
 
 class PreciseTiered(PreciseGpu):

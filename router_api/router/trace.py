@@ -209,13 +209,65 @@ def bursty_chat(requests: int = 400, seed: int = 0, system_blocks: int = 8, firs
     return out
 
 
-BUILTIN_TRACES = ("builtin", "builtin-chat")
+def conversations(requests: int = 300, seed: int = 0, systems: int = 4, system_blocks: tuple[int, int] = (4, 12),
+                  first_blocks: tuple[int, int] = (8, 40), turns: tuple[int, int] = (3, 9),
+                  answer_tokens: tuple[int, int] = (64, 512), message_blocks: tuple[int, int] = (1, 3),
+                  start_rate: float = 0.8, think_s: tuple[float, float] = (2.0, 12.0),
+                  decode_s_per_token: float = 0.02) -> list[TraceRequest]:
+    """`builtin-conversation`: long multi-turn conversations, deterministic for a seed.
+
+    Unlike `builtin-chat`: a few system prompts of different lengths with skewed popularity (the
+    i-th is picked with weight 1/(i+1)), conversations open one at a time (Poisson, `start_rate`
+    per second, no bursts), last `turns` turns, and each turn's prompt is the previous prompt + its
+    answer (`answer_tokens`, the previous request's `output_length`, rounded up to whole blocks) +
+    a new message (`message_blocks`). The next turn arrives a think time (`think_s`, uniform) after
+    the previous answer ends on a nominal clock (arrival + answer tokens x `decode_s_per_token`),
+    so contexts grow long (mean prompt ~20k tokens, up to ~35k with the defaults) and a
+    conversation's next turn comes back while its cache is still warm somewhere. The first
+    `requests` requests by arrival are kept."""
+    if requests <= 0:
+        raise ValueError("requests must be positive")
+    rng = random.Random(seed)
+    next_id = 3 << 29  # apart from the bundled trace's and builtin-chat's ids
+
+    def fresh(k: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + k))
+        next_id += k
+        return ids
+
+    prompts = [fresh(rng.randint(*system_blocks)) for _ in range(systems)]
+    weights = [1.0 / (i + 1) for i in range(systems)]
+    events: list[tuple[float, int, list[int], int]] = []  # (arrival, conversation, hash ids, output tokens)
+    t = 0.0
+    convo = 0
+    while sum(1 for e in events if e[0] < t) < requests:  # later conversations start at or after `t`
+        at = t
+        prompt = rng.choices(prompts, weights)[0] + fresh(rng.randint(*first_blocks))
+        for k in range(rng.randint(*turns)):
+            answer = rng.randint(*answer_tokens)
+            events.append((at, convo, list(prompt), answer))
+            at += answer * decode_s_per_token + rng.uniform(*think_s)
+            prompt = prompt + fresh(-(-answer // TRACE_BLOCK_TOKENS) + rng.randint(*message_blocks))
+        convo += 1
+        t += rng.expovariate(start_rate)
+    events.sort(key=lambda e: (e[0], e[1]))
+    out = []
+    for i, (at, _, ids, answer) in enumerate(events[:requests]):
+        length = len(ids) * TRACE_BLOCK_TOKENS - rng.randrange(TRACE_BLOCK_TOKENS)
+        out.append(TraceRequest(i, round(at - events[0][0], 6), length, answer, tuple(ids)))
+    return out
+
+
+BUILTIN_TRACES = ("builtin", "builtin-chat", "builtin-conversation")
 
 
 def requests_for(trace: str | None, n: int = 0, seed: int = 0) -> list[TraceRequest]:
     """A replay's requests: `builtin` (multi_turn), `builtin-chat` (bursty_chat, `n` requests, 400 if
-    0), or a Mooncake JSONL file (None: the bundled one), sliced to `n` whole conversations if n > 0."""
+    0), `builtin-conversation` (conversations, `n` requests, 300 if 0), or a Mooncake JSONL file (None: the bundled one), sliced to `n` whole conversations if n > 0."""
     if trace == "builtin-chat":
         return bursty_chat(n or 400, seed=seed)
+    if trace == "builtin-conversation":
+        return conversations(n or 300, seed=seed)
     reqs = multi_turn(seed=seed) if trace == "builtin" else load_trace(trace)
     return slice_conversations(reqs, n, seed=seed) if n else reqs

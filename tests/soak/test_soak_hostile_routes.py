@@ -28,7 +28,7 @@ from producer.publisher import ZmqEventPublisher
 from router_api.route_plane import DEFAULT_ROUTES_SUBJECT
 from transport.natsio import NatsThread
 from support.hostile import HealthProbe, rss_kb, slowloris
-from support.nats import NatsServer
+from support.nats import ROUTE_PLANE_USERS_CONF, NatsServer
 from support.net import free_port, wait_until
 from support.service import KVIndexerProcess, WorkerSim, check_scores, make_prompts
 
@@ -38,22 +38,12 @@ BS = 4
 SOAK_S = float(os.environ.get("KVATLAS_SOAK_S", "5"))
 LONG = SOAK_S >= 30
 SECRET = "soak-replicas-only"
-CONF = """
-authorization {
-  users = [
-    {user: indexer, password: ipw}
-    {user: worker, password: wpw, permissions: {
-        publish: {allow: ["kvatlas.events.>"], deny: ["kvatlas.routes"]},
-        subscribe: {allow: ["_INBOX.>"], deny: ["kvatlas.routes"]}}}
-  ]
-}
-"""
 
 
 @pytest.fixture(name="nats")
 def nats_fixture(tmp_path: Path) -> Iterator[NatsServer]:
     conf = tmp_path / "nats.conf"
-    conf.write_text(CONF)
+    conf.write_text(ROUTE_PLANE_USERS_CONF)
     with NatsServer(config=str(conf)) as srv:
         yield srv
 

@@ -29,6 +29,20 @@ def nats_binary() -> str:
 
 
 
+# Users for the route plane's tests (docs/reference.md, "Security"): the indexer replicas' own user,
+# and a worker's, which may publish events but neither read nor write the route subject.
+ROUTE_PLANE_USERS_CONF = """
+authorization {
+  users = [
+    {user: indexer, password: ipw}
+    {user: worker, password: wpw, permissions: {
+        publish: {allow: ["kvatlas.events.>"], deny: ["kvatlas.routes"]},
+        subscribe: {allow: ["_INBOX.>"], deny: ["kvatlas.routes"]}}}
+  ]
+}
+"""
+
+
 class NatsServer:
     """`nats-server -js` on 127.0.0.1; `stop()` / `start()` keep the port and store dir."""
 

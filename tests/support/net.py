@@ -54,6 +54,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def read_until_closed(s: socket.socket) -> bytes:
+    """Everything a server sends until it closes (the socket's timeout fails the caller if it never does)."""
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            return out
+        out += chunk
+
+
 def wait_until(predicate: Callable[[], object], timeout: float = 5.0, interval: float = 0.005) -> object:
     """Poll `predicate` until it returns a truthy value; raise AssertionError at the deadline."""
     deadline = time.monotonic() + timeout

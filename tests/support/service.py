@@ -326,6 +326,28 @@ def service_with_publisher(block_size: int) -> Iterator[tuple[object, object]]:
         svc.stop(final_snapshot=False)
 
 
+@contextmanager
+def indexer_with_publishers(config: Any, worker_ids: list[str], block_size: int) -> Iterator[LiveIndexer]:
+    """A started `LiveIndexer` with one real ZmqEventPublisher (and replay endpoint) registered over
+    HTTP per worker id; every publisher and the indexer closed afterwards."""
+    from producer.publisher import ZmqEventPublisher
+
+    li = LiveIndexer(config).start()
+    pubs = []
+    try:
+        for wid in worker_ids:
+            pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+            pubs.append(pub)
+            r = li.client.post("/workers", json={"worker_id": wid, "endpoint": pub.endpoint,
+                                                  "replay_endpoint": pub.replay_endpoint, "block_size": block_size})
+            assert r.status_code == 201, r.text
+        yield li
+    finally:
+        for p in pubs:
+            p.close()
+        li.stop()
+
+
 def snapshot_marks(path: Path) -> dict[str, int]:
     """Per worker, the seq watermark a snapshot file holds ({} before the first snapshot)."""
     from indexer.snapshot import decode_snapshot, make_snapshot_store
