@@ -13,7 +13,7 @@ from indexer.index import KVIndex
 from producer.components.families import FamilySizes, build_family_cache
 from producer.events import EventRecorder
 from producer.page_hash import chain_digests, page_ids
-from sim.driver import build_cache, page_matches, write_pattern
+from sim.driver import build_cache, compute_and_insert, page_matches, write_pattern
 from producer.sinks import ListSink
 from producer.storage import StorageWorker, make_storage_backend
 from producer.storage.keys import page_key
@@ -71,13 +71,6 @@ def full_cache(w: StorageWorker, **kw):
     return cache, engine, sink
 
 
-def compute_and_insert(cache, tokens) -> None:
-    m = cache.match_prefix(tokens)
-    n = len(tokens) // P
-    new = cache.alloc_device(n - len(m.device_pages))
-    for page, d in zip(new, chain_digests(tokens, P)[len(m.device_pages):]):
-        write_pattern(cache.device, page, d)
-    cache.insert(tokens, m.device_pages + new)
 
 
 def settle(cache, engine, now: float = 0.0) -> None:

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from sim.driver import build_cache, page_matches, write_pattern
+from sim.driver import build_cache, compute_and_insert, page_matches, write_pattern
 from producer.events import EventRecorder
 from producer.page_hash import chain_digests, page_ids
 from producer.sinks import ListSink
@@ -30,13 +30,6 @@ def make(worker, device_pages=8, host_pages=8, **kw):
     return cache, engine, sink
 
 
-def compute_and_insert(cache, tokens):
-    m = cache.match_prefix(tokens)
-    n = len(tokens) // P
-    new = cache.alloc_device(n - len(m.device_pages))
-    for page, d in zip(new, chain_digests(tokens, P)[len(m.device_pages):]):
-        write_pattern(cache.device, page, d)
-    cache.insert(tokens, m.device_pages + new)
 
 
 def settle(cache, engine, worker, now):

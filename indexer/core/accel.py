@@ -267,11 +267,8 @@ class Accelerator:
         (worker_id, dp_rank) order, as `score`'s; plain workers with an empty layout); None when the C
         call cannot judge the input (the pure core does). `args`: `hybrid_args(ws)`, when the caller
         keeps them."""
-        groups, layouts, slots, wids, ranks = args if args is not None else hybrid_args(ws)
-        res = self.mod.hybrid_rows(
-            m.nodes, keys, tokens, seed, m.block_size, groups, layouts, slots, weights.as_tuple(), WorkerScore,
-            TIER_NAMES, wids, ranks,
-        )
+        res = self._hybrid_rows(m, keys, tokens, seed, weights, args if args is not None else hybrid_args(ws),
+                                WorkerScore)
         if res is None:
             return None
         return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
@@ -282,14 +279,21 @@ class Accelerator:
     ) -> ScoreTable | None:
         """`hybrid_score` without a row object: the ranked rows packed for `write_answer` and their
         kv_blocks column (`ScoreTable.kv`); None as there."""
-        groups, layouts, slots, wids, ranks = args if args is not None else hybrid_args(ws)
-        res = self.mod.hybrid_rows(
-            m.nodes, None, tokens, seed, m.block_size, groups, layouts, slots, weights.as_tuple(), None,
-            TIER_NAMES, wids, ranks,
-        )
+        args = args if args is not None else hybrid_args(ws)
+        res = self._hybrid_rows(m, None, tokens, seed, weights, args, None)
         if res is None:
             return None
-        return ScoreTable(res[0], m.block_size, wids, ranks, res[1], res[2])
+        return ScoreTable(res[0], m.block_size, args[3], args[4], res[1], res[2])
+
+    def _hybrid_rows(self, m: ModelState, keys: list[int] | None, tokens: object, seed: int,
+                     weights: TierWeights, args: tuple, row_type: Any) -> Any:
+        """The C `hybrid_rows` over `args` (`hybrid_args`): rows of `row_type`, or packed rows and the
+        kv column when it is None; None when it cannot judge the input."""
+        groups, layouts, slots, wids, ranks = args
+        return self.mod.hybrid_rows(
+            m.nodes, keys, tokens, seed, m.block_size, groups, layouts, slots, weights.as_tuple(), row_type,
+            TIER_NAMES, wids, ranks,
+        )
 
     def table_lane(self, m: Any, seed: int, weights: TierWeights) -> Callable[[object], ScoreTable | None]:
         """`score_table(m, tokens, seed, weights, None)` with all but the tokens bound, for a caller that
