@@ -97,12 +97,13 @@ def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list, list, list]:
 
 
 class Accelerator:
-    __slots__ = ("mod", "new_map", "new_nodes")
+    __slots__ = ("mod", "new_map", "new_nodes", "new_churn_map")
 
     def __init__(self, mod: ModuleType) -> None:
         self.mod = mod
         self.new_map: Callable[[], Any] = mod.U64Map
         self.new_nodes: Callable[[], Any] = mod.U64Map.holders  # a main tree: holder lists past 128 slots
+        self.new_churn_map: Callable[[], Any] = mod.U64Map.sparse  # sliding-window and Mamba group maps
 
     # --- apply ------------------------------------------------------------------------------
     def apply_payload(
