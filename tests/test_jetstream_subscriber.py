@@ -19,12 +19,6 @@ from support.service import WorkerSim, make_prompts
 BS = 4
 
 
-@pytest.fixture(name="nats")
-def nats_fixture() -> Iterator[NatsServer]:
-    with NatsServer() as srv:
-        yield srv
-
-
 def _drive(pubs: dict[str, JetStreamEventPublisher], sims: dict[str, WorkerSim], steps: int,
            ref: ReferenceIndex | None = None) -> None:
     for _ in range(steps):

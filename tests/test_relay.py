@@ -26,12 +26,6 @@ from router_api.procs import spawn
 BS = 4
 
 
-@pytest.fixture(name="nats")
-def nats_fixture() -> Iterator[NatsServer]:
-    with NatsServer() as srv:
-        yield srv
-
-
 def _engine(buffer_steps: int = 1000, ports: tuple[int, int] | None = None) -> ZmqEventPublisher:
     p, rp = ports or (free_port(), free_port())
     return ZmqEventPublisher(f"tcp://127.0.0.1:{p}", replay_endpoint=f"tcp://127.0.0.1:{rp}",
