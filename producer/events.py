@@ -287,13 +287,11 @@ class EventRecorder:
             except (TypeError, OverflowError):
                 self._demote()
         name = self.names[medium]
-        pending = self._pending
-        if pending:
-            last = pending[-1]
-            if type(last) is _Removed and last.medium == name and last.group_idx == group_idx:
-                last.add_ids(ids)
-                return
-        pending.append(_Removed(list(ids), None, 0, name, group_idx))
+        last = self._removed_tail(name, group_idx)
+        if last is not None:
+            last.add_ids(ids)
+            return
+        self._pending.append(_Removed(list(ids), None, 0, name, group_idx))
 
     def removed_digests(self, digests: bytes, dlen: int, medium: Medium, *, group_idx: int | None = None) -> None:
         """`removed` with the ids given as a tree node's digests (see `stored_digests`)."""
@@ -307,13 +305,20 @@ class EventRecorder:
             except (TypeError, OverflowError):
                 self._demote()
         name = self.names[medium]
+        last = self._removed_tail(name, group_idx)
+        if last is not None:
+            last.add_blob(digests, dlen)
+            return
+        self._pending.append(_Removed(None, [digests], dlen, name, group_idx))
+
+    def _removed_tail(self, name: str, group_idx: int | None) -> _Removed | None:
+        """The pending remove a new one of the same tier and group coalesces into."""
         pending = self._pending
         if pending:
             last = pending[-1]
             if type(last) is _Removed and last.medium == name and last.group_idx == group_idx:
-                last.add_blob(digests, dlen)
-                return
-        pending.append(_Removed(None, [digests], dlen, name, group_idx))
+                return last
+        return None
 
     def cleared(self) -> None:
         if not self.enabled:
