@@ -86,9 +86,7 @@ class _Store(_Ids):
     def __init__(self, ids: list[int] | None, blobs: list[bytes] | None, dlen: int, last: int,
                  parent: int | None, chunks: list[Sequence[int]], block_size: int, medium: str,
                  group_idx: int | None, kind: str | None, window: int | None) -> None:
-        self.ids = ids
-        self.blobs = blobs
-        self.dlen = dlen
+        super().__init__(ids, blobs, dlen)
         self.last = last
         self.parent = parent
         self.chunks = chunks
@@ -116,9 +114,7 @@ class _Removed(_Ids):
 
     def __init__(self, ids: list[int] | None, blobs: list[bytes] | None, dlen: int, medium: str,
                  group_idx: int | None) -> None:
-        self.ids = ids
-        self.blobs = blobs
-        self.dlen = dlen
+        super().__init__(ids, blobs, dlen)
         self.medium = medium
         self.group_idx = group_idx
 
