@@ -140,7 +140,6 @@ def _replica(kind: str, target: str, endpoints: list[tuple[str, str]], expect: i
     import logging
     logging.disable(logging.WARNING)  # the live phase's epoch changes are expected
     from indexer.index import KVIndex
-    from indexer.deliveries import Batch
 
     index = KVIndex()
     index.ensure_model(MODEL, BS)
@@ -400,7 +399,6 @@ def _replica_from(target: str, endpoints: list[tuple[str, str]], expect: int, st
     logging.disable(logging.WARNING)  # every worker's first live batch is a new epoch: expected
     from indexer.index import KVIndex
     from indexer.jetstream_subscriber import JetStreamSubscriber
-    from indexer.deliveries import Batch
 
     index = KVIndex()
     index.ensure_model(MODEL, BS)
