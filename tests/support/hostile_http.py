@@ -154,7 +154,7 @@ class ProxyAttacker(threading.Thread):
     def one(self, i: int) -> None:
         p, chat = self.port, "/v1/chat/completions"
         if self.kind == "huge_chat":  # tokenized in the bounded pool (300k tokens); past the body cap (413)
-            self.seen[status_of(post_raw(p, chat, huge_chat(1_000_000 if i % 2 else 9_000_000), read=12))] += 1
+            self.seen[status_of(post_raw(p, chat, huge_chat(9_000_000 if i % 2 else 1_000_000), read=12))] += 1
         elif self.kind == "deep_json":
             self.seen[status_of(post_raw(p, chat, deep_json(200_000), read=12))] += 1
         elif self.kind == "bad_kwargs":
