@@ -102,9 +102,11 @@ class FakeEngine:
 # --- the attacks on the proxy's front ----------------------------------------------------------------
 
 def huge_chat(size: int) -> bytes:
-    """A chat body of about `size` bytes: one long user message, one output token."""
+    """A chat body of about `size` bytes: one long user message, streamed (the engine's answer begins
+    once it has tokenized the chat, not after its long prefill: no first-byte deadline is at stake)."""
     words = ("kv cache block router " * (size // 22 + 1))[:size]
-    return json.dumps({"model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": words}]}).encode()
+    return json.dumps({"model": "default", "max_tokens": 1, "stream": True,
+                       "messages": [{"role": "user", "content": words}]}).encode()
 
 
 def deep_json(depth: int) -> bytes:
