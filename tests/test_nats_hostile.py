@@ -32,12 +32,6 @@ BS = 4
 MODEL = "default"
 
 
-@pytest.fixture(name="nats")
-def nats_fixture() -> Iterator[NatsServer]:
-    with NatsServer() as srv:
-        yield srv
-
-
 def _rows(r: KVIndexerProcess) -> dict[str, dict]:
     return {w["worker_id"]: w for w in r.client.get("/workers").json()["workers"]}
 
