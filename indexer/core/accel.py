@@ -96,13 +96,25 @@ def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list, list, list]:
     return groups, layouts, [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
 
 
+def _c_worker(m: ModelState, worker_id: str, rank: int) -> tuple[WorkerState, bool] | None:
+    """The worker a C apply writes to and whether it was made for this payload; None when only the pure
+    core may judge it (orphans wait on it, or its layout is one the C walk does not take)."""
+    w = m.by_id.get((worker_id, rank))
+    if w is not None and (w.pending or _pure_only(w)):
+        return None
+    if w is None:
+        return m.worker(worker_id, rank), True
+    return w, False
+
+
 class Accelerator:
-    __slots__ = ("mod", "new_map", "new_nodes")
+    __slots__ = ("mod", "new_map", "new_nodes", "new_churn_map")
 
     def __init__(self, mod: ModuleType) -> None:
         self.mod = mod
         self.new_map: Callable[[], Any] = mod.U64Map
         self.new_nodes: Callable[[], Any] = mod.U64Map.holders  # a main tree: holder lists past 128 slots
+        self.new_churn_map: Callable[[], Any] = mod.U64Map.sparse  # sliding-window and Mamba group maps
 
     # --- apply ------------------------------------------------------------------------------
     def apply_payload(
@@ -116,12 +128,10 @@ class Accelerator:
         apply_msgpack = self.mod.apply_msgpack
         known = m.known_ext if m.trust else None
         if not rank_from_batch:  # the common case: one C call, nothing to compare afterwards
-            w = m.by_id.get((worker_id, rank))
-            if w is not None and (w.pending or _pure_only(w)):
-                return None  # orphans wait on this worker, or its layout: only the pure core judges them
-            fresh = w is None
-            if fresh:
-                w = m.worker(worker_id, rank)
+            found = _c_worker(m, worker_id, rank)
+            if found is None:
+                return None
+            w, fresh = found
             lay = w.layout
             # positional: keyword parsing costs more than the walk of a small batch (docs/index-core.md)
             if lay is not None and lay.learn is not None and lay.accel_at == m.groups.version and lay.accel_slot == w.slot:
@@ -143,12 +153,10 @@ class Accelerator:
             return stats
         default = rank
         for _ in range(2):
-            w = m.by_id.get((worker_id, rank))
-            if w is not None and (w.pending or _pure_only(w)):
-                return None  # orphans wait on this worker, or its layout: only the pure core judges them
-            fresh = w is None
-            if fresh:
-                w = m.worker(worker_id, rank)
+            found = _c_worker(m, worker_id, rank)
+            if found is None:
+                return None
+            w, fresh = found
             res = apply_msgpack(
                 payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT, rank, default,
                 _groups_arg(m, w), _learner(m, w, fresh),
