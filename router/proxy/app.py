@@ -7,6 +7,10 @@ answer carries `x-kvatlas-worker` and `x-kvatlas-route` (the decision).
 A client that leaves before the answer begins cancels the upstream request (the engine frees its
 slot); a streamed answer the client drops is closed upstream the same way. An upstream that breaks
 off mid-answer cuts the client's connection (no clean end), so the client can tell.
+
+Under `kvatlas router` the two routed paths are answered before this app by the server's own
+protocol (router/proxy/front.py), by the same exchange (router/proxy/exchange.py); the app serves
+them for whatever that protocol leaves to uvicorn (a query string, a pipelined request, ...).
 """
 from __future__ import annotations
 
