@@ -28,7 +28,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from router.proxy.core import ProxyCore, Truncated
-from router.proxy.exchange import ROUTED, Opened, Refused, client_left, open_routed, parse, too_large
+from router.proxy.exchange import ROUTED, Opened, Refused, open_routed, parse, refused, too_large
 from router.proxy.limits import MAX_BODY_BYTES
 from router_api.fasthttp import (DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT_S, GuardedHttpProtocol, _OffLoop,
                                  protocol_limits)
@@ -130,9 +130,11 @@ class ProxyHttpProtocol(GuardedHttpProtocol):
                 self._write_whole(got, mark)
             else:
                 await self._relay(got, mark)
-        except asyncio.CancelledError:
-            if not self.transport.is_closing():  # (cancelled by uvicorn's shutdown, not by the client)
-                self._write_whole(client_left(), mark)
+        except asyncio.CancelledError:  # the client left, or uvicorn's shutdown gave up waiting
+            if self._started:
+                self.transport.close()  # mid-answer: cut, as an engine that breaks off
+            elif not self.transport.is_closing():
+                self._write_whole(refused(503, "the router is shutting down", "ServiceUnavailable"), mark)
         except Exception:  # a fault of the router's own: logged, the client told (500) or cut
             log.exception("event=proxy_error path=%s", req.path)
             if self._started:
