@@ -2,8 +2,9 @@
 FROM python:3.11-slim
 WORKDIR /app
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1
+# libibverbs1 librdmacm1 libnuma1: what the Mooncake Store client and master link (the mooncake extra)
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential \
-    && rm -rf /var/lib/apt/lists/*
+    libibverbs1 librdmacm1 libnuma1 && rm -rf /var/lib/apt/lists/*
 # CPU torch first, from PyTorch's CPU index, so the producer extra never pulls a CUDA build.
 RUN pip install torch --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml setup.py README.md ./
@@ -16,6 +17,6 @@ COPY router_api ./router_api
 COPY sim ./sim
 COPY cli ./cli
 COPY tests/data/traces ./tests/data/traces
-RUN pip install -e '.[producer,yaml]'
+RUN pip install -e '.[producer,yaml,mooncake]'
 EXPOSE 8700 8100 8800 5557 5558
 CMD ["kvatlas", "--help"]

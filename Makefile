@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@bash scripts/ensure-system-deps.sh --build
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[producer,dev]'
+	$(PY) -m pip install -q -e '.[producer,dev,mooncake]'
 	touch $(STAMP)
 
 # A checkout whose C sources changed since the last build (a pull, a branch switch) is rebuilt in

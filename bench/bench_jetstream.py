@@ -120,11 +120,26 @@ class Server:
 
 # --- replicas (child processes) -----------------------------------------------------------------
 
+def _apply(index, deliveries: list, lags: list[float]) -> tuple[int, int]:  # noqa: ANN001
+    """Apply the batches among `deliveries`, each one's publish-to-apply lag into `lags`:
+    (batches applied, blocks stored)."""
+    from indexer.deliveries import Batch
+
+    applied = blocks = 0
+    for d in deliveries:
+        if isinstance(d, Batch):
+            st = index.apply_payload(MODEL, d.worker_id, 0, d.payload, rank_from_batch=True)
+            applied += 1
+            if st.ts > 0:
+                lags.append(time.time() - st.ts)
+            blocks += sum(n for (t, _m, _o), n in st.counts.items() if t == "stored")
+    return applied, blocks
+
+
 def _replica(kind: str, target: str, endpoints: list[tuple[str, str]], expect: int, ready, conn) -> None:  # noqa: ANN001
     import logging
     logging.disable(logging.WARNING)  # the live phase's epoch changes are expected
     from indexer.index import KVIndex
-    from indexer.deliveries import Batch
 
     index = KVIndex()
     index.ensure_model(MODEL, BS)
@@ -153,13 +168,9 @@ def _replica(kind: str, target: str, endpoints: list[tuple[str, str]], expect: i
         idle_since = time.monotonic()
         if start is None:
             start = time.perf_counter()
-        for d in ds:
-            if isinstance(d, Batch):
-                st = index.apply_payload(MODEL, d.worker_id, 0, d.payload, rank_from_batch=True)
-                applied += 1
-                if st.ts > 0:
-                    lags.append(time.time() - st.ts)
-                blocks += sum(n for (t, _m, _o), n in st.counts.items() if t == "stored")
+        n, stored = _apply(index, ds, lags)
+        applied += n
+        blocks += stored
     end = time.perf_counter()
     # JetStream: the backlog starts flowing while workers are still being added, so the drain is
     # timed from the first add (subscribe cost included); ZeroMQ: from the first delivery.
@@ -388,7 +399,6 @@ def _replica_from(target: str, endpoints: list[tuple[str, str]], expect: int, st
     logging.disable(logging.WARNING)  # every worker's first live batch is a new epoch: expected
     from indexer.index import KVIndex
     from indexer.jetstream_subscriber import JetStreamSubscriber
-    from indexer.deliveries import Batch
 
     index = KVIndex()
     index.ensure_model(MODEL, BS)
@@ -404,12 +414,7 @@ def _replica_from(target: str, endpoints: list[tuple[str, str]], expect: int, st
         ds = sub.poll(200)
         if ds:
             idle_since = time.monotonic()
-        for d in ds:
-            if isinstance(d, Batch):
-                st = index.apply_payload(MODEL, d.worker_id, 0, d.payload, rank_from_batch=True)
-                applied += 1
-                if st.ts > 0:
-                    lags.append(time.time() - st.ts)
+        applied += _apply(index, ds, lags)[0]
     sub.close()
     conn.send({"applied": applied, "lags": lags})
 

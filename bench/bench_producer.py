@@ -28,6 +28,7 @@ import sys
 import time
 
 
+from bench.support.phases import MatchInsertClock  # noqa: E402
 from sim.driver import StreamSpec, build_cache, synthetic_stream  # noqa: E402
 from producer.events import EventRecorder  # noqa: E402
 from producer.page_hash import native_available, page_ids  # noqa: E402
@@ -74,7 +75,7 @@ def run_once(requests: list[list[int]], page_size: int, page_hash: str | None, d
     rec = EventRecorder(DropSink(), enabled=page_hash is not None, heartbeat_interval_s=3600.0)
     cache = build_cache(page_size=page_size, device_pages=device_pages, recorder=rec, page_shape=(1,),
                         page_hash=page_hash or "sha256")
-    t_insert = t_match = 0.0
+    phases = MatchInsertClock(times)
     clock = time.perf_counter
     for tokens in requests:
         t0 = clock()
@@ -87,12 +88,8 @@ def run_once(requests: list[list[int]], page_size: int, page_hash: str | None, d
         cache.insert(tokens, m.device_pages + pages)
         cache.step(0.0)                   # flush: event encoding happens here
         t2 = clock()
-        t_match += t1 - t0
-        t_insert += t2 - t1
-        if times is not None:
-            times.append(t2 - t1)
-    n = len(requests)
-    return n / t_insert, n / t_match
+        phases.add(t0, t1, t2)
+    return phases.rates(len(requests))
 
 
 def run_hybrid(requests: list[list[int]], page_size: int, events: str, device_pages: int,
@@ -105,7 +102,7 @@ def run_hybrid(requests: list[list[int]], page_size: int, events: str, device_pa
     sizes = FamilySizes(page_size=page_size, device_pages=device_pages, kv_shape=(1,), mamba_states=256,
                         conv_shape=(1,), temporal_shape=(1,))
     cache = build_family_cache("mamba", sizes, recorder=rec, component_events=events == "groups")
-    t_insert = t_match = 0.0
+    phases = MatchInsertClock(times)
     clock = time.perf_counter
     for tokens in requests:
         t0 = clock()
@@ -119,12 +116,8 @@ def run_hybrid(requests: list[list[int]], page_size: int, events: str, device_pa
         cache.insert(tokens, m.device_pages + pages, component_pages={"mamba": {n: state[0]}})
         cache.step(0.0)
         t2 = clock()
-        t_match += t1 - t0
-        t_insert += t2 - t1
-        if times is not None:
-            times.append(t2 - t1)
-    k = len(requests)
-    return k / t_insert, k / t_match
+        phases.add(t0, t1, t2)
+    return phases.rates(len(requests))
 
 
 def hybrid_rows(requests: list[list[int]], rounds: int) -> None:

@@ -120,7 +120,7 @@ class KVIndex:
 
     def _new_model(self, model: str, block_size: int, trust: bool) -> ModelState:
         a = self._accel
-        return ModelState(model, block_size, trust, a.new_map, a.new_nodes) if a is not None else \
+        return ModelState(model, block_size, trust, a.new_map, a.new_nodes, a.new_churn_map) if a is not None else \
             ModelState(model, block_size, trust)
 
     # --- namespaces -------------------------------------------------------------------------

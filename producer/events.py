@@ -86,9 +86,7 @@ class _Store(_Ids):
     def __init__(self, ids: list[int] | None, blobs: list[bytes] | None, dlen: int, last: int,
                  parent: int | None, chunks: list[Sequence[int]], block_size: int, medium: str,
                  group_idx: int | None, kind: str | None, window: int | None) -> None:
-        self.ids = ids
-        self.blobs = blobs
-        self.dlen = dlen
+        super().__init__(ids, blobs, dlen)
         self.last = last
         self.parent = parent
         self.chunks = chunks
@@ -116,9 +114,7 @@ class _Removed(_Ids):
 
     def __init__(self, ids: list[int] | None, blobs: list[bytes] | None, dlen: int, medium: str,
                  group_idx: int | None) -> None:
-        self.ids = ids
-        self.blobs = blobs
-        self.dlen = dlen
+        super().__init__(ids, blobs, dlen)
         self.medium = medium
         self.group_idx = group_idx
 
@@ -287,13 +283,11 @@ class EventRecorder:
             except (TypeError, OverflowError):
                 self._demote()
         name = self.names[medium]
-        pending = self._pending
-        if pending:
-            last = pending[-1]
-            if type(last) is _Removed and last.medium == name and last.group_idx == group_idx:
-                last.add_ids(ids)
-                return
-        pending.append(_Removed(list(ids), None, 0, name, group_idx))
+        last = self._removed_tail(name, group_idx)
+        if last is not None:
+            last.add_ids(ids)
+            return
+        self._pending.append(_Removed(list(ids), None, 0, name, group_idx))
 
     def removed_digests(self, digests: bytes, dlen: int, medium: Medium, *, group_idx: int | None = None) -> None:
         """`removed` with the ids given as a tree node's digests (see `stored_digests`)."""
@@ -307,13 +301,20 @@ class EventRecorder:
             except (TypeError, OverflowError):
                 self._demote()
         name = self.names[medium]
+        last = self._removed_tail(name, group_idx)
+        if last is not None:
+            last.add_blob(digests, dlen)
+            return
+        self._pending.append(_Removed(None, [digests], dlen, name, group_idx))
+
+    def _removed_tail(self, name: str, group_idx: int | None) -> _Removed | None:
+        """The pending remove a new one of the same tier and group coalesces into."""
         pending = self._pending
         if pending:
             last = pending[-1]
             if type(last) is _Removed and last.medium == name and last.group_idx == group_idx:
-                last.add_blob(digests, dlen)
-                return
-        pending.append(_Removed(None, [digests], dlen, name, group_idx))
+                return last
+        return None
 
     def cleared(self) -> None:
         if not self.enabled:

@@ -23,7 +23,7 @@ def kv_page_shape(page_size: int, layer_num: int, head_num: int, head_dim: int) 
 class KVPool:
     """A paged tensor plus its allocator. Reading/writing pages is plain tensor indexing."""
 
-    __slots__ = ("name", "page_size", "page_shape", "buffer", "allocator")
+    __slots__ = ("name", "page_size", "page_shape", "buffer", "allocator", "_flat")
 
     def __init__(self, name: str, num_pages: int, page_size: int, page_shape: Sequence[int],
                  dtype: torch.dtype, device: str | torch.device, pin_memory: bool = False) -> None:
@@ -35,6 +35,7 @@ class KVPool:
         self.allocator = PageAllocator(num_pages, name)
         self.buffer = torch.zeros((num_pages, *self.page_shape), dtype=dtype, device=device,
                                   pin_memory=pin_memory)
+        self._flat: memoryview | None = None  # the host buffer as one byte view (page views slice it)
 
     @property
     def num_pages(self) -> int:
@@ -59,6 +60,18 @@ class KVPool:
     def page_to_bytes(self, page: int) -> bytes:
         """One page as raw bytes (the L3 value)."""
         return self.buffer[page].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+    def page_view(self, page: int) -> memoryview:
+        """One host page's own memory as bytes (no copy): what an L3 backup writes from and a
+        prefetch reads into. The caller keeps the page allocated and unchanged while in use."""
+        if self._flat is None:
+            if self.buffer.device.type != "cpu":
+                raise ValueError(f"{self.name}: page views are of host memory")
+            self._flat = self.buffer.view(-1).view(torch.uint8).numpy().data
+        if not 0 <= page < self.buffer.shape[0]:
+            raise IndexError(f"{self.name}: page {page} out of range")
+        pb = self.page_bytes
+        return self._flat[page * pb:(page + 1) * pb]
 
     def page_from_bytes(self, page: int, data: bytes) -> None:
         """Write raw bytes into one page; wrong-sized data is refused, never truncated."""

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission-timeout", type=float, default=2.0,
                    help="routers' causal forwarding: wall seconds a request waits at most for the in-flight "
                         "requests its prediction counts on to be admitted (0 = off; default 2)")
+    p.add_argument("--l3", choices=("file", "mooncake"), default="file",
+                   help="the workers' L3: a local directory each (DISK), or one Mooncake Store all of a run's "
+                        "workers share (EXTERNAL; the demo starts its mooncake_master)")
     p.add_argument("--family", choices=("full", "mamba", "swa", "dsa"), default="full",
                    help="the workers' model family (kvatlas worker --family): a hybrid's default runs put "
                         "precise_kv_only (routing on kv_blocks, as group-blind indexers do) beside precise_tiered "
@@ -107,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     kw = {"policies": policies} if policies else {}
     s = DemoSettings(trace=args.trace, requests=args.requests or 300, speed=args.speed, routers=args.routers,
                      workers=args.workers, gpu_pages=args.gpu_pages, host_pages=args.host_pages, seed=args.seed,
-                     family=args.family, admission_timeout=args.admission_timeout, **kw)
+                     family=args.family, admission_timeout=args.admission_timeout, l3=args.l3, **kw)
     from router.trace import BUILTIN_TRACES, TraceError, load_trace
     if args.trace and args.trace not in BUILTIN_TRACES:
         try:

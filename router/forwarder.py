@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 
 from router.policies import Policy, RouteInput, ScoreRow, shared_backlog
+from router.pacing import send_paced
 from router.trace import TokenExpander, TraceRequest
 from schemas.api import MAX_WAIT_ROUTES, MAX_WAIT_S
 from sim.api import GenerateResponse, LoadResponse, SimModel, WorkerHealth
@@ -349,22 +350,10 @@ class RouterCore:
         else:
             self.t0 = time.monotonic()
         self.start_polling()
-        done = 0
-
-        async def one(r: TraceRequest) -> None:
-            nonlocal done
+        async def send(r: TraceRequest) -> None:
             await self.handle(r.index, expander.tokens(r), r.output_length, r.arrival_s)
-            done += 1
-            if on_done is not None:
-                on_done(done)
 
-        tasks = []
-        for r in reqs:
-            delay = self.t0 + r.arrival_s / self.speed - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)  # pacing to the trace's clock
-            tasks.append(asyncio.create_task(one(r)))
-        await asyncio.gather(*tasks)
+        await send_paced(reqs, self.t0, self.speed, send, on_done)
         return self.records
 
 

@@ -19,6 +19,7 @@ import msgspec
 
 from sim.api import Tokens
 from router.records import RequestRecord
+from router.pacing import send_paced
 from router.trace import TokenExpander, TraceRequest
 
 _dec = msgspec.json.Decoder()
@@ -92,20 +93,8 @@ class OpenAIReplay:
                      start_at: float | None = None) -> list[RequestRecord]:
         expander = TokenExpander()
         self.t0 = time.monotonic() + (max(0.0, start_at - time.time()) if start_at is not None else 0.0)
-        done = 0
-
-        async def one(r: TraceRequest) -> None:
-            nonlocal done
+        async def send(r: TraceRequest) -> None:
             await self.one(r, expander.tokens(r).tolist())
-            done += 1
-            if on_done is not None:
-                on_done(done)
 
-        tasks = []
-        for r in reqs:
-            delay = self.t0 + r.arrival_s / self.speed - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)  # pacing to the trace's clock
-            tasks.append(asyncio.create_task(one(r)))
-        await asyncio.gather(*tasks)
+        await send_paced(reqs, self.t0, self.speed, send, on_done)
         return self.records

@@ -126,6 +126,21 @@ class TokenExpander:
         return np.concatenate(parts)[: req.input_length] if parts else np.zeros(0, np.uint32)
 
 
+class HashIds:
+    """Fresh block hash ids for a generated trace: consecutive from `start` (each generator starts
+    apart from the others', so traces never share a block by accident)."""
+
+    __slots__ = ("next",)
+
+    def __init__(self, start: int) -> None:
+        self.next = start
+
+    def __call__(self, k: int) -> list[int]:
+        ids = list(range(self.next, self.next + k))
+        self.next += k
+        return ids
+
+
 def multi_turn(conversations: int = 40, turns: int = 4, system_blocks: int = 4, systems: int = 3,
                turn_blocks: tuple[int, int] = (2, 8), output_length: int = 64, rate: float = 2.0,
                seed: int = 0) -> list[TraceRequest]:
@@ -133,13 +148,7 @@ def multi_turn(conversations: int = 40, turns: int = 4, system_blocks: int = 4, 
     and each turn's prompt is the previous prompt plus new blocks (so turns extend a prefix).
     Arrivals are Poisson at `rate` requests/s, turns of a conversation in order."""
     rng = random.Random(seed)
-    next_id = 0
-
-    def fresh(k: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + k))
-        next_id += k
-        return ids
+    fresh = HashIds(0)
 
     sys_prompts = [fresh(system_blocks) for _ in range(systems)]
     pending: list[list[list[int]]] = []
@@ -177,13 +186,7 @@ def bursty_chat(requests: int = 400, seed: int = 0, system_blocks: int = 8, firs
     if requests <= 0:
         raise ValueError("requests must be positive")
     rng = random.Random(seed)
-    next_id = 1 << 30  # apart from the bundled trace's ids
-
-    def fresh(k: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + k))
-        next_id += k
-        return ids
+    fresh = HashIds(1 << 30)  # apart from the bundled trace's ids
 
     system = fresh(system_blocks)
     events: list[tuple[float, int, list[int]]] = []  # (arrival, conversation, hash ids)
@@ -228,13 +231,7 @@ def conversations(requests: int = 300, seed: int = 0, systems: int = 4, system_b
     if requests <= 0:
         raise ValueError("requests must be positive")
     rng = random.Random(seed)
-    next_id = 3 << 29  # apart from the bundled trace's and builtin-chat's ids
-
-    def fresh(k: int) -> list[int]:
-        nonlocal next_id
-        ids = list(range(next_id, next_id + k))
-        next_id += k
-        return ids
+    fresh = HashIds(3 << 29)  # apart from the bundled trace's and builtin-chat's ids
 
     prompts = [fresh(rng.randint(*system_blocks)) for _ in range(systems)]
     weights = [1.0 / (i + 1) for i in range(systems)]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # System packages the test suite uses beyond Python: redis-server (real server for snapshot and
-# L3 tests), nats-server (JetStream tests) and chromium (headless dashboard test). Installs them when it
+# L3 tests), nats-server (JetStream tests), chromium (headless dashboard test) and the libraries
+# the Mooncake Store binaries link (libibverbs1, librdmacm1, libnuma1: the mooncake L3 tests). Installs them when it
 # can (root + apt-get), otherwise says exactly what is missing; tests that need a missing one fail with that reason.
 # With --build: only what compiling the C accelerators needs beyond gcc and the Python headers
 # (libssl-dev: OpenSSL's headers for the producer's C helper); the Makefile runs this before the
@@ -13,6 +14,9 @@ else
   command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
   { command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ]; } || missing+=(nats-server)
   command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing+=(chromium)
+  for lib in libibverbs.so.1:libibverbs1 librdmacm.so.1:librdmacm1 libnuma.so.1:libnuma1; do
+    ldconfig -p 2>/dev/null | grep -q "${lib%%:*}" || missing+=("${lib##*:}")
+  done
   # nats-server (JetStream event-plane tests); Debian puts it in /usr/sbin.
   command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || missing+=(nats-server)
 fi

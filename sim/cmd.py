@@ -37,11 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "prompts and chat messages, tokenized as vLLM does")
     p.add_argument("--gpu-pages", type=int, default=320, help="GPU-tier pages (default 320)")
     p.add_argument("--host-pages", type=int, default=960, help="host-tier pages (default 960; 0 = none)")
-    p.add_argument("--l3", choices=("none", "file", "redis"), default="none", help="L3 backend (default none)")
+    p.add_argument("--l3", choices=("none", "file", "redis", "mooncake"), default="none",
+                   help="L3 backend (default none)")
     p.add_argument("--l3-dir", default=None, help="directory of the file L3 (node-local: events say DISK)")
     p.add_argument("--l3-config", default=None,
                    help="extra L3 backend options: inline JSON or @file (.json/.toml/.yaml); "
-                        "redis: {\"url\": \"redis://host:6379/1\"} (shared: events say EXTERNAL)")
+                        "redis: {\"url\": \"redis://host:6379/1\"}; mooncake: {\"master_server_address\": "
+                        "\"host:50051\", \"metadata_server\": \"http://host:8080/metadata\"} (shared: events say EXTERNAL)")
     p.add_argument("--write-policy", default="write_through",
                    choices=("write_through", "write_through_selective", "write_back"))
     p.add_argument("--family", choices=("full", "mamba", "swa", "dsa"), default="full",
@@ -228,6 +230,10 @@ def run(args: argparse.Namespace) -> int:
             storage = StorageWorker(make_storage_backend("redis", l3cfg))
             if storage.backend.shared:
                 probe = make_storage_backend("redis", {**l3cfg, "track_keys": False})
+        elif args.l3 == "mooncake":
+            storage = StorageWorker(make_storage_backend("mooncake", l3cfg))
+            probe = storage.backend  # thread-safe: one Mooncake client (one segment) per worker
+            storage.submit_exists([])  # the client connects on the storage thread now, not on a first request
     except ValueError as exc:
         print(f"kvatlas worker: bad L3 configuration: {exc}", file=sys.stderr)
         return 2

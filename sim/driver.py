@@ -18,6 +18,7 @@ import torch
 from producer.allocator import PoolExhausted
 from producer.events import EventRecorder
 from producer.cache import CacheConfig, TieredCache
+from producer.page_hash import chain_digests
 from producer.pools import KVPool, make_device_pool, make_host_pool
 from sim.hybrid import insert_request
 
@@ -62,6 +63,17 @@ def write_pattern(pool: KVPool, page: int, digest: bytes) -> None:
 
 def page_matches(pool: KVPool, page: int, digest: bytes) -> bool:
     return bool(torch.equal(_page_view(pool, page).cpu(), page_pattern(digest, pool.page_bytes)))
+
+
+def compute_and_insert(cache: TieredCache, tokens: Sequence[int]) -> Any:
+    """What a prefill does to the cache: the pages the device lacks allocated, written with each
+    page's content pattern, and the whole prompt inserted. Returns `insert`'s answer."""
+    m = cache.match_prefix(tokens)
+    n = len(tokens) // cache.page_size
+    new = cache.alloc_device(n - len(m.device_pages))
+    for page, d in zip(new, chain_digests(tokens, cache.page_size)[len(m.device_pages):]):
+        write_pattern(cache.device, page, d)
+    return cache.insert(tokens, m.device_pages + new)
 
 
 # -- building a cache ---------------------------------------------------------------------------

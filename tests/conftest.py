@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from support.nats import NatsServer
 from support.net import REDIS_BIN, REPO_ROOT, RedisServer, free_port, start_redis_server, wait_until
 
 
@@ -63,3 +64,10 @@ def zmq_ctx() -> Iterator[object]:
         yield ctx
     finally:
         ctx.destroy(linger=0)
+
+
+@pytest.fixture(name="nats")
+def nats_fixture() -> Iterator[NatsServer]:
+    """A real nats-server with JetStream on free ports, for one test."""
+    with NatsServer() as srv:
+        yield srv

@@ -9,6 +9,7 @@ from producer.sinks import ListSink
 from producer.storage import MemoryStorageBackend, StorageWorker
 from producer.transfer import ManualTransferEngine
 from schemas.events import BlockRemoved, BlockStored
+from support.hybrid_history import Settled
 from support.hybrid_model import HybridModel
 
 P = 4
@@ -152,16 +153,6 @@ class FailingBackend(MemoryStorageBackend):
     def set(self, keys, values):  # noqa: ANN001, ANN201
         ok = super().set(keys, values)
         return [o and not k.endswith("." + self.fail_suffix) for k, o in zip(keys, ok)]
-
-
-class Settled(StorageWorker):
-    def drain_evicted(self):  # noqa: ANN201
-        assert self.wait_idle(5.0)
-        return super().drain_evicted()
-
-    def poll(self):  # noqa: ANN201
-        assert self.wait_idle(5.0)
-        return super().poll()
 
 
 @pytest.mark.parametrize("family,suffix", [("dsa", "dsa"), ("mamba", "mamba")])

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from indexer.deliveries import Batch, Gap
 from indexer.jetstream_sequencing import Step, StepKind, StreamCursor
 from support.reference import ReferenceIndex
 from support.jetstream import MODEL, Replica, scores, stream_last_seq, wait_all_applied
@@ -17,12 +18,6 @@ from support.nats import NatsServer
 from support.service import WorkerSim, make_prompts
 
 BS = 4
-
-
-@pytest.fixture(name="nats")
-def nats_fixture() -> Iterator[NatsServer]:
-    with NatsServer() as srv:
-        yield srv
 
 
 def _drive(pubs: dict[str, JetStreamEventPublisher], sims: dict[str, WorkerSim], steps: int,
@@ -45,6 +40,12 @@ def _fleet(url: str, n: int, settings: StreamSettings | None = None):
 
 def _queries(sims: dict[str, WorkerSim]) -> list[list[int]]:
     return [q for s in sims.values() for q in s.sample_queries(15)]
+
+
+def close_all(replica: Replica, pubs: dict[str, JetStreamEventPublisher]) -> None:
+    replica.close()
+    for p in pubs.values():
+        p.close()
 
 
 def test_subject_tokens_are_reversible_and_safe() -> None:
@@ -134,9 +135,7 @@ def test_restarted_replica_continues_exactly_from_its_watermark(nats: NatsServer
         queries = _queries(sims)
         assert scores(r.index, queries) == scores(ref, queries)
     finally:
-        r.close()
-        for p in pubs.values():
-            p.close()
+        close_all(r, pubs)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["per_worker", "shared"])
@@ -158,7 +157,7 @@ def test_trimmed_stream_gives_an_unrecovered_gap(nats: NatsServer, shared: bool)
         r = Replica(nats.url, BS, stream=settings, shared=shared)
         r.add("w0", last_seq=mark)
         wait_all_applied(r, pubs)
-        gaps = [d for d in r.log if type(d).__name__ == "Gap"]
+        gaps = [d for d in r.log if isinstance(d, Gap)]
         assert len(gaps) == 1 and not gaps[0].recovered
         assert r.kinds()[0] == "Gap"
         # A fresh replica reading a stream whose start was trimmed is told the same.
@@ -168,9 +167,7 @@ def test_trimmed_stream_gives_an_unrecovered_gap(nats: NatsServer, shared: bool)
         assert fresh.kinds()[0] == "Gap" and not fresh.log[0].recovered
         fresh.close()
     finally:
-        r.close()
-        for p in pubs.values():
-            p.close()
+        close_all(r, pubs)
 
 
 def test_publisher_restart_is_a_restart_and_snapshot_requests_reach_it(nats: NatsServer) -> None:
@@ -191,12 +188,10 @@ def test_publisher_restart_is_a_restart_and_snapshot_requests_reach_it(nats: Nat
         wait_all_applied(r, pubs)
         assert r.kinds().count("Restart") == 1 and "Gap" not in r.kinds()
         # payloads are the exact bytes
-        batches = [d for d in r.log if type(d).__name__ == "Batch"]
+        batches = [d for d in r.log if isinstance(d, Batch)]
         assert all(not isinstance(decode_batch(b.payload), Exception) for b in batches)
     finally:
-        r.close()
-        for p in pubs.values():
-            p.close()
+        close_all(r, pubs)
 
 
 def test_bad_messages_are_counted_not_fatal(nats: NatsServer) -> None:
@@ -216,9 +211,7 @@ def test_bad_messages_are_counted_not_fatal(nats: NatsServer) -> None:
         with pytest.raises(ValueError):
             r.sub.add("w0", jetstream_endpoint(MODEL, "w0"))
     finally:
-        r.close()
-        for p in pubs.values():
-            p.close()
+        close_all(r, pubs)
 
 
 def test_routed_subscriber_serves_zeromq_and_jetstream_workers(nats: NatsServer) -> None:
@@ -271,9 +264,7 @@ def test_shared_consumer_serves_a_worker_added_after_it_moved_on(nats: NatsServe
         state = r.sub.stream_state()
         assert state["messages"] == 80 and state["bytes"] > 0
     finally:
-        r.close()
-        for p in pubs.values():
-            p.close()
+        close_all(r, pubs)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["per_worker", "shared"])
@@ -299,6 +290,4 @@ def test_bounded_queue_and_slow_consumer_restarts_lose_nothing(nats: NatsServer,
         queries = _queries(sims)
         assert scores(r.index, queries) == scores(ref, queries)
     finally:
-        r.close()
-        for p in pubs.values():
-            p.close()
+        close_all(r, pubs)

@@ -5,6 +5,7 @@ leaves a hole in the stream; a publisher seq at or above 2^63 is relayed like an
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -32,12 +33,6 @@ BS = 4
 MODEL = "default"
 
 
-@pytest.fixture(name="nats")
-def nats_fixture() -> Iterator[NatsServer]:
-    with NatsServer() as srv:
-        yield srv
-
-
 def _rows(r: KVIndexerProcess) -> dict[str, dict]:
     return {w["worker_id"]: w for w in r.client.get("/workers").json()["workers"]}
 
@@ -52,14 +47,28 @@ def _applied(r: KVIndexerProcess, wid: str, mark: int) -> None:
     wait_until(lambda: (_rows(r).get(wid, {}).get("last_seq") or 0) >= mark, timeout=30.0, interval=0.05)
 
 
-def test_a_jetstream_subject_has_one_worker_over_http_and_the_bucket(nats: NatsServer, tmp_path: Path) -> None:
+@contextmanager
+def replica_bucket_and_publisher(nats: NatsServer, tmp_path: Path
+                                 ) -> Iterator[tuple[KVIndexerProcess, SharedRegistry, JetStreamEventPublisher]]:
+    """A `--nats` indexer process, the shared registry bucket (its own NATS connection) and worker
+    "a"'s JetStream publisher; all closed afterwards."""
     r = KVIndexerProcess(free_port(), "--nats", nats.url, "--block-size", str(BS), log_path=tmp_path / "r.log")
     r.wait_ready()
     nt = NatsThread(nats.url)
     bucket = SharedRegistry(nt, DEFAULT_KV_BUCKET)
     pub = JetStreamEventPublisher(nats.url, model=MODEL, worker_id="a")
-    sim = WorkerSim(1, BS, make_prompts(7, BS))
     try:
+        yield r, bucket, pub
+    finally:
+        pub.close()
+        bucket.close()
+        nt.close()
+        r.terminate()
+
+
+def test_a_jetstream_subject_has_one_worker_over_http_and_the_bucket(nats: NatsServer, tmp_path: Path) -> None:
+    with replica_bucket_and_publisher(nats, tmp_path) as (r, bucket, pub):
+        sim = WorkerSim(1, BS, make_prompts(7, BS))
         own = jetstream_endpoint(MODEL, "a")
         assert r.client.post("/workers", json={"worker_id": "a", "endpoint": own, "block_size": BS}).status_code == 201
         # The same subject under another id (the topic is no ZeroMQ filter here) is refused.
@@ -83,11 +92,6 @@ def test_a_jetstream_subject_has_one_worker_over_http_and_the_bucket(nats: NatsS
         _applied(r, "a", subject_last_seq(pub))
         queries = sim.sample_queries(10)
         assert check_scores(r.client, {"a": sim}, queries) == len(queries)
-    finally:
-        pub.close()
-        bucket.close()
-        nt.close()
-        r.terminate()
 
 
 def _big_store(rng: random.Random, n_blocks: int, parent: int | None = None) -> BlockStored:
@@ -204,13 +208,8 @@ def test_publisher_seqs_at_and_above_2_63_are_relayed(nats: NatsServer) -> None:
 def test_a_bucket_entry_that_cannot_be_registered_leaves_the_live_worker(nats: NatsServer, tmp_path: Path) -> None:
     """Re-registering a live worker in the bucket with a block size its model cannot take (the
     configured model is fixed at 4) is refused, counted, and the live worker keeps its state."""
-    r = KVIndexerProcess(free_port(), "--nats", nats.url, "--block-size", str(BS), log_path=tmp_path / "r.log")
-    r.wait_ready()
-    nt = NatsThread(nats.url)
-    bucket = SharedRegistry(nt, DEFAULT_KV_BUCKET)
-    pub = JetStreamEventPublisher(nats.url, model=MODEL, worker_id="a")
-    sim = WorkerSim(2, BS, make_prompts(9, BS))
-    try:
+    with replica_bucket_and_publisher(nats, tmp_path) as (r, bucket, pub):
+        sim = WorkerSim(2, BS, make_prompts(9, BS))
         own = jetstream_endpoint(MODEL, "a")
         assert r.client.post("/workers", json={"worker_id": "a", "endpoint": own, "block_size": BS}).status_code == 201
         _drive(pub, sim, 20)
@@ -225,11 +224,6 @@ def test_a_bucket_entry_that_cannot_be_registered_leaves_the_live_worker(nats: N
         _drive(pub, sim, 10)
         _applied(r, "a", subject_last_seq(pub))
         assert check_scores(r.client, {"a": sim}, sim.sample_queries(10)) == 10
-    finally:
-        pub.close()
-        bucket.close()
-        nt.close()
-        r.terminate()
 
 
 

@@ -28,12 +28,6 @@ BS = 4
 MODEL = "default"
 
 
-@pytest.fixture(name="nats")
-def nats_fixture() -> Iterator[NatsServer]:
-    with NatsServer() as srv:
-        yield srv
-
-
 def _replica(url: str, tmp: Path, name: str, *extra: str) -> KVIndexerProcess:
     r = KVIndexerProcess(free_port(), "--nats", url, "--block-size", str(BS), *extra, log_path=tmp / f"{name}.log")
     r.wait_ready()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from producer.allocator import PageAllocator, PoolExhausted
-from sim.driver import Driver, StreamSpec, build_cache, page_matches, synthetic_stream, write_pattern
+from sim.driver import Driver, StreamSpec, build_cache, compute_and_insert, page_matches, synthetic_stream, write_pattern
 from producer.events import CANONICAL_MEDIA, EventRecorder
 from producer.page_hash import chain_digests, page_ids
 from producer.pools import make_host_pool
@@ -195,13 +195,6 @@ def make(policy="write_through", device_pages=16, host_pages=16, page_size=4, **
     return cache, engine, sink
 
 
-def compute_and_insert(cache, tokens):
-    m = cache.match_prefix(tokens)
-    n = len(tokens) // cache.page_size
-    new = cache.alloc_device(n - len(m.device_pages))
-    for page, d in zip(new, chain_digests(tokens, cache.page_size)[len(m.device_pages):]):
-        write_pattern(cache.device, page, d)
-    return cache.insert(tokens, m.device_pages + new)
 
 
 def tiers(events):

@@ -12,6 +12,7 @@ import pytest
 from support.net import REPO_ROOT, free_port, wait_until
 from support.reference import ReferenceIndex
 from router_api.relay import Relay, RelayWorker, parse_worker_spec
+from indexer.deliveries import Gap
 from indexer.shared_registry import SharedRegistry
 from indexer.subscriber import Subscriber
 from support.jetstream import MODEL, Replica, scores, subject_last_seq
@@ -24,12 +25,6 @@ from support.service import WorkerSim, make_prompts
 from router_api.procs import spawn
 
 BS = 4
-
-
-@pytest.fixture(name="nats")
-def nats_fixture() -> Iterator[NatsServer]:
-    with NatsServer() as srv:
-        yield srv
 
 
 def _engine(buffer_steps: int = 1000, ports: tuple[int, int] | None = None) -> ZmqEventPublisher:
@@ -146,7 +141,7 @@ def test_relay_survives_engine_restart_relay_restart_and_loss_beyond_the_buffer(
         _connected(relay, engine)  # heartbeats after the loss reveal it
         _settle(relay, replica, engine)
         assert relay.stats.gaps_unrecovered == 1
-        gaps = [d for d in replica.log if type(d).__name__ == "Gap"]
+        gaps = [d for d in replica.log if isinstance(d, Gap)]
         assert len(gaps) == 1 and not gaps[0].recovered
         wait_until(engine.snapshot_requested, timeout=30.0)
         # The worker rebuilds from what follows: a reset (what a snapshot answer starts with).

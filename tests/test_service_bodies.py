@@ -196,22 +196,19 @@ def _mutate(body: bytes, how: int) -> bytes:
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@SETTINGS
-@given(raw=json_token_arrays(), extra=OTHER_FIELDS, first=st.booleans(), how=st.sampled_from([0] * 10 + [1, 2]),
-       path=st.sampled_from(["/score", "/query"]))
-def test_json_bodies_answer_identically(pair: Pair, raw: bytes, extra: dict, first: bool, how: int,
-                                        path: str) -> None:
-    body = _mutate(_wrap(msgspec.json.encode, raw, extra, first), how)
-    _same(pair, path, body, "application/json")
+CODECS = {"json": (json_token_arrays, msgspec.json.encode, "application/json"),
+          "msgpack": (msgpack_token_arrays, msgspec.msgpack.encode, "application/msgpack")}
 
 
-@SETTINGS
-@given(raw=msgpack_token_arrays(), extra=OTHER_FIELDS, first=st.booleans(), how=st.sampled_from([0] * 10 + [1, 2]),
-       path=st.sampled_from(["/score", "/query"]))
-def test_msgpack_bodies_answer_identically(pair: Pair, raw: bytes, extra: dict, first: bool, how: int,
-                                           path: str) -> None:
-    body = _mutate(_wrap(msgspec.msgpack.encode, raw, extra, first), how)
-    _same(pair, path, body, "application/msgpack")
+@settings(SETTINGS, max_examples=240)  # both codecs: as many examples as the two tests they replace
+@given(data=st.data(), codec=st.sampled_from(sorted(CODECS)), extra=OTHER_FIELDS, first=st.booleans(),
+       how=st.sampled_from([0] * 10 + [1, 2]), path=st.sampled_from(["/score", "/query"]))
+def test_json_and_msgpack_bodies_answer_identically(pair: Pair, data: st.DataObject, codec: str, extra: dict,
+                                                    first: bool, how: int, path: str) -> None:
+    arrays, encode, ctype = CODECS[codec]
+    raw = data.draw(arrays(), label="token array")
+    body = _mutate(_wrap(encode, raw, extra, first), how)
+    _same(pair, path, body, ctype)
 
 
 def test_hits_and_limits_answer_identically(pair: Pair) -> None:

@@ -4,6 +4,8 @@ them is intact), and the per-poll metric tally adds up to exactly what per-batch
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import zmq
@@ -44,12 +46,23 @@ def test_take_next_is_exactly_on_lives_trivial_case(last: int | None, live_last:
         assert (fast.last, fast.live_last) == (last, live_last)
 
 
-def test_malformed_frames_are_counted_and_the_stream_around_them_is_intact() -> None:
+@contextmanager
+def raw_publisher_and_subscriber() -> Iterator[tuple[zmq.Socket, int, Subscriber]]:
+    """A bare ZMQ PUB on a free port (frames sent by hand) and a Subscriber; all closed afterwards."""
     ctx = zmq.Context()
     raw = ctx.socket(zmq.PUB)
     port = raw.bind_to_random_port("tcp://127.0.0.1")
     sub = Subscriber(ctx)
     try:
+        yield raw, port, sub
+    finally:
+        sub.close()
+        raw.close(0)
+        ctx.term()
+
+
+def test_malformed_frames_are_counted_and_the_stream_around_them_is_intact() -> None:
+    with raw_publisher_and_subscriber() as (raw, port, sub):
         sub.add("w", f"tcp://127.0.0.1:{port}")
         got: list = []
 
@@ -82,10 +95,6 @@ def test_malformed_frames_are_counted_and_the_stream_around_them_is_intact() -> 
         assert [(d.seq, d.payload, d.replayed) for d in got] == [(s, b"p%d" % s, False) for s in range(1, 7)]
         assert sub.stats.bad_frames - bad_before == 4
         assert sub.watermark("w") == 6
-    finally:
-        sub.close()
-        raw.close(0)
-        ctx.term()
 
 
 def test_inc_many_equals_repeated_inc() -> None:
@@ -152,11 +161,7 @@ def test_a_stray_copy_is_not_a_restart_and_a_restart_still_is() -> None:
     """A seq that went back with the payload already delivered at that seq is a stray copy (dropped,
     counted as a duplicate: no clear, no replay); a different payload at a passed seq is a restart
     (docs/service.md, "Replays")."""
-    ctx = zmq.Context()
-    raw = ctx.socket(zmq.PUB)
-    port = raw.bind_to_random_port("tcp://127.0.0.1")
-    sub = Subscriber(ctx)
-    try:
+    with raw_publisher_and_subscriber() as (raw, port, sub):
         sub.add("w", f"tcp://127.0.0.1:{port}")
         got: list = []
 
@@ -188,10 +193,6 @@ def test_a_stray_copy_is_not_a_restart_and_a_restart_still_is() -> None:
         assert [(type(d).__name__, getattr(d, "seq", getattr(d, "new_seq", None))) for d in got] == [
             ("Restart", 0), ("Batch", 0), ("Batch", 1), ("Batch", 2)]
         assert sub.stats.restarts == 1
-    finally:
-        sub.close()
-        raw.close(0)
-        ctx.term()
 
 
 def test_batches_the_accelerator_declines_are_counted_by_reason_in_metrics() -> None:

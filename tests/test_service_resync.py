@@ -4,17 +4,13 @@ worker, asks the publisher for a snapshot, and the in-stream answer (AllBlocksCl
 state) makes the worker's view exact at once — not only after later churn refreshes it."""
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from support.net import free_port, wait_until
 from indexer.subscriber import Subscriber
-from sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
-from producer.events import EventRecorder
 from producer.publisher import ZmqEventPublisher
-from producer.sinks import ZmqSink
 from router_api.config import ServiceConfig
-from support.service import LiveIndexer, wait_applied
+from support.service import LiveIndexer, publishing_driver, wait_applied
 
 PAGE = 4
 MASK = (1 << 64) - 1
@@ -64,12 +60,7 @@ def test_loss_beyond_the_buffer_is_repaired_by_a_snapshot_at_once() -> None:
     ).start()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
                             buffer_steps=3)
-    cache = build_cache(page_size=PAGE, device_pages=40, host_pages=120, transfer="thread",
-                        recorder=EventRecorder(ZmqSink(pub), heartbeat_interval_s=3600.0))
-    driver = Driver(cache, lookahead=0)
-    requests = list(synthetic_stream(StreamSpec(requests=80, prefixes=6, prefix_tokens=48, suffix_tokens=12,
-                                                seed=5)))
-    random.Random(5).shuffle(requests)
+    cache, driver, requests = publishing_driver(pub, 80, 5, PAGE)
     c = li.client
     try:
         r = c.post("/workers", json={"worker_id": "w0", "endpoint": pub.endpoint,

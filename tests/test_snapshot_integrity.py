@@ -7,16 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from indexer.snapshot import (
-    SNAPSHOT_VERSION,
-    FileSnapshotStore,
-    ModelSnapshot,
-    Snapshot,
-    SnapshotError,
-    WorkerSnapshot,
-    decode_snapshot,
-    encode_snapshot,
-)
+from indexer.snapshot import SNAPSHOT_VERSION, FileSnapshotStore, ModelSnapshot, Snapshot, SnapshotError
+from indexer.snapshot import WorkerSnapshot, decode_snapshot, encode_snapshot
 from router_api.config import ServiceConfig
 from router_api.service import IndexerService
 from schemas.api import RegisterWorker

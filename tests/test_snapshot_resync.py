@@ -2,16 +2,13 @@
 asking the producer to re-publish its state in-stream (real caches, real ZeroMQ)."""
 from __future__ import annotations
 
-import random
 
 from support.net import wait_until
 from indexer.index import KVIndex
 from indexer.deliveries import Batch, Gap, Restart
 from indexer.subscriber import Subscriber
-from sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
-from producer.events import EventRecorder
 from producer.publisher import ZmqEventPublisher
-from producer.sinks import ZmqSink
+from support.service import publishing_driver
 
 MODEL, WID, PAGE = "m", "w0", 4
 MASK = (1 << 64) - 1
@@ -27,12 +24,7 @@ def cache_view(cache) -> set[tuple[int, str]]:  # noqa: ANN001
 
 def test_loss_beyond_replay_buffer_is_repaired_by_an_in_stream_snapshot() -> None:
     pub = ZmqEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", buffer_steps=3)
-    cache = build_cache(page_size=PAGE, device_pages=40, host_pages=120, transfer="thread",
-                        recorder=EventRecorder(ZmqSink(pub), heartbeat_interval_s=3600.0))
-    driver = Driver(cache, lookahead=0)
-    requests = list(synthetic_stream(StreamSpec(requests=120, prefixes=6, prefix_tokens=48, suffix_tokens=12,
-                                                seed=3)))
-    random.Random(3).shuffle(requests)
+    cache, driver, requests = publishing_driver(pub, 120, 3, PAGE)
     lost: set[int] = set()
     sub = Subscriber(replay_timeout=5.0, drop_live=lambda _w, seq: seq in lost)
     sub.add(WID, pub.endpoint, pub.replay_endpoint)

@@ -19,6 +19,8 @@ import types
 from array import array
 from typing import Any
 
+from bench.support.phases import MatchInsertClock
+
 # Submodules of sglang whose package __init__ pulls in the model zoo; the package is created empty
 # so the submodules the radix cache needs still import from the real files.
 _HOLLOW = ("sglang", "sglang.srt.configs")
@@ -163,7 +165,7 @@ def run_sglang(sg: types.SimpleNamespace, requests: list[list[int]], page_size: 
                                              token_to_kv_pool_allocator=alloc, page_size=page_size,
                                              enable_kv_cache_events=events))
     enc = msgspec.msgpack.Encoder()
-    t_insert = t_match = 0.0
+    phases = MatchInsertClock(times)
     first_ids: list[int] = []
     clock = time.perf_counter
     for tokens in requests:
@@ -190,9 +192,5 @@ def run_sglang(sg: types.SimpleNamespace, requests: list[list[int]], page_size: 
                 if not first_ids:
                     first_ids = [h for e in evs if type(e).__name__ == "BlockStored" for h in e.block_hashes]
         t2 = clock()
-        t_match += t1 - t0
-        t_insert += t2 - t1
-        if times is not None:
-            times.append(t2 - t1)
-    n = len(requests)
-    return n / t_insert, n / t_match, first_ids
+        phases.add(t0, t1, t2)
+    return (*phases.rates(len(requests)), first_ids)

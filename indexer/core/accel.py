@@ -96,13 +96,25 @@ def hybrid_args(ws: list[WorkerState]) -> tuple[list, list, list, list, list]:
     return groups, layouts, [w.slot for w in ws], [w.worker_id for w in ws], [w.dp_rank for w in ws]
 
 
+def _c_worker(m: ModelState, worker_id: str, rank: int) -> tuple[WorkerState, bool] | None:
+    """The worker a C apply writes to and whether it was made for this payload; None when only the pure
+    core may judge it (orphans wait on it, or its layout is one the C walk does not take)."""
+    w = m.by_id.get((worker_id, rank))
+    if w is not None and (w.pending or _pure_only(w)):
+        return None
+    if w is None:
+        return m.worker(worker_id, rank), True
+    return w, False
+
+
 class Accelerator:
-    __slots__ = ("mod", "new_map", "new_nodes")
+    __slots__ = ("mod", "new_map", "new_nodes", "new_churn_map")
 
     def __init__(self, mod: ModuleType) -> None:
         self.mod = mod
         self.new_map: Callable[[], Any] = mod.U64Map
         self.new_nodes: Callable[[], Any] = mod.U64Map.holders  # a main tree: holder lists past 128 slots
+        self.new_churn_map: Callable[[], Any] = mod.U64Map.sparse  # sliding-window and Mamba group maps
 
     # --- apply ------------------------------------------------------------------------------
     def apply_payload(
@@ -116,12 +128,10 @@ class Accelerator:
         apply_msgpack = self.mod.apply_msgpack
         known = m.known_ext if m.trust else None
         if not rank_from_batch:  # the common case: one C call, nothing to compare afterwards
-            w = m.by_id.get((worker_id, rank))
-            if w is not None and (w.pending or _pure_only(w)):
-                return None  # orphans wait on this worker, or its layout: only the pure core judges them
-            fresh = w is None
-            if fresh:
-                w = m.worker(worker_id, rank)
+            found = _c_worker(m, worker_id, rank)
+            if found is None:
+                return None
+            w, fresh = found
             lay = w.layout
             # positional: keyword parsing costs more than the walk of a small batch (docs/index-core.md)
             if lay is not None and lay.learn is not None and lay.accel_at == m.groups.version and lay.accel_slot == w.slot:
@@ -143,12 +153,10 @@ class Accelerator:
             return stats
         default = rank
         for _ in range(2):
-            w = m.by_id.get((worker_id, rank))
-            if w is not None and (w.pending or _pure_only(w)):
-                return None  # orphans wait on this worker, or its layout: only the pure core judges them
-            fresh = w is None
-            if fresh:
-                w = m.worker(worker_id, rank)
+            found = _c_worker(m, worker_id, rank)
+            if found is None:
+                return None
+            w, fresh = found
             res = apply_msgpack(
                 payload, w.ext, m.nodes, known, w.shift, m.block_size, m.seed0, KNOWN_EXT_LIMIT, rank, default,
                 _groups_arg(m, w), _learner(m, w, fresh),
@@ -267,11 +275,8 @@ class Accelerator:
         (worker_id, dp_rank) order, as `score`'s; plain workers with an empty layout); None when the C
         call cannot judge the input (the pure core does). `args`: `hybrid_args(ws)`, when the caller
         keeps them."""
-        groups, layouts, slots, wids, ranks = args if args is not None else hybrid_args(ws)
-        res = self.mod.hybrid_rows(
-            m.nodes, keys, tokens, seed, m.block_size, groups, layouts, slots, weights.as_tuple(), WorkerScore,
-            TIER_NAMES, wids, ranks,
-        )
+        res = self._hybrid_rows(m, keys, tokens, seed, weights, args if args is not None else hybrid_args(ws),
+                                WorkerScore)
         if res is None:
             return None
         return ScoreResult(query_blocks=res[0], block_size=m.block_size, workers=res[1])
@@ -282,14 +287,21 @@ class Accelerator:
     ) -> ScoreTable | None:
         """`hybrid_score` without a row object: the ranked rows packed for `write_answer` and their
         kv_blocks column (`ScoreTable.kv`); None as there."""
-        groups, layouts, slots, wids, ranks = args if args is not None else hybrid_args(ws)
-        res = self.mod.hybrid_rows(
-            m.nodes, None, tokens, seed, m.block_size, groups, layouts, slots, weights.as_tuple(), None,
-            TIER_NAMES, wids, ranks,
-        )
+        args = args if args is not None else hybrid_args(ws)
+        res = self._hybrid_rows(m, None, tokens, seed, weights, args, None)
         if res is None:
             return None
-        return ScoreTable(res[0], m.block_size, wids, ranks, res[1], res[2])
+        return ScoreTable(res[0], m.block_size, args[3], args[4], res[1], res[2])
+
+    def _hybrid_rows(self, m: ModelState, keys: list[int] | None, tokens: object, seed: int,
+                     weights: TierWeights, args: tuple, row_type: Any) -> Any:
+        """The C `hybrid_rows` over `args` (`hybrid_args`): rows of `row_type`, or packed rows and the
+        kv column when it is None; None when it cannot judge the input."""
+        groups, layouts, slots, wids, ranks = args
+        return self.mod.hybrid_rows(
+            m.nodes, keys, tokens, seed, m.block_size, groups, layouts, slots, weights.as_tuple(), row_type,
+            TIER_NAMES, wids, ranks,
+        )
 
     def table_lane(self, m: Any, seed: int, weights: TierWeights) -> Callable[[object], ScoreTable | None]:
         """`score_table(m, tokens, seed, weights, None)` with all but the tokens bound, for a caller that

@@ -76,13 +76,6 @@ def window_span(window: int | None, block_size: int) -> int | None:
     return window_blocks(window, block_size)
 
 
-def _churn_map(new_map: Callable[[], Any]) -> Callable[[], Any]:
-    """The map factory of a sliding-window or Mamba group: the accelerator's third-full `U64Map.sparse`
-    (a window's blocks come and go with every chunk: short probes and deletes, on small tables), else
-    `new_map` itself (dict)."""
-    return getattr(new_map, "sparse", None) or new_map
-
-
 class Group:
     """One group shared by the workers whose layouts agree on it: residency per content key, and
     per worker slot its map."""
@@ -163,7 +156,7 @@ class GroupTable:
             return None
         g = self.classes.get(key)
         if g is None:
-            g = self.classes[key] = Group(gi, kind, window, m.block_size, m.new_map if kind == FULL else _churn_map(m.new_map))
+            g = self.classes[key] = Group(gi, kind, window, m.block_size, m.new_map if kind == FULL else m.new_churn_map)
         mine[key] = mine.get(key, 0) + 1
         g.users += 1
         assert w.layout is not None

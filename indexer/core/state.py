@@ -101,12 +101,12 @@ class WorkerState:
 class ModelState:
     __slots__ = (
         "name", "block_size", "trust", "nodes", "workers", "by_id", "free_slots",
-        "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "new_map", "_ranked", "groups", "rank_count",
+        "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "new_map", "new_churn_map", "_ranked", "groups", "rank_count",
     )
 
     def __init__(
         self, name: str, block_size: int, trust: bool, new_map: Callable[[], Any] = dict,
-        new_nodes: Callable[[], Any] | None = None,
+        new_nodes: Callable[[], Any] | None = None, new_churn_map: Callable[[], Any] | None = None,
     ) -> None:
         self.name = name
         self.block_size = block_size
@@ -115,6 +115,9 @@ class ModelState:
         # the main tree's map: `new_map`'s, or one whose storage follows each node's holders
         # (U64Map.holders: holder lists past 128 worker slots); either reads and writes the same ints
         self.nodes: dict[int, int] = (new_nodes or new_map)()
+        # a sliding-window or Mamba group's map: its blocks come and go with every chunk (U64Map.sparse:
+        # kept sparser, so probes and deletes stay short), else `new_map`'s
+        self.new_churn_map = new_churn_map or new_map
         self.workers: list[WorkerState | None] = []
         self.by_id: dict[tuple[str, int], WorkerState] = {}
         self.free_slots: list[int] = []

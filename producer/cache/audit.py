@@ -94,7 +94,7 @@ class Audit(CacheState):
                     problems.append(f"a {c.name} slot is owned twice")
                 if exact and c.pool(tier).allocator.used != len(owned):
                     problems.append(f"{c.name} tier {tier}: slots in use {c.pool(tier).allocator.used} != owned {len(owned)}")
-        for f in self._prefetches:
+        for f in (*self._prefetches, *self._draining):
             host_owned += f.dst_pages
         if len(set(dev_owned)) != len(dev_owned):
             problems.append("a device page is owned twice")

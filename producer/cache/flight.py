@@ -9,7 +9,7 @@ class Flight:
     """One in-flight operation and the nodes it concerns (splits add the new halves)."""
 
     __slots__ = ("kind", "nodes", "dst_pages", "lock_node", "cancelled", "deadline", "key", "start", "keys",
-                 "pending", "failed", "kv", "parts", "comps", "npages")
+                 "pending", "failed", "kv", "parts", "comps", "npages", "bufs")
 
     def __init__(self, kind: str, dst_pages: list[int] | None = None) -> None:
         self.pending = 0                  # copies (one per pool tensor) not yet acknowledged
@@ -27,6 +27,7 @@ class Flight:
         self.key: tuple[int, ...] = ()
         self.start = 0
         self.keys: list[str] = []
+        self.bufs: list[memoryview] = []  # a prefetch's destination buffers (written by the storage thread)
 
     def attach(self, node: TreeNode) -> None:
         self.nodes.append(node)

@@ -3,7 +3,7 @@ backend's eviction notices. A node's L3 copy is claimed (`Stored(DISK|EXTERNAL)`
 backend confirmed every key of it, and un-claimed as soon as one of its keys is gone."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from producer.allocator import PoolExhausted
 from producer.cache.flight import Flight, depth
@@ -11,6 +11,7 @@ from producer.cache.matching import MatchResult
 from producer.cache.state import CacheState
 from producer.components.base import HOST, Component
 from producer.radix_tree import TreeNode
+from producer.storage.base import BytesLike
 from producer.storage.keys import page_key, split_key
 from schemas.media import Medium
 
@@ -38,14 +39,11 @@ class L3(CacheState):
         out += [[page_key(d, c.suffix) for d in digests] for c in self.components]
         return out
 
-    def _store_knows(self) -> Callable[[list[str]], list[bool]] | None:
+    def _store_knows(self, keys: list[str]) -> list[bool] | None:
         """What the L3 backend itself knows it holds, when its contents are local (a node-local
         store keeps an index of its keys); None for a shared store other workers write to."""
         backend = self.storage.backend
-        knows = getattr(backend, "knows", None)
-        if backend.shared or knows is None:
-            return None
-        return knows  # type: ignore[no-any-return]
+        return None if backend.shared else backend.knows(keys)
 
     def prefetch(self, tokens: Sequence[int], match: MatchResult | None = None, now: float | None = None) -> bool:
         """Fetch L3 pages beyond the host run of the match into host memory (asynchronously).
@@ -74,10 +72,9 @@ class L3(CacheState):
         if anchor is not self.tree.root:
             prior = self.tree.last_digest(anchor)
         digests = self.tree.chain(key[start:start + npages * p], p, prior)
-        knows = self._store_knows()
-        if knows is not None:
-            blocks = self._page_keys(digests)[:1 + len(self.extras)]  # the KV and what travels with it
-            flags = knows([k for b in blocks for k in b])
+        blocks = self._page_keys(digests)[:1 + len(self.extras)]  # the KV and what travels with it
+        flags = self._store_knows([k for b in blocks for k in b])
+        if flags is not None:
             held = 0
             while held < npages and all(flags[b * npages + held] for b in range(len(blocks))):
                 held += 1
@@ -110,13 +107,21 @@ class L3(CacheState):
         f.comps = list(self.components)
         end = start + npages * p
         keys = [k for b in self._page_keys(digests[:npages]) for k in b]
+        # Zero copy: KV and extra pools land straight in the reserved host pages; component states
+        # (several tensors a slot) in scratch buffers copied into their slots on arrival.
+        bufs = [self.host.page_view(j) for j in hp]
+        for x in self.extras:
+            bufs += [x.page_view(j) for j in hp]
+        for c in f.comps:
+            bufs += [memoryview(bytearray(c.pool(HOST).slot_bytes)) for _ in hp]
+        f.bufs = bufs
         f.key = key[:end]
         f.start = start
         f.keys = keys
         now = self.clock() if now is None else now
         f.deadline = (now + self.config.prefetch_timeout_base_s
                       + self.config.prefetch_timeout_per_1k_tokens_s * (end - start) / 1000.0)
-        if not self.storage.submit_get(keys, f):
+        if not self.storage.submit_get_into(keys, bufs, f):
             self._release_prefetch(f)
             self.host.free(hp)
             self._count("prefetch_rejected")
@@ -136,9 +141,10 @@ class L3(CacheState):
         keys = self._l3_keys(node)
         host = self.host
         hv = node.host_value
-        values = [host.page_to_bytes(p) for p in hv]  # type: ignore[union-attr]
+        # views of the host pages themselves (zero copy): they stay protected until the result
+        values: list[BytesLike] = [host.page_view(p) for p in hv]  # type: ignore[union-attr]
         for x in self.extras:
-            values += [x.page_to_bytes(p, True) for p in hv]
+            values += [x.page_view(p) for p in hv]
         f = Flight("backup")
         for c in self.components:
             st = self._state(node, c)
@@ -166,37 +172,40 @@ class L3(CacheState):
         if f in self._prefetches:
             self._prefetches.remove(f)
 
-    def _finish_prefetch(self, f: Flight, values: list[bytes | None] | None) -> None:
+    def _finish_prefetch(self, f: Flight, sizes: list[int] | None) -> None:
         if f.cancelled:
-            return  # timed out or reset: its host pages were already returned
+            if f in self._draining:  # timed out or reset: its pages were held until the read ended
+                self._draining.remove(f)
+                self.host.free(f.dst_pages)  # type: ignore[union-attr]
+            return
         self._release_prefetch(f)
         host = self.host
         assert host is not None
         npg = f.npages
-        vals = list(values or [])
-        if len(vals) != len(f.keys):
-            vals = [None] * len(f.keys)
+        got_n = list(sizes or [])
+        if len(got_n) != len(f.keys):
+            got_n = [-1] * len(f.keys)
         nx = len(self.extras)
-
-        def blk(b: int) -> list[bytes | None]:
-            return vals[b * npg:(b + 1) * npg]
-
-        kvv, xv = blk(0), [blk(1 + i) for i in range(nx)]
+        want = [host.page_bytes] + [x.page_bytes() for x in self.extras]
         # a page is usable only when the KV and every extra pool came back whole
         k = 0
         for j in range(npg):
-            v = kvv[j]
-            if (v is None or len(v) != host.page_bytes
-                    or any(xx[j] is None or len(xx[j]) != x.page_bytes() for x, xx in zip(self.extras, xv))):  # type: ignore[arg-type]
-                if v is not None or any(xx[j] is not None for xx in xv):
+            row = [got_n[b * npg + j] for b in range(1 + nx)]
+            if row != want:
+                if any(n >= 0 for n in row):
                     self._count("prefetch_bad_value")
                 break
             k += 1
         hp = f.dst_pages
-        for j, page in enumerate(hp[:k]):
-            host.page_from_bytes(page, kvv[j])  # type: ignore[arg-type]
-            for x, xx in zip(self.extras, xv):
-                x.page_from_bytes(page, xx[j], True)  # type: ignore[arg-type]
+        bufs = f.bufs
+        vals: list[bytes | None] = [None] * len(f.keys)
+        for i in range((1 + nx) * npg, len(f.keys)):  # component states: copied out of their scratch
+            if got_n[i] >= 0:
+                vals[i] = bytes(bufs[i][:got_n[i]])
+        f.bufs = []
+
+        def blk(b: int) -> list[bytes | None]:
+            return vals[b * npg:(b + 1) * npg]
         if k < len(hp):
             host.free(hp[k:])
         if k == 0:
@@ -281,9 +290,9 @@ class L3(CacheState):
                     self._l3_index[key] = node
                 self.emit.stored(node, self.l3_medium)  # type: ignore[arg-type]
         for node, c in landed:
-            st = self._state(node, c)
-            if st is not None and not st.stored:
-                st.stored = True
+            cst = self._state(node, c)
+            if cst is not None and not cst.stored:
+                cst.stored = True
                 for key in self._comp_keys(node, c):
                     self._l3_index[key] = node
                 self.emit.comp(node, c, self.l3_medium, True)  # type: ignore[arg-type]
@@ -368,15 +377,15 @@ class L3(CacheState):
                 continue
             if r.op == "set":
                 self._finish_backup(tag, r.keys, r.ok)
-            elif r.op == "get":
-                self._finish_prefetch(tag, r.values)
+            elif r.op == "get_into":
+                self._finish_prefetch(tag, r.sizes)
         if evicted:
             self._forget_l3(evicted)
         for f in list(self._prefetches):
             if now > f.deadline:
                 f.cancelled = True
                 self._release_prefetch(f)
-                self.host.free(f.dst_pages)  # type: ignore[union-attr]
+                self._draining.append(f)  # the store may still write into its pages: freed on its result
                 self._count("prefetch_timeouts")
         for _ in range(len(self._backup_retry)):
             node = self._backup_retry.popleft()

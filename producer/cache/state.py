@@ -44,6 +44,7 @@ class CacheState:
     stats: dict[str, int]
     _ops: dict[int, Flight]
     _prefetches: list[Flight]
+    _draining: list[Flight]  # cancelled prefetches whose reads may still land in their host pages
     _backup_retry: deque[TreeNode]
     _l3_index: dict[str, TreeNode]
 

@@ -88,6 +88,7 @@ class TieredCache(Matching, Hybrid, Transfers, L3, Eviction, Audit):
         self.tick = 0  # logical LRU time
         self._ops: dict[int, Flight] = {}
         self._prefetches: list[Flight] = []
+        self._draining: list[Flight] = []
         self._backup_retry: deque[TreeNode] = deque()
         self._l3_index: dict[str, TreeNode] = {}
         self.stats: dict[str, int] = {}
@@ -240,7 +241,7 @@ class TieredCache(Matching, Hybrid, Transfers, L3, Eviction, Audit):
         for f in list(self._prefetches):
             f.cancelled = True
             self._prefetches.remove(f)
-            self.host.free(f.dst_pages)  # type: ignore[union-attr]
+            self._draining.append(f)  # its read may still land in its pages: freed on its result
         for n in list(self.tree.nodes()):
             kinds = {f.kind for f in n.flights}
             for f in n.flights:

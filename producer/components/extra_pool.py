@@ -14,7 +14,7 @@ from producer.storage.keys import page_key
 
 
 class ExtraPool:
-    __slots__ = ("name", "suffix", "device", "host")
+    __slots__ = ("name", "suffix", "device", "host", "_flat")
 
     def __init__(self, name: str, device: torch.Tensor, host: torch.Tensor | None, *, suffix: str | None = None) -> None:
         if host is not None and (host.shape[1:] != device.shape[1:] or host.dtype != device.dtype):
@@ -24,6 +24,7 @@ class ExtraPool:
         page_key(0, self.suffix)  # a bad suffix fails here, with the key module's message
         self.device = device
         self.host = host
+        self._flat: memoryview | None = None  # the host tensor as one byte view (page views slice it)
 
     def tensor(self, host: bool) -> torch.Tensor:
         t = self.host if host else self.device
@@ -33,6 +34,16 @@ class ExtraPool:
 
     def page_to_bytes(self, page: int, host: bool = True) -> bytes:
         return self.tensor(host)[page].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+    def page_view(self, page: int) -> memoryview:
+        """One host page's own memory (no copy), as `KVPool.page_view`."""
+        t = self.tensor(True)
+        if self._flat is None:
+            self._flat = t.view(-1).view(torch.uint8).numpy().data
+        if not 0 <= page < t.shape[0]:
+            raise IndexError(f"{self.name}: page {page} out of range")
+        pb = self.page_bytes()
+        return self._flat[page * pb:(page + 1) * pb]
 
     def page_bytes(self) -> int:
         return self.device[0].numel() * self.device.element_size()

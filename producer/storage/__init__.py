@@ -1,4 +1,4 @@
-"""L3 storage for the producer: backend interface, file/Redis/memory backends, storage worker."""
+"""L3 storage for the producer: backend interface, file/Redis/memory/Mooncake backends, storage worker."""
 from __future__ import annotations
 
 from .base import BytesLike, StorageBackend, StorageCapacity, backend_medium
@@ -15,6 +15,10 @@ def __getattr__(name: str) -> object:
         from .redis_backend import RedisStorageBackend
 
         return RedisStorageBackend
+    if name == "MooncakeStorageBackend":  # the Mooncake client likewise
+        from .mooncake_backend import MooncakeStorageBackend
+
+        return MooncakeStorageBackend
     raise AttributeError(name)
 
 
@@ -23,6 +27,7 @@ __all__ = [
     "BytesLike",
     "FileStorageBackend",
     "MemoryStorageBackend",
+    "MooncakeStorageBackend",
     "RedisStorageBackend",
     "StorageBackend",
     "StorageCapacity",

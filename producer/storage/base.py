@@ -44,6 +44,11 @@ class StorageBackend(Protocol):
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]: ...
 
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        """Read each value into its writable buffer: bytes read, or -1 (absent, failed, or larger
+        than its buffer). A zero-copy store reads straight into the caller's memory."""
+        ...
+
     def set(self, keys: Sequence[str], values: Sequence[BytesLike]) -> list[bool]: ...
 
     def delete(self, keys: Sequence[str]) -> int: ...
@@ -51,6 +56,11 @@ class StorageBackend(Protocol):
     def capacity(self) -> StorageCapacity: ...
 
     def drain_evicted(self) -> list[str]: ...
+
+    def knows(self, keys: list[str]) -> list[bool] | None:
+        """Whether each key is held, from the backend's own index (no I/O, any thread); None when
+        its contents are not known locally (a store other workers write to)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -73,3 +83,16 @@ def check_batch(keys: Sequence[str], values: Sequence[BytesLike] | None = None) 
         for v in values:
             if not isinstance(v, (bytes, bytearray, memoryview)):
                 raise ValueError(f"storage values must be bytes-like, got {type(v).__name__}")
+
+
+def copy_into(values: Sequence[bytes | None], buffers: Sequence[memoryview]) -> list[int]:
+    """`get_into` for a backend that reads values as bytes: one copy into each buffer."""
+    out = []
+    for v, b in zip(values, buffers):
+        mv = b.cast("B") if b.format != "B" or b.ndim != 1 else b
+        if v is None or len(v) > mv.nbytes:
+            out.append(-1)
+            continue
+        mv[:len(v)] = v
+        out.append(len(v))
+    return out

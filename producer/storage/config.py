@@ -93,7 +93,7 @@ def load_backend_config(spec: str | None) -> dict[str, Any]:
     return data
 
 
-BACKEND_KINDS = ("file", "redis", "memory")
+BACKEND_KINDS = ("file", "redis", "memory", "mooncake")
 
 
 def make_storage_backend(kind: str, config: dict[str, Any] | None = None) -> StorageBackend:
@@ -106,6 +106,8 @@ def make_storage_backend(kind: str, config: dict[str, Any] | None = None) -> Sto
         from .file_backend import FileStorageBackend as cls
     elif k == "redis":
         from .redis_backend import RedisStorageBackend as cls  # type: ignore[assignment]
+    elif k == "mooncake":
+        from .mooncake_backend import MooncakeStorageBackend as cls  # type: ignore[assignment]
     elif k == "memory":
         from .memory_backend import MemoryStorageBackend as cls  # type: ignore[assignment]
     else:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable, Sequence
 
-from .base import StorageCapacity
+from .base import StorageCapacity, copy_into
 
 
 class LruLedger:
@@ -21,6 +22,11 @@ class LruLedger:
         self.limit_bytes = limit_bytes
         self.used_bytes = 0
         self._sizes: OrderedDict[str, int] = OrderedDict()
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each key's size (read-only use)."""
+        return self._sizes
 
     def __contains__(self, key: str) -> bool:
         return key in self._sizes
@@ -79,6 +85,11 @@ class LedgerAccounting:
     (`_ledger`), log what they drop on their own in `_evicted`, and guard both with `_lock`."""
 
     __slots__ = ()
+    # what the backend using this mixin provides
+    _lock: threading.Lock | threading.RLock
+    _ledger: LruLedger
+    _evicted: list[str]
+    get: Callable[[Sequence[str]], list[bytes | None]]
 
     def capacity(self) -> StorageCapacity:
         with self._lock:
@@ -90,9 +101,15 @@ class LedgerAccounting:
         with self._lock:
             return [k in self._ledger for k in keys]
 
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        if len(buffers) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        return copy_into(self.get(keys), buffers)
+
     def drain_evicted(self) -> list[str]:
         with self._lock:
-            out, self._evicted = self._evicted, []
+            out = self._evicted[:]
+            self._evicted.clear()
         return out
 
     def close(self) -> None:

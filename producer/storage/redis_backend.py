@@ -22,7 +22,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from .base import BytesLike, StorageCapacity, check_batch
+from .base import BytesLike, StorageCapacity, check_batch, copy_into
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,15 @@ class RedisStorageBackend:
                     out[lo:hi] = [r if isinstance(r, bytes) else None for r in values]
         return out
 
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        if len(buffers) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        return copy_into(self.get(keys), buffers)
+
+    def knows(self, keys: list[str]) -> list[bool] | None:
+        """None: the server's contents are not known locally."""
+        return None
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         check_batch(keys)
         out = [False] * len(keys)
@@ -232,7 +241,7 @@ class RedisStorageBackend:
         """Ask Redis for keyevent notifications of expired/evicted keys (best effort: a managed
         server may forbid CONFIG SET, and pub/sub messages sent while disconnected are lost)."""
         try:
-            current = self._r.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+            current = self._r.config_get("notify-keyspace-events").get("notify-keyspace-events") or ""
             flags = set(current) | {"E", "x", "e"}
             if set(current) != flags:
                 self._r.config_set("notify-keyspace-events", "".join(sorted(flags)))

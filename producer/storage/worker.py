@@ -21,12 +21,13 @@ _STOP = object()
 class StorageResult:
     """Outcome of one submitted batch.
 
-    `ok[i]`: set -> key i confirmed written; get -> value i found (in `values`); exists -> key i
+    `ok[i]`: set -> key i confirmed written; get -> value i found (in `values`); get_into -> value i
+    read into its buffer (`sizes[i]` bytes; -1 when not); exists -> key i
     present; delete -> the backend ran the request without raising (backends report deletes only
     as a count, so a key may survive an outage — a stale L3 copy, never a false store).
     """
 
-    __slots__ = ("tag", "op", "keys", "ok", "values", "error")
+    __slots__ = ("tag", "op", "keys", "ok", "values", "error", "sizes")
 
     def __init__(
         self,
@@ -36,6 +37,7 @@ class StorageResult:
         ok: list[bool],
         values: list[bytes | None] | None = None,
         error: str | None = None,
+        sizes: list[int] | None = None,
     ) -> None:
         self.tag = tag
         self.op = op
@@ -43,6 +45,7 @@ class StorageResult:
         self.ok = ok
         self.values = values
         self.error = error
+        self.sizes = sizes
 
     def __repr__(self) -> str:
         return (
@@ -54,6 +57,7 @@ class StorageResult:
 class _Request:
     __slots__ = ("op", "keys", "values", "tag")
 
+    # values: the data of a set, the destination buffers of a get_into
     def __init__(self, op: str, keys: list[str], values: list[BytesLike] | None, tag: object) -> None:
         self.op = op
         self.keys = keys
@@ -105,7 +109,8 @@ class StorageWorker:
         self._thread.start()
 
     # -- submission (scheduler thread) -------------------------------------------------------
-    def _submit(self, op: str, keys: Sequence[str], values: Sequence[BytesLike] | None, tag: object) -> bool:
+    def _submit(self, op: str, keys: Sequence[str], values: Sequence[BytesLike] | None, tag: object,
+                buffers: list[memoryview] | None = None) -> bool:
         check_batch(keys, values)
         with self._lock:
             if self._closed:
@@ -115,7 +120,9 @@ class StorageWorker:
                 log.debug("storage worker full (%d in flight); %s batch deferred", self._inflight, op)
                 return False
             self._inflight += 1
-        self._q.put(_Request(op, list(keys), None if values is None else list(values), tag))
+        payload: list[BytesLike] | None = (list(values) if values is not None
+                                           else None if buffers is None else [b for b in buffers])
+        self._q.put(_Request(op, list(keys), payload, tag))
         return True
 
     def submit_set(self, keys: Sequence[str], values: Sequence[BytesLike], tag: object = None) -> bool:
@@ -123,6 +130,15 @@ class StorageWorker:
 
     def submit_get(self, keys: Sequence[str], tag: object = None) -> bool:
         return self._submit("get", keys, None, tag)
+
+    def submit_get_into(self, keys: Sequence[str], buffers: Sequence[memoryview], tag: object = None) -> bool:
+        """Read values straight into `buffers` (writable; the caller keeps them alive and unused
+        until this batch's result is polled)."""
+        if len(buffers) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if any(not isinstance(b, memoryview) or b.readonly for b in buffers):
+            raise ValueError("get_into buffers must be writable memoryviews")
+        return self._submit("get_into", keys, None, tag, list(buffers))
 
     def submit_exists(self, keys: Sequence[str], tag: object = None) -> bool:
         return self._submit("exists", keys, None, tag)
@@ -170,6 +186,11 @@ class StorageWorker:
                     raise RuntimeError(f"backend returned {len(vals)} values for {n} keys")
                 vals = [v if isinstance(v, bytes) else (bytes(v) if v is not None else None) for v in vals]
                 return StorageResult(req.tag, "get", req.keys, [v is not None for v in vals], vals)
+            if req.op == "get_into":
+                sizes = [int(x) for x in b.get_into(req.keys, req.values)]  # type: ignore[arg-type]
+                if len(sizes) != n:
+                    raise RuntimeError(f"backend returned {len(sizes)} sizes for {n} keys")
+                return StorageResult(req.tag, "get_into", req.keys, [x >= 0 for x in sizes], sizes=sizes)
             if req.op == "exists":
                 return StorageResult(req.tag, "exists", req.keys, _bools(b.exists(req.keys), n))
             b.delete(req.keys)
@@ -178,7 +199,8 @@ class StorageWorker:
             self.errors += 1
             log.exception("storage backend %s failed on %s of %d keys", getattr(b, "name", b), req.op, n)
             return StorageResult(
-                req.tag, req.op, req.keys, [False] * n, [None] * n if req.op == "get" else None, repr(exc)
+                req.tag, req.op, req.keys, [False] * n, [None] * n if req.op == "get" else None, repr(exc),
+                [-1] * n if req.op == "get_into" else None,
             )
 
     def _backend_evicted(self) -> list[str]:

@@ -38,6 +38,7 @@ class DemoSettings(msgspec.Struct, kw_only=True, frozen=True):
     seed: int = 0
     admission_timeout: float = 2.0  # routers' causal forwarding wait bound (0: off; kvatlas router --admission-timeout)
     family: str = "full"      # the workers' model family (kvatlas worker --family)
+    l3: str = "file"          # the workers' L3: a directory each (DISK) or one shared Mooncake Store (EXTERNAL)
 
 
 # A hybrid fleet's default runs: the usable-prefix router beside the group-blind one (kv_blocks).
@@ -47,7 +48,8 @@ HYBRID_POLICIES = ("round_robin", "least_loaded", "approximate", "precise_kv_onl
 class Run:
     """One policy with K routers on its own fresh workers (own model namespace at the indexer)."""
 
-    def __init__(self, n: int, policy: str, routers: int, s: DemoSettings, indexer: str, tmp: Path) -> None:
+    def __init__(self, n: int, policy: str, routers: int, s: DemoSettings, indexer: str, tmp: Path,
+                 mooncake: dict[str, object] | None = None) -> None:
         self.n = n
         self.policy = policy
         self.routers = routers
@@ -59,6 +61,9 @@ class Run:
         self.workers: list[tuple[Child, str, str]] = []  # child, worker id, url
         self.router_children: list[tuple[Child, str, Path]] = []  # the trace replay clients
         self.proxies: list[Child] = []  # the OpenAI routers they send through
+        # the run's workers share one store; its own key prefix keeps runs apart
+        self.l3 = (("--l3", "file", "--l3-dir") if mooncake is None else
+                   ("--l3", "mooncake", "--l3-config", msgspec.json.encode({**mooncake, "prefix": f"{self.model}:"}).decode()))
 
     def start_workers(self) -> None:
         for j in range(self.s.workers):
@@ -69,7 +74,8 @@ class Run:
         argv = kvatlas_cmd("worker", "--id", wid, "--port", str(port), "--indexer", self.indexer,
                            "--model", self.model, "--block-size", str(MODEL_BLOCK),
                            "--gpu-pages", str(self.s.gpu_pages), "--host-pages", str(self.s.host_pages),
-                           "--l3", "file", "--l3-dir", str(self.dir / f"l3-{j}"), "--speed", str(self.s.speed),
+                           *self.l3, *((str(self.dir / f"l3-{j}"),) if self.s.l3 == "file" else ()),
+                           "--speed", str(self.s.speed),
                            "--family", self.s.family)
         return Child(wid, argv, self.dir), wid, f"http://127.0.0.1:{port}"
 
@@ -206,9 +212,16 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
         runs: list[Run] = []
         rows: list[PolicyRow] = []
         vis = ""
+        master = None
         try:
             wait_healthy([(idx, indexer)])
-            runs = [Run(i, pol, k, s, indexer, tmp) for i, (pol, k) in enumerate(runs_plan)]
+            mooncake = None
+            if s.l3 == "mooncake":
+                from producer.storage.mooncake_master import start_mooncake_master
+
+                master = start_mooncake_master(tmp, "--default_kv_lease_ttl=1000")
+                mooncake = master.backend_config()
+            runs = [Run(i, pol, k, s, indexer, tmp, mooncake) for i, (pol, k) in enumerate(runs_plan)]
             runs[0].start_workers()
             runs[0].wait_workers()
             sim = http_json(f"{runs[0].workers[0][2]}/health")
@@ -219,7 +232,8 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
             if s.family != "full":
                 p(f"model family {s.family}: {_FAMILY_NOTE.get(s.family, '')}")
             p(f"per worker: GPU {s.gpu_pages} + host {s.host_pages} pages of {MODEL_BLOCK} tokens, "
-              f"L3 on a local directory (DISK); trace: {_trace_name(s.trace)}, "
+              f"{'L3 on a local directory (DISK)' if s.l3 == 'file' else 'L3 on one Mooncake Store (EXTERNAL)'}; "
+              f"trace: {_trace_name(s.trace)}, "
               f"{s.requests} requests ({'the first by arrival' if s.trace in ('builtin-chat', 'builtin-conversation') else 'whole conversations'}), "
               f"speed x{s.speed:g}")
             p(f"runs: {', '.join(f'{pol} x{k}' for pol, k in runs_plan)}\n")
@@ -244,6 +258,8 @@ def run_demo(s: DemoSettings, out: TextIO = sys.stdout, err: TextIO = sys.stderr
             for run in runs:
                 run.stop()
             idx.stop()
+            if master is not None:
+                master.stop()
     p(format_table(rows))
     waits = format_waits(rows)
     if waits:

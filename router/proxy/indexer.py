@@ -109,6 +109,13 @@ class IndexerClient:
             self.counts["unreachable"] += 1
             self._set(f"unreachable: {type(exc).__name__}: {exc}".strip())
             raise Unavailable(self.state) from None
+        except asyncio.CancelledError:
+            # the client left mid-call: the indexer may have reserved this route and released the riding
+            # ones, or not; both go out again (releasing an unknown id is a no-op), none waits for its TTL
+            self._releases.setdefault(req.model, []).extend(riding)
+            if req.reserve:
+                self.release(req.model, req.request_id)
+            raise
         if r.status_code == 200:
             try:
                 ans = _answer.decode(r.content)

@@ -48,12 +48,6 @@ SOAK_S = float(os.environ.get("KVATLAS_SOAK_S", "5"))
 LONG = SOAK_S >= 30
 
 
-@pytest.fixture(name="nats")
-def nats_fixture() -> Iterator[NatsServer]:
-    with NatsServer() as srv:
-        yield srv
-
-
 class _RelayedEngine:
     """An honest ZeroMQ engine counting from 2^63 + 100, relayed into JetStream in a thread."""
 

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from router_api.procs import spawn
+from router_api.procs import spawn, stop as stop_process
 from support.net import free_port
 
 NATS_BIN_ENV = "KVATLAS_NATS_SERVER"
@@ -117,13 +117,8 @@ class NatsServer:
             return "(no log)"
 
     def _kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def stop(self) -> None:
         self._kill()

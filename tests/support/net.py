@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from router_api.procs import spawn
+from router_api.procs import spawn, stop as stop_process
 
 REDIS_BIN = os.environ.get("KVATLAS_REDIS_SERVER", "/usr/bin/redis-server")
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -100,13 +100,7 @@ class RedisServer:
             return False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        stop_process(self.proc)
 
 
 def start_redis_server(tmp_dir: Path, attempts: int = 3) -> RedisServer:

@@ -349,6 +349,21 @@ def indexer_with_publishers(config: Any, worker_ids: list[str], block_size: int)
         li.stop()
 
 
+def publishing_driver(pub: Any, requests: int, seed: int, page_size: int = 4) -> tuple[Any, Any, list[list[int]]]:
+    """A small tiered cache whose events go out through `pub` (a ZmqEventPublisher), its Driver, and a
+    shuffled synthetic request stream of shared prefixes: (cache, driver, requests)."""
+    from producer.events import EventRecorder
+    from producer.sinks import ZmqSink
+    from sim.driver import Driver, StreamSpec, build_cache, synthetic_stream
+
+    cache = build_cache(page_size=page_size, device_pages=40, host_pages=120, transfer="thread",
+                        recorder=EventRecorder(ZmqSink(pub), heartbeat_interval_s=3600.0))
+    reqs = list(synthetic_stream(StreamSpec(requests=requests, prefixes=6, prefix_tokens=48, suffix_tokens=12,
+                                            seed=seed)))
+    random.Random(seed).shuffle(reqs)
+    return cache, Driver(cache, lookahead=0), reqs
+
+
 def snapshot_marks(path: Path) -> dict[str, int]:
     """Per worker, the seq watermark a snapshot file holds ({} before the first snapshot)."""
     from indexer.snapshot import decode_snapshot, make_snapshot_store
