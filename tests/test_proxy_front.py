@@ -113,3 +113,19 @@ def test_a_body_that_never_arrives_is_cut_at_the_read_deadline(engines) -> None:
             got = s.recv(4096)
         assert got == b"" or got.startswith(b"HTTP/1.1 408")
         assert a.requests == 0
+
+
+def test_an_http10_or_closing_client_gets_its_answer_then_the_close(engines) -> None:
+    a = engines("a")
+    with _router(a.url) as rt:
+        body = json.dumps(PROMPT).encode()
+        for version, extra in ((b"1.0", b""), (b"1.1", b"connection: close\r\n")):
+            with socket.create_connection(("127.0.0.1", rt.port), timeout=10) as s:
+                s.sendall(b"POST /v1/completions HTTP/%b\r\nhost: x\r\n%bcontent-length: %d\r\n\r\n%b"
+                          % (version, extra, len(body), body))
+                got = b""
+                while more := s.recv(65536):  # the server closes after the answer
+                    got += more
+            head, _, rest = got.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"connection: close" in head.lower()
+            assert json.loads(rest)["engine"] == "a"
