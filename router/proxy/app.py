@@ -25,6 +25,7 @@ from fastapi.responses import StreamingResponse
 from router.proxy.core import ProxyCore
 from router.proxy.exchange import Refused, client_left, open_routed, parse, refused, too_large
 from router.proxy.limits import MAX_BODY_BYTES
+from router_api.request_body import read_capped
 
 _enc = msgspec.json.Encoder()
 
@@ -35,21 +36,6 @@ def _error(status: int, message: str, kind: str = "BadRequestError") -> Response
 
 def _answer(r: Refused) -> Response:
     return Response(r.body, status_code=r.status, media_type="application/json")
-
-
-async def read_capped(request: Request, max_bytes: int) -> bytes | None:
-    """The body, or None once it exceeds `max_bytes` (declared or streamed): answer 413."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        return None
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _client_gone(request: Request) -> None:
