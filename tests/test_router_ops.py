@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -381,6 +382,10 @@ def test_slow_heads_are_cut_and_connections_capped(engines) -> None:
         finally:
             for s in held:
                 s.close()
+        metrics = httpx.get(f"{rt.url}/metrics", timeout=10).text  # both kinds of refusal counted
+        assert 'kvatlas_router_http_rejects_total{reason="connection_limit"} 2' in metrics
+        cut = re.search(r'^kvatlas_router_http_rejects_total\{reason="request_timeout"\} (\d+)$', metrics, re.M)
+        assert cut is not None and int(cut.group(1)) >= 1  # the slow head (the held ones may follow it)
 
 
 def test_workers_are_learned_from_the_registry_and_routed_by_model(engines) -> None:

@@ -119,6 +119,8 @@ def create_proxy_app(core: ProxyCore, max_body_bytes: int = MAX_BODY_BYTES) -> F
 def metrics_text(core: ProxyCore) -> str:
     lines = ["# TYPE kvatlas_router_requests_total counter"]
     lines += [f'kvatlas_router_requests_total{{outcome="{k}"}} {v}' for k, v in core.counts.items()]
+    lines.append("# TYPE kvatlas_router_http_rejects_total counter")
+    lines += [f'kvatlas_router_http_rejects_total{{reason="{k}"}} {v}' for k, v in sorted(core.http_rejects.items())]
     lines.append("# TYPE kvatlas_router_worker_up gauge")
     for w, st in core.poller.states.items():
         lines.append(f'kvatlas_router_worker_up{{worker="{w}"}} {1 if st.up else 0}')

@@ -207,4 +207,4 @@ def proxy_protocol_class(core: ProxyCore, max_body_bytes: int = MAX_BODY_BYTES,
                          max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type:
     """The uvicorn `http` protocol class of one router server: its core and limits."""
     return type(ProxyHttpProtocol.__name__, (ProxyHttpProtocol,),
-                {**protocol_limits(request_timeout_s, max_connections), "core": core, "max_body": int(max_body_bytes)})
+                {**protocol_limits(request_timeout_s, max_connections, core.http_rejected), "core": core, "max_body": int(max_body_bytes)})
