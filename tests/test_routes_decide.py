@@ -120,7 +120,7 @@ def test_decisions_from_threads_are_serialized() -> None:
         assert len(out) == 8
         per_worker: dict[str, list[int]] = {}
         for a in out:
-            per_worker.setdefault(a.worker_id, []).append(a.pending_blocks)  # type: ignore[attr-defined]
+            per_worker.setdefault(a.worker_id, []).append(a.pending_blocks)
         for pending in per_worker.values():  # the first decision for a worker found nothing pending there,
             assert sorted(pending) == [0] + [50] * (len(pending) - 1)  # every later one its 50 blocks
 
