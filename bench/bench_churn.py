@@ -40,7 +40,7 @@ def run(dense: bool, workers: int, removals: int, pays: list[bytes]) -> dict[str
     if dense:
         from indexer._native import _kvnative
 
-        ix._accel.new_nodes = _kvnative.U64Map  # type: ignore[union-attr]  # the peer: dense words
+        ix._accel.new_nodes = _kvnative.U64Map  # the peer: dense words
     ix.ensure_model("m", BS)
     t = time.process_time()
     for w in range(workers):

@@ -5,7 +5,7 @@ stack's floor), and through `kvatlas router --api openai` with `round_robin` (to
 `/routes/decide` carrying the router's choice) and `precise_tiered` (the indexer chooses).
 
 Per target: added p50 / p99 latency over direct (ms), router CPU per request (its process's user +
-system time over the requests it served), requests/s; at concurrency 16, short chats (a shared
+system time over the requests it served) and the indexer's, requests/s; at concurrency 16, short chats (a shared
 system prompt plus a short question) streamed and not, and long chats (~26k tokens) not streamed.
 
     python -m bench.bench_router [--quick] [--concurrency 16] [--requests 800]
@@ -50,7 +50,7 @@ def passthrough_main(port: int, upstream: str) -> None:
     client = httpx.AsyncClient(base_url=upstream, timeout=60.0,
                                limits=httpx.Limits(max_connections=256, keepalive_expiry=2.0))
 
-    async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+    async def app(scope: dict, receive, send) -> None:
         if scope["type"] != "http":
             return
         body = b""
@@ -66,7 +66,7 @@ def passthrough_main(port: int, upstream: str) -> None:
         req = client.build_request("POST", scope["path"], content=body, headers={"content-type": "application/json"})
         resp = await client.send(req, stream=True)
 
-        async def relay():  # type: ignore[no-untyped-def]
+        async def relay():
             try:
                 async for chunk in resp.aiter_raw():
                     yield chunk
@@ -109,22 +109,27 @@ async def load(url: str, bodies: list[dict], concurrency: int) -> tuple[list[flo
         return lat, time.perf_counter() - t0
 
 
-def measure(targets: dict[str, tuple[str, int | None]], bodies: list[dict], concurrency: int, label: str) -> None:
+def measure(targets: dict[str, tuple[str, int | None]], bodies: list[dict], concurrency: int, label: str,
+            indexer_pid: int) -> None:
+    """One table: per target, latency, requests/s, its own process's CPU per request and the
+    indexer's (its `/routes/decide` and `/routes/admitted` calls; only routers call it)."""
     for url, _ in targets.values():  # warm connections and caches
         asyncio.run(load(url, bodies[: 2 * concurrency], concurrency))
-    rows: dict[str, tuple[float, float, float, float | None]] = {}
+    rows: dict[str, tuple[float, float, float, float | None, float]] = {}
     for name, (url, pid) in targets.items():
-        c0 = cpu_s(pid) if pid else 0.0
+        c0, i0 = (cpu_s(pid) if pid else 0.0), cpu_s(indexer_pid)
         lat, wall = asyncio.run(load(url, bodies, concurrency))
         cpu = (cpu_s(pid) - c0) / len(bodies) if pid else None
+        icpu = (cpu_s(indexer_pid) - i0) / len(bodies)
         lat.sort()
-        rows[name] = (statistics.median(lat), lat[int(0.99 * (len(lat) - 1))], len(lat) / wall, cpu)
+        rows[name] = (statistics.median(lat), lat[int(0.99 * (len(lat) - 1))], len(lat) / wall, cpu, icpu)
     d50, d99 = rows["direct"][0], rows["direct"][1]
     print(f"\n{label}: {len(bodies)} requests, concurrency {concurrency}")
-    print(f"  {'target':<26} {'p50 ms':>8} {'+p50 ms':>8} {'p99 ms':>8} {'+p99 ms':>8} {'req/s':>8} {'cpu ms/req':>11}")
-    for name, (p50, p99, rps, cpu) in rows.items():
+    print(f"  {'target':<26} {'p50 ms':>8} {'+p50 ms':>8} {'p99 ms':>8} {'+p99 ms':>8} {'req/s':>8} {'cpu ms/req':>11}"
+          f" {'indexer cpu':>11}")
+    for name, (p50, p99, rps, cpu, icpu) in rows.items():
         print(f"  {name:<26} {1e3 * p50:8.2f} {1e3 * (p50 - d50):8.2f} {1e3 * p99:8.2f} {1e3 * (p99 - d99):8.2f} "
-              f"{rps:8.0f} {'' if cpu is None else f'{1e3 * cpu:11.3f}'}")
+              f"{rps:8.0f} {'' if cpu is None else f'{1e3 * cpu:11.3f}'} {1e3 * icpu:11.3f}")
 
 
 def main() -> None:
@@ -170,14 +175,15 @@ def main() -> None:
             system = {"role": "system", "content": words(rng, 120)}
             short = [{"model": "default", "max_tokens": 1,
                       "messages": [system, {"role": "user", "content": words(rng, 12)}]} for _ in range(n)]
-            measure(targets, short, a.concurrency, "short chats (~300 tokens), not streamed")
+            measure(targets, short, a.concurrency, "short chats (~300 tokens), not streamed", idx.proc.pid)
             streamed = [{**b, "stream": True, "max_tokens": 4} for b in short]
-            measure(targets, streamed, a.concurrency, "short chats, streamed (4 tokens)")
+            measure(targets, streamed, a.concurrency, "short chats, streamed (4 tokens)", idx.proc.pid)
             long_system = {"role": "system", "content": words(rng, 2400 if a.quick else 6000)}
             longs = [{"model": "default", "max_tokens": 1,
                       "messages": [long_system, {"role": "user", "content": words(rng, 12)}]}
                      for _ in range(max(32, n // 10))]
-            measure(targets, longs, min(a.concurrency, 4), "long chats (shared system prompt), not streamed")
+            measure(targets, longs, min(a.concurrency, 4), "long chats (shared system prompt), not streamed",
+                    idx.proc.pid)
         finally:
             for k in reversed(kids):
                 k.stop()

@@ -9,7 +9,8 @@ import msgspec
 import numpy as np
 from fastapi import FastAPI, Request, Response
 
-from sim.httpbody import MAX_BODY_BYTES, read_capped
+from router_api.request_body import read_capped
+from sim.httpbody import MAX_BODY_BYTES
 from router.forwarder import RouterCore
 from router.report import summarize
 from schemas.api import TokenList

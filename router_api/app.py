@@ -27,7 +27,7 @@ from router_api.bodies import ApiError, check_length, content_kind, decode_body
 from router_api.http_log import RateLimitedLog, escape_log
 from router_api.registry import RegistryError
 from router_api.decide import Chooser, Decider
-from router_api.decide_http import add_decide_routes
+from router_api.decide_http import add_decide_routes, decide_route
 from router_api.routes import UnknownRouteWorker, WaitsFull
 from router_api.offload import AnswerPool
 from router_api.score_front import ASGIApp, Route, ScoreFront
@@ -305,6 +305,7 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     front: Any = ScoreFront(app, service, native_bodies, limiter, pool)
+    front.add_route("/routes/decide", decide_route(decider))
 
     async def served(request: Request, route: Route) -> Response:
         """/score and /query through FastAPI: the front's own path (reached when the app is mounted

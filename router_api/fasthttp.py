@@ -184,12 +184,16 @@ def protocol_class(fast_path: bool, request_timeout_s: float = DEFAULT_REQUEST_T
                    max_connections: int = DEFAULT_MAX_CONNECTIONS, on_reject: Any = None) -> type:
     """The uvicorn `http` protocol class for one server, with its limits (`on_reject(reason)`: where
     rejections are counted when the app has no ScoreFront)."""
+    base = ScoreHttpProtocol if fast_path else GuardedHttpProtocol
+    return type(base.__name__, (base,), protocol_limits(request_timeout_s, max_connections, on_reject))
+
+
+def protocol_limits(request_timeout_s: float, max_connections: int, on_reject: Any = None) -> dict[str, Any]:
+    """The class attributes of a GuardedHttpProtocol subclass with these limits (checked)."""
     if request_timeout_s <= 0 or max_connections < 1:
         raise ValueError("request_timeout_s must be > 0 and max_connections >= 1")
-    base = ScoreHttpProtocol if fast_path else GuardedHttpProtocol
-    return type(base.__name__, (base,), {"request_timeout_s": float(request_timeout_s),
-                                         "max_connections": int(max_connections),
-                                         "on_reject": staticmethod(on_reject) if on_reject is not None else None})
+    return {"request_timeout_s": float(request_timeout_s), "max_connections": int(max_connections),
+            "on_reject": staticmethod(on_reject) if on_reject is not None else None}
 
 
 class _Pending:

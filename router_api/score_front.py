@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl
 import msgspec
 
 from router_api import score_text
-from router_api.bodies import ApiError, TokenBodies, check_length, content_kind, octet_tokens
+from router_api.bodies import ApiError, TokenBodies, check_length, content_kind, decode_body, octet_tokens
 from router_api.http_log import RateLimitedLog
 from router_api.offload import AnswerPool
 from router_api.service import IndexerService, UnknownModel
@@ -31,11 +31,14 @@ _MSGPACK_HEADERS = (b"content-type", b"application/msgpack")
 
 class Route(NamedTuple):
     """One endpoint the front serves: its metrics label, request type and
-    handler(model, tokens, lora_name, cache_salt, msgpack) -> answer bytes."""
+    handler(model, tokens, lora_name, cache_salt, msgpack) -> answer bytes; or, `structured`, a
+    JSON or msgpack body decoded whole as `request_type` and handler(request, msgpack) -> answer
+    bytes (raising ApiError), answered on the loop (`/routes/decide`: router_api/decide_http.py)."""
 
     endpoint: str
     request_type: type
     handler: Callable[..., bytes]
+    structured: bool = False
 
 
 class BodyHeaders(NamedTuple):
@@ -102,6 +105,11 @@ class ScoreFront:
         # the same routes by their raw request-target: the protocol fast path looks that up before parsing it
         self.raw_routes: dict[bytes, Route] = {path.encode(): r for path, r in self.routes.items()}
 
+    def add_route(self, path: str, route: Route) -> None:
+        """Serve `route` at `path` too (here, and on the protocol fast path)."""
+        self.routes[path] = route
+        self.raw_routes[path.encode()] = route
+
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
         if route is None:
@@ -150,6 +158,8 @@ class ScoreFront:
         Future of it from the answer pool, or 503 at once when the pool is full. The one place that
         decides: this front (`respond`), the FastAPI routes and the protocol fast path all call it."""
         pool = self.pool
+        if route.structured:  # its handler keeps the service's state: on the loop, as its FastAPI route did
+            return self.answer(route, kind, accept, query_string, body, t0, True)
         if not pool.wants(len(body)):
             ans = self.answer(route, kind, accept, query_string, body, t0, True)
             if ans is not _OFF_LOOP:
@@ -174,7 +184,11 @@ class ScoreFront:
         endpoint, typ, handler = route.endpoint, route.request_type, route.handler
         mp = accept is not None and b"msgpack" in accept
         try:
-            if kind == "octet" and not query_string:  # the common raw request: the default model, no salt
+            if route.structured:
+                if kind == "octet":
+                    raise ApiError(415, f"{endpoint}: send a JSON or msgpack body", "bad_content_type")
+                out = handler(decode_body(kind, cast(bytes, body), typ), mp)
+            elif kind == "octet" and not query_string:  # the common raw request: the default model, no salt
                 out = handler(self.default_model, octet_tokens(body), None, None, mp)
             elif kind == "octet":
                 qp = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))

@@ -27,7 +27,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from sim.engine import Engine, VirtualClock
-from sim.httpbody import MAX_AHEAD_S, MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within, read_capped
+from router_api.request_body import read_capped
+from sim.httpbody import MAX_AHEAD_S, MAX_BODY_BYTES, MAX_OUTPUT_TOKENS, client_left_within
 from sim.schedule import QueueFull
 
 _enc = msgspec.json.Encoder()

@@ -57,6 +57,13 @@ def _core(li: LiveIndexer, url: str, health: WorkerHealth, timeout_s: float) -> 
                       health.sim, admission_timeout_s=timeout_s)
 
 
+async def _two_cores(li: LiveIndexer, url: str, timeout_s: float) -> tuple[RouterCore, RouterCore]:
+    """Two router replicas over the one worker, each waiting up to `timeout_s` for admissions."""
+    async with httpx.AsyncClient() as c:
+        health = await fetch_sim(c, url)
+    return _core(li, url, health, timeout_s), _core(li, url, health, timeout_s)
+
+
 def test_a_dependent_route_waits_for_admission_and_runs_after(fleet: tuple[LiveIndexer, str]) -> None:
     li, url = fleet
     system = np.arange(100, 100 + 4 * BS, dtype=np.uint32)
@@ -64,9 +71,7 @@ def test_a_dependent_route_waits_for_admission_and_runs_after(fleet: tuple[LiveI
     r = np.concatenate([system, np.arange(5000, 5000 + 3 * BS, dtype=np.uint32)])
 
     async def main() -> None:
-        async with httpx.AsyncClient() as c:
-            health = await fetch_sim(c, url)
-        a, b = _core(li, url, health, 30.0), _core(li, url, health, 30.0)
+        a, b = await _two_cores(li, url, 30.0)
         before = _admission(li)
         try:
             # replica a decided q (its route is in the index) but its forward has not reached the worker
@@ -112,9 +117,7 @@ def test_a_wait_for_a_route_never_admitted_times_out_counted(fleet: tuple[LiveIn
     r = np.concatenate([system, np.arange(9000, 9000 + BS, dtype=np.uint32)])
 
     async def main() -> None:
-        async with httpx.AsyncClient() as c:
-            health = await fetch_sim(c, url)
-        a, b = _core(li, url, health, 0.3), _core(li, url, health, 0.3)
+        a, b = await _two_cores(li, url, 0.3)
         before = _admission(li)
         try:
             got = await a.report_route("a-lost", "cw0", q)  # its forward never happens

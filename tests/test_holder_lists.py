@@ -166,7 +166,7 @@ def test_a_wide_index_matches_the_pure_core_through_churn_and_snapshots(seed: in
 
     def same() -> None:  # the pure core's state, and the brute-force reference's answers
         assert _state(fast) == _state(pure) and _answers(fast, queries) == _answers(pure, queries) == \
-            _answers(ref, queries)  # type: ignore[arg-type]
+            _answers(ref, queries)
 
     same()
     # churn: workers go (slots compacted, bits moved between slots), then the table may narrow

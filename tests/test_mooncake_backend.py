@@ -165,7 +165,7 @@ def test_master_killed_mid_batch_claims_nothing_and_the_restart_is_audited(
         assert be.drain_evicted() == []  # unreachable is not lost: nothing is reported yet
         master = restart(master, tmp)  # a fresh master holds nothing
         lost = wait_until(lambda: be.audit_now(), timeout=30.0)
-        assert sorted(lost) == ["m1", "m2"]  # type: ignore[arg-type]
+        assert sorted(lost) == ["m1", "m2"]
     finally:
         be.close()
         master.stop()

@@ -262,17 +262,22 @@ def test_after_a_pressure_run_the_shared_tier_in_the_index_equals_the_store(tmp_
     cache = build_cache(page_size=P, device_pages=128, host_pages=128, page_shape=(2, 8, 128), transfer=eng,
                         storage=w, recorder=EventRecorder(sink), prefetch_threshold_tokens=P)
     try:
+        def lacking() -> int:
+            return sum(1 for n in cache.tree.nodes() if n.stored and not all(be.exists(cache._l3_keys(n))))
+
         for c in range(16):  # 16 x 64 pages of 32 KiB
             compute_and_insert(cache, [c * 10_000 + i for i in range(64 * P)])
             settle(cache, eng)
             cache.evict(10 ** 9)
             cache.evict_host(10 ** 9)  # the L3 copies are all that is left: the store is the truth
             cache.step(0.0)
-
-        def lacking() -> int:
-            return sum(1 for n in cache.tree.nodes() if n.stored and not all(be.exists(cache._l3_keys(n))))
-
-        assert lacking() > 0  # the master evicted claimed pages behind the worker's back
+        if lacking() == 0 and be.audit_losses == 0:
+            # The master's eviction runs on its own schedule (a full pool refuses puts until it has run,
+            # and every lookup leases what it finds): where it has not dropped a claimed page yet, drop
+            # some the way it does, behind the worker's back, so the audit has losses to find either way.
+            stored = [n for n in cache.tree.nodes() if n.stored]
+            drop_behind_back(master, [k for n in stored[: len(stored) // 2] for k in cache._l3_keys(n)])
+        assert lacking() > 0 or be.audit_losses > 0  # claims ran ahead of the store
         claimed = len(be._ledger)
         drains = 0
         while lacking() and drains < 64:

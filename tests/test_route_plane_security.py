@@ -91,7 +91,7 @@ def test_only_the_replicas_user_reaches_the_subject(server: NatsServer, pair: tu
     seen: list[bytes] = []
 
     async def on_msg(msg: object) -> None:
-        seen.append(msg.data)  # type: ignore[attr-defined]
+        seen.append(msg.data)
 
     try:
         spy.call(lambda: spy.nc.subscribe(DEFAULT_ROUTES_SUBJECT, cb=on_msg))

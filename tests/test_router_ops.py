@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import httpx
@@ -141,6 +144,16 @@ def engines():
     yield make
     for e in made:
         e.stop()
+
+
+@contextmanager
+def precise_router_over(engine: Any, worker: str) -> Iterator[tuple[LiveIndexer, RouterThread]]:
+    """An indexer with `worker` registered and a precise_tiered router in front of `engine` alone."""
+    with LiveIndexer(ServiceConfig(port=free_port(), block_size=4)) as idx:
+        _register(idx, worker)
+        with RouterThread(lambda: ProxyCore({worker: engine.url}, indexer=idx.url, model="default", tokenizer=None,
+                                            policy="precise_tiered")) as rt:
+            yield idx, rt
 
 
 PROMPT = {"model": "default", "prompt": list(range(1, 41)), "max_tokens": 1}
@@ -274,27 +287,21 @@ def test_an_engine_that_never_answers_is_left_at_the_first_byte_deadline(engines
 
 def test_a_client_that_leaves_cancels_the_engine_and_releases_its_route(engines) -> None:
     hang = engines("hang", "hang")
-    with LiveIndexer(ServiceConfig(port=free_port(), block_size=4)) as idx:
-        _register(idx, "hang")
-        with RouterThread(lambda: ProxyCore({"hang": hang.url}, indexer=idx.url, model="default", tokenizer=None,
-                                            policy="precise_tiered")) as rt:
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(f"{rt.url}/v1/completions", json=PROMPT, timeout=0.5)  # not streamed, then gone
-            assert hang.cancelled.wait(5)
-            wait_until(lambda: idx.service.routes.pending.counts.released == 1, timeout=5)
+    with precise_router_over(hang, "hang") as (idx, rt):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{rt.url}/v1/completions", json=PROMPT, timeout=0.5)  # not streamed, then gone
+        assert hang.cancelled.wait(5)
+        wait_until(lambda: idx.service.routes.pending.counts.released == 1, timeout=5)
 
 
 def test_a_dropped_stream_releases_its_route(engines) -> None:
     slow = engines("slow", "slow_stream")
-    with LiveIndexer(ServiceConfig(port=free_port(), block_size=4)) as idx:
-        _register(idx, "slow")
-        with RouterThread(lambda: ProxyCore({"slow": slow.url}, indexer=idx.url, model="default", tokenizer=None,
-                                            policy="precise_tiered")) as rt:
-            for _ in range(3):
-                with httpx.stream("POST", f"{rt.url}/v1/completions", json={**PROMPT, "stream": True},
-                                  timeout=10) as s:
-                    assert next(s.iter_raw())  # one event, then the client goes
-            wait_until(lambda: idx.service.routes.pending.counts.released == 3, timeout=10)
+    with precise_router_over(slow, "slow") as (idx, rt):
+        for _ in range(3):
+            with httpx.stream("POST", f"{rt.url}/v1/completions", json={**PROMPT, "stream": True},
+                              timeout=10) as s:
+                assert next(s.iter_raw())  # one event, then the client goes
+        wait_until(lambda: idx.service.routes.pending.counts.released == 3, timeout=10)
 
 
 def test_a_stream_the_engine_cuts_is_cut_at_the_client(engines) -> None:
@@ -375,6 +382,10 @@ def test_slow_heads_are_cut_and_connections_capped(engines) -> None:
         finally:
             for s in held:
                 s.close()
+        metrics = httpx.get(f"{rt.url}/metrics", timeout=10).text  # both kinds of refusal counted
+        assert 'kvatlas_router_http_rejects_total{reason="connection_limit"} 2' in metrics
+        cut = re.search(r'^kvatlas_router_http_rejects_total\{reason="request_timeout"\} (\d+)$', metrics, re.M)
+        assert cut is not None and int(cut.group(1)) >= 1  # the slow head (the held ones may follow it)
 
 
 def test_workers_are_learned_from_the_registry_and_routed_by_model(engines) -> None:

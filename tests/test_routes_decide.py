@@ -120,6 +120,27 @@ def test_decisions_from_threads_are_serialized() -> None:
         assert len(out) == 8
         per_worker: dict[str, list[int]] = {}
         for a in out:
-            per_worker.setdefault(a.worker_id, []).append(a.pending_blocks)  # type: ignore[attr-defined]
+            per_worker.setdefault(a.worker_id, []).append(a.pending_blocks)
         for pending in per_worker.values():  # the first decision for a worker found nothing pending there,
             assert sorted(pending) == [0] + [50] * (len(pending) - 1)  # every later one its 50 blocks
+
+
+def test_decisions_are_served_ahead_of_fastapi() -> None:
+    """`/routes/decide` is a score-front route (as `/score`): answered with FastAPI out of the way,
+    and found by the protocol fast path (router_api/fasthttp.py) by its raw target."""
+    with LiveIndexer(ServiceConfig(port=free_port(), block_size=4)) as idx:
+        _register(idx, "w0", "w1")
+        front = idx.app
+
+        async def gone(scope: dict, receive: object, send: object) -> None:
+            raise RuntimeError("FastAPI was reached")
+
+        front.app = gone
+        r = idx.client.post("/routes/decide", content=_req("a", np.arange(1, 41, dtype=np.uint32)), headers=MP)
+        assert r.status_code == 200 and msgspec.msgpack.decode(r.content)["worker_id"] in ("w0", "w1")
+        r = idx.client.post("/routes/decide", json={"request_id": "b", "candidates": [], "token_ids": [1, 2]})
+        assert r.status_code == 422 and "error" in r.json()  # refused by the decider, still without FastAPI
+        r = idx.client.post("/routes/decide", content=b"\x01\x00\x00\x00",
+                            headers={"Content-Type": "application/octet-stream"})
+        assert r.status_code == 415
+        assert front.raw_routes[b"/routes/decide"].structured

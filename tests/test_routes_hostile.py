@@ -128,7 +128,7 @@ def test_confirmation_sweep_is_budgeted(live: LiveIndexer) -> None:
     calls = []
     cls = type(svc.index)
 
-    class Counting(cls):  # type: ignore[valid-type, misc]
+    class Counting(cls):
         __slots__ = ()
 
         def score_keys(self, *a: object, **kw: object) -> object:
@@ -234,7 +234,7 @@ def test_waits_are_bounded_and_a_change_looks_only_at_its_own_waits(live: LiveIn
     looked = []
     cls = type(svc.routes.pending)
 
-    class Counting(cls):  # type: ignore[valid-type, misc]
+    class Counting(cls):
         __slots__ = ()
 
         def awaiting(self, model: str, rid: str) -> bool:

@@ -176,7 +176,7 @@ def test_drop_warning_is_rate_limited_per_worker(caplog: pytest.LogCaptureFixtur
     caplog.set_level(logging.WARNING, logger="kvatlas.ingest")
     registry, metrics = Registry(), ServiceMetrics()
     loop = IngestLoop(index=default_index(ServiceConfig()), registry=registry, lock=threading.Lock(), metrics=metrics,
-                      subscriber_factory=lambda: None)  # type: ignore[arg-type,return-value]
+                      subscriber_factory=lambda: None)
     a = registry.add(RegisterWorker("a", "tcp://127.0.0.1:1"), now=0.0)
     b = registry.add(RegisterWorker("b", "tcp://127.0.0.1:2"), now=0.0)
     for t in range(0, 130, 5):  # every 5 s for 130 s: a warning at 0, 60 and 120 s

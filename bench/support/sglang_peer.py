@@ -70,10 +70,10 @@ class _Stub(types.ModuleType):
 def _install(name: str, hollow_root: str | None) -> None:
     if hollow_root is None:
         mod: types.ModuleType = _Stub(name)
-        mod.__path__ = []  # type: ignore[attr-defined]
+        mod.__path__ = []
     else:
         mod = types.ModuleType(name)
-        mod.__path__ = [os.path.join(hollow_root, *name.split(".")[1:])]  # type: ignore[attr-defined]
+        mod.__path__ = [os.path.join(hollow_root, *name.split(".")[1:])]
     sys.modules[name] = mod
 
 

@@ -7,6 +7,10 @@ answer carries `x-kvatlas-worker` and `x-kvatlas-route` (the decision).
 A client that leaves before the answer begins cancels the upstream request (the engine frees its
 slot); a streamed answer the client drops is closed upstream the same way. An upstream that breaks
 off mid-answer cuts the client's connection (no clean end), so the client can tell.
+
+Under `kvatlas router` the two routed paths are answered before this app by the server's own
+protocol (router/proxy/front.py), by the same exchange (router/proxy/exchange.py); the app serves
+them for whatever that protocol leaves to uvicorn (a query string, a pipelined request, ...).
 """
 from __future__ import annotations
 
@@ -18,32 +22,20 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from router.proxy.core import BadRequest, NoWorker, ProxyCore
+from router.proxy.core import ProxyCore
+from router.proxy.exchange import Refused, client_left, open_routed, parse, refused, too_large
 from router.proxy.limits import MAX_BODY_BYTES
+from router_api.request_body import read_capped
 
 _enc = msgspec.json.Encoder()
-_dec = msgspec.json.Decoder()
 
 
 def _error(status: int, message: str, kind: str = "BadRequestError") -> Response:
-    # OpenAI's error shape, so client libraries raise their usual exception
-    return Response(_enc.encode({"error": {"message": message, "type": kind, "code": status}}), status_code=status,
-                    media_type="application/json")
+    return _answer(refused(status, message, kind))
 
 
-async def read_capped(request: Request, max_bytes: int) -> bytes | None:
-    """The body, or None once it exceeds `max_bytes` (declared or streamed): answer 413."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        return None
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _answer(r: Refused) -> Response:
+    return Response(r.body, status_code=r.status, media_type="application/json")
 
 
 async def _client_gone(request: Request) -> None:
@@ -59,16 +51,11 @@ def create_proxy_app(core: ProxyCore, max_body_bytes: int = MAX_BODY_BYTES) -> F
         core.counts["requests"] += 1
         raw = await read_capped(request, max_body_bytes)
         if raw is None:
-            return _error(413, f"body exceeds the {max_body_bytes}-byte limit")
-        try:
-            body = _dec.decode(raw)
-        except (msgspec.DecodeError, RecursionError) as exc:
-            core.counts["bad_request"] += 1
-            return _error(400, f"malformed JSON body: {exc}")
-        if not isinstance(body, dict):
-            core.counts["bad_request"] += 1
-            return _error(400, "the body must be a JSON object")
-        work = asyncio.ensure_future(_open(core, request, path, raw, body, chat))
+            return _answer(too_large(max_body_bytes))
+        body = parse(core, raw)
+        if isinstance(body, Refused):
+            return _answer(body)
+        work = asyncio.ensure_future(open_routed(core, path, raw, body, request.headers.raw, chat))
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -78,9 +65,12 @@ def create_proxy_app(core: ProxyCore, max_body_bytes: int = MAX_BODY_BYTES) -> F
                 core.counts["client_gone"] += 1
             gone.cancel()
         try:
-            return await work
+            got = await work
         except asyncio.CancelledError:
-            return _error(499, "the client disconnected")
+            return _answer(client_left())
+        if isinstance(got, Refused):
+            return _answer(got)
+        return StreamingResponse(got.chunks, status_code=got.status, headers=got.headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -126,24 +116,11 @@ def create_proxy_app(core: ProxyCore, max_body_bytes: int = MAX_BODY_BYTES) -> F
     return app
 
 
-async def _open(core: ProxyCore, request: Request, path: str, raw: bytes, body: dict[str, Any],
-                chat: bool) -> Response:
-    try:
-        route = await core.route(body, chat, len(raw))
-        resp = await core.forward(path, raw, body, request.headers.raw, route, chat)
-    except BadRequest as exc:
-        core.counts["bad_request"] += 1
-        return _error(400, str(exc))
-    except NoWorker as exc:
-        core.counts["no_worker"] += 1
-        return _error(503, str(exc), "ServiceUnavailable")
-    return StreamingResponse(core.relay(resp, route), status_code=resp.status_code,
-                             headers=core.response_headers(resp, route))
-
-
 def metrics_text(core: ProxyCore) -> str:
     lines = ["# TYPE kvatlas_router_requests_total counter"]
     lines += [f'kvatlas_router_requests_total{{outcome="{k}"}} {v}' for k, v in core.counts.items()]
+    lines.append("# TYPE kvatlas_router_http_rejects_total counter")
+    lines += [f'kvatlas_router_http_rejects_total{{reason="{k}"}} {v}' for k, v in sorted(core.http_rejects.items())]
     lines.append("# TYPE kvatlas_router_worker_up gauge")
     for w, st in core.poller.states.items():
         lines.append(f'kvatlas_router_worker_up{{worker="{w}"}} {1 if st.up else 0}')

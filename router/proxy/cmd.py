@@ -2,9 +2,10 @@
 
 Workers come from `--worker ID=URL` flags and, with `--indexer`, from the indexer's registry
 (`GET /workers` rows that carry a `url`), re-read every `--workers-interval` seconds; a flag names
-the URL of its id whatever the registry says. The server is uvicorn with the indexer's guarded
-httptools protocol (router_api/fasthttp.py): a deadline for each request's head and body and a cap
-on open connections. `--reuse-port` lets several router processes share one port (SO_REUSEPORT:
+the URL of its id whatever the registry says. The server is uvicorn with the router's own
+httptools protocol (router/proxy/front.py: the two routed paths answered without ASGI), built on
+the indexer's guarded one (router_api/fasthttp.py): a deadline for each request's head and body and
+a cap on open connections. `--reuse-port` lets several router processes share one port (SO_REUSEPORT:
 the kernel spreads connections over them; docs/openai.md, "Scaling out")."""
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def build_server(core: object, host: str, port: int, *, max_body_bytes: int, req
 
     from router.proxy.app import create_proxy_app
     from router.proxy.core import ProxyCore
-    from router_api.fasthttp import protocol_class
+    from router.proxy.front import proxy_protocol_class
 
     assert isinstance(core, ProxyCore)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -108,7 +109,8 @@ def build_server(core: object, host: str, port: int, *, max_body_bytes: int, req
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     config = uvicorn.Config(create_proxy_app(core, max_body_bytes), log_level="warning", access_log=False,
-                            lifespan="off", http=protocol_class(False, request_timeout_s, max_connections))
+                            lifespan="off", http=proxy_protocol_class(core, max_body_bytes, request_timeout_s,
+                                                                      max_connections))
     return uvicorn.Server(config), sock
 
 

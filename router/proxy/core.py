@@ -147,6 +147,8 @@ class ProxyCore:
                        "first_byte_timeouts": 0, "client_gone": 0, "bad_request": 0, "truncated": 0,
                        "admission_waits": 0, "admission_timeouts": 0}
         self.routed_to = {w: 0 for w in workers}
+        # connections the HTTP front refused, by reason (request_timeout, connection_limit: a fixed set)
+        self.http_rejects: dict[str, int] = {}
         self.decision_latency = Histogram()
         self.indexer_latency = Histogram()
         self.accuracy = Accuracy()
@@ -157,6 +159,10 @@ class ProxyCore:
         self._background: set[asyncio.Task[None]] = set()
         self._rng = random.Random(seed)
 
+
+    def http_rejected(self, reason: str) -> None:
+        """The HTTP front refused a connection (a head past its deadline, over the connection cap)."""
+        self.http_rejects[reason] = self.http_rejects.get(reason, 0) + 1
     def add_worker(self, worker_id: str, url: str, model: str | None = None) -> None:
         """A worker learned at run time (the indexer's registry): polled, then routed to once up."""
         self.workers[worker_id] = url

@@ -76,6 +76,11 @@ class RawResponse:
         if status in (204, 304) or 100 <= status < 200:
             self._length, self._chunked = 0, False
 
+    @property
+    def length(self) -> int | None:
+        """The body's length as declared (Content-Length), None when chunked or to the close."""
+        return None if self._chunked else self._length
+
     def header(self, name: str, default: str | None = None) -> str | None:
         name = name.lower()
         return next((v for k, v in self.headers if k.lower() == name), default)
