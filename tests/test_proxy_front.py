@@ -11,6 +11,7 @@ import socket
 import httpx
 
 from router.proxy.core import ProxyCore
+from support.net import read_until_closed
 from test_router_ops import PROMPT, RouterThread, engines  # noqa: F401 (the fixture)
 
 
@@ -103,6 +104,21 @@ def test_bodies_over_the_cap_are_refused_declared_or_streamed(engines) -> None:
         assert got.startswith(b"HTTP/1.1 413")
         assert a.requests == 0
         assert httpx.post(f"{rt.url}/v1/completions", json=PROMPT).status_code == 200  # the server is fine
+
+
+def test_a_client_still_sending_a_refused_body_reads_its_413(engines) -> None:
+    """The 413 goes out before the body is read; the rest is read and dropped (a lingering close), so a
+    client that sends its whole body first reads the answer instead of a connection reset."""
+    a = engines("a")
+    with _router(a.url, max_body_bytes=1000) as rt:
+        for _ in range(5):
+            with socket.create_connection(("127.0.0.1", rt.port), timeout=10) as s:
+                body = b"x" * 4_000_000
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body)
+                          + body)
+                got = read_until_closed(s)
+            assert got.startswith(b"HTTP/1.1 413")
+        assert a.requests == 0
 
 
 def test_a_body_that_never_arrives_is_cut_at_the_read_deadline(engines) -> None:

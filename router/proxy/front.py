@@ -37,6 +37,11 @@ log = logging.getLogger("kvatlas.router")
 _PATHS = {p.encode(): (p, chat) for p, chat in ROUTED.items()}
 
 
+# A refused request's body still on its way is read and dropped for this long and this much at most
+# (a lingering close), so the client reads its 413 rather than a connection reset.
+LINGER_S = 2.0
+LINGER_BYTES = 16 * 1024 * 1024
+
 class _Request:
     """A hot-route request between its headers and its last body byte."""
 
@@ -87,9 +92,11 @@ class ProxyHttpProtocol(GuardedHttpProtocol):
         if req is None:
             super().on_body(body)
             return
-        if req.done:
-            return
         req.size += len(body)
+        if req.done:  # refused: what the client still sends is dropped, within the linger's bound
+            if req.size > self.max_body + LINGER_BYTES:
+                self.transport.close()
+            return
         if req.size > self.max_body:
             self._refuse(req, too_large(self.max_body))
             return
@@ -102,7 +109,8 @@ class ProxyHttpProtocol(GuardedHttpProtocol):
             return
         self._disarm()
         self._req = None
-        if req.done:
+        if req.done:  # the refused body has all arrived: the 413 is read by now or never will be
+            self.transport.close()
             return
         raw = req.chunks[0] if len(req.chunks) == 1 else b"".join(req.chunks)
         mark = self.cycle = _OffLoop(req.keep_alive)  # type: ignore[assignment]
@@ -185,11 +193,14 @@ class ProxyHttpProtocol(GuardedHttpProtocol):
         self.on_response_complete()  # request count, resume reading, pipelined requests, keep-alive deadline
 
     def _refuse(self, req: _Request, r: Refused) -> None:
-        """Answer before the body is read (413) and close."""
+        """Answer before the body is read (413), then close once the client stopped sending. Closing at
+        once would reset a connection the client is still writing to, and a reset can reach the client
+        before the answer does: so the rest of the body is read and dropped (a lingering close), for
+        LINGER_S and LINGER_BYTES past the cap at most."""
         req.done = True
         self._disarm()
         self.transport.write(self._head(r.status, {"content-type": "application/json"}, len(r.body), False) + r.body)
-        self.transport.close()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
     def _head(self, status: int, headers: dict[str, str], length: int | None, keep_alive: bool) -> bytes:
         defaults = self.server_state.default_headers  # a new list each second (the date)
