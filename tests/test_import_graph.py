@@ -1,4 +1,4 @@
-"""The import graph flows one way (docs/design.md "Packages"):
+"""The import graph flows one way (docs/CONTRACTS.md, "Packages and the import graph"):
 
     schemas, cbuild <- transport <- indexer <- router_api (the service) <- router <- cli
                                  <- producer <- sim
