@@ -102,9 +102,10 @@ def test_a_dependent_route_waits_for_admission_and_runs_after(fleet: tuple[LiveI
         after = _admission(li)
         assert after["dependent"] - before["dependent"] == 1
         assert (after["waits"] - before["waits"], after["wait_timeouts"] - before["wait_timeouts"]) == (1, 0)
-        # a-q, then b's own route at its admission, unless the worker's events confirmed that route first
-        # (the route timer's sweep runs without traffic): admitting a route that left is a no-op
-        assert after["admitted"] - before["admitted"] in (1, 2)
+        # a-q's and b's own admissions count only for routes still held when the reports arrive: the
+        # worker's events may confirm either route first (the route timer's sweep runs without traffic),
+        # and admitting a route that left is a no-op. The wait above ending without a timeout is the proof.
+        assert after["admitted"] - before["admitted"] <= 2
         assert after["waiting"] == 0
 
     asyncio.run(main())
