@@ -5,7 +5,9 @@ next decision of any router of this indexer starts. The second of two simultaneo
 new shared prefix therefore counts the first's pending blocks: no burst is spread by a race.
 
 `POST /routes/release` forgets many finished routes in one call (routers batch them off their
-request path). The chooser is given by whoever builds the app (the `kvatlas indexer` command wires
+request path). Admission reports (causal forwarding: the worker began answering a route's request)
+travel the same way: `admitted` on the next decision or on the batch, applied before anything else,
+so a router makes one call per request. The chooser is given by whoever builds the app (the `kvatlas indexer` command wires
 the routing policies of the `router` package); without one, only requests carrying their own
 `choice` are served.
 """
@@ -50,6 +52,9 @@ class DecideRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # finished routes of this router, released before this decision (a router's releases ride on its
     # next request: a client's next request never sees its previous one still in flight)
     release: Annotated[list[Name], Meta(max_length=MAX_RELEASE)] = []
+    # routes of this router whose requests the worker admitted (`admits`), applied first of all: this
+    # decision already sees them admitted (like `POST /routes/admitted`, one call fewer per request)
+    admitted: Annotated[list[Name], Meta(max_length=MAX_RELEASE)] = []
 
 
 class DecideAnswer(Struct, omit_defaults=True):
@@ -67,14 +72,16 @@ class DecideAnswer(Struct, omit_defaults=True):
     refused: Optional[str] = None  # why the route was not recorded (e.g. the worker is not registered)
 
 
-class ReleaseRequest(Struct, forbid_unknown_fields=True):
+class ReleaseRequest(Struct, forbid_unknown_fields=True, omit_defaults=True):
     request_ids: Annotated[list[Name], Meta(max_length=MAX_RELEASE)]
     model: Name = "default"
+    admitted: Annotated[list[Name], Meta(max_length=MAX_RELEASE)] = []  # applied before the releases
 
 
 class ReleaseAnswer(Struct):
     released: int   # routes found and forgotten
     blocks: int     # the blocks they held
+    admitted: int = 0  # admission reports that found a route awaiting admission
 
 
 class Choice(Struct):
@@ -101,6 +108,8 @@ class DecideService(Protocol):
                      busy_until: float | None = None, admits: bool = False) -> object: ...
 
     def release_route(self, model: str, request_id: str, fanout: bool = True) -> int: ...
+
+    def admit_route(self, model: str, request_id: str, fanout: bool = True) -> bool: ...
 
 
 class DecideError(ValueError):
@@ -131,7 +140,8 @@ class Decider:
         self._unknown_model = unknown_model
         self._unknown_worker = unknown_worker
         self._lock = threading.Lock()
-        self.counts = {"decided": 0, "reserved": 0, "unknown_worker": 0, "unscored": 0, "released": 0}
+        self.counts = {"decided": 0, "reserved": 0, "unknown_worker": 0, "unscored": 0, "released": 0,
+                       "admitted": 0}
 
     def decide(self, req: DecideRequest) -> DecideAnswer:
         ids = token_array(req)
@@ -145,6 +155,7 @@ class Decider:
         if req.choice is None and self.chooser is None:
             raise NoChooser("this indexer chooses no worker itself: send `choice`")
         with self._lock:
+            self._admit(req.model, req.admitted)
             for rid in req.release:
                 self.counts["released"] += self.service.release_route(req.model, rid) > 0
             try:
@@ -183,11 +194,19 @@ class Decider:
                 ans.refused = f"unknown_model: {req.model!r} has no worker yet"
         return ans
 
+    def _admit(self, model: str, ids: Sequence[str]) -> int:
+        n = 0
+        for rid in dict.fromkeys(ids):
+            n += self.service.admit_route(model, rid)
+        self.counts["admitted"] += n
+        return n
+
     def release(self, req: ReleaseRequest) -> ReleaseAnswer:
+        admitted = self._admit(req.model, req.admitted)
         n = blocks = 0
         for rid in dict.fromkeys(req.request_ids):
             held = self.service.release_route(req.model, rid)
             n += held > 0
             blocks += held
         self.counts["released"] += n
-        return ReleaseAnswer(n, blocks)
+        return ReleaseAnswer(n, blocks, admitted)

@@ -1,6 +1,6 @@
 """The OpenAI proxy's indexer client when its client leaves mid-decide (issue 37, finding 13): the
 `/routes/decide` call is cancelled after the indexer received it, so the indexer may have reserved the
-route and applied the releases riding on the call. Both go out again with the next release batch
+route and applied the releases and admission reports riding on the call. All go out again with the next release batch
 rather than being held until the indexer's TTL (the hostile proxy soak found 44 routes expired)."""
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def test_a_cancelled_decide_releases_its_route_and_the_riding_ones() -> None:
         async with httpx.AsyncClient() as http:
             client = IndexerClient(f"http://127.0.0.1:{port}", http, None, release_every_s=3600.0)
             client.release("default", "finished-1")  # rides on the next decide
+            client.admitted("default", "begun-1")     # so does an admission report
             req = DecideRequest("kvatlas-left", [Candidate("w0")], "default", tokens=b"\x01\x00\x00\x00")
             task = asyncio.get_running_loop().create_task(client.decide(req))
             await decide_seen.wait()
@@ -57,3 +58,4 @@ def test_a_cancelled_decide_releases_its_route_and_the_riding_ones() -> None:
 
     released = asyncio.run(main())
     assert [r.request_ids for r in released] == [["finished-1", "kvatlas-left"]]
+    assert [r.admitted for r in released] == [["begun-1"]]

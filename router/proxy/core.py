@@ -1,8 +1,9 @@
 """The OpenAI proxy's routing shell (docs/openai.md): tokenize the request as the engine will, let
 the indexer score, choose and record the in-flight route in one call (`POST /routes/decide`,
 router_api/decide.py; the policy's code is router/decision.py either way), wait for the routes the
-prediction counted to be admitted (causal forwarding), forward, and release the route in a batch
-however the response ended. A connection failure or a missed first-byte deadline before the
+prediction counted to be admitted (causal forwarding), forward, and report the admission and the
+release (both queued: they ride on this router's next decision, or go out in a batch) however the
+response ended. A connection failure or a missed first-byte deadline before the
 first byte retries another worker.
 
 Nothing here fails a request the engines would serve: without a tokenizer, with messages the
@@ -156,7 +157,6 @@ class ProxyCore:
         self._avg_tokens = 1024.0
         self._tok_pool = ThreadPoolExecutor(max(1, tokenize_threads), thread_name_prefix="kvatlas-tokenize")
         self._tok_slots = asyncio.Semaphore(max(1, tokenize_threads))
-        self._background: set[asyncio.Task[None]] = set()
         self._rng = random.Random(seed)
 
 
@@ -180,8 +180,6 @@ class ProxyCore:
 
     async def close(self) -> None:
         await self.poller.close()
-        for t in list(self._background):
-            t.cancel()
         if self.indexer is not None:
             await self.indexer.close()
         self.raw.close()
@@ -368,11 +366,6 @@ class ProxyCore:
         if not ans.scored:
             route.cached_tokens = 0  # the model is new to the indexer: nothing is cached anywhere
 
-    def _background_task(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     def release(self, route: Route) -> None:
         """Give the route back (queued: never awaited, so a cancelled response releases it too)."""
         if route.reserved and self.indexer is not None:
@@ -434,9 +427,9 @@ class ProxyCore:
                     raise
                 self.routed_to[w] += 1
                 self.counts["routed"] += 1
-                if route.reserved and route.after is not None and self.admission_timeout_s > 0:
+                if route.reserved and self.admission_timeout_s > 0:
                     assert self.indexer is not None  # the worker queued it: routes that wait for it may go
-                    self._background_task(self.indexer.admitted(route.model, route.request_id))
+                    self.indexer.admitted(route.model, route.request_id)  # rides on the next call
                 return resp
         except BaseException:
             self.release(route)

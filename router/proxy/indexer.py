@@ -1,7 +1,8 @@
 """The OpenAI proxy's calls to the indexer (docs/openai.md, "One round trip"): one
 `POST /routes/decide` per request (score + choose + reserve, atomically at the indexer), the
-causal-forwarding wait and admission, and releases off the request path: each rides on the
-router's next decision, or goes in a batch (`POST /routes/release`) when no request comes.
+causal-forwarding wait, and admission reports and releases off the request path: each rides on the
+router's next decision, or goes in a batch (`POST /routes/release`) when no request comes (an
+admission within `admit_every_s`, a release within `release_every_s`).
 
 It also keeps what an operator must see: whether the indexer answers (`state`, the router's
 `/health` says `degraded` and why), 401s counted, per-worker refusals (an id the indexer does not
@@ -20,7 +21,7 @@ import httpx
 import msgspec
 
 from router.proxy.rawhttp import RawClient, UpstreamError
-from router_api.decide import DecideAnswer, DecideRequest, ReleaseRequest
+from router_api.decide import MAX_RELEASE, DecideAnswer, DecideRequest, ReleaseRequest
 from schemas.api import MAX_WAIT_ROUTES, MAX_WAIT_S
 
 log = logging.getLogger("kvatlas.router")
@@ -49,7 +50,7 @@ class Unavailable(Exception):
 
 class IndexerClient:
     def __init__(self, url: str, client: httpx.AsyncClient, token: str | None, *, timeout_s: float = 2.0,
-                 release_every_s: float = 0.05, max_backoff_s: float = 60.0) -> None:
+                 release_every_s: float = 0.05, admit_every_s: float = 0.002, max_backoff_s: float = 60.0) -> None:
         self.url = url.rstrip("/")
         self.client = client
         # plain http: the pooled raw client (about a tenth of httpx's CPU per call); https: httpx
@@ -57,15 +58,19 @@ class IndexerClient:
         self.auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout_s = timeout_s
         self.release_every_s = release_every_s
+        self.admit_every_s = admit_every_s
         self.max_backoff_s = max_backoff_s
         self.state = "ok"   # ok | unreachable: ... | refusing: ... | no_decide_endpoint: ...
         self.since = time.monotonic()
         self.counts = {"decided": 0, "unreachable": 0, "unauthorized": 0, "refused": 0, "missing_endpoint": 0,
-                       "released": 0, "release_failed": 0, "unknown_worker": 0}
+                       "released": 0, "release_failed": 0, "unknown_worker": 0,
+                       "admitted": 0, "admit_failed": 0}
         self.unknown_workers: dict[str, int] = {}  # worker id -> decisions the indexer could not record
         self._missing_until = 0.0
         self._backoff_s = 1.0
         self._releases: dict[str, list[str]] = {}  # model -> route ids to release
+        self._admits: dict[str, list[str]] = {}    # model -> route ids the worker admitted, to report
+        self._admit_timer: asyncio.TimerHandle | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._warned: dict[str, float] = {}
@@ -100,19 +105,21 @@ class IndexerClient:
         Raises Unavailable when it did not (the caller routes on its own, unscored or on /score)."""
         if time.monotonic() < self._missing_until:
             raise Unavailable(self.state)
-        riding = self._releases.pop(req.model, [])[:4096]  # this router's finished routes go first
-        req.release = riding
+        # this router's admissions and finished routes go first
+        riding = req.release = self._take(self._releases, req.model)
+        admits = req.admitted = self._take(self._admits, req.model)
         try:
             r = await self._call("POST", "/routes/decide", _mp.encode(req), {**MSGPACK, **self.auth}, self.timeout_s)
         except _ERRORS as exc:
-            self._releases.setdefault(req.model, []).extend(riding)
+            self._requeue(req.model, riding, admits)
             self.counts["unreachable"] += 1
             self._set(f"unreachable: {type(exc).__name__}: {exc}".strip())
             raise Unavailable(self.state) from None
         except asyncio.CancelledError:
-            # the client left mid-call: the indexer may have reserved this route and released the riding
-            # ones, or not; both go out again (releasing an unknown id is a no-op), none waits for its TTL
-            self._releases.setdefault(req.model, []).extend(riding)
+            # the client left mid-call: the indexer may have reserved this route and applied the riding
+            # reports, or not; they go out again (releasing or admitting twice is a no-op), none waits
+            # for its TTL
+            self._requeue(req.model, riding, admits)
             if req.reserve:
                 self.release(req.model, req.request_id)
             raise
@@ -124,6 +131,7 @@ class IndexerClient:
                 raise Unavailable(self.state) from None
             self.counts["decided"] += 1
             self.counts["released"] += len(riding)
+            self.counts["admitted"] += len(admits)
             self._backoff_s = 1.0
             self._set("ok")
             if ans.refused is not None:
@@ -132,7 +140,7 @@ class IndexerClient:
                 self._warn(f"refused:{ans.worker_id}", "event=route_not_recorded worker=%s reason=%s detail=this "
                            "worker's routes are not in flight at the indexer (others are)", ans.worker_id, ans.refused)
             return ans
-        self._releases.setdefault(req.model, []).extend(riding)
+        self._requeue(req.model, riding, admits)
         detail = r.text[:200]
         if r.status_code in (401, 403):
             self.counts["unauthorized"] += 1
@@ -181,12 +189,34 @@ class IndexerClient:
             return False
         return len(set(left)) < len(set(ids))
 
-    async def admitted(self, model: str, request_id: str) -> None:
-        try:
-            await self._call("POST", "/routes/admitted", _mp.encode({"model": model, "request_id": request_id}),
-                             {**MSGPACK, **self.auth}, self.timeout_s)
-        except _ERRORS:
-            pass  # a waiter times out instead
+    def admitted(self, model: str, request_id: str) -> None:
+        """Queue the report that the worker admitted a route's request (its answer began): it rides on
+        this router's next decision, or goes out within `admit_every_s` when none comes first (a
+        waiter, here or at another router, waits that much longer at most)."""
+        self._admits.setdefault(model, []).append(request_id)
+        if self._admit_timer is None and self._flusher is not None:
+            self._admit_timer = asyncio.get_running_loop().call_later(self.admit_every_s, self._admit_due)
+
+    def _admit_due(self) -> None:
+        self._admit_timer = None
+        if self._admits:
+            self._wake.set()
+
+    @staticmethod
+    def _take(queue: dict[str, list[str]], model: str) -> list[str]:
+        ids = queue.pop(model, None)
+        if not ids:
+            return []
+        if len(ids) > MAX_RELEASE:
+            queue[model] = ids[MAX_RELEASE:]
+            return ids[:MAX_RELEASE]
+        return ids
+
+    def _requeue(self, model: str, releases: list[str], admits: list[str]) -> None:
+        if releases:
+            self._releases.setdefault(model, []).extend(releases)
+        if admits:
+            self._admits.setdefault(model, []).extend(admits)
 
     # -- releases, batched -------------------------------------------------------------------------
     def release(self, model: str, request_id: str) -> None:
@@ -209,23 +239,32 @@ class IndexerClient:
             await self.flush()
 
     async def flush(self) -> None:
-        batches, self._releases = self._releases, {}
-        for model, ids in batches.items():
-            for i in range(0, len(ids), 4096):
-                chunk = ids[i:i + 4096]
+        """Send what no decision carried: admissions first (waiters may be held on them), releases."""
+        admits, self._admits = self._admits, {}
+        releases, self._releases = self._releases, {}
+        for model in dict.fromkeys([*admits, *releases]):
+            a, r = admits.get(model, []), releases.get(model, [])
+            for i in range(0, max(len(a), len(r)), MAX_RELEASE):
+                ca, cr = a[i:i + MAX_RELEASE], r[i:i + MAX_RELEASE]
                 try:
-                    r = await self._call("POST", "/routes/release", _mp.encode(ReleaseRequest(chunk, model)),
-                                         {**MSGPACK, **self.auth}, self.timeout_s)
-                    ok = r.status_code == 200
+                    resp = await self._call("POST", "/routes/release", _mp.encode(ReleaseRequest(cr, model, ca)),
+                                            {**MSGPACK, **self.auth}, self.timeout_s)
+                    ok = resp.status_code == 200
                 except _ERRORS:
                     ok = False
                 if ok:
-                    self.counts["released"] += len(chunk)
-                else:  # the indexer's TTL forgets them; counted, never retried forever
-                    self.counts["release_failed"] += len(chunk)
-                    self._warn("release", "event=route_release_failed routes=%d url=%s", len(chunk), self.url)
+                    self.counts["released"] += len(cr)
+                    self.counts["admitted"] += len(ca)
+                else:  # the indexer's TTL forgets them (a waiter times out); counted, never retried forever
+                    self.counts["release_failed"] += len(cr)
+                    self.counts["admit_failed"] += len(ca)
+                    self._warn("release", "event=route_release_failed routes=%d admissions=%d url=%s", len(cr),
+                               len(ca), self.url)
 
     async def close(self) -> None:
+        if self._admit_timer is not None:
+            self._admit_timer.cancel()
+            self._admit_timer = None
         if self._flusher is not None:
             self._flusher.cancel()
             try:
