@@ -35,7 +35,7 @@ from sim.engine import Engine  # noqa: E402
 from producer.storage.config import make_storage_backend  # noqa: E402
 from producer.storage.worker import StorageWorker  # noqa: E402
 from router.demo.fleet import MODEL_BLOCK  # noqa: E402
-from router.forwarder import block_keys  # noqa: E402
+from router.decision import block_keys  # noqa: E402
 from router.policies import RouteInput, ScoreRow, make_policy  # noqa: E402
 from router.report import quantile  # noqa: E402
 from router.trace import TokenExpander, requests_for  # noqa: E402

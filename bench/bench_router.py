@@ -10,8 +10,8 @@ system prompt plus a short question) streamed and not, and long chats (~26k toke
 
     python -m bench.bench_router [--quick] [--concurrency 16] [--requests 800]
 
-Real processes on loopback (indexer, one `kvatlas worker` with a near-instant simulated model,
-routers). The load generator shares the machine's cores with them: compare ratios within a run.
+Real processes on loopback (the README's fleet: an indexer, two `kvatlas worker`s with a near-instant
+simulated model, routers over both; direct calls and the pass-through go to the first). The load generator shares the machine's cores with them: compare ratios within a run.
 """
 from __future__ import annotations
 
@@ -109,13 +109,16 @@ async def load(url: str, bodies: list[dict], concurrency: int) -> tuple[list[flo
         return lat, time.perf_counter() - t0
 
 
+Row = tuple[float, float, float, "float | None", float]  # p50, p99, req/s, cpu/request, indexer cpu/request
+
+
 def measure(targets: dict[str, tuple[str, int | None]], bodies: list[dict], concurrency: int, label: str,
-            indexer_pid: int) -> None:
+            indexer_pid: int) -> dict[str, Row]:
     """One table: per target, latency, requests/s, its own process's CPU per request and the
     indexer's (its `/routes/decide` and `/routes/admitted` calls; only routers call it)."""
     for url, _ in targets.values():  # warm connections and caches
         asyncio.run(load(url, bodies[: 2 * concurrency], concurrency))
-    rows: dict[str, tuple[float, float, float, float | None, float]] = {}
+    rows: dict[str, Row] = {}
     for name, (url, pid) in targets.items():
         c0, i0 = (cpu_s(pid) if pid else 0.0), cpu_s(indexer_pid)
         lat, wall = asyncio.run(load(url, bodies, concurrency))
@@ -130,6 +133,21 @@ def measure(targets: dict[str, tuple[str, int | None]], bodies: list[dict], conc
     for name, (p50, p99, rps, cpu, icpu) in rows.items():
         print(f"  {name:<26} {1e3 * p50:8.2f} {1e3 * (p50 - d50):8.2f} {1e3 * p99:8.2f} {1e3 * (p99 - d99):8.2f} "
               f"{rps:8.0f} {'' if cpu is None else f'{1e3 * cpu:11.3f}'} {1e3 * icpu:11.3f}")
+    return rows
+
+
+def spread(label: str, runs: list[dict[str, Row]]) -> None:
+    """Per target over the runs: router CPU per request and added p50, min..max (median)."""
+    print(f"\n{label}: {len(runs)} runs, min..max (median)")
+    for name in runs[0]:
+        if name == "direct":
+            continue
+        cpu = [1e3 * r[name][3] for r in runs if r[name][3] is not None]
+        add = [1e3 * (r[name][0] - r["direct"][0]) for r in runs]
+        add99 = [1e3 * (r[name][1] - r["direct"][1]) for r in runs]
+        print(f"  {name:<26} cpu ms/req {min(cpu):.3f}..{max(cpu):.3f} ({statistics.median(cpu):.3f})   "
+              f"+p50 ms {min(add):.2f}..{max(add):.2f} ({statistics.median(add):.2f})   "
+              f"+p99 ms {min(add99):.2f}..{max(add99):.2f}")
 
 
 def main() -> None:
@@ -137,6 +155,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--requests", type=int, default=800)
+    ap.add_argument("--runs", type=int, default=1, help="repeat the short-chat tables (spread printed)")
+    ap.add_argument("--no-long", action="store_true", help="skip the long-chat table")
     ap.add_argument("--passthrough", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.passthrough:
@@ -145,17 +165,18 @@ def main() -> None:
     n = 160 if a.quick else a.requests
     with tempfile.TemporaryDirectory(prefix="kvatlas-bench-router-") as tmpd:
         tmp = Path(tmpd)
-        ip, wp, pp, rr, rp = (free_port() for _ in range(5))
+        ip, wp, wp1, pp, rr, rp = (free_port() for _ in range(6))
         kids: list[Child] = []
         try:
             idx = Child("indexer", kvatlas_cmd("indexer", "--port", str(ip)), tmp)
             kids.append(idx)
             wait_healthy([(idx, f"http://127.0.0.1:{ip}")])
-            w = Child("w0", kvatlas_cmd("worker", "--id", "w0", "--port", str(wp), "--indexer",
-                                        f"http://127.0.0.1:{ip}", "--tokenizer", str(TOK_DIR), "--speed", "100000",
-                                        "--gpu-pages", "4096"), tmp)
-            kids.append(w)
-            wait_healthy([(w, f"http://127.0.0.1:{wp}")])
+            w, w1 = (Child(wid, kvatlas_cmd("worker", "--id", wid, "--port", str(port), "--indexer",
+                                            f"http://127.0.0.1:{ip}", "--tokenizer", str(TOK_DIR), "--speed",
+                                            "100000", "--gpu-pages", "4096"), tmp)
+                     for wid, port in (("w0", wp), ("w1", wp1)))
+            kids += [w, w1]
+            wait_healthy([(w, f"http://127.0.0.1:{wp}"), (w1, f"http://127.0.0.1:{wp1}")])
             wurl = f"http://127.0.0.1:{wp}"
             pt = Child("passthrough", [sys.executable, "-m", "bench.bench_router", "--passthrough", str(pp), wurl], tmp)
             kids.append(pt)
@@ -164,7 +185,7 @@ def main() -> None:
                                        ("router precise_tiered", rp, "precise_tiered")):
                 ch = Child(name.replace(" ", "-"), kvatlas_cmd(
                     "router", "--port", str(port), "--indexer", f"http://127.0.0.1:{ip}", "--tokenizer", str(TOK_DIR),
-                    "--worker", f"w0={wurl}", "--policy", policy), tmp)
+                    "--worker", f"w0={wurl}", "--worker", f"w1=http://127.0.0.1:{wp1}", "--policy", policy), tmp)
                 kids.append(ch)
                 routers[name] = (f"http://127.0.0.1:{port}", ch.proc.pid)
                 wait_healthy([(ch, f"http://127.0.0.1:{port}")])
@@ -175,9 +196,19 @@ def main() -> None:
             system = {"role": "system", "content": words(rng, 120)}
             short = [{"model": "default", "max_tokens": 1,
                       "messages": [system, {"role": "user", "content": words(rng, 12)}]} for _ in range(n)]
-            measure(targets, short, a.concurrency, "short chats (~300 tokens), not streamed", idx.proc.pid)
             streamed = [{**b, "stream": True, "max_tokens": 4} for b in short]
-            measure(targets, streamed, a.concurrency, "short chats, streamed (4 tokens)", idx.proc.pid)
+            plain_runs, stream_runs = [], []
+            for i in range(a.runs):
+                run = f" (run {i + 1}/{a.runs})" if a.runs > 1 else ""
+                plain_runs.append(measure(targets, short, a.concurrency, "short chats (~300 tokens), not streamed"
+                                          + run, idx.proc.pid))
+                stream_runs.append(measure(targets, streamed, a.concurrency, "short chats, streamed (4 tokens)" + run,
+                                           idx.proc.pid))
+            if a.runs > 1:
+                spread("short chats, not streamed", plain_runs)
+                spread("short chats, streamed", stream_runs)
+            if a.no_long:
+                return
             long_system = {"role": "system", "content": words(rng, 2400 if a.quick else 6000)}
             longs = [{"model": "default", "max_tokens": 1,
                       "messages": [long_system, {"role": "user", "content": words(rng, 12)}]}

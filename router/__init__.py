@@ -1,1 +1,1 @@
-"""The KV-aware router: policies, forwarder, trace replay (docs/end-to-end.md)."""
+"""The KV-aware router: policies, the OpenAI proxy, trace replay (docs/end-to-end.md)."""

@@ -2,9 +2,10 @@
 
 - `--api openai` (the default without `--trace`): an OpenAI-compatible proxy in front of vLLM /
   SGLang engines or `kvatlas worker`s (router/proxy/, docs/openai.md).
-- `--api sim` (the default with `--trace`): serves `POST /generate` (route + forward), `GET /report`,
-  `GET /health` for `kvatlas worker`s; optionally replays a trace (its share of it, as replica I
-  of K) at scaled speed and writes the per-request report as JSON (docs/end-to-end.md)."""
+- `--api sim` (the default with `--trace`): replays a trace (its share of it, as replica I of K) at
+  scaled speed as token-id completions through an OpenAI router (`--via URL`, or one started in this
+  process over `kvatlas worker`s, serving on `--port`) and writes the per-request report as JSON
+  (docs/end-to-end.md). Every request is decided by the one decision path (router/decision.py)."""
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--indexer", default=None, help="indexer URL (needed by the precise policies)")
     p.add_argument("--indexer-token-file", default=None,
                    help="bearer token of an indexer run with auth (first line of the file; default $KVATLAS_AUTH_TOKEN)")
-    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, /generate or /v1/* (default 8 MiB)")
-    p.add_argument("--max-records", type=int, default=100_000,
-                   help="request records kept for GET /report from interactive requests (oldest go first)")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body of /v1/* (default 8 MiB)")
     p.add_argument("--worker", action="append", default=[], metavar="ID=URL",
                    help="a worker: its id (as registered at the indexer) and HTTP URL (repeatable)")
     p.add_argument("--policy", default="precise_tiered",
@@ -49,11 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "its prediction counts on (causal forwarding, docs/CONTRACTS.md; 0 = off; default 2)")
     p.add_argument("--via", default=None, metavar="URL",
                    help="with --trace: replay through this OpenAI router (kvatlas router --api openai) as token-id "
-                        "completions, in place of routing here (router/replay.py)")
+                        "completions, in place of one started in this process (router/replay.py)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--api", choices=("openai", "sim"), default=None,
                    help="openai: OpenAI-compatible proxy (/v1/completions, /v1/chat/completions) in front of "
-                        "vLLM / SGLang; sim: kvatlas worker's /generate and trace replay "
+                        "vLLM / SGLang / kvatlas workers; sim: trace replay through that proxy "
                         "(default: sim with --trace, else openai)")
     p.add_argument("--tokenizer", action="append", default=[], metavar="[MODEL=]DIR",
                    help="openai: the model's Hugging Face tokenizer directory, to tokenize requests as the engine does")
@@ -122,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
         return run_openai(args, workers)
     try:
         workers = parse_workers(args.worker, required=not args.via)
-        if args.via and not args.trace:
-            raise ValueError("--via replays a --trace")
+        if not args.trace:
+            raise ValueError("--api sim replays a --trace (to serve requests: --api openai)")
         if args.policy not in POLICIES:
             raise ValueError(f"unknown policy {args.policy!r}; expected one of {', '.join(POLICIES)}")
         if args.policy in PRECISE and not args.indexer and not args.via:
@@ -179,67 +178,70 @@ async def _replay_via(args: argparse.Namespace, reqs: list[Any]) -> int:
 
 
 async def _main(args: argparse.Namespace, workers: dict[str, str], reqs: list[Any] | None) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    import httpx
-    import uvicorn
-
-    from router.app import create_router_app
-    from router.forwarder import RouterCore, fetch_sim
-    from router.policies import make_policy
-    from router.progress import Progress
-    from sim.cmd import indexer_token
-
     if args.via:
         return await _replay_via(args, reqs or [])
+    return await _replay_here(args, workers, reqs or [])
+
+
+async def _replay_here(args: argparse.Namespace, workers: dict[str, str], reqs: list[Any]) -> int:
+    """`--trace` without `--via`: an OpenAI router in this process (router/proxy/, the one users
+    deploy: one decision path) on `--port` (an ephemeral loopback port with 0), the trace replayed
+    through it as `--via` would; its `/health` adds the replay's progress."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    import httpx
+
+    from router.progress import Progress
+    from router.proxy.cmd import build_server
+    from router.proxy.core import ProxyCore
+    from router.replay import OpenAIReplay
+    from router.simworker import fetch_sim
+    from schemas.auth import read_token
+
     async with httpx.AsyncClient() as c:
         healths = await asyncio.gather(*(fetch_sim(c, u) for u in workers.values()))
     sizes = {h.block_size for h in healths}
     if len(sizes) != 1:
         print(f"kvatlas router: workers disagree on block size: {sorted(sizes)}", file=sys.stderr)
         return 2
-    sim = healths[0].sim
-    policy = make_policy(args.policy, list(workers), sim, seed=args.seed + args.replica_index)
-    core = RouterCore(policy, workers, args.indexer, args.model, sizes.pop(), sim, speed=args.speed,
-                      admission_timeout_s=args.admission_timeout)
-    token = indexer_token(args.indexer_token_file)
-    if token:
-        core.indexer_auth = {"Authorization": f"Bearer {token}"}
-    state = {"total": len(reqs or []), "done": 0, "replaying": bool(reqs)}
-    server = None
-    serve_task = None
-    if args.port:
-        app = create_router_app(core, state, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                                max_records=args.max_records)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                               access_log=False, lifespan="off"))
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        serve_task = asyncio.create_task(server.serve())
+    token = read_token(None, args.indexer_token_file, os.environ.get("KVATLAS_AUTH_TOKEN"))
+    core = ProxyCore(workers, indexer=args.indexer, model=args.model, tokenizer=None, policy=args.policy,
+                     sim=healths[0].sim, block_size=sizes.pop(), metrics_interval_s=args.metrics_interval,
+                     seed=args.seed + args.replica_index, indexer_token=token,
+                     admission_timeout_s=args.admission_timeout)
+    state: dict[str, Any] = {"total": len(reqs), "done": 0, "replaying": True}
+    core.extra_health = state
+    await core.start()
+    server, sock = build_server(core, args.host if args.port else "127.0.0.1", args.port,
+                                max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+    port = sock.getsockname()[1]
+    serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+    replay = OpenAIReplay(f"http://127.0.0.1:{port}", args.model, args.speed)
     try:
-        if reqs:
-            label = f"router {args.replica_index + 1}/{args.replicas} {args.policy}"
-            bar = None if args.quiet else Progress(len(reqs), label)
+        while not server.started:
+            if serve_task.done():
+                return 1
+            await asyncio.sleep(0.01)  # uvicorn's readiness has no event to await
+        label = f"router {args.replica_index + 1}/{args.replicas} {args.policy}"
+        bar = None if args.quiet else Progress(len(reqs), label)
 
-            def on_done(n: int) -> None:
-                state["done"] = n
-                if bar is not None:
-                    bar.update(n)
-
-            t0 = time.monotonic()
-            records = await core.replay(reqs, on_done, args.start_at)
-            state["replaying"] = False
+        def on_done(n: int) -> None:
+            state["done"] = n
             if bar is not None:
-                bar.close()
-            log.info("replayed %d requests in %.1fs", len(records), time.monotonic() - t0)
-            if args.report:
-                _write_report(args, records)
-            if args.exit_after_replay or serve_task is None:
-                return 0
-        if serve_task is not None:
+                bar.update(n)
+
+        t0 = time.monotonic()
+        records = await replay.replay(reqs, on_done, args.start_at)
+        state["replaying"] = False
+        if bar is not None:
+            bar.close()
+        log.info("replayed %d requests in %.1fs", len(records), time.monotonic() - t0)
+        if args.report:
+            _write_report(args, records)
+        if not args.exit_after_replay and args.port:
             await serve_task
         return 0
     finally:
-        if server is not None:
-            server.should_exit = True
-            if serve_task is not None:
-                await serve_task
+        await replay.close()
+        server.should_exit = True
+        await serve_task
         await core.close()

@@ -8,10 +8,12 @@ code, so a decision does not depend on where it ran. Pure: no I/O, no clocks.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import msgspec
+import numpy as np
 
 from router.policies import Decision, Policy, RouteInput, ScoreRow, make_policy, shared_backlog
 from router_api.decide import Choice, DecideError, DecideRequest
@@ -19,6 +21,19 @@ from schemas.api import WorkerScoreOut
 from schemas.costmodel import SimModel
 
 _DEFAULT_SIM = SimModel()
+
+
+def block_keys(tokens: np.ndarray, block: int) -> list[bytes]:
+    """Chained per-block keys (equal keys = equal prefix): the `approximate` policy's own content ids."""
+    n = len(tokens) // block
+    out: list[bytes] = []
+    prev = b""
+    data = np.ascontiguousarray(tokens[: n * block], dtype="<u4").tobytes()
+    step = block * 4
+    for i in range(n):
+        prev = hashlib.blake2b(prev + data[i * step:(i + 1) * step], digest_size=16).digest()
+        out.append(prev)
+    return out
 
 
 class WorkerView(msgspec.Struct):

@@ -1,27 +1,18 @@
-"""Causal forwarding (docs/CONTRACTS.md, "Pending routes"): a route whose prediction counts another
-route's pending blocks is forwarded only once the worker admitted that route. Two router replicas
-(`RouterCore`, real httpx) share one indexer (real uvicorn) and one `kvatlas worker` process: the
-dependent request waits for the other's admission, reaches the worker after it and is served what it
-was promised; a wait whose route is never admitted times out, is counted, and the request goes on.
-The embedded indexer waits the same way."""
+"""Causal forwarding at the indexer (docs/CONTRACTS.md, "Pending routes"): which routes a report
+names in `after` (only those awaiting admission that hold its last pending block, by handle), the
+admission and wait endpoints' answers and errors, and the embedded indexer's waits. Two router
+replicas forwarding through one worker: tests/test_proxy_causal.py."""
 from __future__ import annotations
 
-import asyncio
 import sys
 import threading
 from collections.abc import Iterator
 
-import httpx
-import msgspec
 import numpy as np
 import pytest
 
-from sim.api import GenerateResponse, WorkerHealth
-from router_api.config import ServiceConfig
 from router.demo.procs import Child, wait_healthy
-from router.forwarder import RouterCore, fetch_sim
-from router.policies import make_policy
-from router.report import mismatch_cause
+from router_api.config import ServiceConfig
 from router_api.routes import route_handle
 from support.net import free_port, wait_until
 from support.service import LiveIndexer
@@ -46,97 +37,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveIndexe
     finally:
         w.stop()
         li.stop()
-
-
-def _admission(li: LiveIndexer) -> dict:
-    return li.client.get("/stats").json()["pending"]["admission"]
-
-
-def _core(li: LiveIndexer, url: str, health: WorkerHealth, timeout_s: float) -> RouterCore:
-    return RouterCore(make_policy("precise_tiered", ["cw0"], health.sim), {"cw0": url}, li.url, "default", BS,
-                      health.sim, admission_timeout_s=timeout_s)
-
-
-async def _two_cores(li: LiveIndexer, url: str, timeout_s: float) -> tuple[RouterCore, RouterCore]:
-    """Two router replicas over the one worker, each waiting up to `timeout_s` for admissions."""
-    async with httpx.AsyncClient() as c:
-        health = await fetch_sim(c, url)
-    return _core(li, url, health, timeout_s), _core(li, url, health, timeout_s)
-
-
-def test_a_dependent_route_waits_for_admission_and_runs_after(fleet: tuple[LiveIndexer, str]) -> None:
-    li, url = fleet
-    system = np.arange(100, 100 + 4 * BS, dtype=np.uint32)
-    q = np.concatenate([system, np.arange(1000, 1000 + 2 * BS, dtype=np.uint32)])
-    r = np.concatenate([system, np.arange(5000, 5000 + 3 * BS, dtype=np.uint32)])
-
-    async def main() -> None:
-        a, b = await _two_cores(li, url, 30.0)
-        before = _admission(li)
-        try:
-            # replica a decided q (its route is in the index) but its forward has not reached the worker
-            got = await a.report_route("a-q", "cw0", q)
-            assert got is not None and got["after"] == [] and got["blocks"] == 6
-            # replica b routes r, which shares q's system prompt: its prediction counts q's pending
-            # blocks, so it must reach the worker after q
-            task = asyncio.get_running_loop().create_task(b.handle(1, r, 1, request_id="r"))
-            await asyncio.to_thread(wait_until, lambda: task.done() or _admission(li)["waiting"] == 1, 60)
-            assert not task.done(), task.result()
-            # now q reaches the worker; its answer begins at admission, and a reports it
-            async with a.client.stream("POST", f"{url}/generate", json={"token_ids": q.tolist(), "max_tokens": 1,
-                                                                       "request_id": "q"}) as resp:
-                assert resp.status_code == 200
-                a.admitted("a-q")
-                q_served = msgspec.json.decode(await resp.aread(), type=GenerateResponse)
-            rec, out = await task
-            assert out is not None and rec.error is None
-            assert rec.wait_s is not None and not rec.wait_timeout
-            # r ran after q: served from cache exactly what it was promised (q's system prompt)
-            assert rec.predicted_cached == rec.predicted_pending == 4 * BS
-            assert rec.served is not None and rec.served.cached == 4 * BS == rec.arrival_cached
-            assert q_served.arrival_cached == 0
-        finally:
-            await a.release_route("a-q")
-            await a.close()
-            await b.close()
-        after = _admission(li)
-        assert after["dependent"] - before["dependent"] == 1
-        assert (after["waits"] - before["waits"], after["wait_timeouts"] - before["wait_timeouts"]) == (1, 0)
-        # a-q's and b's own admissions count only for routes still held when the reports arrive: the
-        # worker's events may confirm either route first (the route timer's sweep runs without traffic),
-        # and admitting a route that left is a no-op. The wait above ending without a timeout is the proof.
-        assert after["admitted"] - before["admitted"] <= 2
-        assert after["waiting"] == 0
-
-    asyncio.run(main())
-
-
-def test_a_wait_for_a_route_never_admitted_times_out_counted(fleet: tuple[LiveIndexer, str]) -> None:
-    li, url = fleet
-    system = np.arange(300, 300 + 3 * BS, dtype=np.uint32)
-    q = np.concatenate([system, np.arange(7000, 7000 + BS, dtype=np.uint32)])
-    r = np.concatenate([system, np.arange(9000, 9000 + BS, dtype=np.uint32)])
-
-    async def main() -> None:
-        a, b = await _two_cores(li, url, 0.3)
-        before = _admission(li)
-        try:
-            got = await a.report_route("a-lost", "cw0", q)  # its forward never happens
-            assert got is not None
-            rec, out = await b.handle(2, r, 1, request_id="r2")
-            assert out is not None and rec.wait_timeout and rec.wait_s is not None
-            # the promise was not kept: the cause is the route that never landed
-            assert rec.served is not None and rec.served.cached == 0 and mismatch_cause(rec) == "unlanded"
-        finally:
-            await a.release_route("a-lost")
-            await a.close()
-            await b.close()
-        after = _admission(li)
-        assert (after["waits"] - before["waits"], after["wait_timeouts"] - before["wait_timeouts"]) == (1, 1)
-        text = li.client.get("/metrics").text
-        assert 'kvatlas_pending_admission_total{what="wait_timeouts"}' in text
-
-    asyncio.run(main())
 
 
 def test_a_route_without_dependencies_never_waits(fleet: tuple[LiveIndexer, str]) -> None:

@@ -1,11 +1,9 @@
-"""Idle keep-alive between routers and the servers they forward to (sim.httpbody): no forward
+"""Idle keep-alive between the router and the servers it forwards to (sim.httpbody): no forward
 goes out on a connection its server is closing for idleness (a connection reset: httpx ReadError from
-BrokenResourceError, the server never saw the request). A `kvatlas router` keeps its idle connections
-(its client never expires them: httpcore can close an expiring connection it has just handed to a
-request, ReadError from ClosedResourceError) and the worker's server keeps them longer than any pause
-in a router's traffic; the OpenAI proxy, facing engines that close after 5 s, drops its own first.
-Real uvicorn with the worker's settings and the router's and the proxy's real clients. The pauses are
-the subject (a connection idle longer than a client keeps it), not a synchronisation."""
+BrokenResourceError, the server never saw the request). The OpenAI proxy, facing engines that close
+after 5 s, drops its own idle connections first, and a `kvatlas worker` keeps them longer than that.
+Real uvicorn with the worker's settings and the proxy's real client. The pause is the subject (a
+connection idle longer than a client keeps it), not a synchronisation."""
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +22,6 @@ from sim.api import SimModel
 from sim.cmd import server_config
 from sim.httpbody import CLIENT_KEEPALIVE_S, WORKER_KEEPALIVE_S
 from router.proxy.core import ProxyCore
-from router.forwarder import RouterCore, describe
-from router.policies import make_policy
 from support.net import free_port, wait_until
 
 ENGINE_KEEPALIVE_S = 5.0  # vLLM's and uvicorn's default: what the proxy's engines do
@@ -62,30 +58,6 @@ async def _ports(client: httpx.AsyncClient, url: str) -> tuple[int, int, int]:
 
 def test_keep_alive_settings_are_ordered() -> None:
     assert 0 < CLIENT_KEEPALIVE_S < PAUSE_S < ENGINE_KEEPALIVE_S < WORKER_KEEPALIVE_S
-    sim = SimModel()
-
-    async def expiry() -> object:
-        core = RouterCore(make_policy("round_robin", ["w"], sim), {"w": "http://127.0.0.1:1"}, None, "m", 16, sim)
-        try:
-            return core.client._transport._pool._keepalive_expiry  # type: ignore[attr-defined]
-        finally:
-            await core.close()
-
-    assert asyncio.run(expiry()) is None  # the router's pool never closes a connection for idleness
-
-
-def test_a_router_reuses_its_connection_to_a_worker_after_a_pause(worker_server: str) -> None:
-    sim = SimModel()
-
-    async def main() -> tuple[int, int, int]:
-        core = RouterCore(make_policy("round_robin", ["w"], sim), {"w": worker_server}, None, "m", 16, sim)
-        try:
-            return await _ports(core.client, worker_server)
-        finally:
-            await core.close()
-
-    a, b, c = asyncio.run(main())
-    assert a == b == c  # neither side closed it
 
 
 def test_the_proxy_drops_idle_connections_before_an_engine_closes_them(worker_server: str) -> None:
@@ -101,16 +73,3 @@ def test_the_proxy_drops_idle_connections_before_an_engine_closes_them(worker_se
     a, b, c = asyncio.run(main())
     assert a == b  # pooled while busy
     assert c != a  # a fresh connection after the pause: the client dropped the idle one
-
-
-def test_a_forward_error_names_its_chain() -> None:
-    class ClosedResourceError(Exception):
-        pass
-
-    try:
-        try:
-            raise ClosedResourceError
-        except ClosedResourceError as inner:
-            raise httpx.ReadError("") from inner
-    except httpx.ReadError as exc:
-        assert describe(exc) == "ReadError <- ClosedResourceError"

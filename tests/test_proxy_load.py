@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI, Response
 
 from router.proxy.load import LoadPoller, parse_load
-from router.forwarder import fetch_sim
+from router.simworker import fetch_sim
 from support.net import ThreadedServer, free_port
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -1,6 +1,7 @@
 """`POST /routes` / `DELETE /routes/{id}` and `/score`'s `pending_blocks` over real HTTP (uvicorn), and
-two router replicas (`RouterCore`, real httpx) sharing one indexer: each sees the other's reported
-routes as pending, and its precise policy follows them (docs/CONTRACTS.md, "Pending routes")."""
+two router replicas (the OpenAI router's indexer client, `POST /routes/decide`) sharing one indexer:
+each decision counts the other's in-flight routes as pending blocks and load (docs/CONTRACTS.md,
+"Pending routes")."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +11,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from sim.api import SimModel
-from router.forwarder import RouterCore
-from router.policies import make_policy
+import httpx
+
+from router.proxy.indexer import IndexerClient
+from router_api.decide import Candidate, DecideRequest
 from router_api.config import ServiceConfig
 from support.net import free_port
 from support.service import LiveIndexer, indexer_with_publishers
@@ -72,30 +74,32 @@ def test_bad_route_reports_are_clear_errors(live: LiveIndexer, body: dict, statu
                             ).status_code == 400
 
 
-def test_two_router_replicas_see_each_others_routes(live: LiveIndexer) -> None:
-    sim = SimModel()
-    workers = {w: "http://127.0.0.1:9" for w in WIDS}  # never called: only the indexer is
+def _decide(rid: str, tokens: np.ndarray, choice: str | None = None, reserve: bool = True) -> DecideRequest:
+    return DecideRequest(rid, [Candidate(w) for w in WIDS], "default", tokens=tokens.tobytes(), choice=choice,
+                         reserve=reserve)
 
+
+def test_two_router_replicas_see_each_others_routes(live: LiveIndexer) -> None:
+    """Replica a's route is pending at the indexer for replica b's decision: the precise policy
+    sends b's request sharing the system prompt to that worker, predicting the prefix as cached."""
     async def main() -> None:
-        a = RouterCore(make_policy("precise_tiered", WIDS, sim), workers, live.url, "default", BS, sim)
-        b = RouterCore(make_policy("precise_tiered", WIDS, sim, seed=1), workers, live.url, "default", BS, sim)
-        try:
+        async with httpx.AsyncClient() as http:
+            a = IndexerClient(live.url, http, None, release_every_s=3600.0)
+            b = IndexerClient(live.url, http, None, release_every_s=3600.0)
             system = np.arange(100, 100 + 4 * BS, dtype=np.uint32)
             first = np.concatenate([system, np.arange(1000, 1000 + 2 * BS, dtype=np.uint32)])
-            got = await a.report_route("a-1", "rw2", first)
-            assert got is not None and got["blocks"] == 6
-            # replica b has not routed anything, yet sees a's in-flight request on rw2
+            got = await a.decide(_decide("a-1", first, choice="rw2"))
+            assert got.reserved and got.worker_id == "rw2" and got.pending_blocks == 0
+            # replica b has not routed anything, yet its decision counts a's in-flight request on rw2
             second = np.concatenate([system, np.arange(5000, 5000 + 3 * BS, dtype=np.uint32)])
-            rows = await b.score(second)
-            assert rows["rw2"].pending == 4 and rows["rw2"].cached == 0 and rows["rw0"].pending == 0
-            # and its precise policy sends the request sharing the system prompt there
-            from router.policies import RouteInput
-            d = b.policy.choose(RouteInput(len(second), [], BS, rows, {w: 0.0 for w in WIDS},
-                                           {w: 0 for w in WIDS}))
-            assert d.worker_id == "rw2" and d.predicted_cached == 4 * BS and d.predicted_pending == 4 * BS
-            await a.release_route("a-1")
-            assert (await b.score(second))["rw2"].pending == 0
-        finally:
+            d = await b.decide(_decide("b-1", second, reserve=False))
+            assert d.worker_id == "rw2" and d.cached_blocks == 0 and d.pending_blocks == 4
+            assert d.predicted_cached_tokens == 4 * BS
+            rows = _rows(live, second.tolist())
+            assert rows["rw2"]["pending_blocks"] == 4 and "pending_blocks" not in rows["rw0"]
+            a.release("default", "a-1")
+            await a.flush()
+            assert "pending_blocks" not in _rows(live, second.tolist())["rw2"]
             await a.close()
             await b.close()
 
@@ -103,60 +107,33 @@ def test_two_router_replicas_see_each_others_routes(live: LiveIndexer) -> None:
 
 
 def test_two_router_replicas_share_in_flight_load(live: LiveIndexer) -> None:
-    """Replica a's route shows on replica b's `/score` rows as in-flight load on that worker
-    (`pending_requests`, `pending_prefill_tokens`), and b's queue estimate and precise policy take it:
-    in a burst b does not pick the worker a just loaded, though its own view of that worker is idle."""
-    sim = SimModel()
-    workers = {w: "http://127.0.0.1:9" for w in WIDS}
-
+    """Replica a's route shows on `/score` rows as in-flight load on that worker (`pending_requests`,
+    `pending_prefill_tokens`), and replica b's decision takes it: in a burst b does not pick the
+    worker a just loaded, though b's own view of every worker is idle."""
     async def main() -> None:
-        a = RouterCore(make_policy("precise_tiered", WIDS, sim), workers, live.url, "default", BS, sim)
-        b = RouterCore(make_policy("precise_tiered", WIDS, sim), workers, live.url, "default", BS, sim)
-        try:
+        async with httpx.AsyncClient() as http:
+            b = IndexerClient(live.url, http, None, release_every_s=3600.0)
             big = np.arange(20_000, 20_000 + 40 * BS + 3, dtype=np.uint32)  # 40 full blocks + 3 tokens
-            # a router that reports no end time (e.g. the OpenAI proxy): its route's prefill is the shared view
-            r = live.client.post("/routes", json={"request_id": "load-a", "worker_id": "rw0", "token_ids": big.tolist()})
-            assert r.status_code == 200, r.text
             other = np.arange(90_000, 90_000 + 8 * BS, dtype=np.uint32)  # shares nothing with `big`
-            rows = await b.score(other)
-            assert (rows["rw0"].inflight, rows["rw0"].inflight_prefill) == (1, len(big))
-            assert (rows["rw1"].inflight, rows["rw1"].inflight_prefill) == (0, 0)
-            r = live.client.post("/score", json={"token_ids": other.tolist()}).json()["workers"]
-            by = {w["worker_id"]: w for w in r}
+            idle = await b.decide(_decide("probe-0", other, reserve=False))
+            assert idle.worker_id == "rw0"  # every view idle: the tie goes to the first
+            r = live.client.post("/routes", json={"request_id": "load-a", "worker_id": "rw0",
+                                                  "token_ids": big.tolist()})
+            assert r.status_code == 200, r.text
+            by = _rows(live, other.tolist())
             assert (by["rw0"]["pending_requests"], by["rw0"]["pending_prefill_tokens"]) == (1, len(big))
             assert "pending_requests" not in by["rw1"] and by["rw0"]["cached_blocks"] == 0  # never mixed in
-            now = b.now()
-            own = b.backlog(now)  # b's own view: it has sent nothing, and no worker reported load
-            backlog = b.backlog(now, rows)
-            assert backlog["rw0"] >= sim.prefill_s(len(big)) - 1e-9 and backlog["rw1"] == backlog["rw2"] == 0.0
-            from router.policies import RouteInput
-            # b has sent nothing: its own view alone ties the three workers and breaks the tie on rw0
-            assert b.policy.choose(RouteInput(len(other), [], BS, {}, own, {w: 0 for w in WIDS})
-                                   ).worker_id == "rw0"
-            b.policy.assigned = {w: 0.0 for w in WIDS}
-            d = b.policy.choose(RouteInput(len(other), [], BS, rows, backlog, {w: 0 for w in WIDS}))
+            d = await b.decide(_decide("probe-1", other, reserve=False))
             assert d.worker_id != "rw0"
             # a second route to rw0 sharing big's blocks adds only what those do not cover
-            await b.report_route("load-b", "rw0", np.concatenate([big[:40 * BS], other]))
-            rows = await a.score(other)
-            assert (rows["rw0"].inflight, rows["rw0"].inflight_prefill) == (2, len(big) + len(other))
+            got = await b.decide(_decide("load-b", np.concatenate([big[:40 * BS], other]), choice="rw0"))
+            assert got.reserved
+            by = _rows(live, other.tolist())
+            assert (by["rw0"]["pending_requests"], by["rw0"]["pending_prefill_tokens"]) == (2, len(big) + len(other))
             assert live.client.delete("/routes/load-a").json() == {"released": 40}
-            await b.release_route("load-b")
-            rows = await a.score(other)
-            assert rows["rw0"].inflight == rows["rw0"].inflight_prefill == 0
-            # the shared view is kept as an end time: the confirmed/released route's work still counts
-            assert b.backlog(now, rows)["rw0"] == backlog["rw0"]
-            # a route carries its router's own end time for the worker; every replica reads it on the rows
-            # while the route is held, and forgets it with the route
-            a.busy_until["rw2"] = now + 7.5
-            await a.report_route("busy-a", "rw2", other)
-            rows = await b.score(other)
-            assert rows["rw2"].busy_until == now + 7.5 and rows["rw1"].busy_until is None
-            assert b.backlog(now, rows)["rw2"] == pytest.approx(7.5)
-            await a.release_route("busy-a")
-            assert (await b.score(other))["rw2"].busy_until is None
-        finally:
-            await a.close()
+            b.release("default", "load-b")
+            await b.flush()
+            assert "pending_requests" not in _rows(live, other.tolist())["rw0"]
             await b.close()
 
     asyncio.run(main())

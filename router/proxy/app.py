@@ -105,7 +105,7 @@ def create_proxy_app(core: ProxyCore, max_body_bytes: int = MAX_BODY_BYTES) -> F
             "workers": {w: {"up": bool(st.up), "reason": st.reason, "engine": st.load.engine,
                             "running": st.load.running, "waiting": st.load.waiting,
                             "kv_usage": st.load.kv_usage, "inflight": core.inflight.get(w, 0)}
-                        for w, st in core.poller.states.items()}}
+                        for w, st in core.poller.states.items()}, **core.extra_health}
         return Response(_enc.encode(doc), status_code=503 if status == "no_worker" else 200,
                         media_type="application/json")
 

@@ -24,7 +24,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from router.decision import choose, worker_view
+from router.decision import block_keys, choose, worker_view
 from router.policies import Decision, Policy, ScoreRow, make_policy
 from router.proxy.indexer import IndexerClient, Unavailable
 from router.proxy.limits import CLIENT_KEEPALIVE_S
@@ -158,6 +158,7 @@ class ProxyCore:
         self._tok_pool = ThreadPoolExecutor(max(1, tokenize_threads), thread_name_prefix="kvatlas-tokenize")
         self._tok_slots = asyncio.Semaphore(max(1, tokenize_threads))
         self._rng = random.Random(seed)
+        self.extra_health: dict[str, Any] = {}  # added to /health (a trace replay's progress)
 
 
     def http_rejected(self, reason: str) -> None:
@@ -282,8 +283,6 @@ class ProxyCore:
         pol = self._policy(up)
         keys: list[bytes] = []
         if pol.name == "approximate" and tokens is not None:
-            from router.forwarder import block_keys
-
             keys = block_keys(tokens, self.block_size)
         return choose(pol, 0 if tokens is None else len(tokens), self.block_size, scores, self.backlog(up),
                       self.inflight, keys)
