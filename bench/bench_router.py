@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -33,6 +34,9 @@ TOK_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-chat"
 WORDS = ("the cache holds key and value blocks for every token of the prompt routing a request to the worker "
          "that already holds its prefix saves prefill time answer briefly and precisely").split()
 TICK = os.sysconf("SC_CLK_TCK")
+PROFILED = ("import cProfile, signal, sys, runpy; p = cProfile.Profile(__import__('time').process_time); "
+            "signal.signal(signal.SIGUSR1, lambda *a: p.dump_stats({out!r})); sys.argv[0] = 'kvatlas'; "
+            "p.enable(); runpy.run_module('cli.main', run_name='__main__')")
 
 
 def cpu_s(pid: int) -> float:
@@ -157,6 +161,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=800)
     ap.add_argument("--runs", type=int, default=1, help="repeat the short-chat tables (spread printed)")
     ap.add_argument("--no-long", action="store_true", help="skip the long-chat table")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="run the routers under cProfile, writing DIR/<router>.prof when they stop")
     ap.add_argument("--passthrough", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.passthrough:
@@ -167,6 +173,7 @@ def main() -> None:
         tmp = Path(tmpd)
         ip, wp, wp1, pp, rr, rp = (free_port() for _ in range(6))
         kids: list[Child] = []
+        routers: dict[str, tuple[str, int]] = {}
         try:
             idx = Child("indexer", kvatlas_cmd("indexer", "--port", str(ip)), tmp)
             kids.append(idx)
@@ -180,12 +187,15 @@ def main() -> None:
             wurl = f"http://127.0.0.1:{wp}"
             pt = Child("passthrough", [sys.executable, "-m", "bench.bench_router", "--passthrough", str(pp), wurl], tmp)
             kids.append(pt)
-            routers = {}
             for name, port, policy in (("router round_robin", rr, "round_robin"),
                                        ("router precise_tiered", rp, "precise_tiered")):
-                ch = Child(name.replace(" ", "-"), kvatlas_cmd(
+                argv = kvatlas_cmd(
                     "router", "--port", str(port), "--indexer", f"http://127.0.0.1:{ip}", "--tokenizer", str(TOK_DIR),
-                    "--worker", f"w0={wurl}", "--worker", f"w1=http://127.0.0.1:{wp1}", "--policy", policy), tmp)
+                    "--worker", f"w0={wurl}", "--worker", f"w1=http://127.0.0.1:{wp1}", "--policy", policy)
+                if a.profile:  # under cProfile: SIGUSR1 writes the file (sent before the routers stop)
+                    out = Path(a.profile) / f"{name.replace(' ', '-')}.prof"
+                    argv[1:3] = ["-c", PROFILED.format(out=str(out))]
+                ch = Child(name.replace(" ", "-"), argv, tmp)
                 kids.append(ch)
                 routers[name] = (f"http://127.0.0.1:{port}", ch.proc.pid)
                 wait_healthy([(ch, f"http://127.0.0.1:{port}")])
@@ -216,6 +226,10 @@ def main() -> None:
             measure(targets, longs, min(a.concurrency, 4), "long chats (shared system prompt), not streamed",
                     idx.proc.pid)
         finally:
+            if a.profile:
+                for name, (_, pid) in routers.items():
+                    os.kill(pid, signal.SIGUSR1)
+                time.sleep(2.0)  # the dump is written by the router's signal handler: give it time
             for k in reversed(kids):
                 k.stop()
 

@@ -169,7 +169,7 @@ def test_admissions_and_releases_ride_on_the_next_decision(fleet: tuple[LiveInde
             before = _admission(li)["admitted"]
             client.admitted("default", "ride-q")
             client.release("default", "ride-r")
-            assert client._admit_timer is None  # not started: only a decision carries the reports
+            assert client._timer is None  # not started: only a decision carries the reports
             third = await client.decide(req("ride-s", more))
             # q's admission and r's release were applied before s was decided: s depends on nothing
             assert third.after == [] and third.pending_blocks == 3

@@ -29,7 +29,7 @@ from router.policies import Decision, Policy, ScoreRow, make_policy
 from router.proxy.indexer import IndexerClient, Unavailable
 from router.proxy.limits import CLIENT_KEEPALIVE_S
 from router.proxy.load import LoadPoller
-from router.proxy.rawhttp import RawClient, RawResponse, UpstreamError
+from router.proxy.rawhttp import RawClient, RawResponse, UpstreamError, within
 from router.proxy.stats import TAIL_BYTES, Accuracy, Histogram, served_cached
 from router_api.decide import Candidate, DecideRequest
 from router_api.tokenization import ChatTokenizer, TokenizerError
@@ -403,8 +403,7 @@ class ProxyCore:
                 route.tried.append(w)
                 self.inflight[w] += 1
                 try:
-                    resp = await asyncio.wait_for(self._send(self.workers[w], path, content, fwd),
-                                                  self.first_byte_timeout_s)
+                    resp = await within(self._send(self.workers[w], path, content, fwd), self.first_byte_timeout_s)
                 except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
                         UpstreamError, asyncio.TimeoutError) as exc:
                     self.inflight[w] -= 1

@@ -70,9 +70,9 @@ class IndexerClient:
         self._backoff_s = 1.0
         self._releases: dict[str, list[str]] = {}  # model -> route ids to release
         self._admits: dict[str, list[str]] = {}    # model -> route ids the worker admitted, to report
-        self._admit_timer: asyncio.TimerHandle | None = None
-        self._flusher: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
+        self._started = False
+        self._timer: asyncio.TimerHandle | None = None  # the next batch, when nothing carried the reports
+        self._flushing: asyncio.Task[None] | None = None
         self._warned: dict[str, float] = {}
 
     # -- health ------------------------------------------------------------------------------
@@ -194,13 +194,7 @@ class IndexerClient:
         this router's next decision, or goes out within `admit_every_s` when none comes first (a
         waiter, here or at another router, waits that much longer at most)."""
         self._admits.setdefault(model, []).append(request_id)
-        if self._admit_timer is None and self._flusher is not None:
-            self._admit_timer = asyncio.get_running_loop().call_later(self.admit_every_s, self._admit_due)
-
-    def _admit_due(self) -> None:
-        self._admit_timer = None
-        if self._admits:
-            self._wake.set()
+        self._schedule(self.admit_every_s)
 
     @staticmethod
     def _take(queue: dict[str, list[str]], model: str) -> list[str]:
@@ -221,22 +215,45 @@ class IndexerClient:
     # -- releases, batched -------------------------------------------------------------------------
     def release(self, model: str, request_id: str) -> None:
         """Queue a route's release (no await: it happens however the response ended, cancelled too)."""
-        self._releases.setdefault(model, []).append(request_id)
-        if sum(len(v) for v in self._releases.values()) >= 256:
-            self._wake.set()
+        ids = self._releases.setdefault(model, [])
+        ids.append(request_id)
+        self._schedule(0.0 if len(ids) >= 256 else self.release_every_s)
 
     def start(self) -> None:
-        if self._flusher is None:
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+        """Send what no decision carried in batches from now on (a timer armed only while reports wait:
+        nothing runs while every report rides on a decision)."""
+        self._started = True
+        if self._admits or self._releases:
+            self._schedule(0.0)
 
-    async def _flush_loop(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.release_every_s)
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
+    def _schedule(self, delay_s: float) -> None:
+        if not self._started:
+            return
+        loop = asyncio.get_running_loop()
+        when = loop.time() + delay_s
+        if self._timer is not None:
+            if self._timer.when() <= when:
+                return
+            self._timer.cancel()
+        self._timer = loop.call_at(when, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        if not (self._admits or self._releases):
+            return
+        if self._flushing is not None:  # the running batch arms the next one when it ends
+            return
+        self._flushing = asyncio.get_running_loop().create_task(self._flush_once())
+
+    async def _flush_once(self) -> None:
+        try:
             await self.flush()
+        finally:
+            self._flushing = None
+            if self._admits:
+                self._schedule(self.admit_every_s)
+            elif self._releases:
+                self._schedule(self.release_every_s)
 
     async def flush(self) -> None:
         """Send what no decision carried: admissions first (waiters may be held on them), releases."""
@@ -262,16 +279,15 @@ class IndexerClient:
                                len(ca), self.url)
 
     async def close(self) -> None:
-        if self._admit_timer is not None:
-            self._admit_timer.cancel()
-            self._admit_timer = None
-        if self._flusher is not None:
-            self._flusher.cancel()
+        self._started = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._flushing is not None:
             try:
-                await self._flusher
-            except asyncio.CancelledError:
+                await self._flushing
+            except (asyncio.CancelledError, Exception):
                 pass
-            self._flusher = None
         await self.flush()
         if self.raw is not None:
             self.raw.close()

@@ -14,13 +14,27 @@ so the server sees the client leave.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import TypeVar
 from urllib.parse import urlsplit
+
+T = TypeVar("T")
 
 MAX_HEAD = 64 * 1024
 READ_CHUNK = 64 * 1024
 Header = tuple[str, str]
+
+
+if sys.version_info >= (3, 11):
+    async def within(aw: Awaitable[T], timeout_s: float) -> T:
+        """`asyncio.wait_for` without its task per call (a deadline on the running task); raises
+        asyncio.TimeoutError."""
+        async with asyncio.timeout(timeout_s):
+            return await aw
+else:  # pragma: no cover - Python 3.10
+    within = asyncio.wait_for
 
 
 class UpstreamError(Exception):
@@ -126,6 +140,14 @@ class RawResponse:
         self._done = True
 
     async def aread(self) -> bytes:
+        conn = self._conn
+        if conn is not None and not self._chunked and self._length is not None and not self._done:
+            try:  # a declared length: one read, no iterator
+                data = await conn.reader.readexactly(self._length)
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                raise UpstreamError(f"answer broke off: {type(exc).__name__}: {exc}") from None
+            self._done = True
+            return data
         return b"".join([c async for c in self.aiter_raw()])
 
     async def aclose(self) -> None:
@@ -167,8 +189,8 @@ class HostPool:
 
     async def _connect(self) -> _Conn:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port, limit=MAX_HEAD),
-                                                    self.connect_timeout_s)
+            reader, writer = await within(asyncio.open_connection(self.host, self.port, limit=MAX_HEAD),
+                                          self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
             raise ConnectFailed(f"connect to {self.host}:{self.port}: {type(exc).__name__}: {exc}") from None
         return _Conn(reader, writer)
@@ -251,7 +273,7 @@ class RawClient:
             return resp.status_code, data
 
         try:
-            return await asyncio.wait_for(run(), timeout_s)
+            return await within(run(), timeout_s)
         except asyncio.TimeoutError:
             raise UpstreamError(f"{base_url}{path}: no answer within {timeout_s:g}s") from None
 
