@@ -27,7 +27,7 @@ from router_api.bodies import ApiError, check_length, content_kind, decode_body
 from router_api.http_log import RateLimitedLog, escape_log
 from router_api.registry import RegistryError
 from router_api.decide import Chooser, Decider
-from router_api.decide_http import add_decide_routes, decide_route
+from router_api.decide_http import add_decide_routes, add_structured_post, decide_route
 from router_api.routes import UnknownRouteWorker, WaitsFull
 from router_api.offload import AnswerPool
 from router_api.score_front import ASGIApp, Route, ScoreFront
@@ -211,14 +211,11 @@ def create_app(service: IndexerService, native_bodies: bool | None = None, pool:
     decider = Decider(service, chooser, UnknownModel, UnknownRouteWorker)
     add_decide_routes(app, decider, structured_body, encode_for, reject, observe)
 
-    @app.post("/routes/admitted")
-    async def route_admitted(request: Request) -> Response:
-        """The worker accepted a routed request into its queue: routes waiting for it may go."""
-        try:
-            a = await structured_body(request, RouteAdmitted, "report an admission with a JSON or msgpack body")
-        except ApiError as exc:
-            return reject("routes_admitted", exc)
-        return encode_for(request, {"admitted": service.admit_route(a.model, a.request_id)})
+    add_structured_post(app, "/routes/admitted", "routes_admitted", RouteAdmitted,
+                        "report an admission with a JSON or msgpack body",
+                        lambda a: {"admitted": service.admit_route(a.model, a.request_id)}, structured_body,
+                        encode_for, reject, doc="The worker accepted a routed request into its queue: routes "
+                        "waiting for it may go (routers send it on their next decision or release batch).")
 
     @app.post("/routes/wait")
     async def route_wait(request: Request) -> Response:

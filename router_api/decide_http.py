@@ -36,27 +36,34 @@ def decide_route(decider: Decider) -> Route:
     return Route("routes_decide", DecideRequest, answer, structured=True)
 
 
+def add_structured_post(app: FastAPI, path: str, name: str, body_type: type, what: str,
+                        handle: Callable[[Any], Any],
+                        structured_body: Callable[[Request, type, str], Awaitable[Any]],
+                        encode_for: Callable[..., Response], reject: Callable[[str, ApiError], Response],
+                        observe: Callable[[str, float], None] | None = None, doc: str = "") -> None:
+    """`POST path`: a JSON or msgpack body of `body_type` -> `handle` -> the answer in the format the
+    client accepts; an ApiError from either is the answer (counted under `name`), `observe` times it."""
+    async def endpoint(request: Request) -> Response:
+        t0 = time.perf_counter()
+        try:
+            ans = handle(await structured_body(request, body_type, what))
+        except ApiError as exc:
+            return reject(name, exc)
+        if observe is not None:
+            observe(name, t0)
+        return encode_for(request, ans)
+
+    endpoint.__doc__ = doc
+    app.add_api_route(path, endpoint, methods=["POST"], name=name)
+
+
 def add_decide_routes(app: FastAPI, decider: Decider,
                       structured_body: Callable[[Request, type, str], Awaitable[Any]],
                       encode_for: Callable[..., Response], reject: Callable[[str, ApiError], Response],
                       observe: Callable[[str, float], None]) -> None:
-    @app.post("/routes/decide")
-    async def decide(request: Request) -> Response:
-        """Score, choose and record the in-flight route in one step (router_api/decide.py)."""
-        t0 = time.perf_counter()
-        try:
-            req = await structured_body(request, DecideRequest, "decide with a JSON or msgpack body")
-            ans = decided(decider, req)
-        except ApiError as exc:
-            return reject("routes_decide", exc)
-        observe("routes_decide", t0)
-        return encode_for(request, ans)
-
-    @app.post("/routes/release")
-    async def release(request: Request) -> Response:
-        """Forget many finished routes at once (routers batch their releases)."""
-        try:
-            req = await structured_body(request, ReleaseRequest, "release with a JSON or msgpack body")
-        except ApiError as exc:
-            return reject("routes_release", exc)
-        return encode_for(request, decider.release(req))
+    add_structured_post(app, "/routes/decide", "routes_decide", DecideRequest, "decide with a JSON or msgpack body",
+                        lambda req: decided(decider, req), structured_body, encode_for, reject, observe,
+                        "Score, choose and record the in-flight route in one step (router_api/decide.py).")
+    add_structured_post(app, "/routes/release", "routes_release", ReleaseRequest,
+                        "release with a JSON or msgpack body", decider.release, structured_body, encode_for, reject,
+                        doc="Forget many finished routes at once and apply admission reports (routers batch them).")
