@@ -211,6 +211,8 @@ class IndexerClient:
             self._releases.setdefault(model, []).extend(releases)
         if admits:
             self._admits.setdefault(model, []).extend(admits)
+        if releases or admits:  # the timer that was armed for them may have fired meanwhile
+            self._schedule(self.admit_every_s if admits else self.release_every_s)
 
     # -- releases, batched -------------------------------------------------------------------------
     def release(self, model: str, request_id: str) -> None:
