@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "indexer": ("cli.indexer", "run the indexer service: ZMQ ingestion + HTTP API"),
     "relay": ("cli.relay", "bridge ZeroMQ publishers into NATS JetStream"),
     "worker": ("sim.cmd", "run a worker: simulated model over the tiered cache, KV events on ZMQ"),
-    "router": ("router.cmd", "run the KV-aware router: policies over /score, forwarding, trace replay"),
+    "router": ("router.cmd", "run the KV-aware OpenAI router, or replay a trace through it"),
 }
 
 
