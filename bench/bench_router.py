@@ -161,6 +161,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=800)
     ap.add_argument("--runs", type=int, default=1, help="repeat the short-chat tables (spread printed)")
     ap.add_argument("--no-long", action="store_true", help="skip the long-chat table")
+    ap.add_argument("--base-tree", default=None, metavar="DIR",
+                    help="also run precise_tiered from this source tree (e.g. a `git archive` of an older commit "
+                         "with the native modules copied in), as a peer in the same run")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="run the routers under cProfile, writing DIR/<router>.prof when they stop")
     ap.add_argument("--passthrough", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
@@ -187,14 +190,18 @@ def main() -> None:
             wurl = f"http://127.0.0.1:{wp}"
             pt = Child("passthrough", [sys.executable, "-m", "bench.bench_router", "--passthrough", str(pp), wurl], tmp)
             kids.append(pt)
-            for name, port, policy in (("router round_robin", rr, "round_robin"),
-                                       ("router precise_tiered", rp, "precise_tiered")):
+            plan = [("router round_robin", rr, "round_robin", None), ("router precise_tiered", rp, "precise_tiered", None)]
+            if a.base_tree:
+                plan.append(("base precise_tiered", free_port(), "precise_tiered", a.base_tree))
+            for name, port, policy, tree in plan:
                 argv = kvatlas_cmd(
                     "router", "--port", str(port), "--indexer", f"http://127.0.0.1:{ip}", "--tokenizer", str(TOK_DIR),
                     "--worker", f"w0={wurl}", "--worker", f"w1=http://127.0.0.1:{wp1}", "--policy", policy)
                 if a.profile:  # under cProfile: SIGUSR1 writes the file (sent before the routers stop)
                     out = Path(a.profile) / f"{name.replace(' ', '-')}.prof"
                     argv[1:3] = ["-c", PROFILED.format(out=str(out))]
+                if tree:  # its own modules first: run from that tree
+                    argv = ["sh", "-c", 'cd "$0" && exec "$@"', tree, *argv]
                 ch = Child(name.replace(" ", "-"), argv, tmp)
                 kids.append(ch)
                 routers[name] = (f"http://127.0.0.1:{port}", ch.proc.pid)
