@@ -154,6 +154,7 @@ def test_router_page_counts_accuracy_and_render(page_fleet) -> None:
     assert s["counts"]["requests"] == 6 and s["status"] == "ok" and s["indexer"]["counts"]["decided"] >= 5
     assert s["decision_latency"]["n"] == 6 and s["decision_latency"]["p99_ms"] is not None
     _check(s, exp)
+    assert s["accuracy"]["compared"] == 5  # the four chats and the stream: the engine said its cached tokens
 
     dom = _render(page_fleet["router"] + "/")
     assert 'id="conn" class="ok">live<' in dom, dom[:3000]

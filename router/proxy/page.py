@@ -90,7 +90,7 @@ def router_state(core: ProxyCore, *, top: int = TOP_WORKERS, last: int = LAST_DE
         st = states.get(w)
         c = by_worker.get(w) or Cell()
         load = None if st is None else st.load
-        model = core.worker_models.get(w)
+        served = core.worker_models.get(w)
         workers.append({
             "worker_id": clip(w),
             "status": "unknown" if st is None or st.up is None else "up" if st.up else "down",
@@ -101,7 +101,7 @@ def router_state(core: ProxyCore, *, top: int = TOP_WORKERS, last: int = LAST_DE
             "kv_usage": None if load is None else load.kv_usage,
             "poll_failures": 0 if st is None else st.failures,
             "unknown_at_indexer": unknown.get(w, 0),
-            "models": sorted(clip(m) for m in (models_of.get(w) or ({model} if model else set())))[:8],
+            "models": sorted(clip(m) for m in (models_of.get(w) or ({served} if served else set())))[:8],
             "inflight": core.inflight.get(w, 0),
             **_cell_doc(c)})
     models = []

@@ -21,15 +21,32 @@ LAST_DECISIONS = 50
 class RouteView(Protocol):
     """What a hook reads of a route (router/proxy/core.py's Route)."""
 
-    request_id: str
-    worker_id: str
-    model: str
-    policy: str
-    scored: bool
-    unscored_reason: str
-    cached_tokens: int | None
-    decide_s: float
-    tokens: Sized | None
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def policy(self) -> str: ...
+
+    @property
+    def scored(self) -> bool: ...
+
+    @property
+    def unscored_reason(self) -> str: ...
+
+    @property
+    def cached_tokens(self) -> int | None: ...
+
+    @property
+    def decide_s(self) -> float: ...
+
+    @property
+    def tokens(self) -> Sized | None: ...
 
 
 class Cell:
