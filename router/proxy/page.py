@@ -4,11 +4,12 @@ that polls `GET /router/state` once a second.
 
 `router_state` is read from counters the router keeps anyway (router/proxy/core.py's counts,
 in-flight counts and histograms, the load poller's worker states, the indexer client's state,
-router/proxy/tally.py's per-model and per-worker counters and sampled decisions): polling costs
-the request path nothing. The answer is bounded: at most `top` workers (most routed and in flight
-first), `top` models, the indexer's `top` most refused worker ids, the last `last` sampled
-decisions, and every string cut at MAX_TEXT characters. Worker ids and reasons come from other
-parties; the page renders every value as text, never as markup."""
+router/proxy/tally.py's per-model and per-worker counters and sampled decisions): a request pays
+O(1) counter updates; a poll builds the state (about 2.5 ms with 300 workers) at most once per
+STATE_TTL_S, however many pages poll. The answer is bounded: at most `top` workers (most routed and
+in flight first), `top` models, the indexer's `top` most refused worker ids, the last `last`
+sampled decisions, and every string cut at MAX_TEXT characters. Worker ids and reasons come from
+other parties; the page renders every value as text, never as markup."""
 from __future__ import annotations
 
 import time
@@ -27,6 +28,7 @@ STATIC = Path(__file__).parent / "static" / "router.html"
 TOP_WORKERS = 64
 LAST_DECISIONS = 50
 MAX_TEXT = 256
+STATE_TTL_S = 0.25  # a state built (about 2.5 ms with 300 workers) serves every poll this long
 _enc = msgspec.json.Encoder()
 
 
@@ -143,7 +145,15 @@ def mount_page(app: FastAPI, core: ProxyCore) -> None:
                                            "content-security-policy": "default-src 'none'; script-src 'unsafe-inline'; "
                                                                       "style-src 'unsafe-inline'; connect-src 'self'"})
 
+    cache: dict[tuple[int, int], tuple[float, bytes]] = {}
+
     @app.get("/router/state")
     async def state(top: int = TOP_WORKERS, last: int = LAST_DECISIONS) -> Response:
-        doc = router_state(core, top=min(max(top, 0), TOP_WORKERS), last=min(max(last, 0), LAST_DECISIONS))
-        return Response(_enc.encode(doc), media_type="application/json", headers={"cache-control": "no-store"})
+        key = (min(max(top, 0), TOP_WORKERS), min(max(last, 0), LAST_DECISIONS))
+        now = time.monotonic()
+        hit = cache.get(key)
+        if hit is None or now - hit[0] >= STATE_TTL_S:  # many viewers (or a client looping) cost one build per TTL
+            if len(cache) > 16:
+                cache.clear()
+            hit = cache[key] = (now, _enc.encode(router_state(core, top=key[0], last=key[1])))
+        return Response(hit[1], media_type="application/json", headers={"cache-control": "no-store"})
