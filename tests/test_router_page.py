@@ -173,6 +173,10 @@ def test_router_page_counts_accuracy_and_render(page_fleet) -> None:
     assert "<script>alert(1)" not in dom and "<b>w1" not in dom and "&lt;script&gt;alert(1)&lt;b&gt;w1&amp;amp;" in dom
     assert len(re.findall(r'<tr data-request="kvatlas-[0-9a-f]+" data-outcome="answered">', dom)) == 6
     assert re.search(r'id="indexer-state"[^>]*>ok<', dom)
+    decide = html.unescape(re.search(r'id="decide">([^<]+)<', dom).group(1))
+    assert re.fullmatch(r"(≤ [\d.]+ ms|> 1 s) · (≤ [\d.]+ ms|> 1 s)", decide), decide
+    assert html.unescape(re.search(r'id="accuracy"[^>]*>([^<]+)<', dom).group(1)) == \
+        f"{100 * s['accuracy']['ratio']:.1f}%"
 
     # the indexer dies: the next request is decided on load alone (`fallback`), the page says why
     page_fleet["procs"]["indexer"].stop()
