@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Protocol, Sized
+from typing import Callable, Protocol, Sized
 
 from router.proxy.stats import Histogram
 
@@ -102,14 +102,15 @@ def outcome_of(scored: bool, unscored_reason: str) -> str:
 
 
 class Tally:
-    __slots__ = ("cells", "latency", "samples", "_pending", "started")
+    __slots__ = ("cells", "latency", "samples", "_pending", "started", "clock")
 
-    def __init__(self, last: int = LAST_DECISIONS) -> None:
+    def __init__(self, last: int = LAST_DECISIONS, clock: Callable[[], float] = time.time) -> None:
         self.cells: dict[tuple[str, str], Cell] = {}     # (model, worker) -> counters
         self.latency: dict[str, Histogram] = {}          # model -> decision latency of its routed requests
         self.samples: deque[Sample] = deque(maxlen=max(1, last))
         self._pending: dict[str, Sample] = {}            # request id -> its sample, until the answer ends
-        self.started = time.time()
+        self.clock = clock
+        self.started = clock()
 
     def _cell(self, route: RouteView) -> Cell:
         key = (route.model, route.worker_id)
@@ -120,7 +121,7 @@ class Tally:
 
     def sample(self, route: RouteView) -> None:
         """A decision the decision log sampled."""
-        s = Sample(time.time(), route.request_id, route.model, route.worker_id, route.policy,
+        s = Sample(self.clock(), route.request_id, route.model, route.worker_id, route.policy,
                    None if route.tokens is None else len(route.tokens),
                    route.cached_tokens, route.scored, route.unscored_reason, route.decide_s * 1e3)
         if len(self.samples) == self.samples.maxlen:
