@@ -25,6 +25,7 @@ from fastapi.responses import StreamingResponse
 from router.proxy.core import ProxyCore
 from router.proxy.exchange import Refused, client_left, open_routed, parse, refused, too_large
 from router.proxy.limits import MAX_BODY_BYTES
+from router.proxy.page import mount_page
 from router_api.request_body import read_capped
 
 _enc = msgspec.json.Encoder()
@@ -113,6 +114,7 @@ def create_proxy_app(core: ProxyCore, max_body_bytes: int = MAX_BODY_BYTES) -> F
     async def metrics() -> Response:
         return Response(metrics_text(core), media_type="text/plain; version=0.0.4")
 
+    mount_page(app, core)  # GET / and GET /router/state
     return app
 
 

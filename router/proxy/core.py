@@ -31,6 +31,7 @@ from router.proxy.limits import CLIENT_KEEPALIVE_S
 from router.proxy.load import LoadPoller
 from router.proxy.rawhttp import RawClient, RawResponse, UpstreamError, within
 from router.proxy.stats import TAIL_BYTES, Accuracy, Histogram, served_cached
+from router.proxy.tally import Tally
 from router_api.decide import Candidate, DecideRequest
 from router_api.tokenization import ChatTokenizer, TokenizerError
 from schemas.api import MAX_QUERY_TOKENS
@@ -153,6 +154,7 @@ class ProxyCore:
         self.decision_latency = Histogram()
         self.indexer_latency = Histogram()
         self.accuracy = Accuracy()
+        self.tally = Tally()  # per model and worker, for the router page (router/proxy/page.py)
         self._warn = _OnceLog()
         self._avg_tokens = 1024.0
         self._tok_pool = ThreadPoolExecutor(max(1, tokenize_threads), thread_name_prefix="kvatlas-tokenize")
@@ -320,6 +322,7 @@ class ProxyCore:
                            "scored=%s reserved=%s after=%d decide_ms=%.3f", route.request_id, model, route.worker_id,
                            route.policy, "" if tokens is None else len(tokens), route.cached_tokens,
                            route.scored, route.reserved, len(route.after), route.decide_s * 1e3)
+            self.tally.sample(route)
         return route
 
     async def _decide_at_indexer(self, route: Route, body: dict[str, Any], up: list[str]) -> None:
@@ -425,6 +428,7 @@ class ProxyCore:
                     raise
                 self.routed_to[w] += 1
                 self.counts["routed"] += 1
+                self.tally.routed(route)
                 if route.reserved and self.admission_timeout_s > 0:
                     assert self.indexer is not None  # the worker queued it: routes that wait for it may go
                     self.indexer.admitted(route.model, route.request_id)  # rides on the next call
@@ -445,6 +449,7 @@ class ProxyCore:
         except (httpx.HTTPError, UpstreamError) as exc:
             self.counts["upstream_errors"] += 1
             self.counts["truncated"] += 1
+            self.tally.broke(route)
             log.warning("event=upstream_broke request=%s worker=%s error=%s", route.request_id, route.worker_id, exc)
             raise Truncated(f"{route.worker_id}: {exc}") from None
         finally:
@@ -455,8 +460,10 @@ class ProxyCore:
 
     def _observe(self, route: Route, tail: bytes) -> None:
         if not route.scored or route.cached_tokens is None:
+            self.tally.answered(route, None)
             return
         served = served_cached(tail)
+        self.tally.answered(route, served)
         if served is not None:
             self.accuracy.observe(route.cached_tokens, served)
 
