@@ -44,7 +44,7 @@ class View:
 
 def arrival_of(body: Mapping[str, Any]) -> float | None:
     at = body.get("kvatlas_arrival_s")
-    if type(at) not in (int, float) or not math.isfinite(at) or at < 0:
+    if not isinstance(at, (int, float)) or isinstance(at, bool) or not math.isfinite(at) or at < 0:
         return None
     return float(at)
 
