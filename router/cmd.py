@@ -49,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--via", default=None, metavar="URL",
                    help="with --trace: replay through this OpenAI router (kvatlas router --api openai) as token-id "
                         "completions, in place of one started in this process (router/replay.py)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="the simulated clock decides (kvatlas worker fleets; docs/end-to-end.md \"Lockstep\"): "
+                        "openai: load read at each request's kvatlas_arrival_s, in-flight counted on the virtual "
+                        "clock; --via: one request at a time, the next once the previous one was served "
+                        "(--via may then name several routers, request i going to the (i mod K)-th)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--api", choices=("openai", "sim"), default=None,
                    help="openai: OpenAI-compatible proxy (/v1/completions, /v1/chat/completions) in front of "
@@ -163,7 +168,7 @@ async def _replay_via(args: argparse.Namespace, reqs: list[Any]) -> int:
     from router.progress import Progress
     from router.replay import OpenAIReplay
 
-    replay = OpenAIReplay(args.via, args.model, args.speed)
+    replay = OpenAIReplay(args.via, args.model, args.speed, lockstep=args.lockstep)
     bar = None if args.quiet else Progress(len(reqs), f"replay {args.replica_index + 1}/{args.replicas} "
                                                       f"{args.policy} via {args.via}")
     try:

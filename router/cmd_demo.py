@@ -31,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission-timeout", type=float, default=2.0,
                    help="routers' causal forwarding: wall seconds a request waits at most for the in-flight "
                         "requests its prediction counts on to be admitted (0 = off; default 2)")
+    p.add_argument("--wall-clock", action="store_true",
+                   help="replay paced on the wall clock with requests concurrent (routers poll load, causal "
+                        "forwarding waits): the rows then vary run to run; default: lockstep on the simulated "
+                        "clock, every row repeats exactly (docs/end-to-end.md, \"Lockstep\")")
     p.add_argument("--l3", choices=("file", "mooncake"), default="file",
                    help="the workers' L3: a local directory each (DISK), or one Mooncake Store all of a run's "
                         "workers share (EXTERNAL; the demo starts its mooncake_master)")
@@ -110,7 +114,8 @@ def _run(args: argparse.Namespace) -> int:
     kw = {"policies": policies} if policies else {}
     s = DemoSettings(trace=args.trace, requests=args.requests or 300, speed=args.speed, routers=args.routers,
                      workers=args.workers, gpu_pages=args.gpu_pages, host_pages=args.host_pages, seed=args.seed,
-                     family=args.family, admission_timeout=args.admission_timeout, l3=args.l3, **kw)
+                     family=args.family, admission_timeout=args.admission_timeout, l3=args.l3,
+                     lockstep=not args.wall_clock, **kw)
     from router.trace import BUILTIN_TRACES, TraceError, load_trace
     if args.trace and args.trace not in BUILTIN_TRACES:
         try:

@@ -7,6 +7,14 @@ timeline from a `kvatlas worker`'s `x-kvatlas-served` / `x-kvatlas-ttft-s` / `x-
 
 `kvatlas_arrival_s` (the trace's arrival, on the simulated clock the replicas share) travels in the
 body, so the workers' virtual times do not depend on how loaded the machine is.
+
+Lockstep (`--lockstep`, what `kvatlas demo` runs; docs/end-to-end.md "Lockstep"): one request at a
+time in trace order, streamed, the next sent once this one's answer headers are back — the worker
+sends them once it served the request, and they carry everything its record needs — and its body
+drained meanwhile (a client that left would cancel it on the worker's timeline). `via` may then
+name K routers (comma-separated): request i of the slice goes to the (i mod K)-th, so K replicas
+take turns without coordinating with each other, and each decides with the fleet as every earlier
+request, whichever replica sent it, left it.
 """
 from __future__ import annotations
 
@@ -64,8 +72,12 @@ def record_of(index: int, n_tokens: int, r: httpx.Response) -> RequestRecord:
 class OpenAIReplay:
     """Replays trace requests through one OpenAI router; `records` as the trace router keeps them."""
 
-    def __init__(self, via: str, model: str, speed: float, timeout_s: float = 600.0) -> None:
-        self.via = via.rstrip("/")
+    def __init__(self, via: str, model: str, speed: float, timeout_s: float = 600.0, lockstep: bool = False) -> None:
+        self.vias = [u.strip().rstrip("/") for u in via.split(",") if u.strip()]
+        if not self.vias or (len(self.vias) > 1 and not lockstep):
+            raise ValueError("--via names one router (several only with --lockstep)")
+        self.via = self.vias[0]
+        self.lockstep = lockstep
         self.model = model
         self.speed = speed
         # idle connections dropped before the router's server closes them (uvicorn: 5 s), so a request
@@ -96,5 +108,48 @@ class OpenAIReplay:
         async def send(r: TraceRequest) -> None:
             await self.one(r, expander.tokens(r).tolist())
 
-        await send_paced(reqs, self.t0, self.speed, send, on_done)
+        if self.lockstep:
+            await self._lockstep(reqs, expander, on_done)
+        else:
+            await send_paced(reqs, self.t0, self.speed, send, on_done)
         return self.records
+
+    async def _lockstep(self, reqs: Sequence[TraceRequest], expander: TokenExpander,
+                        on_done: Callable[[int], None] | None) -> None:
+        done = 0
+
+        async def drain(resp: httpx.Response, rec: RequestRecord) -> None:
+            nonlocal done
+            try:
+                async for _ in resp.aiter_raw():
+                    pass
+            except httpx.HTTPError as exc:
+                rec.error = rec.error or f"answer broke off: {exc!r}"
+            finally:
+                await resp.aclose()
+            done += 1
+            if on_done is not None:
+                on_done(done)
+
+        drains = []
+        for i, r in enumerate(reqs):
+            delay = self.t0 + r.arrival_s / self.speed - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)  # pacing to the trace's clock (a lower bound: decisions are serial)
+            tokens = expander.tokens(r).tolist()
+            body = {"model": self.model, "prompt": tokens, "max_tokens": r.output_length, "stream": True,
+                    "kvatlas_arrival_s": r.arrival_s}
+            url = f"{self.vias[i % len(self.vias)]}/v1/completions"
+            try:
+                resp = await self.client.send(self.client.build_request("POST", url, json=body), stream=True)
+            except httpx.HTTPError as exc:
+                self.records.append(RequestRecord(index=r.index, worker_id="", input_tokens=len(tokens),
+                                                  error=f"router: {exc!r}"))
+                done += 1
+                continue
+            if resp.status_code != 200:
+                await resp.aread()
+            rec = record_of(r.index, len(tokens), resp)
+            self.records.append(rec)
+            drains.append(asyncio.create_task(drain(resp, rec)))
+        await asyncio.gather(*drains)

@@ -59,6 +59,9 @@ class LoadResponse(Struct):
     # Virtual time the committed work ends (`at_s + backlog_s` unless at_s is past it): what a router
     # whose clock runs behind its trace (a loaded machine) must compare its requests' arrivals with.
     free_at_s: Optional[float] = None
+    # `settle=true`: the seq of the last event batch the worker published once every request before
+    # the call was served (an indexer that applied it sees everything they stored and moved)
+    events_seq: Optional[int] = None
 
 
 class WorkerHealth(Struct):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -65,9 +65,10 @@ def _error(status: int, message: str) -> Response:
 
 
 def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock, tokenizer: Any = None,
-                      limits: HttpLimits | None = None) -> FastAPI:
+                      limits: HttpLimits | None = None, events_seq: Callable[[], int | None] | None = None) -> FastAPI:
     """`tokenizer`: the model's router_api.tokenization.ChatTokenizer for the OpenAI routes' text
-    (sim/openai.py); without one they take token-id prompts only."""
+    (sim/openai.py); without one they take token-id prompts only. `events_seq`: sends the events
+    recorded so far and returns the last batch's seq (blocking; `GET /load?settle=true`)."""
     from sim.openai import OpenAIFront, PacedStream, mount_openai, vllm_metric_lines
 
     app = FastAPI(title=f"kvatlas worker {health.worker_id}", docs_url=None, redoc_url=None)
@@ -151,11 +152,21 @@ def create_worker_app(engine: Engine, health: WorkerHealth, clock: VirtualClock,
         return PacedStream(stream(), ended, media_type=_JSON)
 
     @app.get("/load")
-    async def load(at: float | None = None) -> Response:
+    async def load(at: float | None = None, settle: bool = False) -> Response:
+        """The load at virtual time `at`. `settle`: first every request handed to the engine before
+        this call is served, its copies landed and its events published (`Engine.barrier`), and the
+        answer names the last event batch's seq: a router deciding in lockstep (docs/end-to-end.md,
+        "Lockstep") reads the load and, once the indexer applied that seq, the index as they left them."""
+        seq = None
+        if settle:
+            await asyncio.wrap_future(engine.barrier())
+            if events_seq is not None:
+                seq = await asyncio.to_thread(events_seq)
         t, queued, running, backlog, free_at = engine.load(at)
         free, total = engine.pages()
         return _json(LoadResponse(worker_id=wid, at_s=t, queued=queued, running=running,
-                                  backlog_s=backlog, free_pages=free, total_pages=total, free_at_s=free_at))
+                                  backlog_s=backlog, free_pages=free, total_pages=total, free_at_s=free_at,
+                                  events_seq=seq))
 
     @app.get("/health")
     async def health_() -> Response:

@@ -254,7 +254,11 @@ def run(args: argparse.Namespace) -> int:
     log.info("worker %s (%s): events on %s (replay %s), GPU %d + host %d pages of %d tokens, L3 %s",
              args.worker_id, args.family, endpoint, replay, args.gpu_pages, args.host_pages, args.block_size,
              health.l3)
-    app = create_worker_app(engine, health, VirtualClock(args.speed), tokenizer)
+    def events_seq() -> int | None:
+        publisher.flush(5.0)  # what the recorder handed over is sent (a seq each)
+        return publisher.next_seq - 1 if publisher.next_seq else None
+
+    app = create_worker_app(engine, health, VirtualClock(args.speed), tokenizer, events_seq=events_seq)
     registrar = None
     try:
         if args.indexer:

@@ -105,9 +105,11 @@ class Engine:
         return fut
 
     def barrier(self) -> Future[None]:
-        """Done once the engine has served every request handed to it before this call: a load read
-        after it (`load(at)`) includes them all, whatever the wall clock did meanwhile. A router that
-        decides on the virtual clock reads the load of a worker through this, not from a poll."""
+        """Done once the engine has served every request handed to it before this call and their
+        copies have landed and their events gone to the sink (`_settle`): a load read after it
+        (`load(at)`) includes them all, and so do the events, whatever the wall clock did meanwhile.
+        A router that decides on the virtual clock reads the load of a worker through this, not from
+        a poll (docs/end-to-end.md, "Lockstep")."""
         fut: Future[None] = Future()
         self._jobs.put(_Job(None, 0, math.inf, fut))  # sorts after every real arrival
         return fut
@@ -169,6 +171,7 @@ class Engine:
             if not fut.set_running_or_notify_cancel():
                 continue
             if tokens is None:  # a barrier: everything handed over before it is served
+                self._settle()
                 fut.set_result(None)
                 continue
             try:

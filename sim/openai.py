@@ -225,7 +225,8 @@ class OpenAIFront:
                    # the simulated timeline (virtual seconds) and where the prompt came from: what a
                    # trace replay through the router records (router/replay.py)
                    "x-kvatlas-served": f"gpu={t.gpu},host={t.host},disk={t.disk},shared={t.shared},computed={t.computed}",
-                   "x-kvatlas-ttft-s": f"{served.ttft_s:.6f}", "x-kvatlas-queue-s": f"{served.queue_s:.6f}"}
+                   "x-kvatlas-ttft-s": f"{served.ttft_s:.6f}", "x-kvatlas-queue-s": f"{served.queue_s:.6f}",
+                   "x-kvatlas-e2e-s": f"{served.e2e_s:.6f}"}
         if body.get("stream"):
             opts = body.get("stream_options") or {}
             done = asyncio.Event()

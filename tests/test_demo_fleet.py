@@ -18,7 +18,7 @@ def test_demo_on_processes_short(tmp_path: Path) -> None:
     out = tmp_path / "table.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--requests", "40", "--workers", "2",
-                        "--policies", "round_robin,precise_tiered", "--routers", "2", "--speed", "10",
+                        "--policies", "round_robin,precise_tiered", "--routers", "2", "--speed", "10", "--wall-clock",
                         "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     text = r.stdout

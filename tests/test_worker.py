@@ -73,6 +73,12 @@ def test_worker_serves_reports_truth_and_feeds_the_index(fleet) -> None:
     assert st == 200 and r3["served"]["host"] + r3["served"]["disk"] > 0 and r3["load_s"] > 0
     load = http_json(f"{worker}/load?at=0")
     assert load["total_pages"] == {"gpu": 8, "host": 32} and load["queued"] >= 0
+    assert load["events_seq"] is None  # only a settling read names it
+    # settle: every request sent before is served and its events published; the indexer reaches that seq
+    settled = http_json(f"{worker}/load?at=0&settle=true")
+    assert isinstance(settled["events_seq"], int) and settled["events_seq"] >= 5  # a batch per request at least
+    assert wait_until(lambda: (http_json(f"{indexer}/workers/w0").get("last_seq") or -1) >= settled["events_seq"],
+                      timeout=10, interval=0.02)
     metrics = urllib.request.urlopen(f"{worker}/metrics").read().decode()
     assert 'kvatlas_worker_requests_total{worker="w0",outcome="ok"} 6' in metrics
 

@@ -39,6 +39,9 @@ class DemoSettings(msgspec.Struct, kw_only=True, frozen=True):
     admission_timeout: float = 2.0  # routers' causal forwarding wait bound (0: off; kvatlas router --admission-timeout)
     family: str = "full"      # the workers' model family (kvatlas worker --family)
     l3: str = "file"          # the workers' L3: a directory each (DISK) or one shared Mooncake Store (EXTERNAL)
+    # decisions in trace order on the simulated clock, so every row repeats exactly (docs/end-to-end.md,
+    # "Lockstep"); False: the replay paced on the wall clock, requests concurrent (rows vary run to run)
+    lockstep: bool = True
 
 
 # A hybrid fleet's default runs: the usable-prefix router beside the group-blind one (kv_blocks).
@@ -107,12 +110,20 @@ class Run:
                                "--policy", self.policy, "--port", str(port), "--seed", str(self.s.seed + i),
                                "--admission-timeout", str(self.s.admission_timeout), "--metrics-interval", "0.1",
                                "--workers-interval", "0", "--block-size", str(MODEL_BLOCK),
-                               "--first-byte-timeout", "600",
+                               "--first-byte-timeout", "600", *(("--lockstep",) if self.s.lockstep else ()),
                                *[a for c, wid, u in self.workers for a in ("--worker", f"{wid}={u}")])
             child = Child(f"openai-router-{i}", argv, self.dir)
             self.proxies.append(child)
             urls.append(f"http://127.0.0.1:{port}")
         wait_healthy(list(zip(self.proxies, urls)))
+        if self.s.lockstep:  # one replay client: request i through router i mod K, one at a time
+            report = self.dir / "router-0.json"
+            argv = kvatlas_cmd("router", "--api", "sim", "--via", ",".join(urls), "--lockstep", "--model", self.model,
+                               "--policy", self.policy, "--port", "0", "--requests", str(self.s.requests),
+                               "--speed", str(self.s.speed), "--report", str(report), "--exit-after-replay",
+                               "--seed", str(self.s.seed), "--trace", self.s.trace or str(DEFAULT_TRACE))
+            self.router_children.append((Child("replay", argv, self.dir), "", report))
+            return
         start_at = time.time() + (3.0 if self.routers > 1 else 0.0)  # replicas start the trace together
         for i, url in enumerate(urls):
             report = self.dir / f"router-{i}.json"

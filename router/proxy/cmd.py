@@ -123,7 +123,8 @@ async def _serve(args: argparse.Namespace, workers: dict[str, str], tokenizer: o
                      policy=args.policy, sim=sim, block_size=args.block_size,  # type: ignore[arg-type]
                      metrics_interval_s=args.metrics_interval, forward_token_ids=args.forward_token_ids,
                      seed=args.seed, indexer_token=token, first_byte_timeout_s=args.first_byte_timeout,
-                     admission_timeout_s=args.admission_timeout, decision_log_rate=args.decision_log_rate)
+                     admission_timeout_s=args.admission_timeout, decision_log_rate=args.decision_log_rate,
+                     lockstep=getattr(args, "lockstep", False))
     learner = None
     if args.indexer and args.workers_interval > 0:
         async with httpx.AsyncClient() as c:

@@ -29,6 +29,7 @@ from router.policies import Decision, Policy, ScoreRow, make_policy
 from router.proxy.indexer import IndexerClient, Unavailable
 from router.proxy.limits import CLIENT_KEEPALIVE_S
 from router.proxy.load import LoadPoller
+from router.proxy.lockstep import Lockstep, View
 from router.proxy.rawhttp import RawClient, RawResponse, UpstreamError, within
 from router.proxy.stats import TAIL_BYTES, Accuracy, Histogram, served_cached
 from router.proxy.tally import Tally
@@ -66,7 +67,7 @@ class Route:
     """One routed request: the decision and what was scored."""
 
     __slots__ = ("request_id", "worker_id", "tokens", "cached_tokens", "policy", "tried", "reserved", "dp_rank",
-                 "scored", "unscored_reason", "model", "after", "decide_s", "pending_tokens")
+                 "scored", "unscored_reason", "model", "after", "decide_s", "pending_tokens", "view")
 
     def __init__(self, request_id: str, tokens: np.ndarray | None, policy: str, model: str) -> None:
         self.request_id = request_id
@@ -83,6 +84,7 @@ class Route:
         self.after: list[str] = []     # routes to wait for (causal forwarding)
         self.decide_s = 0.0
         self.pending_tokens: int | None = None  # of the prediction: in-flight routes' blocks
+        self.view: View | None = None  # lockstep: what the decision read (router/proxy/lockstep.py)
 
     def header(self) -> str:
         predicted = ("unscored" if not self.scored else
@@ -119,7 +121,7 @@ class ProxyCore:
                  indexer_token: str | None = None, admission_timeout_s: float = 2.0,
                  max_tokenize_bytes: int = 4 * 1024 * 1024, tokenize_timeout_s: float = 10.0,
                  tokenize_threads: int = 2, decision_log_rate: float = 0.0,
-                 worker_models: dict[str, str] | None = None) -> None:
+                 worker_models: dict[str, str] | None = None, lockstep: bool = False) -> None:
         self.workers = dict(workers)
         self.worker_models = dict(worker_models or {})  # worker -> the model it serves (absent: any)
         self.model = model
@@ -161,6 +163,10 @@ class ProxyCore:
         self._tok_slots = asyncio.Semaphore(max(1, tokenize_threads))
         self._rng = random.Random(seed)
         self.extra_health: dict[str, Any] = {}  # added to /health (a trace replay's progress)
+        # the simulated clock's view of load and in-flight (kvatlas demo; router/proxy/lockstep.py)
+        self.lockstep = Lockstep(self.workers, self.client, indexer,
+                                 {"Authorization": f"Bearer {indexer_token}"} if indexer_token else None
+                                 ) if lockstep else None
 
 
     def http_rejected(self, reason: str) -> None:
@@ -280,12 +286,16 @@ class ProxyCore:
         per_request = self.sim.prefill_s(int(self._avg_tokens))
         return {w: (self.poller.states[w].load.waiting or 0.0) * per_request for w in up}
 
-    def decide(self, tokens: np.ndarray | None, scores: dict[str, ScoreRow] | None, up: list[str]) -> Decision:
+    def decide(self, tokens: np.ndarray | None, scores: dict[str, ScoreRow] | None, up: list[str],
+               view: View | None = None) -> Decision:
         """The local decision (no indexer call, or its /score rows): router/decision.py's."""
         pol = self._policy(up)
         keys: list[bytes] = []
         if pol.name == "approximate" and tokens is not None:
             keys = block_keys(tokens, self.block_size)
+        if view is not None:
+            return choose(pol, 0 if tokens is None else len(tokens), self.block_size, scores, view.backlog,
+                          view.inflight, keys)
         return choose(pol, 0 if tokens is None else len(tokens), self.block_size, scores, self.backlog(up),
                       self.inflight, keys)
 
@@ -303,6 +313,8 @@ class ProxyCore:
         route = Route(f"kvatlas-{uuid.uuid4().hex}", tokens, self.policy_name, model)
         route.unscored_reason = why
         up = self.candidates(model, [])
+        if self.lockstep is not None:
+            route.view = await self.lockstep.view(body, up)
         if tokens is not None:
             self._avg_tokens = 0.9 * self._avg_tokens + 0.1 * len(tokens)
             if self.indexer is None:
@@ -310,7 +322,7 @@ class ProxyCore:
             else:
                 await self._decide_at_indexer(route, body, up)
         if not route.worker_id:
-            d = self.decide(tokens, None, up)
+            d = self.decide(tokens, None, up, route.view)
             route.worker_id = d.worker_id
             route.cached_tokens = d.predicted_cached if route.scored else None
         if not route.scored:
@@ -331,14 +343,17 @@ class ProxyCore:
         without the endpoint) or nothing (unreachable) feed the local decision."""
         assert self.indexer is not None and route.tokens is not None
         pol = self._policy(up)
-        local = None if pol.uses_index else self.decide(route.tokens, None, up)
-        back = self.backlog(up)
-        req = DecideRequest(route.request_id, [Candidate(w, back[w], self.inflight.get(w, 0)) for w in up],
+        view = route.view
+        local = None if pol.uses_index else self.decide(route.tokens, None, up, view)
+        back = self.backlog(up) if view is None else view.backlog
+        inflight = self.inflight if view is None else view.inflight
+        req = DecideRequest(route.request_id, [Candidate(w, back[w], inflight.get(w, 0)) for w in up],
                             route.model, tokens=route.tokens.tobytes(),
                             lora_name=body.get("lora_name") if isinstance(body.get("lora_name"), str) else None,
                             cache_salt=body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None,
                             policy=self.policy_name, sim=self.sim, choice=None if local is None else local.worker_id,
-                            admits=self.admission_timeout_s > 0, reserve=self.report_routes)
+                            admits=self.admission_timeout_s > 0 and view is None,
+                            reserve=self.report_routes and view is None)
         t0 = time.perf_counter()
         try:
             ans = await self.indexer.decide(req)
@@ -429,6 +444,9 @@ class ProxyCore:
                 self.routed_to[w] += 1
                 self.counts["routed"] += 1
                 self.tally.routed(route)
+                if self.lockstep is not None and route.view is not None:
+                    self.lockstep.sent(w, route.view.at, {k.lower(): v for k, v in (
+                        resp.headers if isinstance(resp, RawResponse) else resp.headers.items())})
                 if route.reserved and self.admission_timeout_s > 0:
                     assert self.indexer is not None  # the worker queued it: routes that wait for it may go
                     self.indexer.admitted(route.model, route.request_id)  # rides on the next call
