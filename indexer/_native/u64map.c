@@ -1,25 +1,10 @@
 /* U64Map: the dict-like open-addressing map with inline u64 keys and int values, and its type
- * object; included by kvnative.c (one translation unit). */
+ * object; included by kvnative.c (one translation unit) after u64map.h, which declares what it
+ * shares with holders.c. */
 
 /* ---------------------------------------------------------------- U64Map */
 
-typedef struct {
-    PyObject_HEAD
-    uint64_t *tab; /* cap entries of (key, width value words); key 0 = empty slot. One array so a
-                      lookup touches one cache line, not two. Values are little-endian words. */
-    Py_ssize_t cap, used;
-    int width;
-    int pool; /* a value has held a shared-pool bit (bit 3 of a nibble) since the map was made: sticky,
-                 so walk_multi may skip a shard whose workers are all out of a walk only when 0 */
-    int load_num, load_den; /* max load: LOAD_NUM/LOAD_DEN, or 1/3 for a churning map (U64Map.sparse) */
-    int holders; /* a model's main tree (U64Map.holders): values past HL_DENSE words become holder lists */
-    int hl;      /* its values are holder lists now (holders.c), the table two words wide */
-    PyObject *other; /* dict for keys that are not ints in [1, 2^64) */
-} U64Map;
 
-#define POOL_BITS 0x8888888888888888ULL
-
-static PyTypeObject U64MapType;
 #define MIN_CAP 8
 /* Max load LOAD_NUM/LOAD_DEN (linear probing stays short), growth 1 + 1/GROW_DIV = 1.5x: multiply-high
  * slots allow any capacity, so the step is a trade — each entry is moved ~1/(g-1) times over a table's
@@ -39,8 +24,6 @@ static inline Py_ssize_t slot_of(const U64Map *m, uint64_t k) {
     return (Py_ssize_t)(((unsigned __int128)(k * P_MUL) * (uint64_t)m->cap) >> 64);
 }
 
-#define KEY(m, i) ((m)->tab[(size_t)(i) * (1 + (m)->width)])
-#define VALS(m, i) ((m)->tab + (size_t)(i) * (1 + (m)->width) + 1)
 
 /* Big tables get their own mapping: freed tables go back to the OS at once (no heap fragments
  * inflating RSS), and huge pages cut TLB misses on random probes. */
@@ -213,8 +196,6 @@ static Py_ssize_t find_or_insert(U64Map *m, uint64_t k, int *found) {
     return *found ? i : insert_at(m, i, k);
 }
 
-#include "holders.c"      /* holder lists: residency values whose cost follows their holders */
-
 /* Backward-shift delete (linear probing without tombstones). */
 static void erase(U64Map *m, Py_ssize_t i) {
     Py_ssize_t cap = m->cap, j = i;
@@ -319,7 +300,7 @@ static int ladder_width(int need) {
  * instead (any width from then on). */
 static int widen(U64Map *m, int width) {
     if (m->hl || width <= m->width) return 0;
-    if (m->holders && width > HL_DENSE) return hl_convert(m);
+    if (m->holders && width > HL_DENSE) return hl_switch(m, 1, 2);
     return rehash(m, m->cap, ladder_width(width));
 }
 
@@ -524,7 +505,7 @@ static PyObject *U64Map_narrow(U64Map *m, PyObject *u) {
         Py_ssize_t top = 1;
         for (Py_ssize_t i = 0; i < m->cap && top <= HL_DENSE; i++)
             if (KEY(m, i)) { Py_ssize_t w = hl_need_words(VALS(m, i)); if (w > top) top = w; }
-        if (top <= HL_DENSE && hl_unconvert(m, ladder_width((int)top)) < 0) return NULL;
+        if (top <= HL_DENSE && hl_switch(m, 0, ladder_width((int)top)) < 0) return NULL;
         return PyLong_FromLong(m->width);
     }
     for (Py_ssize_t i = 0; i < m->cap && need < m->width; i++) {
