@@ -263,6 +263,7 @@ static int hl_switch(U64Map *m, int lists, int width) {
     U64Map old = *m;
     if (map_alloc(m, old.cap, lists ? 2 : width) < 0) return -1; /* (m untouched) */
     m->hl = lists;
+    m->work += old.cap;
     for (Py_ssize_t i = 0; i < old.cap; i++) {
         uint64_t k = KEY(&old, i);
         if (!k) continue;

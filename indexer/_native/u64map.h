@@ -16,6 +16,8 @@ typedef struct {
     int holders; /* a model's main tree (U64Map.holders): values past HL_DENSE words become holder lists */
     int hl;      /* its values are holder lists now (holders.c), the table two words wide */
     PyObject *other; /* dict for keys that are not ints in [1, 2^64) */
+    Py_ssize_t work; /* slots and value words visited by whole-table passes, wide values read or
+                        written whole, and keys of a nibble op (U64Map.work: tests count churn's work) */
 } U64Map;
 
 #define POOL_BITS 0x8888888888888888ULL
