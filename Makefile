@@ -63,7 +63,7 @@ SAN_TESTS := tests/test_fuzz_native.py tests/test_index_fastpath.py tests/test_i
              tests/test_group_isolation.py tests/test_hybrid_c_apply.py tests/test_score_offload.py \
              tests/test_restore_native.py tests/test_wide_fleet.py tests/test_group_walk_native.py \
              tests/test_hybrid_answer.py tests/test_kv_blocks_property.py tests/test_group_memory.py \
-             tests/test_holder_lists.py
+             tests/test_holder_lists.py tests/test_churn_at_width.py tests/test_service_stream.py
 SAN_ZMQ_SO := build/sanitize/_zmqdrain.so
 SAN_PH_SO  := build/sanitize/_pagehash.so
 SAN_PH_SRC := $(addprefix producer/_native/,module.c chains.c pages.c msgpack.c batch.c)  # as setup.py

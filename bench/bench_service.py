@@ -4,12 +4,15 @@ stream, same queries. Both run as subprocesses fed by real ZMQ publishers; print
 ratios kvatlas / Dynamo (lower is better for latency and memory, higher for ingestion).
 
   bash bench/setup_bench_env.sh        # once: creates .venv-bench with ai-dynamo-runtime
-  .venv/bin/python -m bench.bench_service [--runs 2] [--shapes map,array] [--dynamo-threads 4]
+  .venv/bin/python -m bench.bench_service [--runs 2] [--streams shared,unshared] [--shapes map,array] [--dynamo-threads 4]
 
 Defaults are issue 25's comparison: kvatlas with no flags against Dynamo `--threads 4`, 32 publishers,
-~600k stored blocks, once per event shape (`map`: SGLang / vLLM 0.33 tagged maps; `array`: vLLM's
-array-like tagged events, same content); `--runs 2` alternates the shapes run by run and ends with a
-table of the ratios per run and shape against the targets. Every timed answer (and a sample of
+once per stream and event shape. Streams (`service_stream.KINDS`): `shared` (294k stored blocks per
+stream; requests share 16 system prompts across the fleet) and `unshared` (576k stored, 513k resident
+(worker, block) entries: every request the worker's own, one in eight evicted again four requests
+later, so nearly every node has one holder). Shapes: `map` (SGLang / vLLM 0.33 tagged maps), `array`
+(vLLM's array-like tagged events, same content). `--runs 2` alternates them run by run and ends with a
+table of the ratios per run, stream and shape against the targets. Every timed answer (and a sample of
 shared-prompt queries) of both services is checked against the truth the streams define; a mismatch
 exits 1. Dynamo's WARN / ERROR log lines (an event it dropped or could not parse) are counted and shown.
 
@@ -41,7 +44,9 @@ Measured (ingestion figures are the median of `--reps` fresh service pairs, the 
 - with `--asgi-peer`: a second kvatlas with `--http-fast-path off` (uvicorn's ASGI path through the
   front) timed in the same interleaved loop, printed as asgi / fast-path ratios;
 - ingestion CPU: the service process's CPU seconds (all threads) over the live interval, per block;
-- RSS per indexed block: (RSS after ingestion - RSS before) / blocks stored, at visibility and 1 s later.
+- RSS per indexed block: (RSS after ingestion - RSS before) / blocks stored, at visibility and 1 s later;
+  RSS per resident entry: the same growth / the (worker, block) entries the stream leaves resident
+  (issue 33's measure: the target is on this one, on both streams).
 """
 from __future__ import annotations
 
@@ -64,7 +69,7 @@ from producer.page_hash import page_ids  # noqa: E402
 from schemas.codec import encode_batch  # noqa: E402
 from schemas.events import BlockStored, KVEventBatch  # noqa: E402
 from bench.support.service_report import SIZES, ratios, report, summary  # noqa: E402
-from bench.support.service_stream import BS, SHAPES, RawPublisher, Stream, chunked, group_events, send_chunks, send_interleaved  # noqa: E402
+from bench.support.service_stream import BS, KINDS, SHAPES, RawPublisher, Stream, chunked, group_events, send_chunks, send_interleaved  # noqa: E402
 from bench.support.service_procs import CLIENT, CLIENTS, Dynamo, Embedded, Kvatlas, Service, cpu_s, rss_kib, wait_for  # noqa: E402
 
 
@@ -153,7 +158,9 @@ def ingest(svc: Service, stream: Stream, backlog: Stream, ctx: zmq.Context) -> t
              "send_s": t_sent - t0, "cpu_us_per_block": (cpu1 - cpu0) * 1e6 / stream.blocks,
              "backlog_blocks_per_s": backlog.blocks / (tb1 - tb0),
              "rss_per_block_b": (rss1 - rss0) * 1024 / stream.blocks,
-             "rss_settled_per_block_b": (rss2 - rss0) * 1024 / stream.blocks}, pubs)
+             "rss_settled_per_block_b": (rss2 - rss0) * 1024 / stream.blocks,
+             "rss_per_entry_b": (rss1 - rss0) * 1024 / stream.entries,
+             "rss_settled_per_entry_b": (rss2 - rss0) * 1024 / stream.entries}, pubs)
 
 
 def query_docs(stream: Stream, size: int, n_queries: int, rng: random.Random) -> list[list[int]]:
@@ -263,13 +270,16 @@ def embedded_latencies(emb: Embedded, stream: Stream, n_queries: int) -> dict[st
     return out
 
 
-def measure(args: argparse.Namespace, shape: str, dyn_reason: str | None) -> tuple[dict[str, dict[str, Any]], str | None]:
-    """One run in one event shape: ingestion reps, then the latency phase (answers checked), then the
-    embedded mode. Returns the results per service and why Dynamo was not measured (None: it was)."""
-    stream = Stream(args.workers, args.batches, shape=shape, hybrid=args.hybrid)
-    backlog = Stream(args.workers, args.batches, seed=2, shape=shape, hybrid=args.hybrid)
-    print(f"\n=== shape {shape}{' (hybrid: 3 groups)' if args.hybrid else ''}: {args.workers} workers, {sum(map(len, stream.payloads))} batches, {stream.blocks} "
-          f"blocks (block size {BS}), then a backlog of {backlog.blocks} blocks; {args.reps} reps (medians); "
+def measure(args: argparse.Namespace, kind: str, shape: str, dyn_reason: str | None
+            ) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """One run of one stream in one event shape: ingestion reps, then the latency phase (answers
+    checked), then the embedded mode. Returns the results per service and why Dynamo was not measured
+    (None: it was)."""
+    stream = Stream(args.workers, args.batches, shape=shape, hybrid=args.hybrid, kind=kind)
+    backlog = Stream(args.workers, args.batches, seed=2, shape=shape, hybrid=args.hybrid, kind=kind)
+    print(f"\n=== stream {kind}, shape {shape}{' (hybrid: 3 groups)' if args.hybrid else ''}: {args.workers} workers, "
+          f"{sum(map(len, stream.payloads))} batches, {stream.blocks} blocks stored, {stream.entries} resident "
+          f"entries (block size {BS}), then a backlog of {backlog.blocks} blocks; {args.reps} reps (medians); "
           f"queries: {args.queries} per size per format", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {}
     shards = ("--ingest-shards", str(args.ingest_shards)) if args.ingest_shards else ()  # none: its default
@@ -350,6 +360,9 @@ def main() -> int:
     ap.add_argument("--queries", type=int, default=200, help="timed queries per size and body format")
     ap.add_argument("--reps", type=int, default=3, help="fresh service pairs for the ingestion figures (median)")
     ap.add_argument("--runs", type=int, default=1, help="whole runs per shape (shapes alternate run by run)")
+    ap.add_argument("--streams", default=",".join(KINDS),
+                    help="streams, comma-separated: shared (system prompts shared across the fleet), unshared "
+                         "(every request the worker's own, some evicted: issue 33's memory measure)")
     ap.add_argument("--shapes", default="map,array",
                     help="event shapes, comma-separated: map (SGLang, vLLM 0.33 tagged maps), array (vLLM's "
                          "array-like tagged events)")
@@ -372,6 +385,10 @@ def main() -> int:
     args = ap.parse_args()
     CLIENT[0] = CLIENTS[args.client]
     shapes = args.shapes.split(",")
+    kinds = args.streams.split(",")
+    for k in kinds:
+        if k not in KINDS:
+            ap.error(f"unknown stream {k!r} (known: {', '.join(KINDS)})")
     for sh in shapes:
         if sh not in SHAPES:
             ap.error(f"unknown shape {sh!r} (known: {', '.join(SHAPES)})")
@@ -383,12 +400,14 @@ def main() -> int:
         dyn_reason = (ROOT / ".venv-bench" / ".dynamo-install-failed").read_text().strip()
     table = []
     for run in range(1, args.runs + 1):
-        for shape in shapes:
-            results, dyn_reason = measure(args, shape, dyn_reason)
-            report(args, results, dyn_reason)
-            checked, bad = results["kvatlas"]["exact"]
-            if "dynamo" in results:
-                table.append((run, shape, ratios(results), f"{checked} {'exact' if not bad else 'MISMATCH'}"))
+        for kind in kinds:
+            for shape in shapes:
+                results, dyn_reason = measure(args, kind, shape, dyn_reason)
+                report(args, results, dyn_reason)
+                checked, bad = results["kvatlas"]["exact"]
+                if "dynamo" in results:
+                    table.append((run, f"{kind[:5]} {shape}", ratios(results),
+                                  f"{checked} {'exact' if not bad else 'MISMATCH'}"))
     print(f"\nkvatlas: {'--ingest-shards ' + args.ingest_shards if args.ingest_shards else 'no flags'}; dynamo: "
           f"--threads {args.dynamo_threads}; its /query takes and answers JSON only, so the 'msgpack' (msgpack body "
           "and answer) and 'binary' (raw u32 body, msgpack answer) rows compare against its JSON /query")

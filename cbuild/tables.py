@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KVNATIVE_PARTS = ("hashing.c", "bodies.c", "u64map.c", "holders.c", "node_maps.c", "score_walk.c", "groups_walk.c", "answer.c",
                   "wire_walk.c", "kv_apply.c", "groups_apply.c", "batch_apply.c")
 KVNATIVE_FILES = ("indexer/_native/kvnative.c", *(f"indexer/_native/{f}" for f in KVNATIVE_PARTS),
-                  "indexer/_native/wire_tables.h")
+                  "indexer/_native/u64map.h", "indexer/_native/wire_tables.h")
 # The producer helper's C files (also the Makefile's sanitize build: keep the two lists alike).
 PAGEHASH_SOURCES = tuple(f"producer/_native/{f}.c" for f in ("module", "chains", "pages", "msgpack", "batch"))
 PAGEHASH_FILES = (*PAGEHASH_SOURCES, "producer/_native/pagehash.h", "producer/_native/event_tables.h",

@@ -253,7 +253,8 @@ class KVIndex:
 
     # --- worker lifecycle -------------------------------------------------------------------
     def _select(self, m: ModelState, worker_id: str, dp_rank: int | None) -> list:
-        return [w for (wid, r), w in list(m.by_id.items()) if wid == worker_id and (dp_rank is None or r == dp_rank)]
+        # the worker's own ranks (`ModelState.ranks`), not a pass over the fleet
+        return [m.by_id[(worker_id, r)] for r in list(m.ranks.get(worker_id, ())) if dp_rank is None or r == dp_rank]
 
     def register_worker(self, model: str, worker_id: str, dp_rank: int = 0) -> None:
         """Make a worker known (scored, listed) before its first event."""

@@ -67,18 +67,27 @@ class _Metric:
 
 
 class Counter(_Metric):
-    __slots__ = ("_values",)
+    __slots__ = ("_values", "_by_first")
     kind = "counter"
 
     def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(name, help, labelnames)
         self._values: dict[LabelValues, float] = {}
+        # label sets by their first value (a worker's series), so `forget` costs that worker's series
+        # rather than a pass over every worker's
+        self._by_first: dict[str, set[LabelValues]] = {}
+
+    def _new(self, labels: LabelValues) -> None:
+        """A label set seen for the first time: checked once, and indexed by its first value."""
+        self._check(labels)
+        if labels:
+            self._by_first.setdefault(labels[0], set()).add(labels)
 
     def inc(self, *labels: str, amount: float = 1.0) -> None:
         with self._lock:
             v = self._values.get(labels)
             if v is None:  # labels are checked once per label set, not on every hot-path inc
-                self._check(labels)
+                self._new(labels)
                 v = 0.0
             self._values[labels] = v + amount
 
@@ -89,7 +98,7 @@ class Counter(_Metric):
             for labels, amount in amounts.items():
                 v = values.get(labels)
                 if v is None:
-                    self._check(labels)
+                    self._new(labels)
                     v = 0.0
                 values[labels] = v + amount
 
@@ -99,7 +108,8 @@ class Counter(_Metric):
     def forget(self, first: str) -> None:
         """Drop every series whose first label value is `first` (a removed worker's)."""
         with self._lock:
-            self._values = {k: v for k, v in self._values.items() if not k or k[0] != first}
+            for k in self._by_first.pop(first, ()):
+                self._values.pop(k, None)
 
     def total(self) -> float:
         with self._lock:
@@ -123,20 +133,24 @@ class Gauge(Counter):
     def set(self, *labels: str, value: float) -> None:
         with self._lock:
             if labels not in self._values:
-                self._check(labels)
+                self._new(labels)
             self._values[labels] = value
 
     def set_many(self, values: dict[LabelValues, float]) -> None:
         with self._lock:
             for labels, value in values.items():
                 if labels not in self._values:
-                    self._check(labels)
+                    self._new(labels)
                 self._values[labels] = value
 
     def replace(self, values: dict[LabelValues, float]) -> None:
         """Swap in a fresh set of samples (e.g. per-worker gauges after a removal)."""
         with self._lock:
             self._values = dict(values)
+            self._by_first = {}
+            for labels in self._values:
+                if labels:
+                    self._by_first.setdefault(labels[0], set()).add(labels)
 
     def family(self) -> Any:
         fam = GaugeMetricFamily(self.name, self.help, labels=self.labelnames)

@@ -233,7 +233,7 @@ class RegisteredWorker(StreamState):
 class Registry:
     """Registered workers keyed by worker_id."""
 
-    __slots__ = ("policy", "max_workers", "resolve", "_workers", "ranks_version", "_rank_versions")
+    __slots__ = ("policy", "max_workers", "resolve", "_workers", "_owners", "_models", "ranks_version", "_rank_versions")
 
     def __init__(self, policy: LivenessPolicy | None = None, max_workers: int = 1024,
                  resolve: Resolver = resolve_host) -> None:
@@ -243,6 +243,10 @@ class Registry:
         self.max_workers = max_workers
         self.resolve = resolve
         self._workers: dict[str, RegisteredWorker] = {}
+        # Indexes kept with `_workers`, so a registration's checks and a removal cost that worker, not
+        # a pass over the fleet: (endpoint key, topic) -> its worker_id; model -> [block size, workers].
+        self._owners: dict[tuple[str, str], str] = {}
+        self._models: dict[str, list[int]] = {}
         # Moves with every dp_rank a worker gains (`add_rank`): a score plan built at one value still
         # lists every worker's ranks while it holds (router_api/service.py `_plan`), with no pass over
         # them. A counter's next() is one step under the GIL: two pipelines adding ranks at once never
@@ -268,6 +272,9 @@ class Registry:
         keys = self.check(reg, model_block_sizes)
         state = RegisteredWorker(reg, now, last_seq, keys)
         self._workers[reg.worker_id] = state
+        for k in keys:
+            self._owners[k] = reg.worker_id
+        self._models.setdefault(reg.model, [reg.block_size, 0])[1] += 1
         return state
 
     def check(self, reg: RegisterWorker, model_block_sizes: dict[str, int] | None = None,
@@ -275,11 +282,12 @@ class Registry:
         """Raise the RegistryError `add` would, changing nothing; `replacing`: judge as if that
         registered worker were gone first (a changed registration). Returns the duplicate keys."""
         validate_worker_id(reg.worker_id)
-        others = [w for w in self._workers.values() if w.worker_id != replacing]
+        gone = self._workers.get(replacing) if replacing is not None else None
         if reg.worker_id in self._workers and reg.worker_id != replacing:
             raise DuplicateWorker(f"worker {reg.worker_id!r} is already registered")
-        if len(others) >= self.max_workers:
-            raise RegistryFull(f"{len(others)} workers registered: the limit (max_workers) is "
+        n_others = len(self._workers) - (gone is not None)
+        if n_others >= self.max_workers:
+            raise RegistryFull(f"{n_others} workers registered: the limit (max_workers) is "
                                f"{self.max_workers}")
         if not reg.topic.isprintable() or not reg.model.isprintable():
             raise InvalidRegistration("model and topic must be printable")
@@ -289,7 +297,8 @@ class Registry:
         if reg.replay_endpoint is not None:
             if endpoint_keys(reg.replay_endpoint, "replay_endpoint", resolve=self.resolve) & ep_keys:
                 raise InvalidRegistration("replay_endpoint must differ from endpoint")
-        known = next((w.reg.block_size for w in others if w.reg.model == reg.model), None)
+        model = self._models.get(reg.model)
+        known = model[0] if model and model[1] - (gone is not None and gone.reg.model == reg.model) > 0 else None
         if known is None and model_block_sizes:
             known = model_block_sizes.get(reg.model)
         if known is not None and known != reg.block_size:
@@ -301,8 +310,10 @@ class Registry:
             check_jetstream_owner(reg)
         # A JetStream subject is one publisher whatever the topic (the topic is a ZeroMQ filter).
         keys = frozenset((k, "" if jetstream else reg.topic) for k in ep_keys)
-        for other in others:
-            if other.keys & keys:
+        for k in keys:
+            owner = self._owners.get(k)
+            if owner is not None and owner != replacing:
+                other = self._workers[owner]
                 raise DuplicateWorker(
                     f"endpoint {reg.endpoint} (topic {reg.topic!r}) reaches the publisher already "
                     f"registered as {other.worker_id!r} ({other.reg.endpoint})"
@@ -311,9 +322,17 @@ class Registry:
 
     def remove(self, worker_id: str) -> RegisteredWorker:
         try:
-            return self._workers.pop(worker_id)
+            state = self._workers.pop(worker_id)
         except KeyError:
             raise UnknownWorker(f"worker {worker_id!r} is not registered") from None
+        for k in state.keys:
+            if self._owners.get(k) == worker_id:
+                del self._owners[k]
+        model = self._models[state.reg.model]
+        model[1] -= 1
+        if not model[1]:
+            del self._models[state.reg.model]
+        return state
 
     def get(self, worker_id: str) -> RegisteredWorker | None:
         return self._workers.get(worker_id)
@@ -331,13 +350,11 @@ class Registry:
         return [w for w in self._workers.values() if w.reg.model == model]
 
     def block_size_of(self, model: str) -> int | None:
-        for w in self._workers.values():
-            if w.reg.model == model:
-                return w.reg.block_size
-        return None
+        m = self._models.get(model)
+        return m[0] if m else None
 
     def models(self) -> dict[str, int]:
-        return {w.reg.model: w.reg.block_size for w in self._workers.values()}
+        return {model: m[0] for model, m in self._models.items()}
 
     def watermarks(self) -> dict[str, int]:
         return {w.worker_id: w.last_seq for w in self._workers.values() if w.last_seq is not None}

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from producer.page_hash import page_ids  # noqa: E402
 from schemas.codec import encode_batch  # noqa: E402
-from schemas.events import BlockStored, BlockStoredArr, KVEventBatch  # noqa: E402
+from schemas.events import BlockRemoved, BlockRemovedArr, BlockStored, BlockStoredArr, KVEventBatch  # noqa: E402
 from bench.support.zmtp_pub import ZmtpPub, encode  # noqa: E402
 
 BS = 16
@@ -24,6 +24,13 @@ SIZES = (1024, 8192, 32768)
 # Event shapes on the wire: tagged maps (SGLang, vLLM 0.33) and vLLM's array-like tagged events
 # (`["BlockStored", hashes, parent, tokens, block_size, lora_id, medium]`), same content.
 SHAPES = {"map": BlockStored, "array": BlockStoredArr}
+REMOVES = {"map": BlockRemoved, "array": BlockRemovedArr}
+# The streams' content (`Stream(..., kind=...)`): `shared` requests share 16 system prompts of 8
+# blocks across the fleet; `unshared` requests are all the worker's own (6-26 blocks each) and every
+# EVICT_EVERY-th request's blocks are removed EVICT_AFTER requests later (an LRU cache's evictions),
+# so resident entries are ~88% of the blocks stored and most nodes have one holder.
+KINDS = ("shared", "unshared")
+EVICT_EVERY, EVICT_AFTER = 8, 4
 # The hybrid stream (`Stream(..., hybrid=True)`): vLLM's group shape for a model with full-attention,
 # sliding-window and Mamba layers, every block stored in the three groups in one batch (the
 # window's W tokens and a state at every block: the usable prefix is the KV match, so both services'
@@ -41,12 +48,18 @@ def group_events(event: Any, hybrid: bool, **fields: Any) -> list[Any]:
 # --- the workload -------------------------------------------------------------------------------
 
 class Stream:
-    """Per worker: a long document (for deep queries) stored in chunks, then many requests that
-    share system prompts; the last batch of each worker is a marker chain polled for visibility."""
+    """Per worker: a long document (for deep queries) stored in chunks, then many requests (`kind`
+    shared: sharing system prompts; unshared: the worker's own, some evicted again); the last batch of
+    each worker is a marker chain polled for visibility."""
 
-    def __init__(self, workers: int, batches: int, seed: int = 0, shape: str = "map", hybrid: bool = False) -> None:
+    def __init__(self, workers: int, batches: int, seed: int = 0, shape: str = "map", hybrid: bool = False,
+                 kind: str = "shared") -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown stream kind {kind!r}")
         rng = random.Random(seed)
+        self.kind = kind
         self.event = SHAPES[shape]
+        self.remove_event = REMOVES[shape]
         self.hybrid = hybrid
         self.ts = time.time()
         self.payloads: list[list[bytes]] = []
@@ -54,7 +67,8 @@ class Stream:
         self.markers: list[list[int]] = []
         self.blocks = 0
         self.requests: list[list[int]] = []  # a sample of request prompts (shared system prompts: many workers hit)
-        self.stored: list[set[int]] = []  # per worker: every block id it stored (the truth answers are checked against)
+        self.stored: list[set[int]] = []  # per worker: every block id it holds at the end (the truth answers are checked against)
+        self.removed = 0  # blocks removed again (unshared: evictions)
         prompts = [[rng.randrange(1, 100_000) for _ in range(BS * 8)] for _ in range(16)]
         for w in range(workers):
             out: list[bytes] = []
@@ -62,17 +76,38 @@ class Stream:
             self.docs.append(doc)
             out += self._chain(doc, 64)
             stored: set[int] = set(page_ids(doc, BS))
+            chains: list[list[int]] = []
             for b in range(batches):
-                toks = rng.choice(prompts) + [rng.randrange(1, 100_000) for _ in range(BS * rng.randint(2, 12))]
+                if kind == "shared":
+                    toks = rng.choice(prompts) + [rng.randrange(1, 100_000) for _ in range(BS * rng.randint(2, 12))]
+                else:
+                    toks = [rng.randrange(1, 100_000) for _ in range(BS * rng.randint(6, 26))]
                 out += self._chain(toks, 1 << 30, stored)
+                chains.append(page_ids(toks, BS))
                 if b < 4:
                     self.requests.append(toks)
+                if kind == "unshared" and b >= EVICT_AFTER and (b - EVICT_AFTER) % EVICT_EVERY == 0:
+                    out.append(self._evict(chains[b - EVICT_AFTER], stored))
             marker = [rng.randrange(1, 100_000) for _ in range(BS * 4)]
             self.markers.append(marker)
             out += self._chain(marker, 1 << 30)
             stored.update(page_ids(marker, BS))
             self.stored.append(stored)
             self.payloads.append(out)
+
+    @property
+    def entries(self) -> int:
+        """Resident (worker, block) entries once the stream is applied."""
+        return sum(map(len, self.stored))
+
+    def _evict(self, ids: list[int], stored: set[int]) -> bytes:
+        """One batch removing a request's blocks, leaf first (the request's own: unshared ids)."""
+        gone = [h for h in reversed(ids) if h in stored]
+        stored.difference_update(gone)
+        self.removed += len(gone)
+        evs = ([self.remove_event(block_hashes=gone, medium="GPU", group_idx=g) for g, _, _ in HYBRID_GROUPS]
+               if self.hybrid else [self.remove_event(block_hashes=gone, medium="GPU")])
+        return encode_batch(KVEventBatch(self.ts, evs))
 
     def _chain(self, toks: list[int], per_batch: int, stored: set[int] | None = None) -> list[bytes]:
         ids = page_ids(toks, BS)

@@ -1,5 +1,6 @@
 /* Holder lists: the residency values of a `U64Map.holders()` map (a model's main tree) once its
- * widest value passes HL_DENSE words; included by kvnative.c after u64map.c.
+ * widest value passes HL_DENSE words; included by kvnative.c after u64map.h (the map, the form's
+ * constants and the block layout).
  *
  * Dense words cost 4 bits per worker slot up to the highest slot that holds a node, in a table as
  * wide as the widest value: ~W/2 bytes per node however few workers hold it (docs/scaling.md). A
@@ -14,24 +15,6 @@
  * Every value reads as the same int as its dense form (`val_obj`); the pure core, dumps and
  * snapshots see nothing of the form. `narrow()` goes back to dense words when the slots still held
  * fit HL_DENSE words again. */
-
-#define HL_DENSE 8  /* words (128 worker slots): the 100-worker fleet's tables stay exactly as they were */
-#define HL_INLINE 4 /* entries in the two inline words */
-/* Slots a holder list takes (an entry keeps 28 bits of slot): past MAX_SLOT, the bound of dense words
- * and of the C apply, a worker's stores go through the pure core (`U64Map.__setitem__`) and still fit. */
-#define HL_MAX_SLOT ((Py_ssize_t)1 << 24)
-
-typedef struct {
-    uint32_t n;     /* holders (nonzero nibbles) */
-    uint32_t cap;   /* entries room (list form) */
-    uint32_t words; /* 0: list form; else dense words in d */
-    uint32_t pad;
-    uint64_t d[];   /* list form: u32 entries (cap of them); dense form: words */
-} HBlock;
-
-static inline int hl_spilled(const uint64_t *v) { return v[0] && !(v[0] & 0xF); }
-static inline HBlock *hl_block(const uint64_t *v) { return (HBlock *)(uintptr_t)v[0]; }
-static inline uint32_t *hl_ents(HBlock *b) { return (uint32_t *)b->d; }
 
 static void hl_release(uint64_t *v) {
     if (hl_spilled(v)) free(hl_block(v));
@@ -264,44 +247,34 @@ static int hl_put(uint64_t *v, Py_ssize_t slot, int nib) {
 /* Whether value v holds anything. */
 static inline int hl_any(const uint64_t *v) { return v[0] != 0; }
 
-/* Switch a holders map to holder lists: every value re-encoded into a table two words wide. */
-static int hl_convert(U64Map *m) {
-    U64Map old = *m;
-    if (map_alloc(m, old.cap, 2) < 0) { m->tab = old.tab; m->cap = old.cap; m->width = old.width; m->used = old.used; return -1; }
-    m->hl = 1;
-    for (Py_ssize_t i = 0; i < old.cap; i++) {
-        uint64_t k = KEY(&old, i);
-        if (!k) continue;
-        int f;
-        Py_ssize_t j = find(m, k, &f);
-        KEY(m, j) = k;
-        if (hl_from_dense(VALS(m, j), VALS(&old, i), old.width) < 0) {
-            hl_release_all(m); /* (slots placed so far) */
-            tab_free(m->tab, m->cap, 2);
-            m->tab = old.tab; m->cap = old.cap; m->width = old.width; m->used = old.used; m->hl = 0;
-            return -1; /* (hl_from_dense set the error) */
-        }
-        m->used++;
-    }
-    tab_free(old.tab, old.cap, old.width);
-    return 0;
+/* Undo a form switch that failed part way: the new table's blocks and table freed, the old table
+ * back as it was. -1 (the error is set). */
+static int hl_switch_undo(U64Map *m, const U64Map *old) {
+    hl_release_all(m); /* (the values placed so far, when the new table holds lists) */
+    tab_free(m->tab, m->cap, m->width);
+    m->tab = old->tab; m->cap = old->cap; m->width = old->width; m->used = old->used; m->hl = old->hl;
+    return -1;
 }
 
-/* Back to dense words `width` wide (narrow(), once the slots held fit HL_DENSE words again). */
-static int hl_unconvert(U64Map *m, int width) {
+/* Re-lay a holders map in the other form: holder lists (`lists`: a table two words wide, every value
+ * re-encoded) or dense words `width` wide (narrow(), once the slots held fit HL_DENSE words again).
+ * On a memory error the map is left as it was. */
+static int hl_switch(U64Map *m, int lists, int width) {
     U64Map old = *m;
-    if (map_alloc(m, old.cap, width) < 0) { m->tab = old.tab; m->cap = old.cap; m->width = old.width; m->used = old.used; return -1; }
-    m->hl = 0;
+    if (map_alloc(m, old.cap, lists ? 2 : width) < 0) return -1; /* (m untouched) */
+    m->hl = lists;
+    m->work += old.cap;
     for (Py_ssize_t i = 0; i < old.cap; i++) {
         uint64_t k = KEY(&old, i);
         if (!k) continue;
         int f;
         Py_ssize_t j = find(m, k, &f);
         KEY(m, j) = k;
-        hl_to_dense(VALS(&old, i), VALS(m, j), width);
         m->used++;
+        if (!lists) hl_to_dense(VALS(&old, i), VALS(m, j), width);
+        else if (hl_from_dense(VALS(m, j), VALS(&old, i), old.width) < 0) return hl_switch_undo(m, &old);
     }
-    hl_release_all(&old); /* old.hl is 1: its values' blocks */
+    hl_release_all(&old); /* (the old values' blocks, when it held lists) */
     tab_free(old.tab, old.cap, old.width);
     return 0;
 }

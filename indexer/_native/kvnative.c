@@ -59,9 +59,11 @@ static inline void gil_need(void) {
 #define MAX_SLOT ((Py_ssize_t)MAX_WIDTH * 16)
 
 /* One translation unit: each part is included once, in dependency order, so everything stays static. */
+#include "u64map.h"       /* the U64Map struct and what u64map.c and holders.c share */
 #include "hashing.c"      /* block digests, chained keys (twin of hashing.py) */
 #include "bodies.c"       /* request bodies -> u32 tokens (the HTTP body codec) */
-#include "u64map.c"       /* U64Map and its type object (includes holders.c, holder-list values) */
+#include "u64map.c"       /* U64Map and its type object */
+#include "holders.c"      /* holder lists: residency values whose cost follows their holders */
 #include "node_maps.c"    /* residency bits / nibbles over the maps, tier_counts */
 #include "score_walk.c"   /* the walk and score_rows, ranking, packed rows */
 #include "groups_walk.c"  /* hybrid_rows: usable-prefix rows (groupscore.py's twin) */

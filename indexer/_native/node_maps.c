@@ -202,6 +202,85 @@ static int node_drop(U64Map *m, uint64_t key) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- one worker's nibble (clear, move) */
+
+/* nodes.clear_nibble(keys, shift) / nodes.move_nibble(keys, old, new) -> the keys left to the caller.
+ * Twins of indexer/core/state.py clear_bits / move_bits over inline keys: one worker's nibble off
+ * every node it holds (a node left with no bit leaves the table), or moved to its new slot's free
+ * nibble. The work is that worker's keys: a value is never read or written as a whole int (a holder
+ * list's int is as wide as the fleet: at 10k workers each get / set of the Python loop was ~5 KB of
+ * int). Keys that are not inline (content key 0, bytes) are returned for the Python loop. */
+static PyObject *nibble_op(U64Map *m, PyObject *keys, long old, long new, int move) {
+    long lim = (long)(m->holders ? HL_MAX_SLOT : MAX_SLOT) * 4;
+    if (old < 0 || old % 4 || old >= lim || (move && (new < 0 || new % 4 || new >= lim))) {
+        PyErr_SetString(PyExc_ValueError, "nibble shift out of range");
+        return NULL;
+    }
+    PyObject *it = PyObject_GetIter(keys);
+    if (!it) return NULL;
+    PyObject *rest = PyList_New(0), *o;
+    if (!rest) { Py_DECREF(it); return NULL; }
+    if (move && !m->hl && (new >> 6) >= m->width && widen(m, (int)(new >> 6) + 1) < 0) goto fail;
+    while ((o = PyIter_Next(it))) {
+        uint64_t k;
+        int kind = key_u64(o, &k);
+        if (kind <= 0) {
+            if (kind < 0 || PyList_Append(rest, o) < 0) { Py_DECREF(o); goto fail; }
+            Py_DECREF(o);
+            continue;
+        }
+        Py_DECREF(o);
+        m->work++;
+        int f;
+        Py_ssize_t i = find(m, k, &f);
+        if (!f) continue;
+        uint64_t *v = VALS(m, i);
+        if (m->hl) {
+            int nib = hl_nib(v, (Py_ssize_t)(old >> 2));
+            if (nib && hl_put(v, (Py_ssize_t)(old >> 2), 0) < 0) goto fail;
+            if (move) {
+                if (nib && hl_put(v, (Py_ssize_t)(new >> 2), hl_nib(v, (Py_ssize_t)(new >> 2)) | nib) < 0) goto fail;
+                if (nib & 8) m->pool = 1;
+            } else if (!hl_any(v)) erase(m, i);
+            continue;
+        }
+        int ow = (int)(old >> 6);
+        uint64_t nib = ow < m->width ? (v[ow] >> (old & 63)) & 0xF : 0;
+        if (ow < m->width) v[ow] &= ~(0xFULL << (old & 63));
+        if (move) {
+            v[new >> 6] |= nib << (new & 63);
+            if (nib & 8) m->pool = 1;
+            continue;
+        }
+        int any = 0;
+        for (int w = 0; w < m->width; w++) if (v[w]) { any = 1; break; }
+        if (!any) erase(m, i);
+    }
+    if (PyErr_Occurred()) goto fail;
+    Py_DECREF(it);
+    return rest;
+fail:
+    Py_DECREF(it);
+    Py_DECREF(rest);
+    return NULL;
+}
+
+static PyObject *U64Map_clear_nibble(U64Map *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "clear_nibble(keys, shift)"); return NULL; }
+    long sh = PyLong_AsLong(args[1]);
+    if (sh == -1 && PyErr_Occurred()) return NULL;
+    return nibble_op(m, args[0], sh, 0, 0);
+}
+
+static PyObject *U64Map_move_nibble(U64Map *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "move_nibble(keys, old, new)"); return NULL; }
+    long old = PyLong_AsLong(args[1]);
+    if (old == -1 && PyErr_Occurred()) return NULL;
+    long new = PyLong_AsLong(args[2]);
+    if (new == -1 && PyErr_Occurred()) return NULL;
+    return nibble_op(m, args[0], old, new, 1);
+}
+
 /* ---------------------------------------------------------------- restore (nodes.load) */
 
 /* A dump's content key: 1 when `o` is an exact int in [0, 2^64) (`type(key) is int`: no bools or

@@ -1,25 +1,10 @@
 /* U64Map: the dict-like open-addressing map with inline u64 keys and int values, and its type
- * object; included by kvnative.c (one translation unit). */
+ * object; included by kvnative.c (one translation unit) after u64map.h, which declares what it
+ * shares with holders.c. */
 
 /* ---------------------------------------------------------------- U64Map */
 
-typedef struct {
-    PyObject_HEAD
-    uint64_t *tab; /* cap entries of (key, width value words); key 0 = empty slot. One array so a
-                      lookup touches one cache line, not two. Values are little-endian words. */
-    Py_ssize_t cap, used;
-    int width;
-    int pool; /* a value has held a shared-pool bit (bit 3 of a nibble) since the map was made: sticky,
-                 so walk_multi may skip a shard whose workers are all out of a walk only when 0 */
-    int load_num, load_den; /* max load: LOAD_NUM/LOAD_DEN, or 1/3 for a churning map (U64Map.sparse) */
-    int holders; /* a model's main tree (U64Map.holders): values past HL_DENSE words become holder lists */
-    int hl;      /* its values are holder lists now (holders.c), the table two words wide */
-    PyObject *other; /* dict for keys that are not ints in [1, 2^64) */
-} U64Map;
 
-#define POOL_BITS 0x8888888888888888ULL
-
-static PyTypeObject U64MapType;
 #define MIN_CAP 8
 /* Max load LOAD_NUM/LOAD_DEN (linear probing stays short), growth 1 + 1/GROW_DIV = 1.5x: multiply-high
  * slots allow any capacity, so the step is a trade — each entry is moved ~1/(g-1) times over a table's
@@ -39,8 +24,6 @@ static inline Py_ssize_t slot_of(const U64Map *m, uint64_t k) {
     return (Py_ssize_t)(((unsigned __int128)(k * P_MUL) * (uint64_t)m->cap) >> 64);
 }
 
-#define KEY(m, i) ((m)->tab[(size_t)(i) * (1 + (m)->width)])
-#define VALS(m, i) ((m)->tab + (size_t)(i) * (1 + (m)->width) + 1)
 
 /* Big tables get their own mapping: freed tables go back to the OS at once (no heap fragments
  * inflating RSS), and huge pages cut TLB misses on random probes. */
@@ -123,7 +106,8 @@ static int rehash(U64Map *m, Py_ssize_t ncap, int width) {
     uint64_t *ot = m->tab;
     Py_ssize_t ocap = m->cap, used = m->used;
     int ow = m->width;
-    if (map_alloc(m, ncap, width) < 0) { m->tab = ot; m->cap = ocap; m->width = ow; m->used = used; return -1; }
+    if (map_alloc(m, ncap, width) < 0) return -1; /* (m untouched) */
+    m->work += ocap;
     /* keys are distinct: each goes to the first empty slot from its home, no comparisons; the new
      * table is zeroed, so only the words both widths have are copied */
     int cw = ow < width ? ow : width;
@@ -213,8 +197,6 @@ static Py_ssize_t find_or_insert(U64Map *m, uint64_t k, int *found) {
     return *found ? i : insert_at(m, i, k);
 }
 
-#include "holders.c"      /* holder lists: residency values whose cost follows their holders */
-
 /* Backward-shift delete (linear probing without tombstones). */
 static void erase(U64Map *m, Py_ssize_t i) {
     Py_ssize_t cap = m->cap, j = i;
@@ -271,10 +253,11 @@ static inline int key_u64(PyObject *o, uint64_t *k) {
  * the public way to move values wider than 64 bits in and out. Set at module init. */
 static PyObject *INT_FROM_BYTES, *INT_TO_BYTES, *INT_BIT_LENGTH, *STR_LITTLE;
 
-static PyObject *val_obj(const U64Map *m, Py_ssize_t i) {
+static PyObject *val_obj(U64Map *m, Py_ssize_t i) {
     const uint64_t *v = VALS(m, i);
     if (m->hl) { /* the same int as the dense form */
         Py_ssize_t words = hl_need_words(v);
+        m->work += words;
         if (words <= 1) {
             uint64_t x;
             hl_to_dense(v, &x, 1);
@@ -291,6 +274,7 @@ static PyObject *val_obj(const U64Map *m, Py_ssize_t i) {
         return r;
     }
     int hi = m->width;
+    m->work += hi;
     while (hi > 1 && v[hi - 1] == 0) hi--;
     if (hi == 1) return PyLong_FromUnsignedLongLong(v[0]);
     PyObject *b = PyBytes_FromStringAndSize((const char *)v, 8 * (Py_ssize_t)hi);
@@ -319,7 +303,7 @@ static int ladder_width(int need) {
  * instead (any width from then on). */
 static int widen(U64Map *m, int width) {
     if (m->hl || width <= m->width) return 0;
-    if (m->holders && width > HL_DENSE) return hl_convert(m);
+    if (m->holders && width > HL_DENSE) return hl_switch(m, 1, 2);
     return rehash(m, m->cap, ladder_width(width));
 }
 
@@ -356,6 +340,7 @@ static int set_val(U64Map *m, uint64_t k, PyObject *v) {
     }
     if (widen(m, (int)words) < 0) return -1;
     Py_ssize_t nb = m->hl ? words : m->width; /* holder lists: the int's own words */
+    m->work += nb;
     PyObject *b = PyObject_CallFunction(INT_TO_BYTES, "OnO", v, (Py_ssize_t)8 * nb, STR_LITTLE);
     if (!b) return -1;
     if (!PyBytes_Check(b) || PyBytes_GET_SIZE(b) != (Py_ssize_t)8 * nb) {
@@ -516,18 +501,28 @@ static PyObject *U64Map_clear(U64Map *m, PyObject *u) {
     Py_RETURN_NONE;
 }
 
-/* narrow() -> width: drop the value words no entry uses any more (residency words shrink again
- * when the workers of high slots go, docs/index-core.md). */
-static PyObject *U64Map_narrow(U64Map *m, PyObject *u) {
+/* narrow(words=None) -> width: drop the value words no entry uses any more (residency words shrink
+ * again when the workers of high slots go, docs/index-core.md). `words`: a bound the caller knows
+ * (the slots still allocated): when even values that wide would keep the present width or form,
+ * nothing is scanned, so a worker's removal costs its own blocks, not a pass over the table. */
+static PyObject *U64Map_narrow(U64Map *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs > 1) { PyErr_SetString(PyExc_TypeError, "narrow(words=None)"); return NULL; }
+    if (nargs && args[0] != Py_None) {
+        Py_ssize_t bound = PyLong_AsSsize_t(args[0]);
+        if (bound == -1 && PyErr_Occurred()) return NULL;
+        if (bound < 1) bound = 1;
+        if (m->hl ? bound > HL_DENSE : (bound > MAX_WIDTH || ladder_width((int)bound) >= m->width))
+            return PyLong_FromLong(m->width);
+    }
     int need = 1;
     if (m->hl) { /* holder lists: back to dense words when what is held fits HL_DENSE words */
         Py_ssize_t top = 1;
-        for (Py_ssize_t i = 0; i < m->cap && top <= HL_DENSE; i++)
+        for (Py_ssize_t i = 0; i < m->cap && top <= HL_DENSE; i++, m->work++)
             if (KEY(m, i)) { Py_ssize_t w = hl_need_words(VALS(m, i)); if (w > top) top = w; }
-        if (top <= HL_DENSE && hl_unconvert(m, ladder_width((int)top)) < 0) return NULL;
+        if (top <= HL_DENSE && hl_switch(m, 0, ladder_width((int)top)) < 0) return NULL;
         return PyLong_FromLong(m->width);
     }
-    for (Py_ssize_t i = 0; i < m->cap && need < m->width; i++) {
+    for (Py_ssize_t i = 0; i < m->cap && need < m->width; i++, m->work++) {
         if (!KEY(m, i)) continue;
         const uint64_t *v = VALS(m, i);
         for (int w = m->width - 1; w >= need; w--) if (v[w]) { need = w + 1; break; }
@@ -550,6 +545,7 @@ static PyObject *U64Map_nbytes(U64Map *m, void *c) {
 /* "dense" or "lists" (a holders map past HL_DENSE words) */
 static PyObject *U64Map_form(U64Map *m, void *c) { return PyUnicode_FromString(m->hl ? "lists" : "dense"); }
 static PyObject *U64Map_width(U64Map *m, void *c) { return PyLong_FromLong(m->width); }
+static PyObject *U64Map_work(U64Map *m, void *c) { return PyLong_FromSsize_t(m->work); }
 
 /* U64Map.sparse() -> a map kept at most a third full while small, two thirds from SPARSE_UNTIL slots
  * (over_load). For the maps of sliding-window and Mamba groups (indexer/core/groups.py): a window's
@@ -571,7 +567,10 @@ static PyObject *U64Map_holders(PyObject *cls, PyObject *u) {
     return (PyObject *)m;
 }
 
-static PyObject *U64Map_load(U64Map *m, PyObject *const *args, Py_ssize_t nargs); /* node_maps.c */
+/* node_maps.c */
+static PyObject *U64Map_load(U64Map *m, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *U64Map_clear_nibble(U64Map *m, PyObject *const *args, Py_ssize_t nargs);
+static PyObject *U64Map_move_nibble(U64Map *m, PyObject *const *args, Py_ssize_t nargs);
 
 static PyMethodDef U64Map_methods[] = {
     {"sparse", (PyCFunction)U64Map_sparse, METH_CLASS | METH_NOARGS,
@@ -582,7 +581,13 @@ static PyMethodDef U64Map_methods[] = {
     {"values", (PyCFunction)U64Map_values, METH_NOARGS, "list of values"},
     {"items", (PyCFunction)U64Map_items, METH_NOARGS, "list of (key, value)"},
     {"clear", (PyCFunction)U64Map_clear, METH_NOARGS, "remove everything"},
-    {"narrow", (PyCFunction)U64Map_narrow, METH_NOARGS, "drop unused value words; returns the width"},
+    {"narrow", (PyCFunction)(void (*)(void))U64Map_narrow, METH_FASTCALL,
+     "narrow(words=None): drop unused value words (nothing scanned when values `words` wide keep the width); "
+     "returns the width"},
+    {"clear_nibble", (PyCFunction)(void (*)(void))U64Map_clear_nibble, METH_FASTCALL,
+     "clear_nibble(keys, shift) -> keys left to the caller: one worker's nibble off those nodes (state.clear_bits)"},
+    {"move_nibble", (PyCFunction)(void (*)(void))U64Map_move_nibble, METH_FASTCALL,
+     "move_nibble(keys, old, new) -> keys left to the caller: one worker's nibble moved (state.move_bits)"},
     {"load", (PyCFunction)(void (*)(void))U64Map_load, METH_FASTCALL,
      "load(stores) -> entries | None: dump stores (ext, hashes, keys, pos) in one call (indexer/core/dump.py)"},
     {NULL, NULL, 0, NULL},
@@ -592,6 +597,7 @@ static PyGetSetDef U64Map_getset[] = {
     {"nbytes", (getter)U64Map_nbytes, NULL, "bytes held by the inline table (side dict excluded)", NULL},
     {"width", (getter)U64Map_width, NULL, "64-bit words per value", NULL},
     {"form", (getter)U64Map_form, NULL, "dense words or holder lists", NULL},
+    {"work", (getter)U64Map_work, NULL, "slots and words visited by whole-table passes and whole values, keys of nibble ops", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

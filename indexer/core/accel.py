@@ -25,6 +25,7 @@ from indexer.core.state import ModelState, WorkerState
 from indexer.core.types import (
     TIER_NAMES, ApplyStats, RankLimits, ScoreResult, ScoreTable, TierWeights, WorkerScore,
 )
+from schemas.rules import SLOTS_PER_WORD
 
 
 def _pure_only(w: WorkerState) -> bool:
@@ -227,8 +228,10 @@ class Accelerator:
 
     @staticmethod
     def narrow(m: ModelState) -> None:
-        """Give back the residency words no slot uses any more (after `ModelState` compacted them)."""
-        m.nodes.narrow()
+        """Give back the residency words no slot uses any more (after `ModelState` compacted them): no
+        value is wider than the slots still allocated, so while that bound keeps the table's width (or
+        its holder lists) nothing is scanned."""
+        m.nodes.narrow(-(-len(m.workers) // SLOTS_PER_WORD))
 
     @staticmethod
     def _apply_rest(m: ModelState, w: WorkerState, payload: bytes, start: int, grace: int, stats: ApplyStats) -> None:

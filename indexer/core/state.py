@@ -63,7 +63,12 @@ def unset_tier(nodes: Any, ext: Any, h: Any, bit: int, sh: int) -> bool | None:
 
 
 def clear_bits(nodes: Any, keys: Iterable[Any], sh: int) -> None:
-    """Drop one worker's nibble (at shift `sh`) from every key in `keys`."""
+    """Drop one worker's nibble (at shift `sh`) from every key in `keys`. A map with `clear_nibble`
+    (the accelerator's U64Map) does it without reading values as whole ints (a holder list's int is as
+    wide as the fleet) and leaves this loop the keys it does not hold inline."""
+    fast = getattr(nodes, "clear_nibble", None)
+    if fast is not None:
+        keys = fast(keys, sh)
     keep = ~(NIBBLE << sh)
     for key in keys:
         r = nodes.get(key)
@@ -77,7 +82,11 @@ def clear_bits(nodes: Any, keys: Iterable[Any], sh: int) -> None:
 
 
 def move_bits(nodes: Any, keys: Iterable[Any], old: int, new: int) -> None:
-    """Move one worker's nibble from shift `old` to the free shift `new` on every key in `keys`."""
+    """Move one worker's nibble from shift `old` to the free shift `new` on every key in `keys`
+    (`move_nibble`: as `clear_bits`' `clear_nibble`)."""
+    fast = getattr(nodes, "move_nibble", None)
+    if fast is not None:
+        keys = fast(keys, old, new)
     keep = ~(NIBBLE << old)
     for key in keys:
         r = nodes.get(key)
@@ -101,7 +110,7 @@ class WorkerState:
 class ModelState:
     __slots__ = (
         "name", "block_size", "trust", "nodes", "workers", "by_id", "free_slots",
-        "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "new_map", "new_churn_map", "_ranked", "groups", "rank_count",
+        "slot_mask", "live_gpu", "seeds", "seed0", "known_ext", "new_map", "new_churn_map", "_ranked", "groups", "ranks",
     )
 
     def __init__(
@@ -129,7 +138,7 @@ class ModelState:
         self.known_ext: dict[Any, int] = self.new_map()
         self._ranked: tuple[list[WorkerState], list[int], list[str], list[int]] | None = None
         self.groups: Any = None  # the groups of the workers' layouts, a GroupTable (indexer/core/groups.py)
-        self.rank_count: dict[str, int] = {}  # worker_id -> how many ranks it has (RankLimits)
+        self.ranks: dict[str, list[int]] = {}  # worker_id -> its ranks, oldest first (RankLimits; no pass over by_id)
 
     def ranked(self) -> tuple[list[WorkerState], list[int], list[str], list[int]]:
         """Live workers in (worker_id, dp_rank) order (the scoring tie-break) with their slots, ids and
@@ -160,7 +169,7 @@ class ModelState:
             w = WorkerState(worker_id, dp_rank, slot, self.new_map())
             self.workers[slot] = w
             self.by_id[(worker_id, dp_rank)] = w
-            self.rank_count[worker_id] = self.rank_count.get(worker_id, 0) + 1
+            self.ranks.setdefault(worker_id, []).append(dp_rank)
             self.live_gpu |= 1 << slot_shift(slot)
             self._ranked = None
         return w
@@ -183,7 +192,7 @@ class ModelState:
             return None
         if rank > limits.max_dp_rank:
             return DROP_RANK_RANGE
-        if self.rank_count.get(worker_id, 0) >= limits.max_ranks_per_worker:
+        if len(self.ranks.get(worker_id, ())) >= limits.max_ranks_per_worker:
             return DROP_RANK_COUNT
         return None
 
@@ -192,11 +201,10 @@ class ModelState:
         if w.layout is not None:
             self.groups.leave(w)  # its layout goes with it (groups no other worker uses too)
         del self.by_id[(w.worker_id, w.dp_rank)]
-        n = self.rank_count[w.worker_id] - 1
-        if n:
-            self.rank_count[w.worker_id] = n
-        else:
-            del self.rank_count[w.worker_id]
+        ranks = self.ranks[w.worker_id]
+        ranks.remove(w.dp_rank)
+        if not ranks:
+            del self.ranks[w.worker_id]
         self.workers[w.slot] = None
         self.free_slots.append(w.slot)
         self.live_gpu &= ~(1 << w.shift)
