@@ -214,6 +214,84 @@ def child_dynamo(entries: int, workers: int) -> dict:
             "peak_rss": rss_bytes()}
 
 
+def child_http(entries: int, workers: int, idle: int) -> None:
+    """`--child http`: the indexer service on its production HTTP stack (uvicorn + the /score fast
+    path, cli/indexer.py `server_settings`) over a model of `workers` registered workers and `entries`
+    resident entries (the same documents as the in-process point, applied into its index), plus `idle`
+    registered workers holding nothing. Prints its port, then serves until stdin closes."""
+    import threading
+
+    import uvicorn
+
+    from cli.indexer import server_settings
+    from router_api.app import create_app
+    from router_api.config import ServiceConfig
+    from router_api.service import IndexerService
+    from schemas.api import RegisterWorker
+    from schemas.codec import encode_batch
+    from schemas.events import BlockStored, KVEventBatch
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.net import free_port
+
+    docs, per_worker, held = plan(entries, workers)
+    toks = doc_tokens(docs)
+    port = free_port()
+    svc = IndexerService(ServiceConfig(port=port, block_size=BS, stale_after_s=1e9, remove_after_s=2e9,
+                                       max_workers=workers + idle))
+    names = [f"worker-{w:05d}" for w in range(workers + idle)]
+    for i, n in enumerate(names):
+        svc.register(RegisterWorker(worker_id=n, endpoint=f"tcp://127.0.0.1:{20000 + i % 40000}", block_size=BS))
+    for d_j in range(per_worker):
+        for w in range(workers):
+            d = int(held[w, d_j])
+            hashes = [(d * DOC_BLOCKS + b + 1) * 0x9E3779B97F4A7C15 & ((1 << 63) - 1) for b in range(DOC_BLOCKS)]
+            svc.index.apply_payload("default", names[w], 0, encode_batch(KVEventBatch(0.0, [BlockStored(
+                hashes, None, toks[d].tolist(), BS, medium="GPU")])))
+    resident = sum(sum(v.values()) for v in svc.index.worker_stats("default").values())
+    server = uvicorn.Server(uvicorn.Config(create_app(svc), **server_settings("127.0.0.1", port)))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    print(json.dumps({"port": port, "entries": resident}), flush=True)
+    sys.stdin.read()
+    server.should_exit = True
+
+
+def http_point(entries: int, workers: int, python: str, idle: int = 0) -> dict:
+    """/score over HTTP (raw u32 body, one keep-alive connection) against `child_http`: p50 / p99 of
+    the holders' answer (`?answer=holders`) and the full answer, and each answer's bytes."""
+    import http.client
+
+    p = subprocess.Popen([python, "-m", "bench.bench_scaling", "--child", "http", "--entries", str(entries),
+                          "--workers", str(workers), "--idle", str(idle)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    try:
+        assert p.stdout is not None
+        info = json.loads(p.stdout.readline())
+        docs, _, held = plan(entries, workers)
+        qs = [np.asarray(q, dtype="<u4").tobytes() for q in queries(doc_tokens(docs), held)]
+        conn = http.client.HTTPConnection("127.0.0.1", info["port"], timeout=60)
+        out: dict = {"engine": "kvatlas http", "entries": info["entries"], "workers": workers, "idle": idle}
+        for form, path in (("holders", "/score?answer=holders"), ("full", "/score?answer=full")):
+            lat, size = [], []
+            for rep in range(2):  # the first pass warms the connection and the plan
+                for q in qs:
+                    t = time.perf_counter()
+                    conn.request("POST", path, q, {"Content-Type": "application/octet-stream"})
+                    body = conn.getresponse().read()
+                    if rep:
+                        lat.append((time.perf_counter() - t) * 1e3)
+                        size.append(len(body))
+            out[f"{form}_p50_ms"], out[f"{form}_p99_ms"] = pct(lat, 50), pct(lat, 99)
+            out[f"{form}_bytes_p50"] = pct(size, 50)
+        conn.close()
+        return out
+    finally:
+        if p.stdin:
+            p.stdin.close()
+        p.wait(timeout=60)
+
+
 def run_point(engine: str, entries: int, workers: int, python: str, timeout_s: float, shards: int) -> dict:
     cmd = [python, "-m", "bench.bench_scaling", "--child", engine, "--entries", str(entries), "--workers", str(workers),
            "--shards", str(shards)]
@@ -255,10 +333,26 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=1,
                     help="kvatlas as a ShardedIndex of N worker shards (the service's --ingest-shards N; applied "
                          "from one thread here: memory, scores and restore, not parallel ingest)")
-    ap.add_argument("--child", choices=("kvatlas", "dynamo"))
+    ap.add_argument("--http", metavar="ENTRIESxWORKERS",
+                    help="instead: /score over HTTP on the production stack at these points (e.g. 1e6x10000)")
+    ap.add_argument("--child", choices=("kvatlas", "dynamo", "http"))
     ap.add_argument("--entries", type=int)
     ap.add_argument("--workers", type=int)
+    ap.add_argument("--idle", type=int, default=0, help="(--http) more registered workers holding nothing")
     args = ap.parse_args()
+    if args.child == "http":
+        child_http(args.entries, args.workers, args.idle)
+        return
+    if args.http:
+        for spec in args.http.split(","):
+            e, w = spec.split("x")
+            for idle in (0, 1000):
+                r = http_point(int(float(e)), int(w), sys.executable, idle)
+                print(f"HTTP /score 8k at {r['entries']:,} entries x {w} workers (+{idle} idle): holders' answer "
+                      f"p50 / p99 {r['holders_p50_ms']:.2f} / {r['holders_p99_ms']:.2f} ms, "
+                      f"{r['holders_bytes_p50']:.0f} B; full answer {r['full_p50_ms']:.2f} / {r['full_p99_ms']:.2f} ms, "
+                      f"{r['full_bytes_p50']:.0f} B", flush=True)
+        return
     if args.child:
         res = (child_kvatlas(args.entries, args.workers, args.shards) if args.child == "kvatlas"
                else child_dynamo(args.entries, args.workers))
