@@ -126,11 +126,13 @@ class ScoreRows:
         fresh, stale = self.fresh, self.stale
         fresh.sort(key=by_score, reverse=True)
         stale.sort(key=by_score, reverse=True)
+        if limit >= 0:  # (a row that holds nothing scores 0: `best` is the full answer's)
+            fresh = [r for r in fresh if holds(r) or in_flight(r)]
+            stale = [r for r in stale if holds(r) or in_flight(r)]
         best = next((BestWorker(s.worker_id, s.dp_rank) for s in fresh if s.score > 0), None)
         rows = fresh + stale if stale else fresh
         if limit < 0:
             return ScoreResponse(self.model, self.block_size, self.query_blocks, rows, best)
-        rows = [r for r in rows if holds(r) or in_flight(r)]
         return ScoreResponse(self.model, self.block_size, self.query_blocks, rows[:limit] if limit else rows, best,
                              holders_only=True)
 
