@@ -232,7 +232,7 @@ def test_hybrid_holders_answer(kinds: list[bool], seed: int, sharded: bool, limi
 def http_service(tmp_path: Any) -> Any:
     """An IndexerService on the production HTTP stack (uvicorn + the /score fast path, cli/indexer.py
     `server_settings`) in a thread; its ingest is not started (the test feeds the index), so
-    registrations open no subscription. Yields (service, client)."""
+    registrations open no subscription. Yields (service, client, a worker's endpoint by number)."""
     import threading
 
     import uvicorn
@@ -248,9 +248,8 @@ def http_service(tmp_path: Any) -> Any:
     t.start()
     wait_until(lambda: server.started, timeout=20)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30.0)
-    svc.endpoint = lambda n: f"ipc://{tmp_path}/w{n}"  # type: ignore[attr-defined]
     try:
-        yield svc, client
+        yield svc, client, lambda n: f"ipc://{tmp_path}/w{n}"
     finally:
         client.close()
         server.should_exit = True
@@ -261,11 +260,11 @@ def test_http_holders_answer_bytes_do_not_depend_on_idle_workers(http_service: A
     """The holders' answer over HTTP (raw body with ?answer=holders, JSON body with `answer` / `top_k`,
     msgpack): its bytes stay the same when 1,000 more workers that hold nothing register; the full
     answer grows by their rows."""
-    svc, c = http_service
+    svc, c, endpoint = http_service
     svc.index.ensure_model(MODEL, BS)
     prompt = list(range(1, BS * 6 + 1))
     for w in range(20):
-        svc.register(RegisterWorker(worker_id=f"w{w:04d}", endpoint=svc.endpoint(w), block_size=BS))
+        svc.register(RegisterWorker(worker_id=f"w{w:04d}", endpoint=endpoint(w), block_size=BS))
         n = 1 + w % 6
         b = KVEventBatch(0.0, [BlockStored(list(range(1, n + 1)), None, prompt[:BS * n], BS, medium="GPU")])
         if w % 3 == 0:
@@ -290,7 +289,7 @@ def test_http_holders_answer_bytes_do_not_depend_on_idle_workers(http_service: A
     assert len(msgspec.json.decode(before[1], type=ScoreResponse).workers) == 2
     assert before[2] == before[0]
     for w in range(20, 1020):
-        svc.register(RegisterWorker(worker_id=f"w{w:04d}", endpoint=svc.endpoint(w), block_size=BS))
+        svc.register(RegisterWorker(worker_id=f"w{w:04d}", endpoint=endpoint(w), block_size=BS))
     assert answers() == before
     full_after = c.post("/score?answer=full", content=raw, headers=octet).content
     assert len(msgspec.json.decode(full_before, type=ScoreResponse).workers) == 20
@@ -298,7 +297,7 @@ def test_http_holders_answer_bytes_do_not_depend_on_idle_workers(http_service: A
     # past AUTO_HOLDERS_PAST registered pairs, the default answer is the holders'
     assert c.post("/score", content=raw, headers=octet).content == full_after
     for w in range(1020, 1020 + AUTO_HOLDERS_PAST + 1 - 1020):
-        svc.register(RegisterWorker(worker_id=f"w{w:04d}", endpoint=svc.endpoint(w), block_size=BS))
+        svc.register(RegisterWorker(worker_id=f"w{w:04d}", endpoint=endpoint(w), block_size=BS))
     assert c.post("/score", content=raw, headers=octet).content == before[0]
     bad = c.post("/score?answer=full&top_k=3", content=raw, headers=octet)
     assert bad.status_code == 422
