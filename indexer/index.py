@@ -310,9 +310,9 @@ class KVIndex:
                 got = self._accel.holder_rows(m, token_ids, m.seed(lora_name, cache_salt), self.weights, WorkerScore)
                 if got is not None:
                     return ScoreResult(query_blocks=got[0], block_size=m.block_size, workers=got[1])
-            res = self.score_model(m, token_ids, lora_name, cache_salt, workers, extra_keys)
-            res.workers = [w for w in res.workers if holds(w)]
-            return res
+            whole = self.score_model(m, token_ids, lora_name, cache_salt, workers, extra_keys)
+            whole.workers = [w for w in whole.workers if holds(w)]
+            return whole
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
         wl = list(workers) if workers is not None else None
         hybrid, plain, args = self._plan(m, wl)
