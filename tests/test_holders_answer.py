@@ -303,3 +303,32 @@ def test_http_holders_answer_bytes_do_not_depend_on_idle_workers(http_service: A
     assert bad.status_code == 422
     assert c.post("/score", json={"token_ids": prompt, "answer": "all"}).status_code == 422
     assert c.post("/score", json={"token_ids": prompt, "top_k": 0}).status_code == 422
+
+
+def test_holders_rows_follow_membership_changes() -> None:
+    """The slot → position map of the holders' walk is rebuilt when a worker comes or goes (a freed
+    slot is reused by a newcomer with another position in the order)."""
+    ix = KVIndex(native=True)
+    ix.ensure_model(MODEL, BS)
+    prompt = list(range(1, BS * 4 + 1))
+
+    def store(name: str, n: int) -> None:
+        ix.apply_payload(MODEL, name, 0, encode_batch(KVEventBatch(0.0, [
+            BlockStored(list(range(1, n + 1)), None, prompt[:BS * n], BS, medium="GPU")])))
+
+    def check() -> list[str]:
+        full = ix.score(MODEL, np.asarray(prompt, dtype="<u4")).workers
+        got = ix.score(MODEL, np.asarray(prompt, dtype="<u4"), holders=True).workers
+        assert got == [w for w in full if holds(w)]
+        return [w.worker_id for w in got]
+
+    for w in range(300):
+        ix.register_worker(MODEL, f"w{w:03d}", 0)
+    store("w150", 2)
+    store("w007", 4)
+    assert check() == ["w007", "w150"]
+    ix.remove_worker(MODEL, "w007")
+    store("a-new", 3)  # takes w007's slot, first in the order
+    assert check() == ["a-new", "w150"]
+    store("w299", 1)
+    assert check() == ["a-new", "w150", "w299"]
