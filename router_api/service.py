@@ -541,8 +541,8 @@ class IndexerService:
 
     def query_compat(self, model: str, token_ids: Any, lora_name: str | None,
                      cache_salt: str | None) -> QueryResponse:
-        """Dynamo / Mooncake-RFC shape, in tokens; per worker the best dp rank's tiers."""
-        return query_response(self.score(model, token_ids, lora_name, cache_salt))
+        """Dynamo / Mooncake-RFC shape, in tokens; per worker the best dp rank's tiers (every worker)."""
+        return query_response(self.score(model, token_ids, lora_name, cache_salt, -1))
 
     def dump(self) -> dict[str, Any]:
         with self.lock:
