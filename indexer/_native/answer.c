@@ -181,24 +181,10 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     stl = PyMem_RawMalloc((size_t)(nw ? nw : 1));
     seen = compact ? PyMem_RawCalloc((size_t)(nh ? nh : 1), 1) : NULL;
     if (!ar || !seq || !senc || !stl || (compact && !seen)) { PyErr_NoMemory(); goto done; }
-    /* per worker: its encoded status, stale flag and last_seq (-1 in stl[]: None). Exact str keys only,
-     * so the dict lookup runs no Python code; nothing below does, so the borrowed bytes stay valid. */
-    for (Py_ssize_t i = 0; i < nw; i++) {
-        PyObject *st = PyList_GET_ITEM(statuses, i), *sq = PyList_GET_ITEM(seqs, i);
-        if (!PyUnicode_CheckExact(st)) goto none;
-        PyObject *v = PyDict_GetItemWithError(smap, st);
-        if (!v) { if (PyErr_Occurred()) goto done; goto none; }
-        if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 2 || !PyBytes_CheckExact(PyTuple_GET_ITEM(v, 0))) goto none;
-        senc[i] = PyTuple_GET_ITEM(v, 0);
-        stl[i] = (char)(PyTuple_GET_ITEM(v, 1) == Py_True);
-        if (sq == Py_None) { stl[i] |= 2; seq[i] = 0; continue; }
-        if (!PyLong_CheckExact(sq)) goto none;
-        int ovf = 0;
-        long long x = PyLong_AsLongLongAndOverflow(sq, &ovf);
-        if (ovf) goto none;
-        if (x == -1 && PyErr_Occurred()) goto done;
-        seq[i] = x;
-    }
+    /* per worker, read when a row of it is written (the holders' answer reads its rows' workers only):
+     * its encoded status, stale flag and last_seq (2 in stl[]: None; 4: read). Exact str keys only, so
+     * the dict lookup runs no Python code; nothing below does, so the borrowed bytes stay valid. */
+    memset(stl, 0, (size_t)(nw ? nw : 1));
     const PRow *pr = rows.buf;
     /* the holders' answer: after the index's rows, the in-flight rows of heads not among them */
     Py_ssize_t nloop = compact ? nrows + nh : nh;
@@ -234,6 +220,25 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
         int32_t w = wix[h];
         if (w < 0) continue;
         if (w >= nw || !PyBytes_CheckExact(PyTuple_GET_ITEM(heads, h))) goto none;
+        if (!(stl[w] & 4)) {
+            PyObject *st = PyList_GET_ITEM(statuses, w), *sq = PyList_GET_ITEM(seqs, w);
+            if (!PyUnicode_CheckExact(st)) goto none;
+            PyObject *v = PyDict_GetItemWithError(smap, st);
+            if (!v) { if (PyErr_Occurred()) goto done; goto none; }
+            if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 2 || !PyBytes_CheckExact(PyTuple_GET_ITEM(v, 0))) goto none;
+            senc[w] = PyTuple_GET_ITEM(v, 0);
+            stl[w] = (char)(4 | (PyTuple_GET_ITEM(v, 1) == Py_True));
+            seq[w] = 0;
+            if (sq == Py_None) stl[w] |= 2;
+            else {
+                if (!PyLong_CheckExact(sq)) goto none;
+                int ovf = 0;
+                long long x = PyLong_AsLongLongAndOverflow(sq, &ovf);
+                if (ovf) goto none;
+                if (x == -1 && PyErr_Occurred()) goto done;
+                seq[w] = x;
+            }
+        }
         double sc = p ? p->score : 0.0;
         if (!isfinite(sc)) goto none;
         ARow a = {p, h, w, sc, stl[w] & 1};
