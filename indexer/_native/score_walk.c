@@ -433,7 +433,7 @@ static int hrank_cmp(const void *a, const void *b) { /* (-score, -cached, positi
 /* The walk from the first node's holders: 1 done (*out / *nout: the holder rows, owned by the caller),
  * 0 the shortcut does not serve (pool at the first node), -1 error. */
 static int walk_holders(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const int32_t *sidx, Py_ssize_t nsidx,
-                        HRow **out, Py_ssize_t *nout) {
+                        Py_ssize_t nidx, HRow **out, Py_ssize_t *nout) {
     *out = NULL; *nout = 0;
     if (!nk) return 1;
     int f = 0;
@@ -447,7 +447,7 @@ static int walk_holders(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const in
     if (!h) { PyErr_NoMemory(); return -1; }
 #define HADD(SLOT) do { \
         Py_ssize_t sl_ = (SLOT); \
-        if (sl_ < nsidx && sidx[sl_] >= 0) { \
+        if (sl_ < nsidx && sidx[sl_] >= 0 && sidx[sl_] < nidx) { /* a position names a worker of the order */ \
             if (n == cap) { \
                 HRow *t_ = PyMem_RawRealloc(h, sizeof(HRow) * (size_t)(cap *= 2)); \
                 if (!t_) { PyMem_RawFree(h); PyErr_NoMemory(); return -1; } \
@@ -520,12 +520,11 @@ static PyObject *py_holder_rows(PyObject *self, PyObject *args) {
     }
     const int32_t *sidx = sb.buf;
     Py_ssize_t nsidx = sb.len / 4;
-    for (Py_ssize_t i = 0; ok && i < nsidx; i++) ok = sidx[i] < nidx; /* positions name a worker of the order */
     if (!ok) goto none;
     int rc = tokens_keys(toks, seedo, bs, &k, &nk);
     if (rc < 0) goto done;
     if (rc > 0) goto none;
-    rc = walk_holders((U64Map *)nodeso, k, nk, sidx, nsidx, &h, &n);
+    rc = walk_holders((U64Map *)nodeso, k, nk, sidx, nsidx, nidx, &h, &n);
     if (rc < 0) goto done;
     if (rc == 0) goto none;
     /* rank the rows that are not all zero, as rank_rows does (cached desc folded into idx) */
