@@ -16,7 +16,9 @@ RSS is read and live through the run (one per document, shared by its workers).
 
 Per point: bytes per resident entry (RSS growth over the ingest / entries), ingest blocks/s (the
 apply calls only), in-process score p50 / p99 at 8k tokens (a held document's 512 tokens followed by
-fresh ones; `KVIndex.score`, Dynamo `find_matches`; and for kvatlas the same score as packed rows,
+fresh ones; Dynamo `find_matches`, which returns the matching workers only; kvatlas `KVIndex.score`
+with `holders=True`, the holders' answer (rows of the workers that hold some of the query: the same
+rows as find_matches), and the full answer (a row per worker); and for kvatlas the same score as packed rows,
 `KVIndex.score_table`, the index's share of an HTTP `/score`, each also as CPU time of the calling
 thread, which a loaded machine does not inflate), and for kvatlas the snapshot size (the service's
 format, indexer/snapshot.py) and restore time (decode + `load_dump` into a fresh index).
@@ -128,7 +130,14 @@ def child_kvatlas(entries: int, workers: int, shards: int = 1) -> dict:
     gc.enable()
     stats = ix.worker_stats("m")
     resident = sum(sum(v.values()) for v in stats.values())
-    lat, packed, cpu_obj, cpu_packed = [], [], [], []
+    lat, packed, cpu_obj, cpu_packed, hold, hold_packed = [], [], [], [], [], []
+    for q in qs:  # the holders' answer (the compact form, what find_matches returns: matching workers only)
+        t = time.perf_counter()
+        ix.score("m", q, holders=True)
+        hold.append((time.perf_counter() - t) * 1e6)
+        t = time.perf_counter()
+        ix.score_table("m", q, holders=True)
+        hold_packed.append((time.perf_counter() - t) * 1e6)
     for q in qs:  # a u32 buffer, as every /score body becomes (hashing in C included)
         t, c = time.perf_counter(), time.thread_time()
         ix.score("m", q)
@@ -157,6 +166,8 @@ def child_kvatlas(entries: int, workers: int, shards: int = 1) -> dict:
             "native": ix2.native, "bytes_per_entry": (r1 - r0) / max(1, resident), "rss_growth": r1 - r0,
             **rates(workers, per_worker, cpu), "score_p50_us": pct(lat, 50), "score_p99_us": pct(lat, 99),
             "table_p50_us": pct(packed, 50), "table_p99_us": pct(packed, 99),
+            "holders_p50_us": pct(hold, 50), "holders_p99_us": pct(hold, 99),
+            "holders_table_p50_us": pct(hold_packed, 50),
             # CPU of the calling thread (the whole score runs there): what a loaded machine does not inflate
             "score_cpu_p50_us": pct(cpu_obj, 50), "table_cpu_p50_us": pct(cpu_packed, 50),
             "snapshot_bytes": len(data), "snapshot_save_s": t_save, "restore_s": t_restore,
@@ -203,6 +214,84 @@ def child_dynamo(entries: int, workers: int) -> dict:
             "peak_rss": rss_bytes()}
 
 
+def child_http(entries: int, workers: int, idle: int) -> None:
+    """`--child http`: the indexer service on its production HTTP stack (uvicorn + the /score fast
+    path, cli/indexer.py `server_settings`) over a model of `workers` registered workers and `entries`
+    resident entries (the same documents as the in-process point, applied into its index), plus `idle`
+    registered workers holding nothing. Prints its port, then serves until stdin closes."""
+    import threading
+
+    import uvicorn
+
+    from cli.indexer import server_settings
+    from router_api.app import create_app
+    from router_api.config import ServiceConfig
+    from router_api.service import IndexerService
+    from schemas.api import RegisterWorker
+    from schemas.codec import encode_batch
+    from schemas.events import BlockStored, KVEventBatch
+    sys.path.insert(0, str(ROOT / "tests"))
+    from support.net import free_port
+
+    docs, per_worker, held = plan(entries, workers)
+    toks = doc_tokens(docs)
+    port = free_port()
+    svc = IndexerService(ServiceConfig(port=port, block_size=BS, stale_after_s=1e9, remove_after_s=2e9,
+                                       max_workers=workers + idle))
+    names = [f"worker-{w:05d}" for w in range(workers + idle)]
+    for i, n in enumerate(names):
+        svc.register(RegisterWorker(worker_id=n, endpoint=f"tcp://127.0.0.1:{20000 + i % 40000}", block_size=BS))
+    for d_j in range(per_worker):
+        for w in range(workers):
+            d = int(held[w, d_j])
+            hashes = [(d * DOC_BLOCKS + b + 1) * 0x9E3779B97F4A7C15 & ((1 << 63) - 1) for b in range(DOC_BLOCKS)]
+            svc.index.apply_payload("default", names[w], 0, encode_batch(KVEventBatch(0.0, [BlockStored(
+                hashes, None, toks[d].tolist(), BS, medium="GPU")])))
+    resident = sum(sum(v.values()) for v in svc.index.worker_stats("default").values())
+    server = uvicorn.Server(uvicorn.Config(create_app(svc), **server_settings("127.0.0.1", port)))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    print(json.dumps({"port": port, "entries": resident}), flush=True)
+    sys.stdin.read()
+    server.should_exit = True
+
+
+def http_point(entries: int, workers: int, python: str, idle: int = 0) -> dict:
+    """/score over HTTP (raw u32 body, one keep-alive connection) against `child_http`: p50 / p99 of
+    the holders' answer (`?answer=holders`) and the full answer, and each answer's bytes."""
+    import http.client
+
+    p = subprocess.Popen([python, "-m", "bench.bench_scaling", "--child", "http", "--entries", str(entries),
+                          "--workers", str(workers), "--idle", str(idle)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    try:
+        assert p.stdout is not None
+        info = json.loads(p.stdout.readline())
+        docs, _, held = plan(entries, workers)
+        qs = [np.asarray(q, dtype="<u4").tobytes() for q in queries(doc_tokens(docs), held)]
+        conn = http.client.HTTPConnection("127.0.0.1", info["port"], timeout=60)
+        out: dict = {"engine": "kvatlas http", "entries": info["entries"], "workers": workers, "idle": idle}
+        for form, path in (("holders", "/score?answer=holders"), ("full", "/score?answer=full")):
+            lat, size = [], []
+            for rep in range(2):  # the first pass warms the connection and the plan
+                for q in qs:
+                    t = time.perf_counter()
+                    conn.request("POST", path, q, {"Content-Type": "application/octet-stream"})
+                    body = conn.getresponse().read()
+                    if rep:
+                        lat.append((time.perf_counter() - t) * 1e3)
+                        size.append(len(body))
+            out[f"{form}_p50_ms"], out[f"{form}_p99_ms"] = pct(lat, 50), pct(lat, 99)
+            out[f"{form}_bytes_p50"] = pct(size, 50)
+        conn.close()
+        return out
+    finally:
+        if p.stdin:
+            p.stdin.close()
+        p.wait(timeout=60)
+
+
 def run_point(engine: str, entries: int, workers: int, python: str, timeout_s: float, shards: int) -> dict:
     cmd = [python, "-m", "bench.bench_scaling", "--child", engine, "--entries", str(entries), "--workers", str(workers),
            "--shards", str(shards)]
@@ -218,16 +307,18 @@ def run_point(engine: str, entries: int, workers: int, python: str, timeout_s: f
 
 def fmt(r: dict) -> str:
     if "error" in r:
-        return f"| {r['engine']} | {r['entries']:,} | {r['workers']:,} | {r['error']} ||||||||"
+        return f"| {r['engine']} | {r['entries']:,} | {r['workers']:,} | {r['error']} |||||||||"
     snap = (f"{r['snapshot_bytes'] / 1e6:.0f} MB | {r['restore_s']:.2f} s"
             + ("" if r.get("restored_equal", True) else " (MISMATCH)")) if "snapshot_bytes" in r else "– | –"
     nodes = f"{r['nodes']:,}" if "nodes" in r else "–"
     table = f"{r['table_p50_us']:.0f} / {r['table_p99_us']:.0f}" if "table_p50_us" in r else "–"
     cpu = f"{r['score_cpu_p50_us']:.0f} / {r['table_cpu_p50_us']:.0f}" if "score_cpu_p50_us" in r else "–"
+    hold = (f"{r['holders_p50_us']:.0f} / {r['holders_p99_us']:.0f} / {r['holders_table_p50_us']:.0f}"
+            if "holders_p50_us" in r else "–")
     later = "–" if r["later_blocks_per_s"] is None else f"{r['later_blocks_per_s'] / 1e6:.3f} M"
     return (f"| {r['engine']} | {r['entries']:,} | {r['workers']:,} | {nodes} | {r['bytes_per_entry']:.1f} | "
             f"{r['rss_growth'] / 2**30:.2f} GiB | {r['first_blocks_per_s'] / 1e6:.3f} M / {later} | "
-            f"{r['score_p50_us']:.0f} / {r['score_p99_us']:.0f} | {table} | {cpu} | {snap} |")
+            f"{r['score_p50_us']:.0f} / {r['score_p99_us']:.0f} | {hold} | {table} | {cpu} | {snap} |")
 
 
 def main() -> None:
@@ -242,10 +333,26 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=1,
                     help="kvatlas as a ShardedIndex of N worker shards (the service's --ingest-shards N; applied "
                          "from one thread here: memory, scores and restore, not parallel ingest)")
-    ap.add_argument("--child", choices=("kvatlas", "dynamo"))
+    ap.add_argument("--http", metavar="ENTRIESxWORKERS",
+                    help="instead: /score over HTTP on the production stack at these points (e.g. 1e6x10000)")
+    ap.add_argument("--child", choices=("kvatlas", "dynamo", "http"))
     ap.add_argument("--entries", type=int)
     ap.add_argument("--workers", type=int)
+    ap.add_argument("--idle", type=int, default=0, help="(--http) more registered workers holding nothing")
     args = ap.parse_args()
+    if args.child == "http":
+        child_http(args.entries, args.workers, args.idle)
+        return
+    if args.http:
+        for spec in args.http.split(","):
+            e, w = spec.split("x")
+            for idle in (0, 1000):
+                r = http_point(int(float(e)), int(w), sys.executable, idle)
+                print(f"HTTP /score 8k at {r['entries']:,} entries x {w} workers (+{idle} idle): holders' answer "
+                      f"p50 / p99 {r['holders_p50_ms']:.2f} / {r['holders_p99_ms']:.2f} ms, "
+                      f"{r['holders_bytes_p50']:.0f} B; full answer {r['full_p50_ms']:.2f} / {r['full_p99_ms']:.2f} ms, "
+                      f"{r['full_bytes_p50']:.0f} B", flush=True)
+        return
     if args.child:
         res = (child_kvatlas(args.entries, args.workers, args.shards) if args.child == "kvatlas"
                else child_dynamo(args.entries, args.workers))
@@ -265,9 +372,9 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d', time.gmtime())} commit {commit}: {' '.join(sys.argv)}; "
           f"{os.cpu_count()} CPUs; docs of {DOC_BLOCKS} blocks, each on {SHARE} workers; queries {QUERY_TOKENS} tokens")
     print("| engine | entries | workers | nodes | B/entry | RSS growth | ingest blocks/CPU-s: first batch per "
-          "worker / later | score p50 / p99 µs | packed rows p50 / p99 µs | CPU p50 µs: score / packed | snapshot | "
-          "restore CPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "worker / later | score p50 / p99 µs (kvatlas: full answer) | holders' answer p50 / p99 µs, packed p50 | "
+          "packed rows p50 / p99 µs | CPU p50 µs: score / packed | snapshot | restore CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     seen: dict[tuple[str, int], dict] = {}  # the first measured point per (engine, workers): projections
     results = []
     for e, w in points:
@@ -292,8 +399,10 @@ def main() -> None:
             print(f"kvatlas / dynamo at {r['entries']:,} × {r['workers']:,}: B/entry "
                   f"{k['bytes_per_entry'] / r['bytes_per_entry']:.2f}x, ingest (blocks/CPU-s) "
                   f"{k['blocks_per_s'] / r['blocks_per_s']:.2f}x, "
-                  f"score p50 {k['score_p50_us'] / r['score_p50_us']:.2f}x, "
-                  f"packed rows p50 {k['table_p50_us'] / r['score_p50_us']:.2f}x")
+                  f"score p50: holders' answer {k['holders_p50_us'] / r['score_p50_us']:.2f}x "
+                  f"(packed {k['holders_table_p50_us'] / r['score_p50_us']:.2f}x), "
+                  f"full answer {k['score_p50_us'] / r['score_p50_us']:.2f}x "
+                  f"(packed {k['table_p50_us'] / r['score_p50_us']:.2f}x)")
 
 
 if __name__ == "__main__":

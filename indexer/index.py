@@ -55,7 +55,7 @@ from indexer.core.scoring import rank_key, score_keys
 from indexer.core.state import WorkerState
 from indexer.core.state import ModelState
 from indexer.core.types import (
-    TIER_NAMES, ApplyStats, BlockSizeConflict, RankLimits, ScoreResult, ScoreTable, TierWeights, WorkerScore,
+    TIER_NAMES, ApplyStats, BlockSizeConflict, RankLimits, ScoreResult, ScoreTable, TierWeights, WorkerScore, holds,
 )
 from indexer.hashing import extra_digest, query_keys
 from schemas.batchhead import read_head
@@ -291,17 +291,29 @@ class KVIndex:
         cache_salt: str | None = None,
         workers: Iterable[tuple[str, int]] | None = None,
         extra_keys: Sequence[Any] | None = None,
+        holders: bool = False,
     ) -> ScoreResult:
         """Score a token sequence. `extra_keys`: per full block, that block's vLLM extra keys or None.
-        Workers with groups beside their main tree (hybrid layouts) score usable prefixes."""
-        return self.score_model(self._model(model), token_ids, lora_name, cache_salt, workers, extra_keys)
+        Workers with groups beside their main tree (hybrid layouts) score usable prefixes. `holders`:
+        only the rows that hold some of the query (`holds`), in the same order: what a wide fleet's
+        answer is made of (the walk then costs what the query's holders cost, not the fleet's width)."""
+        return self.score_model(self._model(model), token_ids, lora_name, cache_salt, workers, extra_keys, holders)
 
     def score_model(
         self, m: Any, token_ids: Sequence[int] | np.ndarray, lora_name: str | None, cache_salt: str | None,
-        workers: Iterable[tuple[str, int]] | None, extra_keys: Sequence[Any] | None,
+        workers: Iterable[tuple[str, int]] | None, extra_keys: Sequence[Any] | None, holders: bool = False,
     ) -> ScoreResult:
         """`score` over a model object: this index's own, or a worker-sharded index's merged view of
         its shards' models (indexer/sharded.py)."""
+        if holders:
+            if (self._accel is not None and not extra_keys and workers is None and m.groups is None
+                    and type(token_ids) in _SEQ_TYPES):
+                got = self._accel.holder_rows(m, token_ids, m.seed(lora_name, cache_salt), self.weights, WorkerScore)
+                if got is not None:
+                    return ScoreResult(query_blocks=got[0], block_size=m.block_size, workers=got[1])
+            whole = self.score_model(m, token_ids, lora_name, cache_salt, workers, extra_keys)
+            whole.workers = [w for w in whole.workers if holds(w)]
+            return whole
         extras = [extra_digest(x) for x in extra_keys] if extra_keys else None
         wl = list(workers) if workers is not None else None
         hybrid, plain, args = self._plan(m, wl)
@@ -361,14 +373,14 @@ class KVIndex:
 
     def score_table(
         self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
-        cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None,
+        cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None, holders: bool = False,
     ) -> ScoreTable | None:
         """`score` with the rows packed for a C answer writer (no object per row), or None where only
         `score` serves: no accelerator, tokens the C call does not take (a hybrid model's rows carry their
         kv_blocks column, `ScoreTable.kv`)."""
         if self._accel is None or type(token_ids) not in _SEQ_TYPES:
             return None
-        return self.score_table_model(self._model(model), token_ids, lora_name, cache_salt, workers)
+        return self.score_table_model(self._model(model), token_ids, lora_name, cache_salt, workers, holders)
 
     def table_lane(self, m: Any) -> Callable[[Any], ScoreTable | None] | None:
         """`score_table_model(m, tokens, None, None, None)` for u32 / int token containers, bound to `m`
@@ -380,11 +392,17 @@ class KVIndex:
 
     def score_table_model(
         self, m: Any, token_ids: Sequence[int] | np.ndarray, lora_name: str | None, cache_salt: str | None,
-        workers: Iterable[tuple[str, int]] | None,
+        workers: Iterable[tuple[str, int]] | None, holders: bool = False,
     ) -> ScoreTable | None:
-        """`score_table` over a model object (see `score_model`)."""
+        """`score_table` over a model object (see `score_model`). `holders`: the rows may be only those
+        that hold something (where the holders' walk serves; else every row: the answer writer's holders
+        form filters either the same way); `worker_ids` / `ranks` are the whole order either way."""
         if self._accel is None or type(token_ids) not in _SEQ_TYPES:
             return None
+        if holders and workers is None and m.groups is None:
+            got = self._accel.holder_rows(m, token_ids, m.seed(lora_name, cache_salt), self.weights, None)
+            if got is not None:
+                return ScoreTable(got[0], m.block_size, got[2], got[3], got[1])
         wl = list(workers) if workers is not None else None
         hybrid, _, args = self._plan(m, wl)
         if hybrid:  # every worker's row in one C call, with the kv_blocks column

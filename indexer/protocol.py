@@ -80,6 +80,7 @@ class Index(Protocol):
         cache_salt: str | None = None,
         workers: Iterable[tuple[str, int]] | None = None,
         extra_keys: Sequence[Any] | None = None,
+        holders: bool = False,
     ) -> ScoreResult: ...
 
     # snapshots
@@ -95,9 +96,10 @@ class ScoringIndex(Index, Protocol):
 
     def score_table(
         self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
-        cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None,
+        cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None, holders: bool = False,
     ) -> ScoreTable | None:
-        """`score` with the rows packed (no object per row), or None where only `score` serves."""
+        """`score` with the rows packed (no object per row), or None where only `score` serves;
+        `holders`: the rows may be only those that hold something (`worker_ids` the whole order)."""
         ...
 
     def query_keys(

@@ -257,14 +257,16 @@ class ShardedIndex:
     def score(
         self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
         cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None,
-        extra_keys: Sequence[Any] | None = None,
+        extra_keys: Sequence[Any] | None = None, holders: bool = False,
     ) -> ScoreResult:
-        return self.shards[0].score_model(self._view(model), token_ids, lora_name, cache_salt, workers, extra_keys)
+        return self.shards[0].score_model(self._view(model), token_ids, lora_name, cache_salt, workers, extra_keys,
+                                          holders)
 
     def score_table(
         self, model: str, token_ids: Sequence[int] | np.ndarray, lora_name: str | None = None,
-        cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None,
+        cache_salt: str | None = None, workers: Iterable[tuple[str, int]] | None = None, holders: bool = False,
     ) -> ScoreTable | None:
+        """Every row packed, `holders` or not (the answer writer's holders form filters them)."""
         if workers is None and lora_name is None and cache_salt is None and type(token_ids) in _SEQ_TYPES:
             # every /score of the service: the view's bound C call while the view holds (`table_lane`)
             hit = self._lanes.get(model)

@@ -27,7 +27,8 @@ _msgpack = msgspec.msgpack.Encoder()
 # The shapes the layout below writes: a schema change turns the C writer off (the caller encodes with
 # msgspec) until the layout follows it; the byte-equality tests fail meanwhile.
 SUPPORTED = (
-    ScoreResponse.__struct_fields__ == ("model", "block_size", "query_blocks", "workers", "best")
+    ScoreResponse.__struct_fields__ == ("model", "block_size", "query_blocks", "workers", "best", "holders_only")
+    and ScoreResponse.__struct_config__.omit_defaults
     and WorkerScoreOut.__struct_fields__ == ("worker_id", "dp_rank", "device_blocks", "cached_blocks", "tiers",
                                              "score", "stale", "last_seq", "status", "kv_blocks",
                                              "pending_blocks", "pending_requests", "pending_prefill_tokens",
@@ -45,8 +46,9 @@ def _key(mp: bool, name: str, first: bool = False) -> bytes:
     return (b"" if first else b",") + _json.encode(name) + b":"
 
 
-def layout(mp: bool) -> tuple[bytes, ...]:
-    """The fixed pieces of the answer in `write_answer`'s order (its L_* enum)."""
+def layout(mp: bool, holders: bool = False) -> tuple[bytes, ...]:
+    """The fixed pieces of the answer in `write_answer`'s order (its L_* enum); `holders`: the holders'
+    answer's, which ends with `holders_only: true`."""
     enc = _msgpack.encode if mp else _json.encode
     k = lambda name, first=False: _key(mp, name, first)  # noqa: E731
     # kv_blocks (a hybrid worker's) and the in-flight fields are written only when set (omit_defaults): a
@@ -62,7 +64,7 @@ def layout(mp: bool) -> tuple[bytes, ...]:
         b"" if mp else b"}",                                    # L_ROW_CLOSE
         k("workers") + (b"" if mp else b"["),                   # L_WORKERS (msgpack: C adds the array header)
         (b"" if mp else b"]") + k("best"),                      # L_AFTER
-        b"" if mp else b"}",                                    # L_END
+        (k("holders_only") + enc(True) if holders else b"") + (b"" if mp else b"}"),  # L_END
         b"\x82" if mp else b"{", b"" if mp else b"}",           # L_BEST_OPEN, L_BEST_CLOSE
         b"" if mp else b",",                                    # L_SEP
         enc(None), enc(True), enc(False),                       # L_NULL, L_TRUE, L_FALSE
@@ -79,10 +81,10 @@ def head(mp: bool, worker_id: str, dp_rank: int) -> bytes:
     return _json.encode(BestWorker(worker_id, dp_rank))[1:-1]  # without the braces
 
 
-def prefix(mp: bool, model: str, block_size: int) -> bytes:
-    """The answer up to the query_blocks value."""
+def prefix(mp: bool, model: str, block_size: int, holders: bool = False) -> bytes:
+    """The answer up to the query_blocks value (`holders`: the holders' answer's, one field more)."""
     enc = _msgpack.encode if mp else _json.encode
-    return (b"\x85" if mp else b"{") + _key(mp, "model", True) + enc(model) + _key(mp, "block_size") \
+    return ((b"\x86" if holders else b"\x85") if mp else b"{") + _key(mp, "model", True) + enc(model) + _key(mp, "block_size") \
         + enc(block_size) + _key(mp, "query_blocks")
 
 
@@ -94,20 +96,21 @@ def status_map(mp: bool) -> dict[str, tuple[bytes, bool]]:
 class Formats:
     """The per-format constants (layout, status encodings) and a small per-model prefix cache."""
 
-    __slots__ = ("layouts", "statuses", "_prefixes")
+    __slots__ = ("layouts", "holder_layouts", "statuses", "_prefixes")
 
     def __init__(self) -> None:
         self.layouts = (layout(False), layout(True))
+        self.holder_layouts = (layout(False, True), layout(True, True))
         self.statuses = (status_map(False), status_map(True))
-        self._prefixes: dict[tuple[bool, str, int], bytes] = {}
+        self._prefixes: dict[tuple[bool, str, int, bool], bytes] = {}
 
-    def prefix(self, mp: bool, model: str, block_size: int) -> bytes:
-        key = (mp, model, block_size)
+    def prefix(self, mp: bool, model: str, block_size: int, holders: bool = False) -> bytes:
+        key = (mp, model, block_size, holders)
         p = self._prefixes.get(key)
         if p is None:
             if len(self._prefixes) > 64:  # models come and go: keep it bounded
                 self._prefixes.clear()
-            p = self._prefixes[key] = prefix(mp, model, block_size)
+            p = self._prefixes[key] = prefix(mp, model, block_size, holders)
         return p
 
 

@@ -91,8 +91,9 @@ class Choice(Struct):
 
 
 class Chooser(Protocol):
-    """Picks a worker among `req.candidates` from the score rows (every registered rank, pending
-    blocks included); pure: no I/O, called under the decision lock."""
+    """Picks a worker among `req.candidates` from the score rows (the holders' answer: the ranks that
+    hold some of the prompt or have routes in flight, pending blocks included; a candidate without a
+    row holds nothing); pure: no I/O, called under the decision lock."""
 
     def choose(self, req: DecideRequest, rows: Sequence[WorkerScoreOut], block_size: int, tokens: int) -> Choice: ...
 
@@ -101,7 +102,7 @@ class DecideService(Protocol):
     """The parts of the indexer service a decision uses (router_api.service.IndexerService)."""
 
     def score(self, model: str, token_ids: object, lora_name: str | None = None,
-              cache_salt: str | None = None) -> object: ...
+              cache_salt: str | None = None, limit: int | None = None) -> object: ...
 
     def report_route(self, model: str, request_id: str, worker_id: str, token_ids: object, dp_rank: int = 0,
                      lora_name: str | None = None, cache_salt: str | None = None,
@@ -159,7 +160,8 @@ class Decider:
             for rid in req.release:
                 self.counts["released"] += self.service.release_route(req.model, rid) > 0
             try:
-                res = self.service.score(req.model, ids, req.lora_name, req.cache_salt)
+                # the holders' answer (limit 0): a candidate without a row scores 0 with nothing in flight
+                res = self.service.score(req.model, ids, req.lora_name, req.cache_salt, 0)
             except self._unknown_model:
                 res = None
             rows: Sequence[WorkerScoreOut] = res.workers if res is not None else ()  # type: ignore[attr-defined]

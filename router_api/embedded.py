@@ -23,6 +23,7 @@ import msgspec
 from router_api import score_text
 from indexer.pending import DEFAULT_TTL_S, PendingRoutes
 from router_api.config import ServiceConfig
+from router_api.score_plan import answer_limit
 from router_api.service import IndexerService
 from schemas.api import QueryResponse, RegisterWorker, RouteAnswer, ScoreResponse, WorkersResponse, WorkerStatus
 
@@ -79,21 +80,24 @@ class EmbeddedIndexer:
     def score(self, token_ids: Sequence[int] | Any = None, *, model: str | None = None, lora_name: str | None = None,
               cache_salt: str | None = None, prompt: str | None = None,
               messages: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
-              add_special_tokens: bool | None = None) -> ScoreResponse:
+              add_special_tokens: bool | None = None, answer: str | None = None,
+              top_k: int | None = None) -> ScoreResponse:
         """Every registered worker's prefix match, best first: exactly the body `POST /score`
-        answers. Exactly one input: `token_ids` (a list of ints or an integer numpy array, a u32
+        answers, `answer` ("full" | "holders") and `top_k` as there (docs/reference.md, "The holders'
+        answer": unset, full up to AUTO_HOLDERS_PAST registered pairs, else only the holders' rows). Exactly one input: `token_ids` (a list of ints or an integer numpy array, a u32
         array is the fastest), `prompt` (completions text) or `messages` (chat), the last two
         tokenized with the model's tokenizer (`tokenizers={model: directory}` at construction);
         a text query answers a `TextScoreResponse` (`prompt_tokens` added).
         Raises `router_api.service.UnknownModel` for a model no worker is registered for and
         `router_api.score_text.TextInputError` for text it cannot tokenize (or no tokenizer)."""
         m = model or self.model
+        limit = None if answer is None and top_k is None else answer_limit(answer, top_k, 0)
         if not score_text.is_text(token_ids, prompt, messages):
-            return self.service.score(m, token_ids, lora_name, cache_salt)
+            return self.service.score(m, token_ids, lora_name, cache_salt, limit)
         ids = score_text.text_tokens(self.service.config.tokenizers, m, prompt, messages,
                                      add_generation_prompt=add_generation_prompt,
                                      add_special_tokens=add_special_tokens)
-        return score_text.text_response(self.service.score(m, ids, lora_name, cache_salt), len(ids))
+        return score_text.text_response(self.service.score(m, ids, lora_name, cache_salt, limit), len(ids))
 
     def query(self, token_ids: Sequence[int] | Any, *, model: str | None = None, lora_name: str | None = None,
               cache_salt: str | None = None) -> QueryResponse:

@@ -17,6 +17,7 @@ from router_api import score_text
 from router_api.bodies import ApiError, TokenBodies, check_length, content_kind, decode_body, octet_tokens
 from router_api.http_log import RateLimitedLog
 from router_api.offload import AnswerPool
+from router_api.score_plan import answer_limit
 from router_api.service import IndexerService, UnknownModel
 from schemas.api import ErrorResponse, QueryRequest, ScoreRequest
 
@@ -193,7 +194,9 @@ class ScoreFront:
             elif kind == "octet":
                 qp = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
                 model = qp.get("model") or qp.get("model_name") or self.default_model
-                out = handler(model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None, mp)
+                args = (model, octet_tokens(body), qp.get("lora_name") or None, qp.get("cache_salt") or None, mp)
+                lim = query_limit(qp) if typ is ScoreRequest else None
+                out = handler(*args) if lim is None else handler(*args, lim)
             else:
                 req, tokens = self.bodies.decode(kind, cast(bytes, body), typ)  # a view only for "octet"
                 if typ is QueryRequest:
@@ -203,8 +206,10 @@ class ScoreFront:
                     if on_loop:
                         return _OFF_LOOP
                     out = score_text.text_answer(self.service, req.model, req, mp, self.pool.text_slots)
-                else:
+                elif req.answer is None and req.top_k is None:
                     out = handler(req.model, tokens, req.lora_name, req.cache_salt, mp)
+                else:
+                    out = handler(req.model, tokens, req.lora_name, req.cache_salt, mp, body_limit(req.answer, req.top_k))
         except ApiError as exc:
             return self.rejected(endpoint, exc)
         except score_text.TextInputError as exc:
@@ -248,6 +253,30 @@ class ScoreFront:
         if len(buf) > self.max_body:
             raise ApiError(413, f"body exceeds the {self.max_body}-byte limit", "too_large")
         return bytes(buf)
+
+
+def body_limit(answer: str | None, top_k: int | None) -> int | None:
+    """A /score request's answer form as the service takes it (score_plan.answer_limit; None: the
+    default); 422 for top_k with answer=full."""
+    if answer is None and top_k is None:
+        return None
+    try:
+        return answer_limit(answer, top_k, 0)
+    except ValueError as exc:
+        raise ApiError(422, str(exc), "bad_answer_form") from None
+
+
+def query_limit(qp: dict[str, str]) -> int | None:
+    """`answer` / `top_k` of a raw /score's query string (`?answer=holders&top_k=8`)."""
+    answer, top_k = qp.get("answer") or None, qp.get("top_k") or None
+    if answer is not None and answer not in ("full", "holders"):
+        raise ApiError(422, "answer: 'full' or 'holders'", "bad_answer_form")
+    k = None
+    if top_k is not None:
+        if not top_k.isdigit() or not 1 <= int(top_k) <= 1 << 24:
+            raise ApiError(422, "top_k: an int in [1, 2^24]", "bad_answer_form")
+        k = int(top_k)
+    return body_limit(answer, k)
 
 
 def _encoded(handler: Callable[..., Any]) -> Callable[..., bytes]:

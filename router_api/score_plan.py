@@ -9,12 +9,14 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any, NamedTuple
 
-from indexer.core.types import ScoreResult, ScoreTable, WorkerScore
+from indexer.core.types import ScoreResult, ScoreTable, WorkerScore, holds
 from indexer.reconcile import LivenessPolicy
 from router_api import answer
 from router_api.registry import RegisteredWorker
 from router_api.routes import RouteBook
-from schemas.api import BestWorker, QueryInstance, QueryResponse, ScoreResponse, TierBlocks, WorkerScoreOut
+from schemas.api import (
+    AUTO_HOLDERS_PAST, BestWorker, QueryInstance, QueryResponse, ScoreResponse, TierBlocks, WorkerScoreOut,
+)
 
 # 8-byte fields of one packed row (score_walk.c PRow: slot, device, cached, 4 tiers, score); the byte
 # equality tests (tests/test_score_answer_pending.py) fail if it changes without this.
@@ -117,22 +119,49 @@ class ScoreRows:
         self.model, self.block_size, self.query_blocks = model, block_size, query_blocks
         self.fresh, self.stale = fresh, stale
 
-    def response(self) -> ScoreResponse:
+    def response(self, limit: int = -1) -> ScoreResponse:
         """Best first; a stale worker may be gone, so it sorts after every fresh one (stable: the index's
-        tie-break order is kept; reverse=True keeps sort stability)."""
+        tie-break order is kept; reverse=True keeps sort stability). `limit` (`answer_limit`): -1 every
+        row; 0 the holders' answer (the rows that hold something or have routes in flight); K its first K."""
         fresh, stale = self.fresh, self.stale
         fresh.sort(key=by_score, reverse=True)
         stale.sort(key=by_score, reverse=True)
+        if limit >= 0:  # (a row that holds nothing scores 0: `best` is the full answer's)
+            fresh = [r for r in fresh if holds(r) or in_flight(r)]
+            stale = [r for r in stale if holds(r) or in_flight(r)]
         best = next((BestWorker(s.worker_id, s.dp_rank) for s in fresh if s.score > 0), None)
-        return ScoreResponse(self.model, self.block_size, self.query_blocks, fresh + stale if stale else fresh, best)
+        rows = fresh + stale if stale else fresh
+        if limit < 0:
+            return ScoreResponse(self.model, self.block_size, self.query_blocks, rows, best)
+        return ScoreResponse(self.model, self.block_size, self.query_blocks, rows[:limit] if limit else rows, best,
+                             holders_only=True)
+
+
+def in_flight(row: WorkerScoreOut) -> bool:
+    """Whether an answer row has in-flight fields set (routes pending to its worker and rank)."""
+    return bool(row.pending_blocks or row.pending_requests or row.pending_prefill_tokens
+                or row.busy_until is not None)
+
+
+def answer_limit(answer: str | None, top_k: int | None, pairs: int) -> int:
+    """The answer's form as `write_answer` / `ScoreRows.response` take it: -1 a row per registered pair,
+    0 the holders' answer, K > 0 its first K rows. Unset: full up to AUTO_HOLDERS_PAST pairs."""
+    if top_k is not None:
+        if answer == "full":
+            raise ValueError("top_k cuts the holders' answer: not with answer=full")
+        return top_k
+    if answer is None:
+        return -1 if pairs <= AUTO_HOLDERS_PAST else 0
+    return 0 if answer == "holders" else -1
 
 
 def score_rows(model: str, block_size: int, result: ScoreResult, plan: ScorePlan, now: float,
-               policy: LivenessPolicy) -> ScoreRows:
+               policy: LivenessPolicy, holders: bool = False) -> ScoreRows:
     """The index's scores as answer rows: every registered pair is listed (a rank the index has not
-    seen yet scores 0), each with its worker's status; a pair of a worker no longer registered is left out."""
+    seen yet scores 0), each with its worker's status; a pair of a worker no longer registered is left out.
+    `holders`: `result` holds only the rows that hold something, and only those are listed."""
     rows = result.workers
-    if len(rows) != len(plan.pairs):
+    if len(rows) != len(plan.pairs) and not holders:
         scored = {(ws.worker_id, ws.dp_rank) for ws in rows}
         rows = list(rows) + [WorkerScore(wid, rank, 0, 0, {}, 0.0) for wid, rank in plan.pairs
                              if (wid, rank) not in scored]

@@ -9,6 +9,7 @@ import threading
 
 import msgspec
 
+from router_api.score_plan import answer_limit
 from router_api.tokenization import TokenizerError, TokenizerSet
 from schemas.api import MAX_QUERY_TOKENS, ScoreResponse, TextScoreResponse
 
@@ -76,5 +77,11 @@ def text_answer(service: Any, model: str, req: Any, msgpack: bool, slots: thread
     ids = text_tokens(service.config.tokenizers, model, req.prompt, req.messages,
                       add_generation_prompt=req.add_generation_prompt, add_special_tokens=req.add_special_tokens,
                       slots=slots)
-    res = text_response(service.score(model, ids, req.lora_name, req.cache_salt), len(ids))
+    limit = None
+    if req.answer is not None or req.top_k is not None:
+        try:
+            limit = answer_limit(req.answer, req.top_k, 0)
+        except ValueError as exc:
+            raise TextInputError(422, str(exc), "bad_answer_form") from None
+    res = text_response(service.score(model, ids, req.lora_name, req.cache_salt, limit), len(ids))
     return (_msgpack if msgpack else _json).encode(res)

@@ -40,6 +40,7 @@ from router_api.registry import (
     UnknownWorker,
 )
 from schemas.api import (
+    AUTO_HOLDERS_PAST,
     HealthResponse,
     QueryResponse,
     RegisterWorker,
@@ -346,15 +347,18 @@ class IndexerService:
         return block_size, self._plan(model)
 
     def score(self, model: str, token_ids: Any, lora_name: str | None = None,
-              cache_salt: str | None = None) -> ScoreResponse:
+              cache_salt: str | None = None, limit: int | None = None) -> ScoreResponse:
+        """`limit` (score_plan.answer_limit): -1 the full answer, 0 the holders' answer, K its first K
+        rows; None: full up to AUTO_HOLDERS_PAST registered pairs, else holders."""
         now = self.clock()
         with self.lock:
             block_size, plan = self._scope(model)
-            rows = self._score_rows(model, block_size, plan, Query(token_ids, lora_name, cache_salt), now)
-        return rows.response()
+            lim = limit if limit is not None else -1 if len(plan.pairs) <= AUTO_HOLDERS_PAST else 0
+            rows = self._score_rows(model, block_size, plan, Query(token_ids, lora_name, cache_salt), now, lim >= 0)
+        return rows.response(lim)
 
     def score_answer(self, model: str, token_ids: Any, lora_name: str | None = None, cache_salt: str | None = None,
-                     msgpack: bool = False) -> bytes:
+                     msgpack: bool = False, limit: int | None = None) -> bytes:
         """`score`, encoded: exactly `msgspec.{json,msgpack}.encode(self.score(...))`, from one lookup of the
         model and its registered pairs. With the native core the rows never become objects: the index packs
         them and C writes the bytes (router_api/answer.py); what that path does not take (pure core, a hybrid
@@ -362,21 +366,27 @@ class IndexerService:
         now = self.clock()
         with self.lock:
             block_size, plan = self._scope(model)
+            lim = limit if limit is not None else -1 if len(plan.pairs) <= AUTO_HOLDERS_PAST else 0
             out = None if self._writer is None else self._write_answer(
-                model, block_size, plan, token_ids, lora_name, cache_salt, now, msgpack)
+                model, block_size, plan, token_ids, lora_name, cache_salt, now, msgpack, lim)
             if out is None:
-                rows = self._score_rows(model, block_size, plan, Query(token_ids, lora_name, cache_salt), now)
+                rows = self._score_rows(model, block_size, plan, Query(token_ids, lora_name, cache_salt), now,
+                                        lim >= 0)
         if out is not None:
             self.metrics.score_answers.inc("c")
             return out
         self.metrics.score_answers.inc("msgspec")
-        return (_msgpack if msgpack else _json).encode(rows.response())
+        return (_msgpack if msgpack else _json).encode(rows.response(lim))
 
-    def _score_rows(self, model: str, block_size: int, plan: ScorePlan, query: Query, now: float) -> ScoreRows:
-        """The rows of every registered pair (under the lock), in the index's order, split fresh / stale."""
+    def _score_rows(self, model: str, block_size: int, plan: ScorePlan, query: Query, now: float,
+                    holders: bool = False) -> ScoreRows:
+        """The rows of every registered pair (under the lock), in the index's order, split fresh / stale;
+        `holders`: at least those that hold something or have routes in flight (`ScoreRows.response`
+        with a limit >= 0 keeps only those): only those while no route is in flight."""
+        holders = holders and not self.routes.pending.active(model)
         result = self.index.score(model, query.token_ids, lora_name=query.lora_name, cache_salt=query.cache_salt,
-                                  workers=plan.scope(self.index.workers(model)))
-        rows = score_rows(model, block_size, result, plan, now, self.registry.policy)
+                                  workers=plan.scope(self.index.workers(model)), holders=holders)
+        rows = score_rows(model, block_size, result, plan, now, self.registry.policy, holders)
         if self.routes.pending.active(model):
             try:
                 self._add_pending(model, block_size, query, rows.fresh, rows.stale, now)
@@ -386,22 +396,24 @@ class IndexerService:
         return rows
 
     def _write_answer(self, model: str, block_size: int, plan: ScorePlan, token_ids: Any, lora_name: str | None,
-                      cache_salt: str | None, now: float, msgpack: bool) -> bytes | None:
-        """The answer bytes by the C writer (under the lock), or None for what it does not take."""
+                      cache_salt: str | None, now: float, msgpack: bool, limit: int = -1) -> bytes | None:
+        """The answer bytes by the C writer (under the lock), or None for what it does not take. `limit`:
+        the answer's form (score_plan.answer_limit)."""
         index, writer = self.index, self._writer
         if writer is None:
             return None
         table = None
+        holders = limit >= 0
         if plan.rows is not None:
             # The last query found the index holding exactly the plan's pairs; while the index keeps the
             # same order list (its membership unchanged), it still does: no membership check needed.
-            table = index.score_table(model, token_ids, lora_name, cache_salt, None)
+            table = index.score_table(model, token_ids, lora_name, cache_salt, None, holders)
             if table is not None and table.worker_ids is not plan.rows.worker_ids:
                 table = None
             workers = None
         if table is None:
             workers = plan.scope(index.workers(model))
-            table = index.score_table(model, token_ids, lora_name, cache_salt, workers)
+            table = index.score_table(model, token_ids, lora_name, cache_salt, workers, holders)
         if table is None or (table.kv is not None and self.routes.pending.active(model)):
             return None  # (a hybrid model's in-flight rows: the Python path, with its ends-only pending runs)
         rows = plan.answer_rows(table, workers is None)
@@ -415,9 +427,10 @@ class IndexerService:
                 return None
             pend = got
         return writer.write_answer(
-            msgpack, fmt.layouts[i], fmt.prefix(msgpack, model, block_size), table.query_blocks, table.rows,
-            rows.heads[i], rows.wix, *status_columns(plan.states, now, self.registry.policy), fmt.statuses[i],
-            *(pend or (None, None)), table.kv)
+            msgpack, (fmt.holder_layouts if holders else fmt.layouts)[i], fmt.prefix(msgpack, model, block_size, holders),
+            table.query_blocks, table.rows, rows.heads[i], rows.wix,
+            *status_columns(plan.states, now, self.registry.policy), fmt.statuses[i], *(pend or (None, None)),
+            table.kv, len(table.worker_ids), limit)
 
     def _pending_columns(self, model: str, block_size: int, query: Query,
                          pairs: list[tuple[str, int]], packed: bytes, now: float) -> tuple[Any, ...] | None:
@@ -528,8 +541,8 @@ class IndexerService:
 
     def query_compat(self, model: str, token_ids: Any, lora_name: str | None,
                      cache_salt: str | None) -> QueryResponse:
-        """Dynamo / Mooncake-RFC shape, in tokens; per worker the best dp rank's tiers."""
-        return query_response(self.score(model, token_ids, lora_name, cache_salt))
+        """Dynamo / Mooncake-RFC shape, in tokens; per worker the best dp rank's tiers (every worker)."""
+        return query_response(self.score(model, token_ids, lora_name, cache_salt, -1))
 
     def dump(self) -> dict[str, Any]:
         with self.lock:

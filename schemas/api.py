@@ -6,7 +6,7 @@ pydantic. Token ids are u32; list lengths are bounded so absurd bodies fail vali
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Final, Optional
+from typing import Annotated, Any, Final, Literal, Optional
 
 import msgspec
 from msgspec import Meta, Struct
@@ -21,6 +21,14 @@ Name = Annotated[str, Meta(min_length=1, max_length=256)]
 OptName = Optional[Annotated[str, Meta(max_length=256)]]
 
 WORKER_STATUSES: Final = ("connecting", "live", "stale", "resyncing")
+
+# The /score answer's form (docs/reference.md, "The holders' answer"): "full", a row per registered
+# (worker, dp_rank); "holders", only the rows that hold some of the query or have routes in flight
+# (`holders_only: true` in the answer). Unset: full up to AUTO_HOLDERS_PAST registered pairs, holders
+# past it. `top_k`: the holders' answer cut to its first K rows.
+AnswerForm = Literal["full", "holders"]
+AUTO_HOLDERS_PAST: Final = 1024
+TopK = Optional[Annotated[int, Meta(ge=1, le=1 << 24)]]
 
 
 # --- registration ------------------------------------------------------------------------------
@@ -112,6 +120,8 @@ class ScoreRequest(Struct, omit_defaults=True):
     # post-processor's special tokens (default: yes for a prompt, no for a chat, as the engines do)
     add_generation_prompt: bool = True
     add_special_tokens: Optional[bool] = None
+    answer: Optional[AnswerForm] = None
+    top_k: TopK = None
 
 
 class ScoreRequestRaw(Struct, omit_defaults=True):
@@ -126,6 +136,8 @@ class ScoreRequestRaw(Struct, omit_defaults=True):
     messages: Optional[ChatMessages] = None
     add_generation_prompt: bool = True
     add_special_tokens: Optional[bool] = None
+    answer: Optional[AnswerForm] = None
+    top_k: TopK = None
 
 
 class WorkerScoreOut(Struct, omit_defaults=True, gc=False):
@@ -160,15 +172,18 @@ class BestWorker(Struct, gc=False):
     dp_rank: int
 
 
-class ScoreResponse(Struct):
+class ScoreResponse(Struct, omit_defaults=True):
     model: str
     block_size: int
     query_blocks: int
     workers: list[WorkerScoreOut]
     best: Optional[BestWorker]
+    # the holders' answer: `workers` holds only the rows that hold some of the query or have routes in
+    # flight (cut to `top_k`); a registered pair not listed scores 0 with nothing in flight
+    holders_only: bool = False
 
 
-class TextScoreResponse(ScoreResponse):
+class TextScoreResponse(ScoreResponse, kw_only=True):
     """The `/score` answer to a `prompt` or `messages` request: ScoreResponse plus the number of
     tokens the text became."""
 

@@ -28,3 +28,13 @@ def test_point_restores_what_it_ingested(shards: int) -> None:
     assert r["restored_equal"] and r["native"] in (True, False)
     assert r["nodes"] < r["entries"]  # documents are shared: fewer nodes than (worker, block) entries
     assert r["snapshot_bytes"] > 0 and r["score_p50_us"] > 0
+
+
+def test_http_point_serves_both_answers() -> None:
+    """`--http`: a served model's holders' answer is smaller than its full one, the same size with idle
+    workers registered more."""
+    a = bs.http_point(12_800, 40, sys.executable)
+    b = bs.http_point(12_800, 40, sys.executable, idle=30)
+    assert a["entries"] == b["entries"] == 12_800
+    assert a["holders_bytes_p50"] == b["holders_bytes_p50"] < a["full_bytes_p50"] < b["full_bytes_p50"]
+    assert a["holders_p50_ms"] > 0 and a["full_p50_ms"] > 0

@@ -16,7 +16,13 @@
  *    Each is written after `status` when it is not its default (0 / None), as omit_defaults writes it;
  *    None for both: no in-flight fields;
  *  - optional kv: int64 per row slot (hybrid_rows' packed column), the row's kv_blocks, written after
- *    `status` where >= 0 (None: omitted, as for a full-attention model's rows).
+ *    `status` where >= 0 (None: omitted, as for a full-attention model's rows);
+ *  - optional nidx, limit: the index's rows (positions 0..nidx name heads 0..nidx; -1: as many as
+ *    `rows`), and the answer's form: -1 every row (`rows` then holds all nidx); 0 the holders' answer:
+ *    only the rows that hold something (a count or kv_blocks > 0) or have in-flight fields, `rows`
+ *    holding all or only the index's rows that hold something (holder_rows), in-flight rows of the
+ *    others appended in head order (where the full answer has them); K > 0: its first K rows. The
+ *    holders' answer is the full one filtered, in the same order, with the same `best`.
  * Rows are ordered like the Python path: fresh before stale, each by score descending, stable.
  * None (the caller encodes with msgspec): a non-finite score or busy_until, a status or last_seq it does
  * not know. */
@@ -127,10 +133,11 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     PyObject *layout, *prefix, *heads, *statuses, *seqs, *smap;
     Py_ssize_t qb;
     PyObject *pio = Py_None, *pbo = Py_None, *kvo = Py_None;
+    Py_ssize_t nidx = -1, limit = -1;
     Py_buffer rows, wixb, pib = {0}, pbb = {0}, kvb = {0};
-    if (!PyArg_ParseTuple(args, "pO!O!ny*O!y*O!O!O!|OOO", &mp, &PyTuple_Type, &layout, &PyBytes_Type, &prefix, &qb,
+    if (!PyArg_ParseTuple(args, "pO!O!ny*O!y*O!O!O!|OOOnn", &mp, &PyTuple_Type, &layout, &PyBytes_Type, &prefix, &qb,
                           &rows, &PyTuple_Type, &heads, &wixb, &PyList_Type, &statuses, &PyList_Type, &seqs,
-                          &PyDict_Type, &smap, &pio, &pbo, &kvo))
+                          &PyDict_Type, &smap, &pio, &pbo, &kvo, &nidx, &limit))
         return NULL;
     /* the optional columns: None or a contiguous buffer each */
     if ((pio != Py_None && PyObject_GetBuffer(pio, &pib, PyBUF_SIMPLE) < 0) ||
@@ -144,12 +151,14 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     ARow *ar = NULL;
     int64_t *seq = NULL;
     PyObject **senc = NULL;
-    char *stl = NULL;
+    char *stl = NULL, *seen = NULL;
     Py_ssize_t nrows = rows.len / (Py_ssize_t)sizeof(PRow), nh = PyTuple_GET_SIZE(heads);
     Py_ssize_t nw = PyList_GET_SIZE(statuses), na = 0;
     const int32_t *wix = wixb.buf;
-    int ok = rows.len % (Py_ssize_t)sizeof(PRow) == 0 && PyTuple_GET_SIZE(layout) == L_COUNT && nh >= nrows &&
-             wixb.len == nh * 4 && PyList_GET_SIZE(seqs) == nw && qb >= 0;
+    if (nidx < 0) nidx = nrows;
+    int compact = limit >= 0;
+    int ok = rows.len % (Py_ssize_t)sizeof(PRow) == 0 && PyTuple_GET_SIZE(layout) == L_COUNT && nh >= nidx &&
+             nidx >= nrows && (compact || nidx == nrows) && wixb.len == nh * 4 && PyList_GET_SIZE(seqs) == nw && qb >= 0;
     for (Py_ssize_t i = 0; ok && i < L_COUNT; i++) ok = PyBytes_CheckExact(PyTuple_GET_ITEM(layout, i));
     /* the in-flight columns come together, one entry per head; a msgpack row opens with a fixmap header
      * the writer raises by the fields present (up to 4 more) */
@@ -159,7 +168,7 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     if (ok && pend) ok = pib.len == nh * PEND_INTS * 8 && pbb.len == nh * 8;
     const char *kvc = kvb.buf;
     int haskv = kvb.obj != NULL;
-    if (ok && haskv) ok = kvb.len == nrows * 8;
+    if (ok && haskv) ok = kvb.len == nidx * 8;
     if (ok && mp) {
         PyObject *ro = PyTuple_GET_ITEM(layout, L_ROW_OPEN);
         unsigned char h0 = PyBytes_GET_SIZE(ro) == 1 ? (unsigned char)PyBytes_AS_STRING(ro)[0] : 0;
@@ -170,37 +179,66 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
     seq = PyMem_RawMalloc(sizeof(int64_t) * (size_t)(nw ? nw : 1));
     senc = PyMem_RawMalloc(sizeof(PyObject *) * (size_t)(nw ? nw : 1));
     stl = PyMem_RawMalloc((size_t)(nw ? nw : 1));
-    if (!ar || !seq || !senc || !stl) { PyErr_NoMemory(); goto done; }
-    /* per worker: its encoded status, stale flag and last_seq (-1 in stl[]: None). Exact str keys only,
-     * so the dict lookup runs no Python code; nothing below does, so the borrowed bytes stay valid. */
-    for (Py_ssize_t i = 0; i < nw; i++) {
-        PyObject *st = PyList_GET_ITEM(statuses, i), *sq = PyList_GET_ITEM(seqs, i);
-        if (!PyUnicode_CheckExact(st)) goto none;
-        PyObject *v = PyDict_GetItemWithError(smap, st);
-        if (!v) { if (PyErr_Occurred()) goto done; goto none; }
-        if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 2 || !PyBytes_CheckExact(PyTuple_GET_ITEM(v, 0))) goto none;
-        senc[i] = PyTuple_GET_ITEM(v, 0);
-        stl[i] = (char)(PyTuple_GET_ITEM(v, 1) == Py_True);
-        if (sq == Py_None) { stl[i] |= 2; seq[i] = 0; continue; }
-        if (!PyLong_CheckExact(sq)) goto none;
-        int ovf = 0;
-        long long x = PyLong_AsLongLongAndOverflow(sq, &ovf);
-        if (ovf) goto none;
-        if (x == -1 && PyErr_Occurred()) goto done;
-        seq[i] = x;
-    }
+    seen = compact ? PyMem_RawCalloc((size_t)(nh ? nh : 1), 1) : NULL;
+    if (!ar || !seq || !senc || !stl || (compact && !seen)) { PyErr_NoMemory(); goto done; }
+    /* per worker, read when a row of it is written (the holders' answer reads its rows' workers only):
+     * its encoded status, stale flag and last_seq (2 in stl[]: None; 4: read). Exact str keys only, so
+     * the dict lookup runs no Python code; nothing below does, so the borrowed bytes stay valid. */
+    memset(stl, 0, (size_t)(nw ? nw : 1));
     const PRow *pr = rows.buf;
-    for (Py_ssize_t r = 0; r < nh; r++) { /* the index's rows best first, then the pairs it does not hold */
+    /* the holders' answer: after the index's rows, the in-flight rows of heads not among them */
+    Py_ssize_t nloop = compact ? nrows + nh : nh;
+    for (Py_ssize_t r = 0; r < nloop; r++) { /* the index's rows best first, then the pairs it does not hold */
         Py_ssize_t h = r;
         const PRow *p = NULL;
         if (r < nrows) {
             p = pr + r;
-            if (p->s < 0 || p->s >= nrows) goto none;
+            if (p->s < 0 || p->s >= nidx) goto none;
             h = (Py_ssize_t)p->s;
+        } else if (compact) {
+            h = r - nrows;
+            if (seen[h]) continue;
+        }
+        if (compact) {
+            int loaded = 0;
+            if (pend) {
+                int64_t li[PEND_INTS];
+                double lb;
+                memcpy(li, pint + h * PEND_INTS * 8, sizeof li);
+                memcpy(&lb, pbusy + h * 8, sizeof lb);
+                loaded = li[0] || li[1] || li[2] || !isnan(lb);
+            }
+            if (p) {
+                int64_t kv0 = -1;
+                if (haskv) memcpy(&kv0, kvc + h * 8, sizeof kv0);
+                int holds = p->dev || p->cach || p->sp[0] || p->sp[1] || p->sp[2] || p->sp[3] || kv0 > 0;
+                if (!holds && !loaded) continue;
+                if (seen[h]) goto none; /* a position twice */
+                seen[h] = 1;
+            } else if (!loaded) continue;
         }
         int32_t w = wix[h];
         if (w < 0) continue;
         if (w >= nw || !PyBytes_CheckExact(PyTuple_GET_ITEM(heads, h))) goto none;
+        if (!(stl[w] & 4)) {
+            PyObject *st = PyList_GET_ITEM(statuses, w), *sq = PyList_GET_ITEM(seqs, w);
+            if (!PyUnicode_CheckExact(st)) goto none;
+            PyObject *v = PyDict_GetItemWithError(smap, st);
+            if (!v) { if (PyErr_Occurred()) goto done; goto none; }
+            if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 2 || !PyBytes_CheckExact(PyTuple_GET_ITEM(v, 0))) goto none;
+            senc[w] = PyTuple_GET_ITEM(v, 0);
+            stl[w] = (char)(4 | (PyTuple_GET_ITEM(v, 1) == Py_True));
+            seq[w] = 0;
+            if (sq == Py_None) stl[w] |= 2;
+            else {
+                if (!PyLong_CheckExact(sq)) goto none;
+                int ovf = 0;
+                long long x = PyLong_AsLongLongAndOverflow(sq, &ovf);
+                if (ovf) goto none;
+                if (x == -1 && PyErr_Occurred()) goto done;
+                seq[w] = x;
+            }
+        }
         double sc = p ? p->score : 0.0;
         if (!isfinite(sc)) goto none;
         ARow a = {p, h, w, sc, stl[w] & 1};
@@ -213,6 +251,9 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
         ar[j] = a;
         na++;
     }
+    Py_ssize_t best = -1;
+    for (Py_ssize_t i = 0; i < na && best < 0; i++) if (!ar[i].stale && ar[i].score > 0) best = i;
+    if (limit > 0 && na > limit) na = limit; /* (best is the first fresh row, if any: within any cut) */
 #define LY(i) PyTuple_GET_ITEM(layout, i)
 #define LEN(i) PyBytes_GET_SIZE(LY(i))
     /* the worst case, so the writers below need no checks: every piece at its longest */
@@ -241,11 +282,9 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
         else if (na < 65536) { *q++ = (char)0xDC; *q++ = (char)(na >> 8); *q++ = (char)na; }
         else { *q++ = (char)0xDD; for (int k = 3; k >= 0; k--) *q++ = (char)((uint64_t)na >> (8 * k)); }
     }
-    Py_ssize_t best = -1;
     for (Py_ssize_t i = 0; i < na; i++) {
         const ARow *a = ar + i;
         const PRow *p = a->p;
-        if (best < 0 && !a->stale && a->score > 0) best = i;
         if (i) q = put_obj(q, LY(L_SEP));
         int64_t pi[PEND_INTS] = {0, 0, 0};
         double busy = NAN;
@@ -255,7 +294,7 @@ static PyObject *py_write_answer(PyObject *self, PyObject *args) {
         }
         int has_busy = !isnan(busy);
         int64_t kv = -1; /* the rows past the index's (registered pairs it does not hold) have none */
-        if (haskv && p) memcpy(&kv, kvc + p->s * 8, sizeof kv);
+        if (haskv && a->h < nidx) memcpy(&kv, kvc + a->h * 8, sizeof kv);
         if (has_busy && !isfinite(busy)) { PyMem_RawFree(buf); goto none; } /* msgspec's JSON: null; not ours */
         q = put_obj(q, LY(L_ROW_OPEN));
         if (mp) q[-1] = (char)((unsigned char)q[-1] + (kv >= 0) + (pi[0] != 0) + (pi[1] != 0) + (pi[2] != 0) + has_busy);
@@ -309,6 +348,7 @@ done:
     PyMem_RawFree(seq);
     PyMem_RawFree(senc);
     PyMem_RawFree(stl);
+    PyMem_RawFree(seen);
     PyBuffer_Release(&rows);
     PyBuffer_Release(&wixb);
     PyBuffer_Release(&pib); /* no-ops when not passed (obj NULL) */

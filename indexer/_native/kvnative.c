@@ -148,6 +148,7 @@ static PyMethodDef module_methods[] = {
      "apply a run of one worker's raw batches, stopping before the first the common case does not cover"},
     {"score_rows", (PyCFunction)(void (*)(void))py_score_rows, METH_VARARGS | METH_KEYWORDS,
      "score, rank and build the result rows"},
+    {"holder_rows", py_holder_rows, METH_VARARGS, "score_rows of every worker, only the rows that hold something"},
     {"write_answer", py_write_answer, METH_VARARGS, "the /score answer bytes (JSON or msgpack) from packed rows"},
     {"status_columns", py_status_columns, METH_VARARGS, "the rows' status and last_seq columns (reconcile.status_columns)"},
     {"json_u32_array", py_json_u32_array, METH_VARARGS, "u32 tokens from a raw JSON int array"},

@@ -410,3 +410,188 @@ done:
     PyMem_RawFree(rows);
     return out;
 }
+
+/* ---------------------------------------------------------------- the holders' answer
+ * holder_rows(nodes, tokens, seed, block_size, sidx, nidx, weights, row_type|None, tier_names, worker_ids, ranks)
+ *   -> (query_blocks, packed rows | [row_type]) | None
+ * score_rows over every worker of a one-table model (its (worker_id, dp_rank) order: `nidx` of them),
+ * keeping only the rows that are not all zero (the workers holding some of the query's prefix), ranked
+ * as score_rows ranks them: the full answer's rows filtered to holders, in the same order. The walk
+ * starts from the first node's holders (not the fleet): a query costs what its holders cost.
+ * `sidx`: int32 per worker slot, that worker's position in the order (-1: not scored); a slot past it
+ * is not scored. Packed rows name their position (PRow.s); objects are built as score_rows builds them.
+ * None (the caller takes score_rows): odd input, or a first node some worker holds in the shared pool
+ * (every scored worker then stays in the walk: no holders' shortcut). */
+typedef struct { WRow w; Py_ssize_t s, slot; } HRow;
+
+typedef struct { Ranked r; Py_ssize_t x; } HRank; /* a holder row's rank key, and which row */
+
+static int hrank_cmp(const void *a, const void *b) { /* (-score, -cached, position), as ranked_cmp */
+    return ranked_cmp(&((const HRank *)a)->r, &((const HRank *)b)->r);
+}
+
+/* The walk from the first node's holders: 1 done (*out / *nout: the holder rows, owned by the caller),
+ * 0 the shortcut does not serve (pool at the first node), -1 error. */
+static int walk_holders(U64Map *m, const uint64_t *keys, Py_ssize_t nk, const int32_t *sidx, Py_ssize_t nsidx,
+                        Py_ssize_t nidx, HRow **out, Py_ssize_t *nout) {
+    *out = NULL; *nout = 0;
+    if (!nk) return 1;
+    int f = 0;
+    Py_ssize_t i0 = keys[0] ? find(m, keys[0], &f) : 0;
+    if (!f) return 1; /* nothing held: no rows (callers never pass key 0) */
+    const uint64_t *v0 = VALS(m, i0);
+    if (val_pool(m, v0)) return 0;
+    /* the first node's holders: (slot, nibble) */
+    Py_ssize_t cap = 8, n = 0;
+    HRow *h = PyMem_RawMalloc(sizeof(HRow) * (size_t)cap);
+    if (!h) { PyErr_NoMemory(); return -1; }
+#define HADD(SLOT) do { \
+        Py_ssize_t sl_ = (SLOT); \
+        if (sl_ < nsidx && sidx[sl_] >= 0 && sidx[sl_] < nidx) { /* a position names a worker of the order */ \
+            if (n == cap) { \
+                HRow *t_ = PyMem_RawRealloc(h, sizeof(HRow) * (size_t)(cap *= 2)); \
+                if (!t_) { PyMem_RawFree(h); PyErr_NoMemory(); return -1; } \
+                h = t_; \
+            } \
+            memset(&h[n].w, 0, sizeof(WRow)); h[n].s = sidx[sl_]; h[n].slot = sl_; n++; \
+        } } while (0)
+    if (m->hl) {
+        if (!hl_spilled(v0)) {
+            const uint32_t *e = (const uint32_t *)v0;
+            for (int j = 0; j < HL_INLINE; j++) if (e[j]) HADD((Py_ssize_t)(e[j] >> 4));
+        } else {
+            HBlock *b = hl_block(v0);
+            if (b->words) {
+                for (uint32_t w = 0; w < b->words; w++)
+                    for (uint64_t x = b->d[w]; x; ) {
+                        int t = __builtin_ctzll(x) >> 2;
+                        HADD((Py_ssize_t)w * 16 + t);
+                        x &= ~((uint64_t)0xF << (4 * t));
+                    }
+            } else {
+                const uint32_t *e = hl_ents(b);
+                for (uint32_t j = 0; j < b->n; j++) HADD((Py_ssize_t)(e[j] >> 4));
+            }
+        }
+    } else {
+        for (int w = 0; w < m->width; w++)
+            for (uint64_t x = v0[w]; x; ) {
+                int t = __builtin_ctzll(x) >> 2;
+                HADD((Py_ssize_t)w * 16 + t);
+                x &= ~((uint64_t)0xF << (4 * t));
+            }
+    }
+#undef HADD
+    /* walk_core over the holders (the rows and the alive list are theirs, numbered 0..n) */
+    WRow *rows = PyMem_RawMalloc(sizeof(WRow) * (size_t)(n ? n : 1));
+    Py_ssize_t *slot = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    if (!rows || !slot) { PyMem_RawFree(rows); PyMem_RawFree(slot); PyMem_RawFree(h); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t x = 0; x < n; x++) slot[x] = h[x].slot;
+    int rc = n ? walk_core(m, keys, nk, slot, n, rows) : 0;
+    if (rc == 0) for (Py_ssize_t x = 0; x < n; x++) h[x].w = rows[x];
+    PyMem_RawFree(rows);
+    PyMem_RawFree(slot);
+    if (rc < 0) { PyMem_RawFree(h); return -1; }
+    *out = h;
+    *nout = n;
+    return 1;
+}
+
+static PyObject *py_holder_rows(PyObject *self, PyObject *args) {
+    PyObject *nodeso, *toks, *seedo, *wto, *cls, *names, *wids, *ranks;
+    Py_ssize_t bs, nidx;
+    Py_buffer sb;
+    if (!PyArg_ParseTuple(args, "OOOny*nO!OO!O!O!", &nodeso, &toks, &seedo, &bs, &sb, &nidx, &PyTuple_Type, &wto,
+                          &cls, &PyTuple_Type, &names, &PyList_Type, &wids, &PyList_Type, &ranks))
+        return NULL;
+    PyObject *out = NULL;
+    uint64_t *k = NULL;
+    HRow *h = NULL;
+    HRank *rk = NULL;
+    Py_ssize_t nk = 0, n = 0;
+    double wt[4];
+    int ok = PyObject_TypeCheck(nodeso, &U64MapType) && bs > 0 && nidx >= 0 && sb.len % 4 == 0 &&
+             PyTuple_GET_SIZE(wto) == 4 && PyTuple_GET_SIZE(names) == 4 &&
+             PyList_GET_SIZE(wids) == nidx && PyList_GET_SIZE(ranks) == nidx;
+    for (int t = 0; ok && t < 4; t++) {
+        PyObject *o = PyTuple_GET_ITEM(wto, t);
+        ok = PyUnicode_CheckExact(PyTuple_GET_ITEM(names, t)) && PyFloat_CheckExact(o) && isfinite(PyFloat_AS_DOUBLE(o));
+        if (ok) wt[t] = PyFloat_AS_DOUBLE(o);
+    }
+    const int32_t *sidx = sb.buf;
+    Py_ssize_t nsidx = sb.len / 4;
+    if (!ok) goto none;
+    int rc = tokens_keys(toks, seedo, bs, &k, &nk);
+    if (rc < 0) goto done;
+    if (rc > 0) goto none;
+    rc = walk_holders((U64Map *)nodeso, k, nk, sidx, nsidx, nidx, &h, &n);
+    if (rc < 0) goto done;
+    if (rc == 0) goto none;
+    /* rank the rows that are not all zero, as rank_rows does (cached desc folded into idx) */
+    rk = PyMem_RawMalloc(sizeof(HRank) * (size_t)(n ? n : 1));
+    if (!rk) { PyErr_NoMemory(); goto done; }
+    Py_ssize_t maxc = 0, na = 0, span = nidx ? nidx : 1;
+    for (Py_ssize_t x = 0; x < n; x++) if (h[x].w.cach > maxc) maxc = h[x].w.cach;
+    for (Py_ssize_t x = 0; x < n; x++) {
+        const WRow *w = &h[x].w;
+        if (zero_row(w)) continue;
+        const Py_ssize_t *sp = w->sp;
+        double sc = (double)sp[0] * wt[0] + (double)sp[1] * wt[1] + (double)sp[2] * wt[2] + (double)sp[3] * wt[3];
+        rk[na].r.score = (double)bs * sc;
+        rk[na].r.idx = (maxc - w->cach) * span + h[x].s;
+        rk[na++].x = x;
+    }
+    qsort(rk, (size_t)na, sizeof(HRank), hrank_cmp);
+    if (cls == Py_None) {
+        PyObject *lst = PyBytes_FromStringAndSize(NULL, na * (Py_ssize_t)sizeof(PRow));
+        if (!lst) goto done;
+        PRow *o = (PRow *)PyBytes_AS_STRING(lst);
+        for (Py_ssize_t r = 0; r < na; r++) {
+            const HRow *x = h + rk[r].x;
+            PRow p = {x->s, x->w.dev, x->w.cach, {x->w.sp[0], x->w.sp[1], x->w.sp[2], x->w.sp[3]}, rk[r].r.score};
+            memcpy(o + r, &p, sizeof p);
+        }
+        out = Py_BuildValue("(nN)", nk, lst);
+        goto done;
+    }
+    PyObject *lst = PyList_New(na);
+    if (!lst) goto done;
+    for (Py_ssize_t r = 0; r < na; r++) {
+        const HRow *x = h + rk[r].x;
+        const WRow *w = &x->w;
+        /* ids and ranks: the caller's lists read before any Python code runs (the row type's
+         * constructor may); each item held across the call */
+        PyObject *wid = PyList_GET_SIZE(wids) == nidx ? Py_NewRef(PyList_GET_ITEM(wids, x->s)) : NULL;
+        PyObject *rank = PyList_GET_SIZE(ranks) == nidx ? Py_NewRef(PyList_GET_ITEM(ranks, x->s)) : NULL;
+        PyObject *tiers = PyDict_New(), *a[6] = {wid, rank, NULL, NULL, tiers, NULL};
+        int good = wid && rank && tiers;
+        for (int t = 0; good && t < 4; t++) {
+            PyObject *v = PyLong_FromSsize_t(w->sp[t]);
+            good = v && PyDict_SetItem(tiers, PyTuple_GET_ITEM(names, t), v) == 0;
+            Py_XDECREF(v);
+        }
+        if (good) {
+            a[2] = PyLong_FromSsize_t(w->dev);
+            a[3] = PyLong_FromSsize_t(w->cach);
+            a[5] = PyFloat_FromDouble(rk[r].r.score);
+        }
+        PyObject *o = (good && a[2] && a[3] && a[5]) ? PyObject_Vectorcall(cls, a, 6, NULL) : NULL;
+        for (int t = 0; t < 6; t++) Py_XDECREF(a[t]);
+        if (!o) {
+            if (!PyErr_Occurred()) { Py_DECREF(lst); goto none; } /* the lists changed under us */
+            Py_DECREF(lst);
+            goto done;
+        }
+        PyList_SET_ITEM(lst, r, o);
+    }
+    out = Py_BuildValue("(nN)", nk, lst);
+    goto done;
+none:
+    out = Py_NewRef(Py_None);
+done:
+    PyMem_RawFree(k);
+    PyMem_RawFree(h);
+    PyMem_RawFree(rk);
+    PyBuffer_Release(&sb);
+    return out;
+}

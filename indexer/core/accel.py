@@ -13,6 +13,7 @@ docs/index-core.md says what stays in C and why).
 """
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -109,10 +110,13 @@ def _c_worker(m: ModelState, worker_id: str, rank: int) -> tuple[WorkerState, bo
 
 
 class Accelerator:
-    __slots__ = ("mod", "new_map", "new_nodes", "new_churn_map")
+    __slots__ = ("mod", "new_map", "new_nodes", "new_churn_map", "_positions")
 
     def __init__(self, mod: ModuleType) -> None:
         self.mod = mod
+        # per model: its ranked tuple (identity: valid until a worker comes or goes) and each slot's
+        # position in it (int32, -1: none), the holders' walk's map from a node's holders to rows
+        self._positions: dict[int, tuple[object, bytes]] = {}
         self.new_map: Callable[[], Any] = mod.U64Map
         self.new_nodes: Callable[[], Any] = mod.U64Map.holders  # a main tree: holder lists past 128 slots
         self.new_churn_map: Callable[[], Any] = mod.U64Map.sparse  # sliding-window and Mamba group maps
@@ -317,6 +321,25 @@ class Accelerator:
             res = score_rows(nodes, None, tokens, seed, bs, slots, wids, ranks, wt, None, TIER_NAMES)
             return None if res is None else ScoreTable(res[0], bs, wids, ranks, res[1])
         return table
+
+    def holder_rows(self, m: ModelState, tokens: object, seed: int, weights: TierWeights,
+                    row_type: Any) -> tuple[int, Any, list[str], list[int]] | None:
+        """Every worker's score (the core's order) kept to the rows that hold something (`holder_rows`:
+        packed rows with row type None, else `row_type` objects), with the order's ids and ranks; None
+        where the C call does not take it (the caller filters the full score)."""
+        ranked = m.ranked()
+        _, slots, wids, ranks = ranked
+        hit = self._positions.get(id(m))
+        if hit is None or hit[0] is not ranked:
+            pos = array("i", [-1]) * (max(slots) + 1 if slots else 0)
+            for i, sl in enumerate(slots):
+                pos[sl] = i
+            if len(self._positions) > 256:  # models come and go: start afresh rather than grow
+                self._positions.clear()
+            hit = self._positions[id(m)] = (ranked, pos.tobytes())
+        res = self.mod.holder_rows(m.nodes, tokens, seed, m.block_size, hit[1], len(slots), weights.as_tuple(),
+                                   row_type, TIER_NAMES, wids, ranks)
+        return None if res is None else (res[0], res[1], wids, ranks)
 
     def score_table(
         self, m: ModelState, tokens: object, seed: int, weights: TierWeights, workers: list[tuple[str, int]] | None,

@@ -112,6 +112,14 @@ class WorkerScore(msgspec.Struct):
     kv_blocks: int | None = None
 
 
+def holds(row: Any) -> bool:
+    """Whether a score row (WorkerScore, or an answer's WorkerScoreOut) holds some of the query: a
+    count, a tier's blocks or (hybrid) kv_blocks above 0. The holders' answer keeps these rows."""
+    t = row.tiers
+    return bool(row.device_blocks or row.cached_blocks or (row.kv_blocks or 0) > 0
+                or any((t.values() if type(t) is dict else (t.gpu, t.host, t.disk, t.shared))))
+
+
 class ScoreResult(msgspec.Struct):
     query_blocks: int
     block_size: int

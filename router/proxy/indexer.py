@@ -157,11 +157,12 @@ class IndexerClient:
         raise Unavailable(self.state)
 
     async def score(self, model: str, tokens: bytes, params: dict[str, str]) -> list[dict[str, Any]] | None:
-        """`/score` rows (the fallback when the indexer does not decide); None if it did not answer."""
+        """`/score` rows (the fallback when the indexer does not decide); None if it did not answer.
+        The holders' answer: a worker without a row holds nothing and has nothing in flight."""
         try:
             r = await self._call("POST", "/score", tokens, {"Content-Type": "application/octet-stream",
                                                             "Accept": "application/msgpack", **self.auth},
-                                 self.timeout_s, {"model": model, **params})
+                                 self.timeout_s, {"model": model, "answer": "holders", **params})
         except _ERRORS as exc:
             self.counts["unreachable"] += 1
             self._set(f"unreachable: {type(exc).__name__}: {exc}".strip())
