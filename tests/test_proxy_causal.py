@@ -105,7 +105,12 @@ def test_a_dependent_request_waits_for_admission_and_is_served_what_was_promised
             # r ran after q: served from cache exactly what it was promised (q's system prompt)
             assert _cached(r_answer) == 4 * BS
             assert (b.counts["admission_waits"], b.counts["admission_timeouts"]) == (1, 0)
-            assert a.indexer is not None and a.indexer.counts["admitted"] == 1
+            # r's wait may end on q's store events before a's report goes out (its batch timer): the
+            # report is sent all the same, once
+            assert a.indexer is not None
+            ia = a.indexer
+            await asyncio.to_thread(wait_until, lambda: ia.counts["admitted"] >= 1, 30)
+            assert ia.counts["admitted"] == 1
         finally:
             await a.close()
             await b.close()
