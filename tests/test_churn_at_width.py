@@ -15,6 +15,7 @@ from indexer.core import native as native_core
 from indexer.index import KVIndex
 from schemas.codec import encode_batch
 from schemas.events import BlockStored, KVEventBatch
+from support.counting import CountingDict
 
 pytestmark = pytest.mark.skipif(not native_core.available(), reason="accelerator not built")
 
@@ -39,31 +40,6 @@ def fleet(workers: int, native: bool = True) -> tuple[KVIndex, list[bytes]]:
     for i, p in enumerate(pays):
         ix.apply_payload("m", f"w{i:05d}", 0, p)
     return ix, pays
-
-
-class CountingDict(dict):
-    """A dict that counts passes over it (a removal must not make one)."""
-
-    passes = 0
-
-    def _pass(self) -> None:
-        CountingDict.passes += 1
-
-    def items(self):  # type: ignore[override]
-        self._pass()
-        return super().items()
-
-    def values(self):  # type: ignore[override]
-        self._pass()
-        return super().values()
-
-    def keys(self):  # type: ignore[override]
-        self._pass()
-        return super().keys()
-
-    def __iter__(self):  # type: ignore[override]
-        self._pass()
-        return super().__iter__()
 
 
 def churn_work(workers: int) -> tuple[list[int], str]:

@@ -9,31 +9,7 @@ import pytest
 from router_api.metrics import Counter, ServiceMetrics
 from router_api.registry import ConflictingBlockSize, DuplicateWorker, Registry
 from schemas.api import RegisterWorker
-
-
-class CountingDict(dict):
-    """A dict that counts passes over it."""
-
-    passes = 0
-
-    def _pass(self) -> None:
-        CountingDict.passes += 1
-
-    def items(self):  # type: ignore[override]
-        self._pass()
-        return super().items()
-
-    def values(self):  # type: ignore[override]
-        self._pass()
-        return super().values()
-
-    def keys(self):  # type: ignore[override]
-        self._pass()
-        return super().keys()
-
-    def __iter__(self):  # type: ignore[override]
-        self._pass()
-        return super().__iter__()
+from support.counting import CountingDict
 
 
 def reg(i: int, model: str = "m", block_size: int = 16, port: int | None = None) -> RegisterWorker:
