@@ -1,7 +1,7 @@
 """The OpenAI router's data-plane cost (docs/openai.md, "Cost per request"), every figure against
 peers measured in the same run: the same requests sent straight to the worker, through a minimal
 pass-through on the router's own stack (uvicorn + httptools + httpx, no tokenizing, no indexer: the
-stack's floor), and through `kvatlas router --api openai` with `round_robin` (tokenizes, one
+stack's floor), through a minimal aiohttp + uvloop pass-through (the issue's reference floor), and through `kvatlas router --api openai` with `round_robin` (tokenizes, one
 `/routes/decide` carrying the router's choice) and `precise_tiered` (the indexer chooses).
 
 Per target: added p50 / p99 latency over direct (ms), router CPU per request (its process's user +
@@ -82,6 +82,37 @@ def passthrough_main(port: int, upstream: str) -> None:
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off",
                 http="httptools", loop="uvloop")
+
+
+def aiohttp_passthrough_main(port: int, upstream: str) -> None:
+    """The issue's reference floor: aiohttp + uvloop relaying the body and the answer's chunks as they
+    come (no tokenizer, no indexer, no policy)."""
+    import aiohttp
+    import uvloop
+    from aiohttp import web
+
+    async def make() -> web.Application:
+        session = aiohttp.ClientSession(upstream, connector=aiohttp.TCPConnector(limit=256))
+
+        async def relay(request: web.Request) -> web.StreamResponse:
+            body = await request.read()
+            async with session.request(request.method, request.path, data=body,
+                                       headers={"content-type": "application/json"}) as up:
+                out = web.StreamResponse(status=up.status)
+                out.content_type = up.content_type
+                await out.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", relay)
+        app.on_cleanup.append(lambda _: session.close())
+        return app
+
+    uvloop.install()
+    web.run_app(make(), host="127.0.0.1", port=port, print=None, access_log=None)
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -167,14 +198,18 @@ def main() -> None:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="run the routers under cProfile, writing DIR/<router>.prof when they stop")
     ap.add_argument("--passthrough", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
+    ap.add_argument("--aiohttp-passthrough", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.passthrough:
         passthrough_main(int(a.passthrough[0]), a.passthrough[1])
         return
+    if a.aiohttp_passthrough:
+        aiohttp_passthrough_main(int(a.aiohttp_passthrough[0]), a.aiohttp_passthrough[1])
+        return
     n = 160 if a.quick else a.requests
     with tempfile.TemporaryDirectory(prefix="kvatlas-bench-router-") as tmpd:
         tmp = Path(tmpd)
-        ip, wp, wp1, pp, rr, rp = (free_port() for _ in range(6))
+        ip, wp, wp1, pp, ap_port, rr, rp = (free_port() for _ in range(7))
         kids: list[Child] = []
         routers: dict[str, tuple[str, int]] = {}
         try:
@@ -189,7 +224,9 @@ def main() -> None:
             wait_healthy([(w, f"http://127.0.0.1:{wp}"), (w1, f"http://127.0.0.1:{wp1}")])
             wurl = f"http://127.0.0.1:{wp}"
             pt = Child("passthrough", [sys.executable, "-m", "bench.bench_router", "--passthrough", str(pp), wurl], tmp)
-            kids.append(pt)
+            apt = Child("aiohttp-passthrough", [sys.executable, "-m", "bench.bench_router", "--aiohttp-passthrough",
+                                                str(ap_port), wurl], tmp)
+            kids += [pt, apt]
             plan = [("router round_robin", rr, "round_robin", None), ("router precise_tiered", rp, "precise_tiered", None)]
             if a.base_tree:
                 plan.append(("base precise_tiered", free_port(), "precise_tiered", a.base_tree))
@@ -206,9 +243,9 @@ def main() -> None:
                 kids.append(ch)
                 routers[name] = (f"http://127.0.0.1:{port}", ch.proc.pid)
                 wait_healthy([(ch, f"http://127.0.0.1:{port}")])
-            wait_healthy([(pt, f"http://127.0.0.1:{pp}")])
+            wait_healthy([(pt, f"http://127.0.0.1:{pp}"), (apt, f"http://127.0.0.1:{ap_port}")])
             targets = {"direct": (wurl, w.proc.pid), "pass-through (floor)": (f"http://127.0.0.1:{pp}", pt.proc.pid),
-                       **routers}
+                       "aiohttp pass-through": (f"http://127.0.0.1:{ap_port}", apt.proc.pid), **routers}
             rng = random.Random(2)
             system = {"role": "system", "content": words(rng, 120)}
             short = [{"model": "default", "max_tokens": 1,
