@@ -13,7 +13,9 @@ the master's confirmation.
 Capacity and evictions (docs/producer-l3.md "Mooncake"): the master evicts under memory pressure
 without telling its clients, so the producer owns capacity and audits what it claims:
 - `capacity_bytes`: this worker's share of the pool. A write that would exceed it first removes
-  this backend's least recently used keys and reports them through `drain_evicted()`. With the
+  this backend's least recently used keys outside the batch and reports them through
+  `drain_evicted()`; a batch the share cannot hold writes its head, and a claimed key whose
+  rewrite is refused keeps its bytes counted (the claims never exceed the share). With the
   shares summing below the master's `eviction_high_watermark_ratio` the master never evicts on
   its own, and every removal is an event.
 - The audit: every `audit_interval_s`, `batch_is_exist` on the next `audit_batch` keys this
@@ -26,7 +28,7 @@ Every lookup (a read, an existence check) leases the object for the master's
 each key more often than the lease lasts pins everything it claims, so pace it slower than the
 lease (run the master with a short lease, e.g. 1 s: a page read takes milliseconds). Removals
 refused for a lease are retried on later drains; the claim is dropped at once (a claim may lag
-the bytes, never lead them).
+the bytes, never lead them), and a confirmed write of the key before the retry cancels it.
 
 Failures never raise into the caller: a master that is down at start is retried every
 `reconnect_interval_s` (probed by TCP first: the client's own setup retries for ~90 s), and a
@@ -263,8 +265,8 @@ class MooncakeStorageBackend:
             store = self._client()
             if store is None:
                 return out
-            self._make_room(store, keys, views)
-            admit = self._admitted(keys, views)
+            admit, charge = self._plan(keys, views)
+            self._make_room(store, keys, charge)
             for lo in range(0, len(keys), self._batch):
                 idx = [i for i in range(lo, min(lo + self._batch, len(keys))) if admit[i]]
                 if not idx:
@@ -275,37 +277,49 @@ class MooncakeStorageBackend:
                 for i, rc in zip(idx, codes):
                     if rc == 0:
                         out[i] = True
-                        self._ledger.put(keys[i], views[i].nbytes)
+                        self._ledger.put(keys[i], max(views[i].nbytes, self._ledger.sizes.get(keys[i], 0)))
                     elif rc == NO_SPACE:
                         self.refused_no_space += 1
                     else:
                         self.failures += 1
                 if any(rc == RPC_FAIL for rc in codes):
                     break
+            if self._doomed and any(out):  # written again: a pending removal would take the claim's bytes
+                confirmed = {k for k, o in zip(keys, out) if o}
+                self._doomed = [k for k in self._doomed if k not in confirmed]
         refused = len(keys) - sum(out)
         if refused:
             log.debug("Mooncake L3 %s: %d of %d puts not confirmed", self.name, refused, len(keys))
         return out
 
-    def _admitted(self, keys: Sequence[str], views: Sequence[memoryview]) -> list[bool]:
-        """Which values of a batch are written: non-empty ones, in order, while the share holds
-        them (a batch larger than the share writes its head and refuses the rest)."""
-        limit = self._ledger.limit_bytes
-        room = None
-        if limit is not None:
-            replaced = sum(self._ledger.sizes.get(k, 0) for k in dict.fromkeys(keys))
-            room = limit - (self._ledger.used_bytes - replaced)
-        out = []
-        for v in views:
-            ok = v.nbytes > 0 and (room is None or v.nbytes <= room)
-            if ok and room is not None:
-                room -= v.nbytes
-            out.append(ok)
-        return out
+    def _plan(self, keys: Sequence[str], views: Sequence[memoryview]) -> tuple[list[bool], int]:
+        """Which values of a batch are written, and the bytes they add to this backend's claims.
 
-    def _make_room(self, store: Any, keys: Sequence[str], views: Sequence[memoryview]) -> None:
-        """Keep this backend within its share: drop its LRU keys (reported as evicted) first."""
-        incoming = sum(v.nbytes for k, v in zip(keys, views) if k not in self._ledger)
+        Non-empty values are admitted in order while the share holds them, counting the claims
+        the batch's own keys already hold (those stay, the rest of the share can be evicted); the
+        first value that does not fit refuses the rest (a batch larger than the share writes its
+        head). A key already claimed is charged max(old, new): Mooncake keeps the first object of
+        a key (a put of a key it holds is a no-op that returns 0), and a refused rewrite keeps its
+        old bytes."""
+        limit = self._ledger.limit_bytes
+        held = {k: self._ledger.sizes.get(k, 0) for k in keys}  # each batch key's claim, as written
+        base = total = sum(held.values())
+        out = []
+        full = False
+        for k, v in zip(keys, views):
+            grow = max(0, v.nbytes - held[k])
+            ok = v.nbytes > 0 and not full and (limit is None or total + grow <= limit)
+            if ok:
+                total += grow
+                held[k] += grow
+            elif v.nbytes > 0:
+                full = True
+            out.append(ok)
+        return out, total - base
+
+    def _make_room(self, store: Any, keys: Sequence[str], incoming: int) -> None:
+        """Keep this backend within its share: drop its LRU keys outside the batch (reported as
+        evicted) so `incoming` more bytes fit."""
         victims = self._ledger.victims(incoming, protect=keys)
         if not victims:
             return
