@@ -41,6 +41,9 @@ _PROBE = ("Hello world, this is a check.\n  Two  spaces and\ttabs: x=1; é ü �
 # Texts longer than this are encoded with the GIL released (`encode` holds it throughout: a 1M-token
 # prompt stalls every other thread for seconds); shorter ones skip the batch call's overhead.
 GIL_FREE_CHARS = 16_384
+# Pieces this short are cached in a plain dict (cleared when it holds MAX_SHORT_PIECES).
+SHORT_PIECE_CHARS = 8
+MAX_SHORT_PIECES = 4096
 
 
 class TokenizerError(ValueError):
@@ -168,6 +171,9 @@ class ChatTokenizer:
         self.chat_template_source = source
         self._template = compile_template(source) if source else None
         self._cache = _Lru(cache_entries, cache_tokens)
+        # pieces of at most SHORT_PIECE_CHARS (the template's glue between special tokens): their
+        # encodings, kept apart from the LRU (a dict look-up costs far less than an encode)
+        self._short: dict[str, tuple[int, ...]] = {}
         # The special tokens the tokenizer splits on first (added tokens marked special, no strip rules).
         splitters = [t.content for t in tokenizer.get_added_tokens_decoder().values()
                      if t.special and not t.lstrip and not t.rstrip and not t.single_word and t.content]
@@ -243,13 +249,21 @@ class ChatTokenizer:
     def _segments_encode(self, text: str) -> list[int]:
         assert self._split_re is not None
         out: list[int] = []
+        short = self._short
         for piece in self._split_re.split(text):
             if not piece:
                 continue
-            ids = self._cache.get(piece) if len(piece) > 8 else None
-            if ids is None:
-                ids = self._raw(piece)
-                if len(piece) > 8:
+            if len(piece) <= SHORT_PIECE_CHARS:  # a special token, "\n", "user\n": a plain dict, no lock
+                ids = short.get(piece)
+                if ids is None:
+                    ids = self._raw(piece)
+                    if len(short) >= MAX_SHORT_PIECES:
+                        short.clear()
+                    short[piece] = ids
+            else:
+                ids = self._cache.get(piece)
+                if ids is None:
+                    ids = self._raw(piece)
                     self._cache.put(piece, ids)
             out.extend(ids)
         return out
