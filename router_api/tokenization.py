@@ -42,7 +42,7 @@ _PROBE = ("Hello world, this is a check.\n  Two  spaces and\ttabs: x=1; é ü �
 # prompt stalls every other thread for seconds); shorter ones skip the batch call's overhead.
 GIL_FREE_CHARS = 16_384
 # Pieces this short are cached in a plain dict (cleared when it holds MAX_SHORT_PIECES).
-SHORT_PIECE_CHARS = 8
+SHORT_PIECE_CHARS = 16
 MAX_SHORT_PIECES = 4096
 
 
@@ -253,7 +253,7 @@ class ChatTokenizer:
         for piece in self._split_re.split(text):
             if not piece:
                 continue
-            if len(piece) <= SHORT_PIECE_CHARS:  # a special token, "\n", "user\n": a plain dict, no lock
+            if len(piece) <= SHORT_PIECE_CHARS:  # a special token, "\n", "assistant\n": a dict, no lock
                 ids = short.get(piece)
                 if ids is None:
                     ids = self._raw(piece)

@@ -228,7 +228,10 @@ class HostPool:
             try:
                 lines = head[:-4].decode("latin-1").split("\r\n")
                 status = int(lines[0].split(" ", 2)[1])
-                hdrs = [(k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in lines[1:])]
+                hdrs: list[Header] = []
+                for ln in lines[1:]:
+                    k, _, v = ln.partition(":")
+                    hdrs.append((k.strip(), v.strip()))
             except (ValueError, IndexError):
                 conn.close()
                 raise UpstreamError(f"malformed answer head: {head[:80]!r}") from None
