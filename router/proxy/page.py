@@ -55,20 +55,16 @@ def latency(h: Histogram) -> dict[str, Any]:
             "p50_ms": percentile_ms(h, 0.5), "p90_ms": percentile_ms(h, 0.9), "p99_ms": percentile_ms(h, 0.99)}
 
 
-def accuracy(compared: int, exact: int, over: int, under: int, abs_error_tokens: int) -> dict[str, Any]:
-    return {"compared": compared, "exact": exact, "over": over, "under": under,
-            "ratio": exact / compared if compared else None,
-            "mean_abs_error_tokens": abs_error_tokens / compared if compared else None}
+def accuracy(a: Accuracy) -> dict[str, Any]:
+    """A tally's accuracy (the router's, or one (model, worker)'s) as the page shows it."""
+    return {"compared": a.compared, "exact": a.exact, "over": a.over, "under": a.under, "ratio": a.ratio(),
+            "mean_abs_error_tokens": a.abs_error_tokens / a.compared if a.compared else None}
 
 
 def _cell_doc(c: Cell) -> dict[str, Any]:
     return {"routed": c.routed, "scored": c.scored, "unscored": c.unscored, "fallback": c.fallback,
             "errors": c.errors, "answered": c.answered,
-            "accuracy": accuracy(c.compared, c.exact, c.over, c.under, c.abs_error_tokens)}
-
-
-def _global_accuracy(a: Accuracy) -> dict[str, Any]:
-    return accuracy(a.compared, a.exact, a.over, a.under, a.abs_error_tokens)
+            "accuracy": accuracy(c)}
 
 
 def router_state(core: ProxyCore, *, top: int = TOP_WORKERS, last: int = LAST_DECISIONS,
@@ -119,7 +115,7 @@ def router_state(core: ProxyCore, *, top: int = TOP_WORKERS, last: int = LAST_DE
         "uptime_s": max(0.0, at - tally.started),
         "counts": dict(core.counts), "http_rejects": dict(core.http_rejects),
         "inflight": sum(n for n in core.inflight.values() if n > 0),
-        "accuracy": _global_accuracy(core.accuracy),
+        "accuracy": accuracy(core.accuracy),
         "decision_latency": latency(core.decision_latency),
         "indexer_latency": latency(core.indexer_latency),
         "indexer": None if idx is None else {

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import Callable, Protocol, Sized
 
-from router.proxy.stats import Histogram
+from router.proxy.stats import Accuracy, Histogram
 
 # Decisions kept for the page (the sampled share of `--decision-log-rate`).
 LAST_DECISIONS = 50
@@ -49,27 +49,22 @@ class RouteView(Protocol):
     def tokens(self) -> Sized | None: ...
 
 
-class Cell:
-    """One (model, worker)."""
+class Cell(Accuracy):
+    """One (model, worker): its outcomes, and the accuracy of its scored routes' predictions."""
 
-    __slots__ = ("routed", "scored", "unscored", "fallback", "errors", "answered",
-                 "compared", "exact", "over", "under", "abs_error_tokens")
+    __slots__ = ("routed", "scored", "unscored", "fallback", "errors", "answered")
 
     def __init__(self) -> None:
+        super().__init__()
         self.routed = 0
         self.scored = 0
         self.unscored = 0
         self.fallback = 0
         self.errors = 0
         self.answered = 0
-        self.compared = 0          # answers the engine reported cached tokens for, of scored routes
-        self.exact = 0
-        self.over = 0
-        self.under = 0
-        self.abs_error_tokens = 0
 
     def add(self, other: Cell) -> None:
-        for k in Cell.__slots__:
+        for k in (*Accuracy.__slots__, *Cell.__slots__):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
@@ -152,14 +147,7 @@ class Tally:
         c.answered += 1
         predicted = route.cached_tokens
         if served is not None and route.scored and predicted is not None:
-            c.compared += 1
-            if predicted == served:
-                c.exact += 1
-            elif predicted > served:
-                c.over += 1
-            else:
-                c.under += 1
-            c.abs_error_tokens += abs(predicted - served)
+            c.observe(predicted, served)
         if self._pending:
             s = self._pending.pop(route.request_id, None)
             if s is not None:
